@@ -1,0 +1,205 @@
+"""``optimize()``: run the passes in order and return stages with the plan that made them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from omnibal_compile.errors import InputError, OmnibalError, PlanError
+from omnibal_compile.passes.blocks import BlockGraph, build_blocks
+from omnibal_compile.passes.capture import CaptureMethod, Captured, capture, normalize_example_inputs
+from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
+from omnibal_compile.passes.partition import PLANNERS, Planner
+from omnibal_compile.plan import Plan
+
+__all__ = ["optimize", "OptimizeResult", "ParityReport", "PassError"]
+
+
+class PassError(OmnibalError):
+    """A pass failed; the message names it and the passes that ran before it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParityReport:
+    """How closely the stages, run one after another, reproduce the unsplit model."""
+
+    max_output_diff: float
+    """Largest absolute difference over every output element."""
+    max_grad_diff: float
+    """Largest absolute difference over every parameter-gradient element."""
+    worst_param: str | None
+    """Parameter with the largest gradient difference."""
+    num_params: int
+    """Parameters whose gradients were compared."""
+    loss: float
+    """The unsplit model's loss (the scalar that was differentiated)."""
+    tolerance: float
+    """Bound that ``ok`` checks both differences against."""
+
+    @property
+    def ok(self) -> bool:
+        return self.max_output_diff <= self.tolerance and self.max_grad_diff <= self.tolerance
+
+    def __str__(self) -> str:
+        verdict = "OK" if self.ok else "MISMATCH"
+        worst = f" ({self.worst_param})" if self.worst_param else ""
+        return (
+            f"parity {verdict}: loss {self.loss:.6f}, max |output diff| {self.max_output_diff:.2e}, "
+            f"max |grad diff| {self.max_grad_diff:.2e}{worst} over {self.num_params} parameters "
+            f"(tolerance {self.tolerance:.0e})"
+        )
+
+
+def _scalar_to_differentiate(flat_out: Sequence[Any]) -> torch.Tensor:
+    tensors = [t for t in flat_out if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        raise InputError("the model's output has no floating-point tensor that requires grad; nothing to differentiate")
+    scalars = [t for t in tensors if t.dim() == 0]
+    return scalars[0] if scalars else sum(t.float().sum() for t in tensors)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizeResult:
+    """What :func:`optimize` built: the plan, one module per stage, and the intermediate results."""
+
+    model: nn.Module = field(repr=False)
+    """The user's model (unchanged; the stages share its parameters)."""
+    captured: Captured = field(repr=False)
+    """The captured graph."""
+    graph: BlockGraph = field(repr=False)
+    """Blocks and the values crossing every cut."""
+    plan: Plan
+    """Where the model is cut."""
+    stages: tuple[fx.GraphModule, ...] = field(repr=False)
+    """One module per stage; ``stages[s+1](*stages[s](...))`` chains, stage 0 takes flat inputs."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in each pass."""
+
+    def stage_info(self, index: int) -> StageInfo:
+        """Inputs, outputs, blocks and parameter names of stage ``index``."""
+        return stage_info(self.stages[index])
+
+    def flatten_inputs(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """A batch shaped like the example one -> stage 0's positional inputs."""
+        return self.captured.flatten_inputs(*args, **kwargs)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Run every stage in turn on a batch like the example one; returns the model's output."""
+        return self.captured.unflatten_output(run_stages(self.stages, self.flatten_inputs(*args, **kwargs)))
+
+    def check_parity(self, example_inputs: Any = None, *, tolerance: float = 1e-5) -> ParityReport:
+        """Compare outputs and parameter gradients of the stages against the unsplit model.
+
+        Uses ``torch.autograd.grad``, so no ``.grad`` field of the model is touched. The model must
+        be deterministic (no dropout in train mode) for the comparison to mean anything.
+        """
+        args, kwargs = normalize_example_inputs(example_inputs) if example_inputs is not None else _unflat(self.captured)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        ref_out = self.model(*args, **kwargs)
+        ref_flat = pytree.tree_leaves(ref_out)
+        ref_loss = _scalar_to_differentiate(ref_flat)
+        ref_grads = torch.autograd.grad(ref_loss, params, allow_unused=True)
+        out = self.run(*args, **kwargs)
+        flat = pytree.tree_leaves(out)
+        if len(flat) != len(ref_flat):
+            raise OmnibalError(f"stages returned {len(flat)} outputs, the model {len(ref_flat)}")
+        loss = _scalar_to_differentiate(flat)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        out_diff = max(
+            (float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0)
+            for a, b in zip(flat, ref_flat)
+            if isinstance(a, torch.Tensor)
+        )
+        worst, grad_diff = None, 0.0
+        for (name, _), g, r in zip(named, grads, ref_grads):
+            if g is None and r is None:
+                continue
+            g = torch.zeros_like(r) if g is None else g
+            r = torch.zeros_like(g) if r is None else r
+            d = float((g.double() - r.double()).abs().max()) if g.numel() else 0.0
+            if d > grad_diff or worst is None:
+                worst, grad_diff = name, max(d, grad_diff)
+        return ParityReport(
+            max_output_diff=out_diff,
+            max_grad_diff=grad_diff,
+            worst_param=worst,
+            num_params=len(named),
+            loss=float(ref_loss.detach()),
+            tolerance=tolerance,
+        )
+
+    def summary(self) -> str:
+        """The block table and the plan table."""
+        return f"{self.graph.summary()}\n\n{self.plan.summary()}"
+
+
+def _unflat(captured: Captured) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args, kwargs = pytree.tree_unflatten(list(captured.example_flat_inputs), captured.in_spec)
+    return tuple(args), dict(kwargs)
+
+
+def _run_pass(name: str, done: list[str], timings: dict[str, float], fn: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    try:
+        result = fn()
+    except OmnibalError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unexpected failure inside a pass: name it
+        before = ", ".join(done) or "none"
+        raise PassError(f"pass '{name}' failed (passes run before it: {before}): {type(e).__name__}: {e}") from e
+    timings[name] = time.perf_counter() - start
+    done.append(name)
+    return result
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    num_stages: int,
+    planner: str | Planner = "parameters",
+    plan: Plan | None = None,
+    block_prefixes: Sequence[str] | None = None,
+    capture_method: CaptureMethod = "export",
+) -> OptimizeResult:
+    """Capture ``model`` on ``example_inputs``, cut it into ``num_stages`` pipeline stages, emit them.
+
+    Args:
+        model: any ``nn.Module``; it is not modified.
+        example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``.
+        num_stages: pipeline stages to emit.
+        planner: ``"uniform"``, ``"parameters"`` or a callable ``(BlockGraph, num_stages) -> Plan``.
+        plan: use this plan instead of planning (it must match the model's blocks).
+        block_prefixes: module paths that each form one block, overriding the default grouping.
+        capture_method: ``"export"`` (torch.export, non-strict) or ``"fx"`` (symbolic_trace).
+    """
+    timings: dict[str, float] = {}
+    done: list[str] = []
+    captured = _run_pass("capture", done, timings, lambda: capture(model, example_inputs, method=capture_method))
+    graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
+    if plan is not None:
+        if plan.num_stages != num_stages:
+            raise PlanError(f"the given plan has {plan.num_stages} stages but num_stages={num_stages}")
+        chosen = plan
+    else:
+        if isinstance(planner, str):
+            if planner not in PLANNERS:
+                raise InputError(f"unknown planner {planner!r}; choose one of {sorted(PLANNERS)} or pass a callable")
+            fn = PLANNERS[planner]
+        elif callable(planner):
+            fn = planner
+        else:
+            raise InputError(f"planner must be a name or a callable, got {type(planner).__name__}")
+        chosen = _run_pass("plan", done, timings, lambda: fn(graph, num_stages))
+        if not isinstance(chosen, Plan):
+            raise InputError(f"planner {getattr(fn, '__name__', fn)!r} returned {type(chosen).__name__}, not a Plan")
+    stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
+    return OptimizeResult(model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings)

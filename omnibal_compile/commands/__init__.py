@@ -1,0 +1,1 @@
+"""Subcommands of ``omnibal-compile``; registered in :data:`omnibal_compile.cli.COMMANDS`."""

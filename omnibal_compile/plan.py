@@ -1,0 +1,183 @@
+"""Plans: which blocks each pipeline stage runs. Typed, validated, printable, JSON round-trip.
+
+A plan covers a chain of ``n`` blocks with ``S`` stages; stage ``s`` runs blocks
+``boundaries[s] .. boundaries[s+1] - 1``. Stages are contiguous and non-empty by construction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omnibal_compile.errors import PlanError
+
+__all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
+
+PLAN_FORMAT = 1
+"""Version of the JSON layout written by :meth:`Plan.to_json`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage of a plan."""
+
+    index: int
+    """Stage number, 0 = first."""
+    start: int
+    """First block index."""
+    stop: int
+    """One past the last block index."""
+    blocks: tuple[str, ...]
+    """Names of its blocks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Pipeline cut points over a chain of blocks, and what the planner predicted for them."""
+
+    block_names: tuple[str, ...]
+    """Every block of the model, in execution order."""
+    boundaries: tuple[int, ...]
+    """``0 = b_0 < b_1 < ... < b_S = len(block_names)``; stage s runs blocks [b_s, b_{s+1})."""
+    planner: str = "manual"
+    """Name of the planner that produced it."""
+    block_params: tuple[int, ...] = ()
+    """Parameter count per block (for the summary; empty when unknown)."""
+    block_kinds: tuple[str, ...] = ()
+    """Kind per block (``layer``, ``module``, ``glue``); empty when unknown."""
+    notes: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form planner notes (objective value, solver status, ...), JSON-serialisable."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_names", tuple(self.block_names))
+        object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
+        object.__setattr__(self, "block_params", tuple(int(p) for p in self.block_params))
+        object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
+        object.__setattr__(self, "notes", dict(self.notes))
+        n, b = len(self.block_names), self.boundaries
+        if n == 0:
+            raise PlanError("a plan needs at least one block")
+        if len(set(self.block_names)) != n:
+            dup = sorted({x for x in self.block_names if self.block_names.count(x) > 1})
+            raise PlanError(f"block names must be unique; repeated: {dup}")
+        if len(b) < 2 or b[0] != 0 or b[-1] != n:
+            raise PlanError(f"boundaries must start at 0 and end at the number of blocks ({n}); got {list(b)}")
+        for s in range(len(b) - 1):
+            if b[s + 1] <= b[s]:
+                raise PlanError(
+                    f"stage {s} is empty (boundaries {list(b)}): every stage needs at least one block; "
+                    "use fewer stages or other cut points"
+                )
+        for name, values in (("block_params", self.block_params), ("block_kinds", self.block_kinds)):
+            if values and len(values) != n:
+                raise PlanError(f"{name} has {len(values)} entries for {n} blocks")
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_assignment(cls, block_names: Sequence[str], stage_of_block: Sequence[int], **kw: Any) -> Plan:
+        """Build a plan from the stage index of every block; rejects non-contiguous assignments."""
+        if len(stage_of_block) != len(block_names):
+            raise PlanError(f"stage_of_block has {len(stage_of_block)} entries for {len(block_names)} blocks")
+        if stage_of_block and stage_of_block[0] != 0:
+            raise PlanError(f"the first block '{block_names[0]}' must be on stage 0, got stage {stage_of_block[0]}")
+        boundaries = [0]
+        for i in range(1, len(stage_of_block)):
+            prev, cur = stage_of_block[i - 1], stage_of_block[i]
+            if cur == prev:
+                continue
+            if cur != prev + 1:
+                raise PlanError(
+                    f"block '{block_names[i]}' (#{i}) is on stage {cur} right after a block on stage {prev}: "
+                    "stages must be contiguous and numbered in order without gaps"
+                )
+            boundaries.append(i)
+        boundaries.append(len(block_names))
+        return cls(block_names=tuple(block_names), boundaries=tuple(boundaries), **kw)
+
+    @classmethod
+    def from_stages(cls, stages: Sequence[Sequence[str]], **kw: Any) -> Plan:
+        """Build a plan from the block names of each stage, in order."""
+        names = [name for stage in stages for name in stage]
+        stage_of = [s for s, stage in enumerate(stages) for _ in stage]
+        for s, stage in enumerate(stages):
+            if not stage:
+                raise PlanError(f"stage {s} has no blocks: every stage needs at least one block")
+        return cls.from_assignment(names, stage_of, **kw)
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_names)
+
+    @property
+    def stages(self) -> tuple[StagePlan, ...]:
+        b = self.boundaries
+        return tuple(
+            StagePlan(index=s, start=b[s], stop=b[s + 1], blocks=self.block_names[b[s] : b[s + 1]])
+            for s in range(self.num_stages)
+        )
+
+    def stage_of(self, block: str | int) -> int:
+        """Stage that runs ``block`` (a name or an index)."""
+        i = self.block_names.index(block) if isinstance(block, str) else block
+        if not 0 <= i < self.num_blocks:
+            raise PlanError(f"block index {i} is out of range [0, {self.num_blocks})")
+        return next(s for s in range(self.num_stages) if self.boundaries[s] <= i < self.boundaries[s + 1])
+
+    def summary(self) -> str:
+        """A table of stages: block range, block and layer counts, parameters."""
+        rows = [("stage", "blocks", "first", "last", "layers", "params")]
+        for st in self.stages:
+            layers = sum(1 for k in self.block_kinds[st.start : st.stop] if k == "layer") if self.block_kinds else "-"
+            params = f"{sum(self.block_params[st.start : st.stop]):,}" if self.block_params else "-"
+            rows.append((str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], str(layers), params))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"Plan by '{self.planner}': {self.num_blocks} blocks in {self.num_stages} stages"]
+        for j, r in enumerate(rows):
+            lines.append("  ".join(str(c).rjust(w) if i in (0, 4, 5) else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if self.block_params:
+            loads = [sum(self.block_params[s.start : s.stop]) for s in self.stages]
+            mean = sum(loads) / len(loads)
+            lines.append(f"parameter imbalance (max/mean): {max(loads) / mean:.3f}" if mean else "")
+        return "\n".join(lines)
+
+    # -- serialisation --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["format"] = PLAN_FORMAT
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        data = dict(data)
+        fmt = data.pop("format", PLAN_FORMAT)
+        if fmt != PLAN_FORMAT:
+            raise PlanError(f"plan format {fmt} is not supported (this version reads format {PLAN_FORMAT})")
+        known = {"block_names", "boundaries", "planner", "block_params", "block_kinds", "notes"}
+        unknown = set(data) - known
+        if unknown:
+            raise PlanError(f"unknown plan fields {sorted(unknown)}")
+        if "block_names" not in data or "boundaries" not in data:
+            raise PlanError("a plan needs 'block_names' and 'boundaries'")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan JSON is malformed: {e}") from None
+        if not isinstance(data, dict):
+            raise PlanError("plan JSON must be an object")
+        return cls.from_dict(data)

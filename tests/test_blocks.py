@@ -1,0 +1,85 @@
+import pytest
+import torch
+from torch import nn
+
+from omnibal_compile import InputError
+from omnibal_compile.passes.blocks import build_blocks, find_layer_stacks
+from omnibal_compile.passes.capture import capture
+
+
+@pytest.fixture(scope="module")
+def vlm_graph(vlm):
+    model, batch = vlm
+    return build_blocks(capture(model, batch), model)
+
+
+def test_layer_stacks_of_reference_vlm(vlm):
+    assert find_layer_stacks(vlm[0]) == ("vision.layers", "llm.layers")
+
+
+def test_each_layer_is_one_block_and_other_modules_have_their_own(vlm_graph):
+    names = vlm_graph.names
+    layers = [b.name for b in vlm_graph.blocks if b.kind == "layer"]
+    assert layers == ["vision.layers.0", "vision.layers.1", "llm.layers.0", "llm.layers.1", "llm.layers.2"]
+    for name in ("vision.patch_embed", "projector", "llm.embed_tokens", "llm.norm", "lm_head"):
+        assert name in names
+    assert any(b.kind == "glue" for b in vlm_graph.blocks)
+    assert names.index("vision.layers.1") < names.index("projector") < names.index("llm.layers.0")
+
+
+def test_every_node_in_exactly_one_block(vlm_graph):
+    all_nodes = [n for b in vlm_graph.blocks for n in b.nodes]
+    assert len(all_nodes) == len(set(all_nodes)) == len(vlm_graph.node_block)
+    gm = vlm_graph.captured.graph_module
+    compute = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method") ]
+    assert set(compute) <= set(all_nodes)
+
+
+def test_skip_tensors_cross_many_cuts(vlm_graph):
+    names = vlm_graph.names
+    first, last = names.index("llm.layers.0"), names.index("llm.layers.2")
+    for cut in range(first + 1, last + 1):
+        crossing = {v.name for v in vlm_graph.crossing(cut)}
+        assert {"labels", "cos", "sin"} <= crossing, crossing  # labels, rotary tables
+        # the attention mask is built once and read by every layer
+        assert any(v.shape is not None and len(v.shape) == 4 and v.dtype == "torch.bool" for v in vlm_graph.crossing(cut))
+
+
+def test_crossing_values_are_consistent(vlm_graph):
+    n = vlm_graph.num_blocks
+    for cut in range(1, n):
+        for v in vlm_graph.crossing(cut):
+            assert v.producer < cut <= v.last_use <= n
+            assert v.nbytes > 0 and v.shape is not None
+    assert vlm_graph.cut_bytes(1) == sum(v.nbytes for v in vlm_graph.crossing(1))
+    with pytest.raises(InputError, match="cut must lie"):
+        vlm_graph.crossing(0)
+
+
+def test_dag_is_topologically_ordered(vlm_graph):
+    import networkx as nx
+
+    assert nx.is_directed_acyclic_graph(vlm_graph.dag)
+    assert all(i < j for i, j in vlm_graph.dag.edges)
+    assert list(nx.topological_sort(vlm_graph.dag))[0] == 0
+
+
+def test_block_prefixes_override(vlm):
+    model, batch = vlm
+    g = build_blocks(capture(model, batch), model, block_prefixes=["vision", "projector", "llm", "lm_head"])
+    kinds = {b.name: b.kind for b in g.blocks}
+    assert {"vision", "projector", "llm", "lm_head"} <= set(kinds)
+    with pytest.raises(InputError, match="not module paths"):
+        build_blocks(capture(model, batch), model, block_prefixes=["vison"])
+
+
+def test_summary_lists_every_block(vlm_graph):
+    text = vlm_graph.summary()
+    assert all(name in text for name in vlm_graph.names)
+
+
+def test_plain_sequential_without_stacks():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    g = build_blocks(capture(model, (torch.randn(2, 4),)), model)
+    assert g.names == ("0", "1", "2") and all(b.kind == "module" for b in g.blocks)
+    assert [b.num_params for b in g.blocks] == [40, 0, 36]

@@ -1,0 +1,23 @@
+import json
+import subprocess
+import sys
+
+from omnibal_compile.cli import main
+
+
+def test_demo_runs_and_reports_parity(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    assert main(["demo", "--stages", "3", "--save-plan", str(plan_path), "--show-code", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "parity OK" in out and "Plan by 'parameters'" in out and "def forward" in out
+    assert len(json.loads(plan_path.read_text())["boundaries"]) == 4
+
+
+def test_demo_errors_are_reported_not_raised(capsys):
+    assert main(["demo", "--stages", "999"]) == 2
+    assert "exceeds" in capsys.readouterr().err
+
+
+def test_console_script_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "omnibal_compile.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "demo" in proc.stdout

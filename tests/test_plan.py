@@ -1,0 +1,64 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnibal_compile import Plan, PlanError
+
+
+@st.composite
+def plans(draw):
+    n = draw(st.integers(1, 40))
+    s = draw(st.integers(1, n))
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=s - 1, max_size=s - 1))) if s > 1 else []
+    names = tuple(f"b{i}" for i in range(n))
+    params = tuple(draw(st.lists(st.integers(0, 10**9), min_size=n, max_size=n)))
+    return Plan(block_names=names, boundaries=(0, *cuts, n), block_params=params, planner="random")
+
+
+@given(plans())
+@settings(max_examples=200, deadline=None)
+def test_every_block_in_exactly_one_contiguous_nonempty_stage(plan):
+    seen = [b for stage in plan.stages for b in stage.blocks]
+    assert seen == list(plan.block_names)  # each block once, in order => contiguous
+    assert all(len(stage.blocks) >= 1 for stage in plan.stages)
+    for stage in plan.stages:
+        assert all(plan.stage_of(b) == stage.index for b in stage.blocks)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_stages([s.blocks for s in plan.stages], planner="random", block_params=plan.block_params) == plan
+
+
+def test_non_contiguous_assignment_is_rejected():
+    with pytest.raises(PlanError, match="contiguous"):
+        Plan.from_assignment(["a", "b", "c", "d"], [0, 1, 0, 1])
+    with pytest.raises(PlanError, match="contiguous"):
+        Plan.from_assignment(["a", "b", "c"], [0, 2, 2])
+    with pytest.raises(PlanError, match="stage 0"):
+        Plan.from_assignment(["a", "b"], [1, 1])
+
+
+def test_empty_stage_and_bad_boundaries_are_rejected():
+    with pytest.raises(PlanError, match="stage 1 is empty"):
+        Plan(block_names=("a", "b"), boundaries=(0, 1, 1, 2))
+    with pytest.raises(PlanError, match="start at 0"):
+        Plan(block_names=("a", "b"), boundaries=(0, 3))
+    with pytest.raises(PlanError, match="unique"):
+        Plan(block_names=("a", "a"), boundaries=(0, 2))
+    with pytest.raises(PlanError, match="no blocks"):
+        Plan.from_stages([["a"], []])
+
+
+def test_json_errors_are_clear():
+    with pytest.raises(PlanError, match="malformed"):
+        Plan.from_json("{not json")
+    with pytest.raises(PlanError, match="unknown plan fields"):
+        Plan.from_json(json.dumps({"block_names": ["a"], "boundaries": [0, 1], "bogus": 1}))
+    with pytest.raises(PlanError, match="format"):
+        Plan.from_json(json.dumps({"block_names": ["a"], "boundaries": [0, 1], "format": 99}))
+
+
+def test_summary_shows_stages_and_imbalance():
+    plan = Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 3), block_params=(10, 5, 5), block_kinds=("layer",) * 3)
+    text = plan.summary()
+    assert "2 stages" in text and "imbalance (max/mean): 1.000" in text

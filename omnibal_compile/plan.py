@@ -11,9 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from omnibal_compile.costs import RECOMPUTE_OPTIONS
 from omnibal_compile.errors import PlanError
 
-__all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
+__all__ = ["Plan", "StagePlan", "PLAN_FORMAT", "SCHEDULES"]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+"""Pipeline schedules a plan can be made for."""
 
 PLAN_FORMAT = 1
 """Version of the JSON layout written by :meth:`Plan.to_json`."""
@@ -31,6 +35,13 @@ class StagePlan:
     """One past the last block index."""
     blocks: tuple[str, ...]
     """Names of its blocks."""
+    recompute: tuple[str, ...]
+    """Recompute option of each of its blocks."""
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """Blocks that recompute anything."""
+        return tuple(b for b, r in zip(self.blocks, self.recompute) if r != "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,8 +58,24 @@ class Plan:
     """Parameter count per block (for the summary; empty when unknown)."""
     block_kinds: tuple[str, ...] = ()
     """Kind per block (``layer``, ``module``, ``glue``); empty when unknown."""
+    recompute: tuple[str, ...] = ()
+    """Recompute option per block (``none``/``selective``/``full``); empty means none anywhere."""
+    schedule: str = "1f1b"
+    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved``."""
+    num_microbatches: int = 1
+    """Micro-batches per iteration."""
+    virtual_stages: int = 1
+    """Stage chunks per device (interleaved schedules); stage s runs on rank ``s % (S / v)``."""
+    stage_time_s: tuple[float, ...] = ()
+    """Predicted time per micro-batch of each stage (forward + backward + recompute + send)."""
+    stage_memory_bytes: tuple[int, ...] = ()
+    """Predicted peak memory of each stage under the schedule."""
+    memory_budget_bytes: tuple[int, ...] = ()
+    """Memory budget of each stage's device; empty when unconstrained."""
+    iteration_time_s: float | None = None
+    """Predicted time of one iteration under the schedule."""
     notes: Mapping[str, Any] = field(default_factory=dict)
-    """Free-form planner notes (objective value, solver status, ...), JSON-serialisable."""
+    """Free-form planner notes (objective value, solver status, binding constraint, ...), JSON-serialisable."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_names", tuple(self.block_names))
@@ -56,6 +83,10 @@ class Plan:
         object.__setattr__(self, "block_params", tuple(int(p) for p in self.block_params))
         object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
         object.__setattr__(self, "notes", dict(self.notes))
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+        object.__setattr__(self, "stage_time_s", tuple(float(t) for t in self.stage_time_s))
+        object.__setattr__(self, "stage_memory_bytes", tuple(int(m) for m in self.stage_memory_bytes))
+        object.__setattr__(self, "memory_budget_bytes", tuple(int(m) for m in self.memory_budget_bytes))
         n, b = len(self.block_names), self.boundaries
         if n == 0:
             raise PlanError("a plan needs at least one block")
@@ -70,9 +101,30 @@ class Plan:
                     f"stage {s} is empty (boundaries {list(b)}): every stage needs at least one block; "
                     "use fewer stages or other cut points"
                 )
-        for name, values in (("block_params", self.block_params), ("block_kinds", self.block_kinds)):
+        for name, values in (
+            ("block_params", self.block_params), ("block_kinds", self.block_kinds), ("recompute", self.recompute)
+        ):
             if values and len(values) != n:
                 raise PlanError(f"{name} has {len(values)} entries for {n} blocks")
+        bad = sorted({r for r in self.recompute if r not in RECOMPUTE_OPTIONS})
+        if bad:
+            raise PlanError(f"recompute options {bad} are unknown; use {list(RECOMPUTE_OPTIONS)}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule {self.schedule!r} is unknown; use one of {list(SCHEDULES)}")
+        if self.num_microbatches < 1 or self.virtual_stages < 1:
+            raise PlanError("num_microbatches and virtual_stages must be >= 1")
+        if self.num_stages % self.virtual_stages:
+            raise PlanError(
+                f"{self.num_stages} stages cannot be spread as {self.virtual_stages} chunks per device; "
+                "num_stages must be a multiple of virtual_stages"
+            )
+        for name, values in (
+            ("stage_time_s", self.stage_time_s),
+            ("stage_memory_bytes", self.stage_memory_bytes),
+            ("memory_budget_bytes", self.memory_budget_bytes),
+        ):
+            if values and len(values) != self.num_stages:
+                raise PlanError(f"{name} has {len(values)} entries for {self.num_stages} stages")
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -119,9 +171,25 @@ class Plan:
     def stages(self) -> tuple[StagePlan, ...]:
         b = self.boundaries
         return tuple(
-            StagePlan(index=s, start=b[s], stop=b[s + 1], blocks=self.block_names[b[s] : b[s + 1]])
+            StagePlan(
+                index=s,
+                start=b[s],
+                stop=b[s + 1],
+                blocks=self.block_names[b[s] : b[s + 1]],
+                recompute=self.block_recompute[b[s] : b[s + 1]],
+            )
             for s in range(self.num_stages)
         )
+
+    @property
+    def block_recompute(self) -> tuple[str, ...]:
+        """Recompute option of every block (``none`` when the plan sets none)."""
+        return self.recompute or ("none",) * self.num_blocks
+
+    @property
+    def num_devices(self) -> int:
+        """Pipeline ranks: stages / chunks per device."""
+        return self.num_stages // self.virtual_stages
 
     def stage_of(self, block: str | int) -> int:
         """Stage that runs ``block`` (a name or an index)."""
@@ -132,21 +200,44 @@ class Plan:
 
     def summary(self) -> str:
         """A table of stages: block range, block and layer counts, parameters."""
-        rows = [("stage", "blocks", "first", "last", "layers", "params")]
+        header = ["stage", "blocks", "first", "last", "layers", "params", "recomputed"]
+        if self.stage_time_s:
+            header.append("time ms")
+        if self.stage_memory_bytes:
+            header.append("memory MiB" + (" / budget" if self.memory_budget_bytes else ""))
+        rows: list[list[str]] = [header]
         for st in self.stages:
             layers = sum(1 for k in self.block_kinds[st.start : st.stop] if k == "layer") if self.block_kinds else "-"
             params = f"{sum(self.block_params[st.start : st.stop]):,}" if self.block_params else "-"
-            rows.append((str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], str(layers), params))
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"Plan by '{self.planner}': {self.num_blocks} blocks in {self.num_stages} stages"]
+            rec = ", ".join(f"{b}:{r}" for b, r in zip(st.blocks, st.recompute) if r != "none")
+            row = [str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], str(layers), params, rec or "-"]
+            if self.stage_time_s:
+                row.append(f"{self.stage_time_s[st.index] * 1e3:.3f}")
+            if self.stage_memory_bytes:
+                mem = f"{self.stage_memory_bytes[st.index] / 2**20:.1f}"
+                if self.memory_budget_bytes:
+                    mem += f" / {self.memory_budget_bytes[st.index] / 2**20:.1f}"
+                row.append(mem)
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [
+            f"Plan by '{self.planner}': {self.num_blocks} blocks in {self.num_stages} stages, schedule {self.schedule}, "
+            f"{self.num_microbatches} micro-batches"
+        ]
+        numeric = {0, 4, 5, 7, 8}
         for j, r in enumerate(rows):
-            lines.append("  ".join(str(c).rjust(w) if i in (0, 4, 5) else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            lines.append("  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
         if self.block_params:
             loads = [sum(self.block_params[s.start : s.stop]) for s in self.stages]
             mean = sum(loads) / len(loads)
-            lines.append(f"parameter imbalance (max/mean): {max(loads) / mean:.3f}" if mean else "")
+            if mean:
+                lines.append(f"parameter imbalance (max/mean): {max(loads) / mean:.3f}")
+        if self.iteration_time_s is not None:
+            lines.append(f"predicted iteration time: {self.iteration_time_s * 1e3:.3f} ms")
+        for key, value in self.notes.items():
+            lines.append(f"{key}: {value}")
         return "\n".join(lines)
 
     # -- serialisation --------------------------------------------------------------------------
@@ -164,7 +255,7 @@ class Plan:
         fmt = data.pop("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
             raise PlanError(f"plan format {fmt} is not supported (this version reads format {PLAN_FORMAT})")
-        known = {"block_names", "boundaries", "planner", "block_params", "block_kinds", "notes"}
+        known = {f for f in cls.__dataclass_fields__}
         unknown = set(data) - known
         if unknown:
             raise PlanError(f"unknown plan fields {sorted(unknown)}")

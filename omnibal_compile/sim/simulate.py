@@ -1,0 +1,428 @@
+"""Discrete-event simulation of one pipeline-parallel training iteration (torch-free).
+
+Each device runs a fixed, schedule-given order of compute operations; an operation starts when its
+device is free and its input has arrived. That fixes every start time, so the simulation is exact
+for the model it assumes:
+
+- forward of stage s on micro-batch m needs the forward of stage s-1 on m, plus the time to send
+  what crosses the cut between them (``cut_bytes / link_bandwidth``) when they sit on different
+  devices; sends overlap with compute (asynchronous point-to-point, as in torch.distributed.pipelining);
+- backward of stage s on m needs the backward of stage s+1 on m plus the gradient send back (the
+  same bytes as the activations sent forward), and for the last stage its own forward;
+- a backward of a stage with recomputed blocks first reruns their forward (a ``recompute`` event).
+
+Glossary:
+    S, D, v, M     stages (virtual stages for interleaved), devices, chunks per device (S = D v),
+                   micro-batches per iteration. Stage s runs on device ``s % D`` (plan convention).
+    F, B, R        forward, backward, recompute time of one stage on one micro-batch.
+    busy time      time a device spends computing (F + R + B over its operations).
+    bubble fraction  idle share of device time: ``1 - sum(busy) / (D * iteration time)``.
+    in flight      micro-batches whose forward on a stage has started and whose backward there has
+                   not finished; their activations are alive. Peak activation memory of a device is
+                   the peak over time of the in-flight activation bytes of its stages.
+    recompute workspace  while a recomputed block runs backward its dropped activations exist
+                   again for a moment: the largest ``activation_bytes['none'] - activation_bytes[option]``
+                   over the device's recomputed blocks, added on top of the in-flight bytes.
+
+Schedules (the operation order per device; the same orders as torch.distributed.pipelining):
+    gpipe        all forwards (micro-batch 0..M-1), then all backwards (0..M-1). With v > 1, chunk
+                 by chunk (looped): every forward of chunk 0, of chunk 1, ..., then backwards from
+                 the last chunk down. In flight per stage: M.
+    1f1b         ``min(M, S - s)`` warm-up forwards, then alternate one backward and one forward,
+                 then the remaining backwards (``Schedule1F1B``). In flight per stage: ``min(S - s, M)``.
+                 Needs v = 1.
+    interleaved  Megatron's interleaved 1F1B as in ``ScheduleInterleaved1F1B``: rounds of
+                 ``R = M // max(1, M // D)`` micro-batches; the k-th forward of device d runs chunk
+                 ``(k // R) % v``, the j-th backward chunk ``v - 1 - (j // R) % v``; warm-up forwards
+                 ``W_d = min((v - 1) R + 2 (D - 1 - d), v M)``, then one forward / one backward, then
+                 the rest of the backwards. Chunk-micro-batches in flight on device d: ``min(W_d + 1, v M)``.
+
+Closed forms with equal stages, no sends and F, B per stage (tested in tests/test_sim.py):
+    gpipe, 1f1b       T = (M + S - 1)(F + B),  bubble = (S - 1) / (M + S - 1).
+    interleaved       with f, b per chunk (a device holds v chunks, so f = F_device / v) and M a
+                      multiple of D: T = (v M + D - 1)(f + b), bubble = (D - 1) / (v M + D - 1).
+                      Derivation: every device computes v M (f + b). The last device cannot start
+                      before micro-batch 0 has crossed the D - 1 devices before it, (D - 1) f; its
+                      last operation is the backward of chunk 0 (stage D - 1) of the last micro-batch,
+                      whose gradient must still cross D - 1 devices, (D - 1) b. So
+                      T >= (D - 1) f + v M (f + b) + (D - 1) b, and the warm-up length W_d keeps the
+                      last device busy without a gap in between, so equality holds (the simulator
+                      reproduces it exactly for b = f, 2f, 3f and v = 1..3). With v = 1 this is 1F1B's
+                      formula with S = D; v chunks cut the bubble v-fold because each op is v times
+                      shorter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from omnibal_compile.costs import CostTable
+from omnibal_compile.errors import InputError, OmnibalError, PlanError
+from omnibal_compile.plan import SCHEDULES, Plan
+
+__all__ = ["Event", "StageCost", "SimResult", "simulate", "stage_costs", "operation_order", "SimulationError"]
+
+EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward"]
+
+
+class SimulationError(OmnibalError):
+    """The operation orders cannot complete (a dependency cycle): a bug in a custom order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """What one stage costs for one micro-batch, summed over its blocks under the plan's recompute options."""
+
+    forward_s: float
+    """Forward time."""
+    backward_s: float
+    """Backward time, without recomputation."""
+    recompute_s: float
+    """Time rerunning the forward of recomputed blocks before the backward."""
+    send_s: float
+    """Time to send what crosses the cut after the stage (0 for the last stage); gradients come back in the same time."""
+    activation_bytes: int
+    """Bytes kept from forward to backward under the chosen recompute options."""
+    workspace_bytes: int
+    """Extra bytes alive while a recomputed block runs its backward (largest over the stage's blocks)."""
+    static_bytes: int
+    """Weights, gradients and optimizer states of the stage."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One interval of the simulated timeline."""
+
+    kind: EventKind
+    """``forward``, ``recompute``, ``backward``, ``send_forward`` or ``send_backward``."""
+    stage: int
+    """Stage computing (for sends: the stage sending)."""
+    device: int
+    """Device the stage runs on."""
+    microbatch: int
+    """Micro-batch index."""
+    start_s: float
+    """Start time, seconds from the start of the iteration."""
+    end_s: float
+    """End time, seconds."""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    """How one iteration of a plan runs under its schedule, as simulated."""
+
+    schedule: str
+    """Schedule simulated."""
+    num_stages: int
+    """Stages (virtual stages for interleaved)."""
+    num_devices: int
+    """Pipeline devices."""
+    num_microbatches: int
+    """Micro-batches in the iteration."""
+    iteration_time_s: float
+    """Time from the first forward to the end of the last backward."""
+    bubble_fraction: float
+    """Idle share of device time: ``1 - sum(busy_s) / (num_devices * iteration_time_s)``."""
+    busy_s: tuple[float, ...]
+    """Compute time (forward + recompute + backward) of each device."""
+    stage_busy_s: tuple[float, ...]
+    """Compute time of each stage."""
+    peak_inflight: tuple[int, ...]
+    """Largest number of micro-batches in flight on each stage."""
+    peak_activation_bytes: tuple[int, ...]
+    """Peak activation bytes of each device: in-flight activations plus recompute workspace."""
+    static_bytes: tuple[int, ...]
+    """Weights, gradients and optimizer states of each device."""
+    peak_memory_bytes: tuple[int, ...]
+    """``static_bytes + peak_activation_bytes`` per device."""
+    events: tuple[Event, ...]
+    """Every compute and send interval, sorted by start time."""
+
+    def summary(self) -> str:
+        """A short table: per device busy ms, utilisation, peak in flight and memory."""
+        mib = 1 / 2**20
+        lines = [
+            f"simulated {self.schedule}: {self.num_stages} stages on {self.num_devices} devices, "
+            f"{self.num_microbatches} micro-batches: iteration {self.iteration_time_s * 1e3:.3f} ms, "
+            f"bubble {self.bubble_fraction:.1%}",
+            f"{'device':>6}  {'busy ms':>10}  {'util':>6}  {'in flight':>9}  {'peak MiB':>10}",
+        ]
+        for d in range(self.num_devices):
+            stages = range(d, self.num_stages, self.num_devices)
+            inflight = "+".join(str(self.peak_inflight[s]) for s in stages)
+            util = self.busy_s[d] / self.iteration_time_s if self.iteration_time_s else 0.0
+            lines.append(
+                f"{d:>6}  {self.busy_s[d] * 1e3:>10.3f}  {util:>6.1%}  {inflight:>9}  "
+                f"{self.peak_memory_bytes[d] * mib:>10.2f}"
+            )
+        return "\n".join(lines)
+
+
+def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[StageCost, ...]:
+    """Per-stage costs of ``plan`` from ``costs`` (block names must match), times and activations scaled by ``scale``."""
+    if tuple(costs.names) != tuple(plan.block_names):
+        diff = [f"#{i}: plan '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(plan.block_names, costs.names)) if a != b]
+        raise PlanError(
+            f"the cost table ({len(costs.names)} blocks) does not match the plan ({plan.num_blocks} blocks)"
+            + (f"; first differences: {diff[:3]}" if diff else "")
+        )
+    if scale < 0:
+        raise InputError(f"micro-batch cost scale must be non-negative, got {scale}")
+    options = plan.block_recompute
+    out = []
+    for st in plan.stages:
+        blocks = costs.blocks[st.start : st.stop]
+        opts = options[st.start : st.stop]
+        send = costs.send_s(st.stop) if st.stop < plan.num_blocks else 0.0
+        out.append(
+            StageCost(
+                forward_s=scale * sum(b.forward_s for b in blocks),
+                backward_s=scale * sum(b.backward_s for b in blocks),
+                recompute_s=scale * sum(b.recompute_s[o] for b, o in zip(blocks, opts)),
+                send_s=scale * send,
+                activation_bytes=int(round(scale * sum(b.activation_bytes[o] for b, o in zip(blocks, opts)))),
+                workspace_bytes=int(round(scale * max(
+                    (b.activation_bytes["none"] - b.activation_bytes[o] for b, o in zip(blocks, opts) if o != "none"),
+                    default=0,
+                ))),
+                static_bytes=sum(b.static_bytes for b in blocks),
+            )
+        )
+    return tuple(out)
+
+
+Op = tuple[str, int, int]
+"""(``F`` or ``B``, stage, micro-batch)."""
+
+
+def _rounds(num_microbatches: int, num_devices: int) -> int:
+    """Micro-batches per round of the interleaved schedule (torch's ``microbatches_per_round``)."""
+    rounds = max(1, num_microbatches // num_devices)
+    if num_microbatches % rounds:
+        raise PlanError(
+            f"the interleaved schedule needs the micro-batch count ({num_microbatches}) to be a multiple of "
+            f"the number of rounds ({rounds} = micro-batches // devices); use a multiple of {num_devices}"
+        )
+    return num_microbatches // rounds
+
+
+def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_microbatches: int) -> list[list[Op]]:
+    """The order in which each device runs its forwards (``F``) and backwards (``B``)."""
+    D, v, M = num_devices, virtual_stages, num_microbatches
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule {schedule!r} is unknown; use one of {list(SCHEDULES)}")
+    if D < 1 or v < 1 or M < 1:
+        raise PlanError("devices, virtual stages and micro-batches must all be >= 1")
+    S = D * v
+    orders: list[list[Op]] = []
+    for d in range(D):
+        ops: list[Op] = []
+        if schedule == "gpipe":
+            for c in range(v):
+                ops += [("F", c * D + d, m) for m in range(M)]
+            for c in reversed(range(v)):
+                ops += [("B", c * D + d, m) for m in range(M)]
+        elif schedule == "1f1b":
+            if v != 1:
+                raise PlanError(
+                    f"schedule '1f1b' runs one stage per device, but the plan has virtual_stages={v}; "
+                    "use schedule 'interleaved' (or 'gpipe') for several chunks per device"
+                )
+            warm = min(M, S - d)
+            ops += [("F", d, m) for m in range(warm)]
+            for m in range(M):
+                ops.append(("B", d, m))
+                if warm + m < M:
+                    ops.append(("F", d, warm + m))
+        else:  # interleaved
+            R = _rounds(M, D)
+            total = v * M
+            warm = min((v - 1) * R + 2 * (D - 1 - d), total)
+            next_mb = [0] * v
+            next_bmb = [0] * v
+
+            def fwd(k: int) -> Op:
+                c = (k // R) % v
+                next_mb[c] += 1
+                return ("F", c * D + d, next_mb[c] - 1)
+
+            def bwd(j: int) -> Op:
+                c = v - 1 - (j // R) % v
+                next_bmb[c] += 1
+                return ("B", c * D + d, next_bmb[c] - 1)
+
+            ops += [fwd(k) for k in range(warm)]
+            for j in range(total):
+                if warm + j < total:
+                    ops.append(fwd(warm + j))
+                ops.append(bwd(j))
+        orders.append(ops)
+    return orders
+
+
+def _microbatch_stage_costs(
+    plan: Plan, costs: CostTable, microbatch_costs: Sequence[float] | Sequence[CostTable] | None, M: int
+) -> list[tuple[StageCost, ...]]:
+    if microbatch_costs is None:
+        base = stage_costs(plan, costs)
+        return [base] * M
+    items = list(microbatch_costs)
+    if len(items) != M:
+        raise InputError(
+            f"microbatch_costs has {len(items)} entries for {M} micro-batches; give one scale factor or one "
+            "CostTable per micro-batch (or set num_microbatches to match)"
+        )
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, CostTable):
+            out.append(stage_costs(plan, item))
+        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+            out.append(stage_costs(plan, costs, scale=float(item)))
+        else:
+            raise InputError(f"microbatch_costs[{i}] is a {type(item).__name__}; expected a float scale or a CostTable")
+    return out
+
+
+def simulate(
+    plan: Plan,
+    costs: CostTable,
+    *,
+    microbatch_costs: Sequence[float] | Sequence[CostTable] | None = None,
+    schedule: str | None = None,
+    num_microbatches: int | None = None,
+    link_bandwidth: float | None = None,
+) -> SimResult:
+    """Simulate one training iteration of ``plan`` with per-block ``costs``.
+
+    Args:
+        plan: cut points, recompute options, schedule, micro-batch count and chunks per device.
+        costs: block costs for one micro-batch of the planned shape (block names as in the plan).
+        microbatch_costs: micro-batches that differ: one scale factor per micro-batch (times,
+            activations and sends multiplied by it) or one CostTable per micro-batch (e.g. the cost
+            pass evaluated at each balanced pack's shape). Its length sets the micro-batch count.
+        schedule: override ``plan.schedule``.
+        num_microbatches: override ``plan.num_microbatches``.
+        link_bandwidth: override ``costs.link_bandwidth`` (bytes/s); ``float('inf')`` for free sends.
+    """
+    sched = schedule or plan.schedule
+    if microbatch_costs is not None and num_microbatches is None:
+        M = len(microbatch_costs)
+    else:
+        M = num_microbatches if num_microbatches is not None else plan.num_microbatches
+    if M < 1:
+        raise InputError(f"num_microbatches must be >= 1, got {M}")
+    S, v = plan.num_stages, plan.virtual_stages
+    D = plan.num_devices
+    per_mb = _microbatch_stage_costs(plan, costs, microbatch_costs, M)
+    bw_scale = 1.0 if link_bandwidth is None else costs.link_bandwidth / link_bandwidth
+    if link_bandwidth is not None and link_bandwidth <= 0:
+        raise InputError(f"link_bandwidth must be positive, got {link_bandwidth}")
+    orders = operation_order(sched, D, v, M)
+
+    def send(s: int, m: int) -> float:
+        """Send time from stage s to s+1 (or the gradient back), 0 on one device."""
+        if D == 1 or s + 1 >= S:
+            return 0.0
+        return per_mb[m][s].send_s * bw_scale
+
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+    f_start: dict[tuple[int, int], float] = {}
+    events: list[Event] = []
+    free = [0.0] * D
+    pos = [0] * D
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for d in range(D):
+            while pos[d] < len(orders[d]):
+                kind, s, m = orders[d][pos[d]]
+                if kind == "F":
+                    if s > 0 and (s - 1, m) not in f_end:
+                        break
+                    ready = f_end[(s - 1, m)] + send(s - 1, m) if s > 0 else 0.0
+                    start = max(free[d], ready)
+                    end = start + per_mb[m][s].forward_s
+                    events.append(Event(kind="forward", stage=s, device=d, microbatch=m, start_s=start, end_s=end))
+                    f_start[(s, m)], f_end[(s, m)] = start, end
+                    if s + 1 < S and send(s, m) > 0:
+                        events.append(Event(
+                            kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m)
+                        ))
+                else:
+                    if (s, m) not in f_end or (s < S - 1 and (s + 1, m) not in b_end):
+                        break
+                    ready = f_end[(s, m)] if s == S - 1 else b_end[(s + 1, m)] + send(s, m)
+                    start = max(free[d], ready)
+                    c = per_mb[m][s]
+                    if c.recompute_s > 0:
+                        events.append(Event(
+                            kind="recompute", stage=s, device=d, microbatch=m, start_s=start, end_s=start + c.recompute_s
+                        ))
+                    b_start = start + c.recompute_s
+                    end = b_start + c.backward_s
+                    events.append(Event(kind="backward", stage=s, device=d, microbatch=m, start_s=b_start, end_s=end))
+                    b_end[(s, m)] = end
+                    if s > 0 and send(s - 1, m) > 0:
+                        events.append(Event(
+                            kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m)
+                        ))
+                free[d] = end
+                pos[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {d: orders[d][pos[d]] for d in range(D) if pos[d] < len(orders[d])}
+            raise SimulationError(f"the operation orders deadlock; devices wait on {stuck}")
+
+    T = max(b_end.values())
+    compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]
+    stage_busy = [0.0] * S
+    for e in compute:
+        stage_busy[e.stage] += e.duration_s
+    busy = [sum(stage_busy[s] for s in range(d, S, D)) for d in range(D)]
+    bubble = 1.0 - sum(busy) / (D * T) if T > 0 else 0.0
+
+    # Memory: sweep activation lifetimes [forward start, backward end); frees before allocations at equal times.
+    peak_inflight = [0] * S
+    peak_act = [0] * D
+    for d in range(D):
+        changes: list[tuple[float, int, int, int]] = []  # (time, +1/-1 order key, stage, bytes signed)
+        for s in range(d, S, D):
+            for m in range(M):
+                a = per_mb[m][s].activation_bytes
+                changes.append((f_start[(s, m)], 1, s, a))
+                changes.append((b_end[(s, m)], 0, s, -a))
+        changes.sort(key=lambda c: (c[0], c[1]))
+        count = {s: 0 for s in range(d, S, D)}
+        live = 0
+        for _, is_alloc, s, nbytes in changes:
+            count[s] += 1 if is_alloc else -1
+            live += nbytes
+            peak_inflight[s] = max(peak_inflight[s], count[s])
+            peak_act[d] = max(peak_act[d], live)
+        workspace = max((per_mb[m][s].workspace_bytes for s in range(d, S, D) for m in range(M)), default=0)
+        peak_act[d] += workspace
+    static = [sum(per_mb[0][s].static_bytes for s in range(d, S, D)) for d in range(D)]
+    events.sort(key=lambda e: (e.start_s, e.device, e.kind))
+    return SimResult(
+        schedule=sched,
+        num_stages=S,
+        num_devices=D,
+        num_microbatches=M,
+        iteration_time_s=T,
+        bubble_fraction=bubble,
+        busy_s=tuple(busy),
+        stage_busy_s=tuple(stage_busy),
+        peak_inflight=tuple(peak_inflight),
+        peak_activation_bytes=tuple(peak_act),
+        static_bytes=tuple(static),
+        peak_memory_bytes=tuple(st + a for st, a in zip(static, peak_act)),
+        events=tuple(events),
+    )

@@ -1,0 +1,212 @@
+"""Simulator against closed forms, memory in flight per schedule, and properties over random plans."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnibal_compile.costs import BlockCost, CostTable
+from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.plan import Plan
+from omnibal_compile.sim import operation_order, simulate, stage_costs, sweep
+from omnibal_compile.units import format_size, parse_size
+
+
+def block(i: int, f: float = 1.0, b: float = 2.0, act: int = 1000, static: int = 50) -> BlockCost:
+    return BlockCost(
+        name=f"b{i}", kind="layer", flops=0.0, num_params=0, static_bytes=static, forward_s=f, backward_s=b,
+        activation_bytes={"none": act, "selective": act // 2, "full": act // 10},
+        recompute_s={"none": 0.0, "selective": f / 4, "full": f},
+    )
+
+
+def table(blocks: list[BlockCost], cut: int = 0, bw: float = 1.0) -> CostTable:
+    n = len(blocks)
+    return CostTable(blocks=blocks, cut_bytes=[0] + [cut] * (n - 1) + [0], link_bandwidth=bw, device="test", source="profiled")
+
+
+def chain_plan(S: int, *, schedule: str, M: int, v: int = 1, per_stage: int = 1, recompute: str = "none") -> Plan:
+    n = S * per_stage
+    return Plan(
+        block_names=[f"b{i}" for i in range(n)], boundaries=list(range(0, n + 1, per_stage)), schedule=schedule,
+        num_microbatches=M, virtual_stages=v, recompute=(recompute,) * n,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S,M,F,B", [(1, 1, 1.0, 2.0), (2, 4, 1.0, 2.0), (4, 8, 0.5, 1.0), (4, 2, 1.0, 3.0), (8, 32, 1.0, 2.0)])
+def test_equal_stages_match_closed_form(schedule, S, M, F, B):
+    res = simulate(chain_plan(S, schedule=schedule, M=M), table([block(i, F, B) for i in range(S)]))
+    assert res.iteration_time_s == pytest.approx((M + S - 1) * (F + B))
+    assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
+    assert res.busy_s == pytest.approx([M * (F + B)] * S)
+    want = [M] * S if schedule == "gpipe" else [min(S - s, M) for s in range(S)]
+    assert res.peak_inflight == tuple(want)
+    assert res.peak_activation_bytes == tuple(n * 1000 for n in want)
+    assert res.peak_memory_bytes == tuple(50 + n * 1000 for n in want)
+
+
+@pytest.mark.parametrize("D,v,M,f,b", [(2, 2, 4, 1.0, 1.0), (4, 2, 8, 1.0, 2.0), (4, 3, 12, 1.0, 2.0), (3, 2, 9, 1.0, 3.0), (4, 2, 4, 0.5, 1.0)])
+def test_interleaved_matches_closed_form(D, v, M, f, b):
+    res = simulate(chain_plan(D * v, schedule="interleaved", M=M, v=v), table([block(i, f, b) for i in range(D * v)]))
+    assert res.num_devices == D
+    assert res.iteration_time_s == pytest.approx((v * M + D - 1) * (f + b))
+    assert res.bubble_fraction == pytest.approx((D - 1) / (v * M + D - 1))
+    # Chunk-micro-batches in flight per device: warm-up forwards + 1, capped by all of them.
+    R = M // max(1, M // D)
+    for d in range(D):
+        warm = min((v - 1) * R + 2 * (D - 1 - d), v * M)
+        assert res.peak_activation_bytes[d] == min(warm + 1, v * M) * 1000
+
+
+def test_interleaved_beats_1f1b_bubble_by_chunks():
+    D, M = 4, 8
+    one = simulate(chain_plan(D, schedule="1f1b", M=M, per_stage=2), table([block(i) for i in range(2 * D)]))
+    inter = simulate(chain_plan(2 * D, schedule="interleaved", M=M, v=2), table([block(i) for i in range(2 * D)]))
+    assert inter.bubble_fraction < one.bubble_fraction
+    assert inter.iteration_time_s == pytest.approx(one.iteration_time_s - (D - 1) * 6.0 / 2)  # bubble halves
+
+
+def test_recompute_adds_time_and_cuts_memory():
+    S, M = 4, 8
+    costs = table([block(i) for i in range(S)])
+    base = simulate(chain_plan(S, schedule="1f1b", M=M), costs)
+    full = simulate(chain_plan(S, schedule="1f1b", M=M, recompute="full"), costs)
+    # Full recompute reruns the forward (F = 1) before every backward: B' = B + F.
+    assert full.iteration_time_s == pytest.approx((M + S - 1) * (1.0 + 2.0 + 1.0))
+    assert sum(e.kind == "recompute" for e in full.events) == S * M
+    # Activations kept: 100 bytes per micro-batch instead of 1000, plus one block's dropped bytes while recomputing.
+    assert full.peak_activation_bytes == tuple(min(S - s, M) * 100 + 900 for s in range(S))
+    # With one micro-batch in flight (last stage) recomputation saves nothing; elsewhere it does.
+    assert [f < b for f, b in zip(full.peak_activation_bytes, base.peak_activation_bytes)] == [True, True, True, False]
+
+
+def test_sends_delay_each_hop():
+    S, M = 3, 4
+    res = simulate(chain_plan(S, schedule="gpipe", M=M), table([block(i) for i in range(S)], cut=5, bw=10.0))
+    c = 0.5  # 5 bytes at 10 bytes/s
+    # GPipe: the pipeline fill and drain each pay one send per hop.
+    assert res.iteration_time_s == pytest.approx((M + S - 1) * 3.0 + 2 * (S - 1) * c)
+    sends = [e for e in res.events if e.kind.startswith("send")]
+    assert len(sends) == 2 * (S - 1) * M and all(e.duration_s == pytest.approx(c) for e in sends)
+    free = simulate(chain_plan(S, schedule="gpipe", M=M), table([block(i) for i in range(S)], cut=5, bw=10.0),
+                    link_bandwidth=math.inf)
+    assert free.iteration_time_s == pytest.approx((M + S - 1) * 3.0)
+
+
+def test_microbatch_scales_and_tables():
+    S, M = 2, 4
+    costs = table([block(i) for i in range(S)])
+    plan = chain_plan(S, schedule="1f1b", M=M)
+    scaled = simulate(plan, costs, microbatch_costs=[2.0] * M)
+    assert scaled.iteration_time_s == pytest.approx(2 * simulate(plan, costs).iteration_time_s)
+    doubled = table([block(i, 2.0, 4.0, act=2000) for i in range(S)])
+    as_tables = simulate(plan, costs, microbatch_costs=[doubled] * M)
+    assert as_tables.iteration_time_s == pytest.approx(scaled.iteration_time_s)
+    assert as_tables.peak_activation_bytes == scaled.peak_activation_bytes
+    # One heavy micro-batch: the whole pipeline waits for it at least once per stage.
+    uneven = simulate(plan, costs, microbatch_costs=[1.0, 1.0, 3.0, 1.0])
+    assert uneven.iteration_time_s > simulate(plan, costs).iteration_time_s + 2 * 3.0
+    with pytest.raises(InputError, match="3 entries for 4"):
+        simulate(plan, costs, microbatch_costs=[1.0] * 3, num_microbatches=4)
+    with pytest.raises(InputError, match="expected a float scale or a CostTable"):
+        simulate(plan, costs, microbatch_costs=["x"] * 4)
+
+
+def test_errors_name_the_problem():
+    costs = table([block(i) for i in range(4)])
+    with pytest.raises(PlanError, match="does not match the plan"):
+        simulate(chain_plan(3, schedule="1f1b", M=2), costs)
+    with pytest.raises(PlanError, match="use schedule 'interleaved'"):
+        simulate(chain_plan(4, schedule="1f1b", M=4, v=2), costs)
+    with pytest.raises(PlanError, match="multiple of"):
+        simulate(chain_plan(4, schedule="interleaved", M=5, v=2), costs)
+
+
+def test_stage_costs_sum_blocks():
+    costs = table([block(i, f=i + 1.0, b=2 * (i + 1.0)) for i in range(4)], cut=8, bw=4.0)
+    plan = Plan(block_names=[f"b{i}" for i in range(4)], boundaries=(0, 3, 4), recompute=("none", "selective", "none", "full"))
+    sc = stage_costs(plan, costs)
+    assert sc[0].forward_s == 6.0 and sc[0].backward_s == 12.0 and sc[0].recompute_s == pytest.approx(2.0 / 4)
+    assert sc[0].send_s == 2.0 and sc[1].send_s == 0.0
+    assert sc[0].activation_bytes == 1000 + 500 + 1000 and sc[0].workspace_bytes == 500
+    assert sc[1].activation_bytes == 100 and sc[1].static_bytes == 50
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    times=st.lists(st.tuples(st.floats(0.01, 5.0), st.floats(0.01, 5.0)), min_size=2, max_size=8),
+    M=st.integers(1, 12),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    scales=st.lists(st.floats(0.2, 3.0), min_size=12, max_size=12),
+)
+def test_properties_random_plans(times, M, schedule, scales):
+    S = len(times)
+    costs = table([block(i, f, b) for i, (f, b) in enumerate(times)])
+    plan = chain_plan(S, schedule=schedule, M=M)
+    res = simulate(plan, costs, microbatch_costs=scales[:M])
+    work = [sum(scales[:M]) * (f + b) for f, b in times]
+    # Never faster than the busiest stage, nor than one micro-batch's trip through every stage.
+    assert res.iteration_time_s >= max(work) - 1e-9
+    assert res.iteration_time_s >= max(scales[:M]) * sum(f + b for f, b in times) - 1e-9
+    assert res.busy_s == pytest.approx(work)
+    assert 0.0 <= res.bubble_fraction < 1.0
+    # Per device, compute intervals never overlap; every op of every micro-batch happens once.
+    for d in range(S):
+        ev = sorted((e for e in res.events if e.device == d and not e.kind.startswith("send")), key=lambda e: e.start_s)
+        assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(ev, ev[1:]))
+    assert sum(e.kind == "forward" for e in res.events) == S * M == sum(e.kind == "backward" for e in res.events)
+    # Dependencies: forward of s after forward of s-1; backward of s after backward of s+1.
+    f_end = {(e.stage, e.microbatch): e.end_s for e in res.events if e.kind == "forward"}
+    b_ev = {(e.stage, e.microbatch): e for e in res.events if e.kind == "backward"}
+    for (s, m), e in b_ev.items():
+        assert e.start_s >= f_end[(s, m)] - 1e-9
+        if s + 1 < S:
+            assert e.start_s >= b_ev[(s + 1, m)].end_s - 1e-9
+    assert res.peak_inflight == tuple(M if schedule == "gpipe" else min(S - s, M) for s in range(S))
+
+
+@settings(max_examples=25, deadline=None)
+@given(D=st.integers(1, 4), v=st.integers(1, 3), rounds=st.integers(1, 3), schedule=st.sampled_from(["gpipe", "interleaved"]))
+def test_orders_cover_every_op_once(D, v, rounds, schedule):
+    M = D * rounds
+    orders = operation_order(schedule, D, v, M)
+    ops = [op for o in orders for op in o]
+    assert len(ops) == len(set(ops)) == 2 * D * v * M
+    for d, o in enumerate(orders):
+        assert all(s % D == d for _, s, _ in o)
+        # Within a stage, backward of m comes after forward of m.
+        for k, s, m in o:
+            if k == "B":
+                assert o.index(("F", s, m)) < o.index(("B", s, m))
+
+
+def test_sweep_marks_infeasible_values():
+    costs = table([block(i) for i in range(4)])
+
+    def make(stages: int) -> Plan:
+        if stages > 4:
+            raise PlanError("more stages than blocks")
+        return chain_plan(stages, schedule="1f1b", M=8, per_stage=4 // stages)
+
+    points = sweep(make, [1, 2, 4, 8], costs)
+    assert [p.iteration_time_s is None for p in points] == [False, False, False, True]
+    assert points[0].iteration_time_s == pytest.approx(8 * 12.0)
+    assert points[2].iteration_time_s < points[1].iteration_time_s < points[0].iteration_time_s
+    assert "more stages" in points[3].error
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("40GB") == 40 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5 KiB") == 1536
+    assert parse_size("123") == 123 and parse_size(7) == 7
+    assert parse_size("2g") == 2 * 2**30
+    for bad, msg in (("80 parsecs", "unknown unit"), ("lots", "cannot read size"), ("-1GiB", "cannot read size")):
+        with pytest.raises(InputError, match=msg):
+            parse_size(bad)
+    assert format_size(3 * 2**30) == "3.00 GiB" and format_size(12) == "12 B"

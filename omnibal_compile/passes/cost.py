@@ -1,0 +1,431 @@
+"""Cost pass: annotate every block with FLOPs, memory and time -> a torch-free :class:`CostTable`.
+
+Glossary:
+    block module     the block cut out as a standalone ``GraphModule`` (codegen with one stage per
+                     block): its inputs are the values crossing the cut before it, its outputs
+                     those crossing the cut after it.
+    charged input    a block input produced by an earlier block and read by no later one. If the
+                     block keeps it for backward, its bytes are charged to this block. Model inputs
+                     (held by the data loader) and skip tensors that travel on (charged to their last
+                     reader) are not, so every kept storage is counted once over the chain.
+    activation bytes bytes kept alive from a block's forward to its backward (live-storage
+                     accounting), per recompute option: ``none``, ``selective`` (matmul and
+                     attention outputs kept, the rest recomputed) and ``full`` (inputs only).
+    recompute time   ``full``: one more forward; ``selective``: the forward time share of the ops
+                     that are rerun (measured per op here, or modelled by the roofline).
+    profiled         times measured here (``cpu``/``cuda``): warm-up, repeats, median.
+    roofline         times modelled for a target GPU (:mod:`omnibal_compile.devices`): per op the
+                     slower of FLOPs / peak and bytes / bandwidth, divided by the op class's
+                     calibration; backward = 2 x forward (gradients for inputs and for weights).
+    precision        bytes per parameter for weights, gradients, fp32 master copy and optimizer
+                     states, with optional sharding of the last two over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from omnibal_compile.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from omnibal_compile.devices import PROFILED_DEVICES, DeviceSpec, get_device
+from omnibal_compile.errors import InputError
+from omnibal_compile.passes.blocks import BlockGraph, build_blocks
+from omnibal_compile.passes.capture import capture, normalize_example_inputs
+from omnibal_compile.passes.codegen import generate_stages, stage_info
+from omnibal_compile.passes.cost_measure import LiveStorages, _tensors, median_time, record_ops, with_recompute
+from omnibal_compile.plan import Plan
+
+__all__ = [
+    "Precision",
+    "BF16_ADAM",
+    "FP32_ADAM",
+    "CPU_LINK_BANDWIDTH",
+    "CACHE_FORMAT",
+    "annotate_costs",
+    "profile_costs",
+    "block_modules",
+    "measured_activation_bytes",
+    "measured_step_time",
+]
+
+CACHE_FORMAT = 1
+"""Version of the profile cache file layout."""
+
+CPU_LINK_BANDWIDTH = 5e9
+"""Bytes/s assumed between pipeline stages on CPU (gloo over shared memory; override per call)."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per parameter of what training holds for it; the optimizer part may be sharded."""
+
+    weight_bytes: int = 2
+    """Bytes of the working weight (bf16: 2)."""
+    grad_bytes: int = 2
+    """Bytes of its gradient."""
+    master_bytes: int = 4
+    """Bytes of an fp32 master copy (0 when weights are already fp32)."""
+    optimizer_bytes: int = 8
+    """Bytes of optimizer states (Adam: two fp32 moments = 8)."""
+    optimizer_shards: int = 1
+    """Data-parallel ranks the master copy and optimizer states are sharded over (ZeRO-1); 1 = none."""
+
+    def __post_init__(self) -> None:
+        if min(self.weight_bytes, self.grad_bytes, self.master_bytes, self.optimizer_bytes) < 0:
+            raise InputError(f"precision byte counts must be >= 0, got {self}")
+        if self.optimizer_shards < 1:
+            raise InputError(f"optimizer_shards must be >= 1 (data-parallel ranks), got {self.optimizer_shards}")
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.weight_bytes + self.grad_bytes + (self.master_bytes + self.optimizer_bytes) / self.optimizer_shards
+
+
+BF16_ADAM = Precision()
+"""bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes/parameter."""
+FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
+"""fp32 weights, gradients and Adam moments: 16 bytes/parameter."""
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _progress(items: Sequence[T], desc: str, enabled: bool) -> Iterator[T]:
+    if not enabled:
+        yield from items
+        return
+    try:
+        from tqdm.auto import tqdm  # optional; plain prints otherwise
+    except ImportError:
+        for i, item in enumerate(items):
+            print(f"{desc}: {i + 1}/{len(items)}", flush=True)
+            yield item
+        return
+    yield from tqdm(items, desc=desc, leave=False)
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """Pin intra-op threads while timing: shared machines make multi-threaded timings noisy."""
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _check_inputs(names: Sequence[str], values: Iterable[Any]) -> None:
+    for name, v in zip(names, values):
+        if isinstance(v, torch.Tensor) and v.numel() == 0:
+            raise InputError(
+                f"example input '{name}' has shape {tuple(v.shape)} with a zero-size dimension; costs need a "
+                "non-empty batch: give at least one element along every dimension"
+            )
+
+
+def block_modules(graph: BlockGraph, model: nn.Module | None = None) -> tuple[fx.GraphModule, ...]:
+    """One standalone module per block (codegen with a stage per block); they share the model's parameters."""
+    plan = Plan(block_names=graph.names, boundaries=tuple(range(graph.num_blocks + 1)))
+    return generate_stages(graph, plan, model)
+
+
+def _block_inputs(graph: BlockGraph, modules: Sequence[fx.GraphModule]) -> list[tuple[Any, ...]]:
+    """Each block's example inputs: leaves that require grad exactly where the real chain's values do."""
+    ph = [n.name for n in graph.captured.graph_module.graph.nodes if n.op == "placeholder"]
+    vals: dict[str, Any] = dict(zip(ph, graph.captured.example_flat_inputs))
+    result: list[tuple[Any, ...]] = []
+    with torch.enable_grad():
+        for m in modules:
+            info = stage_info(m)
+            ins = tuple(vals[n] for n in info.input_names)
+            result.append(ins)
+            if info.is_last:
+                break
+            outs = m(*ins)
+            for name, o in zip(info.output_names, outs):
+                vals[name] = o.detach().requires_grad_(o.requires_grad) if isinstance(o, torch.Tensor) else o
+    return result
+
+
+def _backward_args(outs: Any, wrt: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    diff = [t for t in _tensors(outs) if t.requires_grad]
+    if not diff or not wrt:
+        return None
+    return diff, [torch.ones_like(t) for t in diff]
+
+
+def _saved_bytes(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool], option: str) -> int:
+    fn = with_recompute(m, option)
+    with torch.enable_grad():
+        with LiveStorages() as live:
+            ins = [
+                x.detach().clone().requires_grad_(x.requires_grad) if c and isinstance(x, torch.Tensor) else x
+                for x, c in zip(inputs, charged)
+            ]
+            outs = fn(*ins)
+        keep = [t.grad_fn for t in _tensors(outs) if t.grad_fn is not None]  # keeps the graph, not the outputs
+        del outs, ins
+        nbytes = live.alive_bytes()
+        del keep
+    return nbytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Timing:
+    forward_s: float
+    backward_s: float
+    selective_s: float
+
+
+def _profile_times(m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, warmup: int, repeats: int) -> _Timing:
+    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    wrt += [p for p in m.parameters() if p.requires_grad]
+
+    def forward(_: Any) -> Any:
+        with torch.enable_grad():
+            return m(*inputs)
+
+    fwd = median_time(forward, warmup=warmup, repeats=repeats, cuda=cuda)
+    bwd = 0.0
+    if _backward_args(forward(None), wrt) is not None:
+        bwd = median_time(
+            lambda st: torch.autograd.grad(st[0], wrt, st[1], allow_unused=True),
+            setup=lambda: _backward_args(forward(None), wrt),
+            warmup=warmup,
+            repeats=repeats,
+            cuda=cuda,
+        )
+    total = sum(r.seconds for r in records)
+    rerun = sum(r.seconds for r in records if r.op_class == "memory")
+    return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * rerun / total if total > 0 else 0.0)
+
+
+def _roofline_times(records: Sequence[Any], spec: DeviceSpec) -> _Timing:
+    fwd = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records)
+    rerun = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "memory")
+    return _Timing(forward_s=fwd, backward_s=2 * fwd, selective_s=rerun)
+
+
+# -- cache ---------------------------------------------------------------------------------------
+
+
+def _cache_key(graph: BlockGraph, model: nn.Module, device: str, settings: Mapping[str, Any]) -> str:
+    """Hash of the model structure (graph code, blocks, parameter shapes), inputs, device and settings."""
+    h = hashlib.sha256()
+    h.update(graph.captured.graph_module.code.encode())
+    h.update(repr([(b.name, b.kind, len(b.nodes)) for b in graph.blocks]).encode())
+    h.update(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]).encode())
+    h.update(
+        repr([
+            (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
+            for x in graph.captured.example_flat_inputs
+        ]).encode()
+    )
+    h.update(json.dumps({"device": device, "torch": torch.__version__, **settings}, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _cache_read(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
+            raise ValueError(f"not a format-{CACHE_FORMAT} omnibal cost cache")
+        return data["entries"]
+    except (OSError, ValueError) as e:
+        warnings.warn(f"cost cache {path} is unreadable ({e}); ignoring it and profiling again", stacklevel=3)
+        return {}
+
+
+def _cache_write(path: Path, entries: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": CACHE_FORMAT, "entries": dict(entries)}, f)
+    os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache
+
+
+# -- the pass ------------------------------------------------------------------------------------
+
+
+def annotate_costs(
+    graph: BlockGraph,
+    model: nn.Module,
+    *,
+    device: str | DeviceSpec = "cpu",
+    precision: Precision = BF16_ADAM,
+    link: str = "nvlink",
+    link_bandwidth: float | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    threads: int | None = 1,
+    cache: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    batch_shape: Mapping[str, int] | None = None,
+    progress: bool = False,
+) -> CostTable:
+    """Costs of every block of ``graph`` for one micro-batch shaped like the captured example.
+
+    Args:
+        graph: blocks of the captured model (:func:`build_blocks`).
+        model: the model the graph was captured from (parameters are shared, never modified).
+        device: ``"cpu"``/``"cuda"`` profile on this machine (the model and example inputs must be
+            there); a target name (``"a100-80gb"``, ``"h100-80gb"``, ``"h200"``) or a
+            :class:`DeviceSpec` use the roofline model. Memory is measured in both cases.
+        precision: bytes per parameter for :attr:`BlockCost.static_bytes`.
+        link: ``"nvlink"`` or ``"infiniband"`` between stages (roofline targets).
+        link_bandwidth: bytes/s between stages, overriding the device's.
+        warmup, repeats: untimed and timed runs per measurement (the median is kept).
+        threads: intra-op threads while profiling (None: leave as is).
+        cache: JSON file of profiled tables keyed by model structure, inputs, device and settings.
+        refresh: ignore (and overwrite) a cached entry.
+        batch_shape: recorded in the table (e.g. ``{"tiles": 4, "text_tokens": 256}``).
+        progress: show a progress bar (tqdm when installed, else prints).
+    """
+    name = device.name if isinstance(device, DeviceSpec) else str(device).strip().lower()
+    spec = None if name in PROFILED_DEVICES else get_device(device)
+    if warmup < 0 or repeats < 1:
+        raise InputError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    ph = [n.name for n in graph.captured.graph_module.graph.nodes if n.op == "placeholder"]
+    _check_inputs(ph, graph.captured.example_flat_inputs)
+    cuda = name == "cuda"
+    if cuda:
+        if not torch.cuda.is_available():
+            raise InputError("device='cuda' needs a CUDA GPU; none is available here. Use 'cpu' or a roofline target")
+        if any(not p.is_cuda for p in model.parameters()):
+            raise InputError("device='cuda' profiles where the model lives: move the model and example inputs to CUDA first")
+    if link_bandwidth is None:
+        link_bandwidth = spec.link_bandwidth(link) if spec is not None else CPU_LINK_BANDWIDTH
+    settings = {
+        "precision": asdict(precision), "warmup": warmup, "repeats": repeats, "threads": threads,
+        "link_bandwidth": link_bandwidth, "batch_shape": dict(batch_shape or {}),
+        "calibration": dict(spec.calibration) if spec else None,
+    }
+    path = Path(cache) if cache is not None else None
+    key = _cache_key(graph, model, name, settings) if path else ""
+    entries = _cache_read(path) if path else {}
+    if path and not refresh and key in entries:
+        try:
+            return CostTable.from_dict(entries[key])
+        except (TypeError, ValueError, KeyError) as e:
+            warnings.warn(f"cost cache {path}: entry is malformed ({e}); profiling again", stacklevel=2)
+
+    modules = block_modules(graph, model)
+    values = {v.name: v for v in graph.values}
+    sync = torch.cuda.synchronize if cuda else None
+    blocks: list[BlockCost] = []
+    with _threads(threads if not cuda else None):
+        all_inputs = _block_inputs(graph, modules)
+        for k in _progress(range(graph.num_blocks), f"costing blocks on {name}", progress):
+            m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
+            info = stage_info(m)
+            charged = [
+                n in values and values[n].producer >= 0 and values[n].last_use == k for n in info.input_names
+            ]
+            records, flops = record_ops(m, inputs, sync=sync)
+            if spec is None:
+                timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats)
+            else:
+                timing = _roofline_times(records, spec)
+            activation = {opt: _saved_bytes(m, inputs, charged, opt) for opt in RECOMPUTE_OPTIONS}
+            blocks.append(
+                BlockCost(
+                    name=block.name,
+                    kind=block.kind,
+                    flops=float(flops),
+                    num_params=block.num_params,
+                    static_bytes=round(block.num_params * precision.bytes_per_param),
+                    forward_s=timing.forward_s,
+                    backward_s=timing.backward_s,
+                    activation_bytes=activation,
+                    recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
+                )
+            )
+    n = graph.num_blocks
+    table = CostTable(
+        blocks=tuple(blocks),
+        cut_bytes=(0, *(graph.cut_bytes(k) for k in range(1, n)), 0),
+        link_bandwidth=link_bandwidth,
+        device=name,
+        source="roofline" if spec is not None else "profiled",
+        batch_shape=dict(batch_shape or {}),
+    )
+    if path:
+        entries[key] = json.loads(table.to_json())
+        _cache_write(path, entries)
+    return table
+
+
+def profile_costs(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    block_prefixes: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> CostTable:
+    """Capture ``model`` on ``example_inputs``, build its blocks and :func:`annotate_costs` them."""
+    graph = build_blocks(capture(model, example_inputs), model, block_prefixes=block_prefixes)
+    return annotate_costs(graph, model, **kwargs)
+
+
+# -- ground truth for the accuracy checks ---------------------------------------------------------
+
+
+def measured_activation_bytes(graph: BlockGraph, model: nn.Module, option: str) -> int:
+    """Bytes kept for backward by the whole chain run at once with every block under ``option``.
+
+    The reference the per-block figures are checked against: one forward over all blocks, then the
+    live storages the autograd graph of the output holds.
+    """
+    if option not in RECOMPUTE_OPTIONS:
+        raise InputError(f"unknown recompute option {option!r}; use one of {list(RECOMPUTE_OPTIONS)}")
+    fns: list[Callable[..., Any]] = [with_recompute(m, option) for m in block_modules(graph, model)]
+    with torch.enable_grad():
+        with LiveStorages() as live:
+            values: Any = tuple(graph.captured.example_flat_inputs)
+            for fn in fns:
+                values = fn(*values)
+        keep = [t.grad_fn for t in _tensors(values) if t.grad_fn is not None]
+        del values
+        nbytes = live.alive_bytes()
+        del keep
+    return nbytes
+
+
+def measured_step_time(
+    model: nn.Module, example_inputs: Any, *, warmup: int = 1, repeats: int = 5, threads: int | None = 1
+) -> float:
+    """Median seconds of one forward + backward of the unsplit model (gradients of every parameter)."""
+    from omnibal_compile.api import _scalar_to_differentiate  # api imports this module
+
+    args, kwargs = normalize_example_inputs(example_inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cuda = any(p.is_cuda for p in params)
+
+    def step(_: Any) -> None:
+        with torch.enable_grad():
+            loss = _scalar_to_differentiate(pytree.tree_leaves(model(*args, **kwargs)))
+            torch.autograd.grad(loss, params, allow_unused=True)
+
+    with _threads(threads if not cuda else None):
+        return median_time(step, warmup=warmup, repeats=repeats, cuda=cuda)

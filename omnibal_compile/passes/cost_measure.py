@@ -1,0 +1,244 @@
+"""Measuring tools of the cost pass: op recording, live-storage accounting, recompute wrappers, timers.
+
+Glossary:
+    op record      one ATen op run during a block's forward: its op class, FLOPs (the formulas of
+                   ``torch.utils.flop_counter``), bytes read + written, and wall time.
+    fused attention  a ``scaled_dot_product_attention`` graph node is recorded as one op (FLOPs of
+                   its two matmuls, bytes of q, k, v, mask and output) whatever kernel runs it here,
+                   because on a GPU it runs as one flash kernel that never writes the score matrix.
+    live storage   a tensor storage allocated inside the tracking mode and not freed yet; what
+                   the autograd graph keeps alive after forward is exactly what backward needs.
+    saved ops      ops whose outputs selective recomputation keeps (matmuls, attention); every
+                   other op is rerun before backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+
+__all__ = [
+    "OpRecord",
+    "op_class",
+    "record_ops",
+    "LiveStorages",
+    "with_recompute",
+    "median_time",
+    "count_flops",
+]
+
+aten = torch.ops.aten
+
+_MATMUL = {
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution, aten._slow_conv2d_forward,
+    aten.mkldnn_convolution,
+}
+_ATTENTION = {
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
+    aten._flash_attention_forward, aten._efficient_attention_forward,
+}
+_SDPA_TARGETS = {aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention}
+
+
+def op_class(func: Any) -> str:
+    """``matmul``, ``attention`` or ``memory`` for an ATen op overload."""
+    packet = getattr(func, "overloadpacket", func)
+    if packet in _MATMUL:
+        return "matmul"
+    if packet in _ATTENTION:
+        return "attention"
+    return "memory"
+
+
+def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op_class(func) != "memory" else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def with_recompute(fn: Callable[..., Any], option: str) -> Callable[..., Any]:
+    """``fn`` run under recompute ``option``: ``none`` (as is), ``selective`` or ``full`` checkpointing."""
+    if option == "none":
+        return fn
+    if option == "full":
+        return lambda *a: checkpoint(fn, *a, use_reentrant=False)
+    if option == "selective":
+        ctx = partial(create_selective_checkpoint_contexts, _selective_policy)
+        return lambda *a: checkpoint(fn, *a, use_reentrant=False, context_fn=ctx)
+    raise ValueError(f"unknown recompute option {option!r}")
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpRecord:
+    """One op run during a forward."""
+
+    name: str
+    """ATen op (or ``scaled_dot_product_attention`` for a fused attention node)."""
+    op_class: str
+    """``matmul``, ``attention`` or ``memory``."""
+    flops: float
+    """FLOPs by the formulas of torch.utils.flop_counter (0 for ops it does not count)."""
+    nbytes: int
+    """Bytes of tensor inputs plus outputs (0 for views, which move no data)."""
+    seconds: float
+    """Wall time of the call (synchronised on CUDA); meaningless on the meta device."""
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, sync: Callable[[], None] | None) -> None:
+        super().__init__()
+        self.records: list[OpRecord] = []
+        self.paused = False
+        self.sync = sync
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        if self.sync:
+            self.sync()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        if self.sync:
+            self.sync()
+        seconds = time.perf_counter() - start
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        in_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in ins}
+        is_view = all(StorageWeakRef(t.untyped_storage()).cdata in in_storages for t in outs)
+        packet = func.overloadpacket
+        flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+        nbytes = 0 if is_view else sum(_nbytes(t) for t in ins + outs)
+        self.records.append(OpRecord(name=str(func), op_class=op_class(func), flops=float(flops), nbytes=nbytes, seconds=seconds))
+        return out
+
+
+class _FusedAttention(fx.Interpreter):
+    """Runs a graph, recording each scaled-dot-product-attention node as one fused op."""
+
+    def __init__(self, gm: fx.GraphModule, recorder: _Recorder) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.recorder = recorder
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target not in _SDPA_TARGETS:
+            return super().call_function(target, args, kwargs)
+        rec = self.recorder
+        q, k, v = args[:3]
+        if rec.sync:
+            rec.sync()
+        start = time.perf_counter()
+        rec.paused = True
+        try:
+            out = super().call_function(target, args, kwargs)
+        finally:
+            rec.paused = False
+        if rec.sync:
+            rec.sync()
+        seconds = time.perf_counter() - start
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        nbytes = sum(_nbytes(t) for t in (q, k, v, out)) + (_nbytes(mask) if isinstance(mask, torch.Tensor) else 0)
+        flops = sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        rec.records.append(
+            OpRecord(name="scaled_dot_product_attention", op_class="attention", flops=float(flops), nbytes=nbytes, seconds=seconds)
+        )
+        return out
+
+
+def _cpu_flash_flops(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+def count_flops() -> FlopCounterMode:
+    """A ``FlopCounterMode`` that also counts PyTorch's CPU flash-attention kernel (absent upstream)."""
+    return FlopCounterMode(display=False, custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops})
+
+
+def record_ops(gm: fx.GraphModule, inputs: Sequence[Any], *, sync: Callable[[], None] | None = None) -> tuple[list[OpRecord], int]:
+    """Run ``gm`` once on ``inputs`` (grad enabled, as in training): its op records and total FLOPs.
+
+    The FLOP total comes from :class:`FlopCounterMode`; the records are what the roofline and the
+    selective-recompute estimate use.
+    """
+    recorder = _Recorder(sync)
+    with torch.enable_grad(), count_flops() as counter, recorder:
+        _FusedAttention(gm, recorder).run(*inputs)
+    return recorder.records, int(counter.get_total_flops())
+
+
+class LiveStorages(TorchDispatchMode):
+    """Tracks every storage that an op allocates while the mode is active (views and in-place excluded).
+
+    ``alive_bytes()`` is the sum over those storages not yet freed. Unlike ``saved_tensors_hooks``
+    it also sees what selective checkpointing caches outside the autograd graph.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        in_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref.cdata not in in_storages:
+                self._refs[ref.cdata] = (ref, storage.nbytes())
+        return out
+
+    def alive_bytes(self) -> int:
+        return sum(n for ref, n in self._refs.values() if not ref.expired())
+
+
+def median_time(
+    call: Callable[[Any], Any],
+    *,
+    setup: Callable[[], Any] | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    cuda: bool = False,
+) -> float:
+    """Median seconds of ``call(setup())`` over ``repeats`` runs after ``warmup`` untimed ones.
+
+    CPU: ``time.perf_counter``; CUDA: events around the call, synchronised before reading.
+    ``setup`` runs outside the timed region (e.g. the forward whose backward is timed).
+    """
+    times: list[float] = []
+    for i in range(warmup + repeats):
+        state = setup() if setup else None
+        if cuda:
+            start_ev, stop_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start_ev.record()
+            call(state)
+            stop_ev.record()
+            torch.cuda.synchronize()
+            seconds = start_ev.elapsed_time(stop_ev) / 1e3
+        else:
+            start = time.perf_counter()
+            call(state)
+            seconds = time.perf_counter() - start
+        del state
+        if i >= warmup:
+            times.append(seconds)
+    return statistics.median(times)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from omnibal_compile.errors import OmnibalError
 
 # Subcommand modules; each defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
-COMMANDS: tuple[str, ...] = ("omnibal_compile.commands.demo",)
+COMMANDS: tuple[str, ...] = ("omnibal_compile.commands.demo", "omnibal_compile.commands.plan", "omnibal_compile.commands.run")
 
 
 def build_parser() -> argparse.ArgumentParser:

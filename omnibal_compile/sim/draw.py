@@ -223,8 +223,10 @@ def draw_stage_bars(
     ax.set_title("time per stage", fontsize=9)
     ax.legend(fontsize=7)
 
-    gib = 1 / 2**30
     D = plan.num_devices
+    top = max([*(plan.memory_budget_bytes or [0]), *(result.peak_memory_bytes if result else [0]),
+               *(sc[s].static_bytes + sc[s].activation_bytes for s in range(S))])
+    unit, gib = ("GiB", 1 / 2**30) if top >= 2**30 else ("MiB", 1 / 2**20)
     static = [sum(sc[s].static_bytes for s in range(d, S, D)) * gib for d in range(D)]
     if result is not None:
         act = [a * gib for a in result.peak_activation_bytes]
@@ -240,7 +242,7 @@ def draw_stage_bars(
         mx.hlines(budget, [d - 0.45 for d in dx], [d + 0.45 for d in dx], colors="#D62728", linestyles="--", label="budget")
     mx.set_xticks(dx, [str(d) for d in dx])
     mx.set_xlabel("device")
-    mx.set_ylabel("GiB")
+    mx.set_ylabel(unit)
     mx.set_title("memory per device", fontsize=9)
     mx.legend(fontsize=7)
     return _save(fig, path)

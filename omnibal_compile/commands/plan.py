@@ -1,0 +1,422 @@
+"""``omnibal-compile plan``: plan a model's pipeline split, simulate it, and draw it.
+
+MODEL is one of:
+    tiny-vlm                    the built-in reference VLM (``omnibal_compile.models.TinyVLM``);
+    hf:ClassName:config.json    a Hugging Face ``transformers`` class built offline from a config
+                                file with random weights (``hf:LlavaForConditionalGeneration:cfg.json``);
+    module.path:factory         a function returning ``(model, example_batch)``.
+
+Artefacts written to ``--out``: plan.json, plan.txt, blocks.png + blocks.svg (block graph),
+torchtitan.json and megatron.txt (the split in other frameworks' formats), and, when costs are
+known, costs.json, timeline.png, trace.json (chrome://tracing, ui.perfetto.dev), stages.png and,
+with a sweep, sweep.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from omnibal_compile.errors import InputError, PlanError
+
+NAME = "plan"
+HELP = "plan a model's pipeline stages, simulate an iteration, and write the plan, pictures and a trace"
+
+DEFAULT_OUT = "omnibal-plan"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="tiny-vlm | hf:ClassName:config.json | module.path:factory")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages, chunks included (default 4)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="stage chunks per device, for --schedule interleaved (default 1)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 40GB (default: unconstrained)")
+    p.add_argument("--device", default="cpu", help="device the costs are for: cpu (profile here) or a target such as a100-80gb")
+    p.add_argument("--planner", default="auto", help="auto (best available) | ilp | parameters | uniform")
+    p.add_argument("--costs", metavar="FILE", default=None, help="use this CostTable JSON instead of running the cost pass")
+    p.add_argument("--lengths", metavar="FILE", nargs="+", default=None,
+                   help="dataset length statistics (JSON lists of {vit_num, token_num}) to simulate micro-batches that differ")
+    p.add_argument("--batch", type=int, default=2, help="samples per micro-batch of the example batch (default 2)")
+    p.add_argument("--tiles", type=int, default=2, help="image tiles per sample of the example batch (tiny-vlm; default 2)")
+    p.add_argument("--text", type=int, default=32, help="text tokens per sample of the example batch (default 32)")
+    p.add_argument("--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB")
+    p.add_argument("--sweep-stages", metavar="COUNTS", default=None, help="what-if: comma-separated stage counts, e.g. 2,4,8")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    p.add_argument("--no-pictures", action="store_true", help="write JSON and text only (no matplotlib needed)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
+
+
+# -- progress -------------------------------------------------------------------------------------
+@contextmanager
+def _progress(total: int) -> Iterator[Callable[[str], None]]:
+    """A step counter: a rich progress bar on a terminal, one line per step otherwise."""
+    started = time.perf_counter()
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        Progress = None  # type: ignore[assignment]
+    if Progress is not None and sys.stderr.isatty():
+        with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), transient=True) as bar:
+            task = bar.add_task("planning", total=total)
+
+            def step(name: str) -> None:
+                bar.update(task, advance=1 if bar.tasks[0].description != "planning" else 0, description=name)
+
+            yield step
+            bar.update(task, completed=total)
+    else:
+        count = [0]
+
+        def step(name: str) -> None:
+            count[0] += 1
+            print(f"[{count[0]}/{total} {time.perf_counter() - started:5.1f}s] {name}", file=sys.stderr, flush=True)
+
+        yield step
+
+
+# -- models ---------------------------------------------------------------------------------------
+def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int) -> tuple[Any, dict[str, Any], str]:
+    """(model, example batch, display name) for a MODEL argument."""
+    import torch
+
+    torch.manual_seed(seed)
+    if spec == "tiny-vlm":
+        from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+
+        cfg = TinyVLMConfig()
+        return TinyVLM(cfg), make_example_batch(cfg, batch=batch, tiles_per_sample=tiles, text_tokens=text, seed=seed), "tiny-vlm"
+    if spec.startswith("hf:"):
+        parts = spec.split(":", 2)
+        if len(parts) != 3 or not parts[1] or not parts[2]:
+            raise InputError(f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json")
+        return (*_hf_model(parts[1], parts[2], batch=batch, text=text, seed=seed), parts[1])
+    if ":" in spec:
+        module, _, factory = spec.rpartition(":")
+        try:
+            fn = getattr(importlib.import_module(module), factory)
+        except (ImportError, AttributeError) as e:
+            raise InputError(f"MODEL {spec!r}: cannot load {factory!r} from module {module!r}: {e}") from None
+        made = fn()
+        if not (isinstance(made, tuple) and len(made) == 2):
+            raise InputError(f"MODEL {spec!r}: {factory}() must return (model, example_batch), got {type(made).__name__}")
+        return made[0], made[1], spec
+    raise InputError(f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json or module.path:factory")
+
+
+def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed: int) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise InputError("hf: models need transformers: pip install 'omnibal-compile[hf]'") from None
+    cls = getattr(transformers, class_name, None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise InputError(f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)")
+    if not Path(config_path).is_file():
+        raise InputError(f"config file {config_path!r} does not exist")
+    cfg = cls.config_class.from_json_file(config_path)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is not None and hasattr(c, "use_cache"):
+            c.use_cache = False  # training: no KV cache in the captured graph
+    model = cls(cfg)
+    g = torch.Generator().manual_seed(seed)
+    text_cfg = getattr(cfg, "text_config", cfg)
+    vocab = int(text_cfg.vocab_size)
+    vision = getattr(cfg, "vision_config", None)
+    image_token = getattr(cfg, "image_token_index", getattr(cfg, "image_token_id", None))
+    if vision is None or image_token is None:
+        ids = torch.randint(0, vocab, (batch, text), generator=g)
+        return model, {"input_ids": ids, "labels": ids.clone()}
+    grid = int(vision.image_size) // int(vision.patch_size)
+    n_image = grid * grid + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
+    high = min(vocab, int(image_token)) if int(image_token) > 0 else vocab
+    ids = torch.randint(0, max(1, high), (batch, n_image + text), generator=g)
+    ids[:, :n_image] = int(image_token)
+    labels = ids.clone()
+    labels[:, :n_image] = -100
+    pixels = torch.randn(batch, int(getattr(vision, "num_channels", 3)), int(vision.image_size), int(vision.image_size), generator=g)
+    return model, {"pixel_values": pixels, "input_ids": ids, "labels": labels}
+
+
+# -- planning and costs ---------------------------------------------------------------------------
+def available_planners() -> list[str]:
+    from omnibal_compile.passes.partition import PLANNERS
+
+    return sorted(PLANNERS)
+
+
+def _choose_planner(name: str) -> str:
+    names = available_planners()
+    if name == "auto":
+        return "ilp" if "ilp" in names else "parameters"
+    if name not in names:
+        raise InputError(f"planner {name!r} is not available here; choose one of {['auto', *names]}")
+    return name
+
+
+def cost_pass_available() -> bool:
+    return importlib.util.find_spec("omnibal_compile.passes.cost") is not None
+
+
+def load_costs(args: argparse.Namespace, result: Any) -> tuple[Any, str]:
+    """(CostTable or None, a line saying where the costs came from or why there are none)."""
+    from omnibal_compile.costs import CostTable
+
+    if args.costs:
+        path = Path(args.costs)
+        if not path.is_file():
+            raise InputError(f"--costs {path}: no such file")
+        try:
+            costs = CostTable.from_json(path.read_text())
+        except (ValueError, TypeError, KeyError) as e:
+            raise InputError(f"--costs {path}: not a CostTable JSON ({e})") from None
+        if costs.names != result.plan.block_names:
+            raise InputError(f"--costs {path}: its {len(costs.names)} blocks are not the model's {result.plan.num_blocks} blocks")
+        return costs, f"costs from {path} ({costs.device}, {costs.source})"
+    if not cost_pass_available():
+        return None, (
+            "no costs: the cost pass (omnibal_compile.passes.cost) is not installed in this version, so the "
+            "timeline, trace, stage bars and sweeps are skipped; give measured costs with --costs FILE"
+        )
+    return _run_cost_pass(args, result)
+
+
+def _run_cost_pass(args: argparse.Namespace, result: Any) -> tuple[Any, str]:
+    from omnibal_compile.passes.cost import annotate_costs
+
+    costs = annotate_costs(result.graph, result.model, device=args.device, progress=sys.stderr.isatty())
+    return costs, f"costs from the cost pass on {costs.device} ({costs.source})"
+
+
+def _parse_list(text: str, item: Callable[[str], Any], flag: str) -> list[Any]:
+    try:
+        values = [item(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise InputError(f"{flag} {text!r}: {e}") from None
+    if not values:
+        raise InputError(f"{flag} needs at least one value")
+    return values
+
+
+def _scheduled(plan: Any, args: argparse.Namespace, budget: int | None) -> Any:
+    """The plan with the command's schedule, micro-batches, chunks per device and budget."""
+    return dataclasses.replace(
+        plan,
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+        memory_budget_bytes=(budget,) * plan.num_stages if budget is not None else (),
+    )
+
+
+# -- the command ----------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    import omnibal_compile as oc
+    from omnibal_compile.interop import megatron_layout, torchtitan_module_names
+    from omnibal_compile.sim import simulate, stage_costs
+    from omnibal_compile.units import format_size, parse_size
+
+    if args.stages < 1 or args.microbatches < 1 or args.virtual_stages < 1:
+        raise InputError("--stages, --microbatches and --virtual-stages must be >= 1")
+    if args.schedule != "interleaved" and args.virtual_stages != 1:
+        raise InputError(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved")
+    if args.stages % args.virtual_stages:
+        raise InputError(f"--stages {args.stages} must be a multiple of --virtual-stages {args.virtual_stages}")
+    budget = parse_size(args.memory) if args.memory else None
+    planner = _choose_planner(args.planner)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pictures = not args.no_pictures
+    if pictures:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError("pictures need matplotlib: pip install matplotlib (or pass --no-pictures)") from None
+
+    steps = 6 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
+    written: list[Path] = []
+    with _progress(steps) as step:
+        step("building the model")
+        model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed)
+        step(f"capture + plan ({planner})")
+        result = oc.optimize(model, batch, num_stages=args.stages, planner=planner)
+        plan = _scheduled(result.plan, args, budget)
+        step("costs")
+        costs, cost_note = load_costs(args, result)
+        sim = None
+        if costs is not None:
+            step("simulating")
+            sim = simulate(plan, costs)
+            plan = dataclasses.replace(
+                plan,
+                stage_time_s=plan.stage_time_s or tuple(
+                    c.forward_s + c.backward_s + c.recompute_s + c.send_s for c in stage_costs(plan, costs)
+                ),
+                iteration_time_s=plan.iteration_time_s if plan.iteration_time_s is not None else sim.iteration_time_s,
+            )
+            (out / "costs.json").write_text(costs.to_json())
+            written.append(out / "costs.json")
+        else:
+            step("simulating (skipped: no costs)")
+        step("writing plan and exports")
+        (out / "plan.json").write_text(plan.to_json())
+        (out / "plan.txt").write_text(plan.summary() + "\n")
+        (out / "torchtitan.json").write_text(json.dumps(torchtitan_module_names(plan), indent=2) + "\n")
+        written += [out / "plan.json", out / "plan.txt", out / "torchtitan.json"]
+        layout = None
+        try:
+            layout = megatron_layout(plan)
+            (out / "megatron.txt").write_text(layout + "\n")
+            written.append(out / "megatron.txt")
+        except InputError as e:
+            cost_note += f"\nno Megatron layout: {e}"
+        step("drawing")
+        if sim is not None:
+            from omnibal_compile.sim.draw import write_chrome_trace
+
+            written.append(write_chrome_trace(sim, out / "trace.json"))
+        if pictures:
+            from omnibal_compile.sim import draw
+
+            written.append(draw.draw_block_graph(plan, out / "blocks.png", dag=result.graph.dag))
+            written.append(draw.draw_block_graph(plan, out / "blocks.svg", dag=result.graph.dag))
+            if sim is not None:
+                written.append(draw.draw_timeline(sim, out / "timeline.png"))
+                written.append(draw.draw_stage_bars(plan, costs, out / "stages.png", result=sim))
+        lengths_report = None
+        if args.lengths:
+            step("micro-batches from --lengths")
+            lengths_report = _lengths_report(args, plan, costs, result)
+        sweeps: list[str] = []
+        for flag, kind in ((args.sweep_memory, "memory"), (args.sweep_stages, "stages")):
+            if not flag:
+                continue
+            step(f"what-if sweep over {kind}")
+            if costs is None:
+                sweeps.append(f"sweep over {kind} skipped: no costs")
+                continue
+            sweeps.append(_sweep(kind, flag, args, model, batch, result, plan, costs, out, pictures, written))
+
+    _print_plan(plan, name)
+    print(cost_note)
+    if sim is not None:
+        print()
+        print(sim.summary())
+        if budget is not None:
+            over = [d for d, m in enumerate(sim.peak_memory_bytes) if m > budget]
+            if over:
+                print(f"devices {over} exceed the {format_size(budget)} budget")
+    if layout is not None:
+        print(f"\nMegatron layout: {layout}")
+    if lengths_report:
+        print(f"\n{lengths_report}")
+    for text in sweeps:
+        print(f"\n{text}")
+    print(f"\nwrote {', '.join(p.name for p in written)} to {out}/")
+    return 0
+
+
+def _print_plan(plan: Any, name: str) -> None:
+    """The plan table: rich when installed, plain text otherwise."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(plan.summary())
+        return
+    table = Table(title=f"{name}: plan by '{plan.planner}', {plan.num_stages} stages, {plan.schedule}, "
+                        f"{plan.num_microbatches} micro-batches")
+    for col in ("stage", "blocks", "first", "last", "params", "recomputed", "time ms", "budget MiB"):
+        table.add_column(col, justify="right" if col in ("stage", "params", "time ms", "budget MiB") else "left")
+    for st in plan.stages:
+        params = f"{sum(plan.block_params[st.start:st.stop]):,}" if plan.block_params else "-"
+        rec = ", ".join(f"{b}:{r}" for b, r in zip(st.blocks, st.recompute) if r != "none") or "-"
+        t = f"{plan.stage_time_s[st.index] * 1e3:.3f}" if plan.stage_time_s else "-"
+        mem = f"{plan.memory_budget_bytes[st.index] / 2**20:,.0f}" if plan.memory_budget_bytes else "-"
+        table.add_row(str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], params, rec, t, mem)
+    console = Console(width=140)
+    console.print(table)
+    if plan.iteration_time_s is not None:
+        console.print(f"predicted iteration time: {plan.iteration_time_s * 1e3:.3f} ms")
+
+
+def _sweep(kind: str, text: str, args: argparse.Namespace, model: Any, batch: Any, result: Any, plan: Any, costs: Any,
+           out: Path, pictures: bool, written: list[Path]) -> str:
+    from omnibal_compile.sim import sweep, sweep_table
+    from omnibal_compile.units import format_size, parse_size
+
+    planner = _choose_planner(args.planner)
+    if kind == "memory":
+        values = _parse_list(text, parse_size, "--sweep-memory")
+
+        def make(budget: int) -> Any:
+            p = _scheduled(result.plan, args, budget)
+            return p  # baseline planners ignore the budget; the simulation shows whether it fits
+
+        label, fmt, xs = "budget", format_size, [v / 2**30 for v in values]
+        xlabel = "memory budget per device (GiB)"
+    else:
+        values = _parse_list(text, int, "--sweep-stages")
+
+        def make(stages: int) -> Any:
+            if stages % args.virtual_stages:
+                raise PlanError(f"{stages} stages is not a multiple of {args.virtual_stages} chunks per device")
+            from omnibal_compile.passes.partition import PLANNERS
+
+            p = PLANNERS[planner](result.graph, stages)  # same blocks and costs: no need to capture again
+            return _scheduled(p, args, parse_size(args.memory) if args.memory else None)
+
+        label, fmt, xs, xlabel = "stages", str, values, "pipeline stages"
+    points = sweep(make, values, costs)
+    if kind == "memory":
+        # A plan whose simulated peak exceeds the budget is infeasible at that budget.
+        points = tuple(
+            p if p.result is None or max(p.result.peak_memory_bytes) <= p.value
+            else dataclasses.replace(p, plan=None, result=None, error=f"peak {format_size(max(p.result.peak_memory_bytes))} exceeds it")
+            for p in points
+        )
+    if pictures:
+        from omnibal_compile.sim.draw import draw_sweep
+
+        ys = [p.iteration_time_s * 1e3 if p.iteration_time_s is not None else None for p in points]
+        written.append(draw_sweep(xs, ys, out / f"sweep_{kind}.png", xlabel=xlabel, title=f"what-if: {kind} ({planner})"))
+    return f"what-if over {kind}:\n" + sweep_table(points, label=label, fmt=fmt)
+
+
+def _lengths_report(args: argparse.Namespace, plan: Any, costs: Any, result: Any) -> str:
+    from omnibal_compile.sim.lengths import random_microbatch_costs
+
+    if costs is None:
+        return "--lengths: skipped (no costs)"
+    from omnibal_compile.sim import simulate
+
+    tables = random_microbatch_costs(
+        costs, args.lengths, num_microbatches=plan.num_microbatches, samples_per_microbatch=args.batch,
+        vision_blocks=_vision_blocks(result), seed=args.seed,
+    )
+    uneven = simulate(plan, costs, microbatch_costs=tables)
+    even = simulate(plan, costs)
+    return (
+        f"micro-batches drawn at random from {len(args.lengths)} length file(s): iteration "
+        f"{uneven.iteration_time_s * 1e3:.3f} ms (bubble {uneven.bubble_fraction:.1%}) vs "
+        f"{even.iteration_time_s * 1e3:.3f} ms with identical micro-batches"
+    )
+
+
+def _vision_blocks(result: Any) -> int:
+    """Blocks before the language model's token embedding: the vision side of a VLM (0 for a text model)."""
+    for b in result.graph.blocks:
+        if b.kind == "module" and "embed_tokens" in b.name:
+            return b.index
+    return 0

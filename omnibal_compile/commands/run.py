@@ -1,0 +1,74 @@
+"""``omnibal-compile run``: train from a saved plan on N local processes (torchrun; gloo on CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAME = "run"
+HELP = "train a model from a saved plan on local pipeline ranks launched by torchrun"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="plan JSON (Plan.to_json, or `omnibal-compile demo --save-plan`)")
+    p.add_argument("--model", default="tinyvlm", help="tinyvlm (default) or package.module:factory")
+    p.add_argument("--model-config", default="{}", metavar="JSON", help="TinyVLMConfig fields or factory kwargs, as JSON")
+    p.add_argument("--data", default=None, metavar="MODULE:FN", help="fn(step, *, batch_size, seed) -> batch")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step (default 8)")
+    p.add_argument("--tiles", type=int, default=1, help="built-in batches: image tiles per sample (default 1)")
+    p.add_argument("--text", type=int, default=32, help="built-in batches: text tokens per sample (default 32)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="default adamw")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and built-in batches")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: what the plan needs)")
+    p.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"], help="override the plan's")
+    p.add_argument("--microbatches", type=int, default=None, help="override the plan's micro-batch count")
+    p.add_argument("--virtual-stages", type=int, default=None, help="override the plan's stages per rank")
+    p.add_argument("--no-recompute", action="store_true", help="ignore the plan's recompute options")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--save", default=None, metavar="DIR", help="write a stage checkpoint (original names) here")
+    p.add_argument("--load", default=None, metavar="DIR", help="start from this checkpoint")
+    p.add_argument("--log", default=None, metavar="PATH", help="append per-step JSON lines here")
+    p.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnibal_compile.errors import InputError
+    from omnibal_compile.runtime.launch import RunConfig, launch
+
+    try:
+        model_config = json.loads(args.model_config)
+    except json.JSONDecodeError as e:
+        raise InputError(f"--model-config is not valid JSON: {e}") from None
+    config = RunConfig(
+        plan=args.plan,
+        model=args.model,
+        model_config=model_config,
+        data=args.data,
+        batch_size=args.batch_size,
+        tiles_per_sample=args.tiles,
+        text_tokens=args.text,
+        steps=args.steps,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        seed=args.seed,
+        nproc=args.nproc,
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+        recompute=not args.no_recompute,
+        device=args.device,
+        threads=args.threads,
+        save=args.save,
+        load=args.load,
+        log=args.log,
+    )
+    logs = launch(config, timeout_s=args.timeout)
+    if logs:
+        times = sorted(s.step_time_s for s in logs[1:]) or [logs[0].step_time_s]
+        print(f"{len(logs)} steps: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}, median step {times[len(times) // 2] * 1e3:.1f} ms")
+    if args.save:
+        print(f"checkpoint written to {args.save}")
+    return 0

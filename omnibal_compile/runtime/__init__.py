@@ -1,0 +1,23 @@
+"""Run generated stages on ``torch.distributed.pipelining``: stage construction, training, launch."""
+
+from omnibal_compile.runtime.pipeline import (
+    RankPipeline,
+    build_pipeline,
+    check_pipeline,
+    compile_for_microbatches,
+    loss_weights,
+    rank_stages,
+    replace_plan,
+    split_batch,
+)
+
+__all__ = [
+    "RankPipeline",
+    "build_pipeline",
+    "check_pipeline",
+    "compile_for_microbatches",
+    "loss_weights",
+    "rank_stages",
+    "replace_plan",
+    "split_batch",
+]

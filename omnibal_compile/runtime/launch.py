@@ -1,0 +1,321 @@
+"""Train from a saved plan on N local processes launched by torchrun.
+
+Glossary:
+    run config    :class:`RunConfig`: plan file, model, data, optimizer and launch settings. It is
+                  written to JSON and read back by every rank.
+    model spec    ``tinyvlm`` (the built-in reference VLM, ``model_config`` = TinyVLMConfig
+                  fields) or ``package.module:factory`` (``factory(**model_config) -> nn.Module``).
+    batch source  ``source(step) -> batch``, the whole batch of one training step. Built-in
+                  TinyVLM: random fixed-shape batches; otherwise ``data = "package.module:fn"``
+                  with ``fn(step, *, batch_size, seed) -> batch``. A balanced sampler + packing
+                  collator plugs in here: any function that returns batches of the planned shape.
+    pre-launch checks  :func:`precheck` runs in the launching process, before any rank starts:
+                  world size vs stages, micro-batches vs stages and batch size, plan vs model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnibal_compile.errors import InputError, OmnibalError
+from omnibal_compile.plan import Plan
+
+__all__ = [
+    "RunConfig",
+    "StepLog",
+    "LaunchError",
+    "read_plan",
+    "build_model",
+    "batch_source",
+    "precheck",
+    "launch",
+    "train",
+]
+
+BatchSource = Callable[[int], Any]
+
+
+class LaunchError(OmnibalError):
+    """The distributed run failed or timed out; the message carries the end of its output."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a training run needs; every rank reads the same one."""
+
+    plan: str
+    """Path of the plan JSON (``Plan.to_json``)."""
+    model: str = "tinyvlm"
+    """``tinyvlm`` or ``package.module:factory``."""
+    model_config: Mapping[str, Any] = field(default_factory=dict)
+    """TinyVLMConfig fields, or keyword arguments of the factory."""
+    data: str | None = None
+    """``package.module:fn`` with ``fn(step, *, batch_size, seed) -> batch``; None: built-in random batches."""
+    batch_size: int = 8
+    """Samples per step (whole batch, all micro-batches)."""
+    tiles_per_sample: int = 1
+    """Built-in batches: image tiles per sample."""
+    text_tokens: int = 32
+    """Built-in batches: text tokens per sample."""
+    steps: int = 5
+    """Training steps."""
+    optimizer: str = "adamw"
+    """``sgd`` or ``adamw``."""
+    lr: float = 1e-3
+    """Learning rate."""
+    seed: int = 0
+    """Seed of the weights (same on every rank) and of the built-in batches."""
+    nproc: int | None = None
+    """Processes (pipeline ranks); default: what the plan needs."""
+    schedule: str | None = None
+    """Override the plan's schedule (``gpipe``, ``1f1b``, ``interleaved``)."""
+    num_microbatches: int | None = None
+    """Override the plan's micro-batch count."""
+    virtual_stages: int | None = None
+    """Override the plan's stages per rank."""
+    recompute: bool = True
+    """Apply the plan's recompute options."""
+    device: str = "cpu"
+    """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank)."""
+    threads: int = 1
+    """torch threads per rank."""
+    save: str | None = None
+    """Folder to write the stage checkpoint to after the last step."""
+    load: str | None = None
+    """Checkpoint folder to start from."""
+    log: str | None = None
+    """JSON-lines file for per-step loss and time (written by the rank holding the last stage)."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLog:
+    """One training step as logged."""
+
+    step: int
+    """Step number, from 0."""
+    loss: float
+    """Loss of the whole batch (the unsplit model's mean loss)."""
+    step_time_s: float
+    """Slowest rank's wall time for forward, backward and optimizer."""
+
+
+def read_plan(config: RunConfig) -> Plan:
+    """The plan file with the config's schedule/micro-batch/virtual-stage overrides applied."""
+    path = Path(config.plan)
+    if not path.exists():
+        raise InputError(f"plan file {path} does not exist; write one with Plan.to_json() or `omnibal-compile demo --save-plan`")
+    plan = Plan.from_json(path.read_text())
+    changes = {
+        k: v
+        for k, v in (
+            ("schedule", config.schedule),
+            ("num_microbatches", config.num_microbatches),
+            ("virtual_stages", config.virtual_stages),
+        )
+        if v is not None
+    }
+    return dataclasses.replace(plan, **changes) if changes else plan
+
+
+def _import(spec: str, what: str) -> Any:
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise InputError(f"{what} {spec!r} must look like 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise InputError(f"cannot load {what} {spec!r}: {e}") from None
+
+
+def build_model(config: RunConfig) -> nn.Module:
+    """The model, seeded with ``config.seed`` so every rank builds the same weights."""
+    torch.manual_seed(config.seed)
+    if config.model == "tinyvlm":
+        from omnibal_compile.models import TinyVLM, TinyVLMConfig
+
+        try:
+            cfg = TinyVLMConfig(**config.model_config)
+        except TypeError as e:
+            raise InputError(f"model_config does not fit TinyVLMConfig: {e}") from None
+        return TinyVLM(cfg)
+    model = _import(config.model, "model factory")(**config.model_config)
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model factory {config.model!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def batch_source(config: RunConfig, model: nn.Module) -> BatchSource:
+    """``step -> batch`` for this run (see the module glossary)."""
+    if config.data is not None:
+        fn = _import(config.data, "data function")
+        return lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
+    if config.model != "tinyvlm":
+        raise InputError(f"model {config.model!r} needs a data function: set data='package.module:fn'")
+    from omnibal_compile.models import make_example_batch
+
+    cfg = model.config  # type: ignore[attr-defined]
+    return lambda step: make_example_batch(
+        cfg,
+        batch=config.batch_size,
+        tiles_per_sample=config.tiles_per_sample,
+        text_tokens=config.text_tokens,
+        seed=config.seed + 1 + step,
+    )
+
+
+def precheck(config: RunConfig) -> Plan:
+    """Every check that can fail before a process starts; returns the plan the ranks will run.
+
+    Checks world size vs stages (and virtual stages), micro-batches vs stages, batch size vs
+    micro-batches, and that the plan was made for this model (captures it once, here).
+    """
+    from omnibal_compile.runtime.pipeline import check_pipeline, compile_for_microbatches
+
+    plan = read_plan(config)
+    nproc = config.nproc if config.nproc is not None else plan.num_devices
+    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size)
+    if config.device not in ("cpu", "cuda"):
+        raise InputError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
+    if config.device == "cuda" and torch.cuda.device_count() < nproc:
+        raise InputError(f"{nproc} ranks need {nproc} GPUs, found {torch.cuda.device_count()}; use device='cpu'")
+    if config.optimizer not in _OPTIMIZERS:
+        raise InputError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {config.optimizer!r}")
+    if config.steps < 1:
+        raise InputError(f"steps must be >= 1, got {config.steps}")
+    model = build_model(config)
+    compile_for_microbatches(model, batch_source(config, model)(0), plan)  # PlanError when the plan does not fit
+    return plan
+
+
+_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
+}
+
+
+def train(config: RunConfig) -> list[StepLog]:
+    """The body of every rank (inside an initialised process group): build, train, log, save."""
+    import torch.distributed as dist
+
+    from omnibal_compile.runtime.checkpoint import load_into_pipeline, save_checkpoint
+    from omnibal_compile.runtime.pipeline import build_pipeline, compile_for_microbatches
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(config.threads)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
+    plan = read_plan(config)
+    model = build_model(config)
+    source = batch_source(config, model)
+    result = compile_for_microbatches(model, source(0), plan)
+    pipeline = build_pipeline(result, rank=rank, world_size=world, device=device, recompute=config.recompute)
+    del model, result  # each rank keeps only its stages' parameters
+    if config.load:
+        load_into_pipeline(pipeline, config.load)
+    optimizer = _OPTIMIZERS[config.optimizer](pipeline.parameters(), config.lr)
+    last_rank = (plan.num_stages - 1) % plan.num_devices
+    logs: list[StepLog] = []
+    for step in range(config.steps):
+        batch = source(step)
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = pipeline.step(batch)
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if rank == last_rank:
+            entry = StepLog(step=step, loss=float(loss or 0.0), step_time_s=float(elapsed))
+            logs.append(entry)
+            line = json.dumps(dataclasses.asdict(entry))
+            print(f"[omnibal run] {line}", flush=True)
+            if config.log:
+                with open(config.log, "a") as f:
+                    f.write(line + "\n")
+    if config.save:
+        save_checkpoint(pipeline, config.save, step=config.steps)
+    dist.barrier()
+    return logs
+
+
+def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = False) -> list[StepLog]:
+    """Check, then run ``config`` on ``nproc`` local processes with torchrun; returns the step logs.
+
+    The ranks talk over loopback only (gloo on CPU, NCCL on GPU). The whole process group is
+    killed when the run fails or exceeds ``timeout_s``.
+    """
+    plan = precheck(config)
+    nproc = config.nproc if config.nproc is not None else plan.num_devices
+    with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp:
+        log = config.log or str(Path(tmp) / "steps.jsonl")
+        Path(log).unlink(missing_ok=True)
+        cfg_path = Path(tmp) / "config.json"
+        cfg_path.write_text(dataclasses.replace(config, log=log, nproc=nproc).to_json())
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc-per-node", str(nproc), "-m", "omnibal_compile.runtime.worker", str(cfg_path),
+        ]
+        env = dict(os.environ)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        env.setdefault("OMP_NUM_THREADS", str(config.threads))
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        out_lines: list[str] = []
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out_lines.append(line)
+                if not quiet and line.startswith("[omnibal run]"):
+                    print(line, end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            reader.join(timeout=5)
+            raise LaunchError(f"run exceeded {timeout_s:.0f} s; output tail:\n{''.join(out_lines[-40:])}") from None
+        except BaseException:
+            _kill(proc)
+            raise
+        reader.join(timeout=5)
+        if proc.returncode != 0:
+            raise LaunchError(f"run failed (exit {proc.returncode}); output tail:\n{''.join(out_lines[-60:])}")
+        with open(log) as f:
+            return [StepLog(**json.loads(line)) for line in f if line.strip()]
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -146,6 +146,8 @@ def fused_linear_cross_entropy(
     # fp32 accumulation of the weight gradient across chunks.
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    vocab = weight.shape[0]
+    vocab_block = max(1, -(-chunk * vocab // hidden.shape[1]))
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         h = hidden[start:stop]
@@ -155,8 +157,12 @@ def fused_linear_cross_entropy(
         if weight.dtype == torch.float32:
             dw.addmm_(logits.t(), h)
         else:
-            dw.add_(logits.t() @ h)
+            # Low-precision products land in the fp32 accumulator a slice of vocab at a time, so the
+            # temporary stays about the size of one chunk of logits instead of the whole weight.
+            for v0 in range(0, vocab, vocab_block):
+                dw[v0 : v0 + vocab_block].add_(logits[:, v0 : v0 + vocab_block].t() @ h)
     inv = 1.0 / (labels != ignore_index).sum().to(torch.float32)
     loss = losses.sum() * inv
     dh.mul_(inv)
-    return loss, dh, (dw * inv).to(weight.dtype)
+    dw.mul_(inv)
+    return loss, dh, dw if weight.dtype == torch.float32 else dw.to(weight.dtype)

@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
 
@@ -27,8 +28,8 @@ from omnibal_compile.errors import InputError, OmnibalError
 from omnibal_compile.kernels import eager
 
 __all__ = [
-    "Backend", "BACKENDS", "INSTALL_HINT", "MissingBackendError", "triton_available", "require_triton",
-    "triton_runs_on", "rms_norm", "layer_norm", "swiglu", "rope", "fused_linear_cross_entropy",
+    "Backend", "BACKENDS", "INSTALL_HINT", "MissingBackendError", "triton_available", "check_triton_installed", "require_triton",
+    "triton_runs_on", "python_impl", "rms_norm", "layer_norm", "swiglu", "rope", "fused_linear_cross_entropy",
 ]
 
 Backend = Literal["triton", "eager"]
@@ -46,10 +47,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def require_triton() -> ModuleType:
-    """The Triton kernel module; raises :class:`MissingBackendError` with the install hint without Triton."""
+def check_triton_installed() -> None:
+    """Raise :class:`MissingBackendError` with the install hint unless Triton can be imported."""
     if not triton_available():
         raise MissingBackendError(f"Triton kernels were asked for but triton is not installed: {INSTALL_HINT}")
+
+
+def require_triton() -> ModuleType:
+    """The Triton kernel module (imported on first use); raises with the install hint without Triton."""
+    check_triton_installed()
     return importlib.import_module(_TRITON_MODULE)
 
 
@@ -68,6 +74,24 @@ def triton_runs_on(device: torch.device | str) -> bool:
     return bool(loaded.INTERPRETED) if loaded is not None else _interpret_env()
 
 
+_PY_IMPLS: dict[str, Callable[..., Any]] = {}
+
+
+def _op(name: str) -> Callable[[Callable[..., Any]], Any]:
+    """``torch.library.custom_op`` in our namespace, remembering the Python implementation."""
+
+    def register(fn: Callable[..., Any]) -> Any:
+        _PY_IMPLS[f"omnibal::{name}"] = fn
+        return torch.library.custom_op(f"omnibal::{name}", mutates_args=())(fn)
+
+    return register
+
+
+def python_impl(qualname: str) -> Callable[..., Any]:
+    """The Python function behind op ``omnibal::<name>`` (lets a dispatch mode look inside the op)."""
+    return _PY_IMPLS[qualname]
+
+
 def _impl(backend: str, t: Tensor) -> Any:
     if backend == "eager":
         return eager
@@ -81,7 +105,7 @@ def _impl(backend: str, t: Tensor) -> Any:
 # --------------------------------------------------------------------------- RMSNorm
 
 
-@torch.library.custom_op("omnibal::rms_norm", mutates_args=())
+@_op("rms_norm")
 def _rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
     return _impl(backend, x).rms_norm_fwd(x, weight, eps)
 
@@ -91,7 +115,7 @@ def _(x: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
-@torch.library.custom_op("omnibal::rms_norm_backward", mutates_args=())
+@_op("rms_norm_backward")
 def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, eps: float, backend: str) -> tuple[Tensor, Tensor]:
     return _impl(backend, x).rms_norm_bwd(dy, x, weight, eps)
 
@@ -119,7 +143,7 @@ _rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
 # --------------------------------------------------------------------------- LayerNorm
 
 
-@torch.library.custom_op("omnibal::layer_norm", mutates_args=())
+@_op("layer_norm")
 def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, backend: str) -> Tensor:
     return _impl(backend, x).layer_norm_fwd(x, weight, bias, eps)
 
@@ -129,7 +153,7 @@ def _(x: Tensor, weight: Tensor, bias: Tensor, eps: float, backend: str) -> Tens
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("omnibal::layer_norm_backward", mutates_args=())
+@_op("layer_norm_backward")
 def _layer_norm_backward(
     dy: Tensor, x: Tensor, weight: Tensor, eps: float, backend: str
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -159,7 +183,7 @@ _layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
 # --------------------------------------------------------------------------- SwiGLU
 
 
-@torch.library.custom_op("omnibal::swiglu", mutates_args=())
+@_op("swiglu")
 def _swiglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
     return _impl(backend, gate).swiglu_fwd(gate, up)
 
@@ -169,7 +193,7 @@ def _(gate: Tensor, up: Tensor, backend: str) -> Tensor:
     return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
-@torch.library.custom_op("omnibal::swiglu_backward", mutates_args=())
+@_op("swiglu_backward")
 def _swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor, backend: str) -> tuple[Tensor, Tensor]:
     return _impl(backend, gate).swiglu_bwd(dy, gate, up)
 
@@ -197,7 +221,7 @@ _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 # --------------------------------------------------------------------------- Rotary embedding
 
 
-@torch.library.custom_op("omnibal::rope", mutates_args=())
+@_op("rope")
 def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
     return _impl(backend, q).rope_fwd(q, k, cos, sin)
 
@@ -208,7 +232,7 @@ def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Ten
     return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
 
 
-@torch.library.custom_op("omnibal::rope_backward", mutates_args=())
+@_op("rope_backward")
 def _rope_backward(
     dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, q_dtype: torch.dtype, k_dtype: torch.dtype, backend: str
 ) -> tuple[Tensor, Tensor]:
@@ -242,7 +266,7 @@ _rope.register_autograd(_rope_grad, setup_context=_rope_setup)
 # --------------------------------------------------------------------------- Fused linear + cross-entropy
 
 
-@torch.library.custom_op("omnibal::fused_linear_cross_entropy", mutates_args=())
+@_op("fused_linear_cross_entropy")
 def _flce(
     hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_size: int, backend: str
 ) -> tuple[Tensor, Tensor, Tensor]:

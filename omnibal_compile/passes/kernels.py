@@ -1,0 +1,346 @@
+"""Kernel-substitution pass: rewrite matching modules and patterns of the captured graph into fused ops.
+
+Glossary:
+    site         one place the pass rewrites: a module call (every node whose module stack holds
+                 that call) or a small node pattern, replaced by one ``torch.ops.omnibal.*`` node.
+    RMSNorm site a call of a module whose class name ends in ``RMSNorm``, with a 1-d ``weight`` and
+                 an ``eps``/``variance_epsilon``, that passes a probe: run on a small random input
+                 it must agree with :func:`reference.rms_norm` (so Gemma-style ``1 + weight`` norms
+                 are left alone).
+    LayerNorm site  an ``aten.layer_norm`` node over the last dim with a weight and a bias.
+    SwiGLU site  ``mul(silu(a), b)`` with ``a`` and ``b`` of one shape and dtype, silu used only there.
+    loss site    ``cross_entropy(<casts/slices/reshapes of> linear(h, W), labels)`` with mean
+                 reduction, no class weights or smoothing, and logits used by nothing else: it
+                 becomes the chunked fused linear + cross-entropy, the slices replayed on ``h``.
+Parameters stay ``get_attr`` inputs of the new nodes, so the blocks pass, the stage parameter
+maps and the gradients see the same parameters as before. New nodes inherit the module stack
+of the nodes they replace, so they land in the same blocks; their ``val`` comes from the ops'
+fake implementations. Rotary embeddings are not substituted yet (the op exists; see kernels).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._guards import detect_fake_mode
+
+from omnibal_compile.errors import InputError
+from omnibal_compile.kernels import ops, reference
+from omnibal_compile.passes.capture import Captured
+
+__all__ = ["Substitution", "KernelReport", "substitute_kernels", "REPORT_KEY"]
+
+REPORT_KEY = "omnibal_kernels"
+"""Key of the :class:`KernelReport` in the rewritten graph module's ``meta``."""
+
+aten = torch.ops.aten
+_ASSERT = aten._assert_tensor_metadata.default
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.contiguous.default, aten.clone.default}
+_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_CALL_SUFFIX = re.compile(r"@\d+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Substitution:
+    """One rewritten site."""
+
+    kernel: str
+    """Op that replaced it (``rms_norm``, ``layer_norm``, ``swiglu``, ``fused_linear_cross_entropy``)."""
+    where: str
+    """Module path of the site (or the replaced node's name where it has no module of its own)."""
+    removed: int
+    """Graph nodes removed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelReport:
+    """What :func:`substitute_kernels` rewrote."""
+
+    backend: str
+    """Backend argument given to every new op node."""
+    substitutions: tuple[Substitution, ...]
+    """Every rewritten site, in graph order per kernel."""
+
+    def counts(self) -> dict[str, int]:
+        """Sites per kernel."""
+        out: dict[str, int] = {}
+        for s in self.substitutions:
+            out[s.kernel] = out.get(s.kernel, 0) + 1
+        return out
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} x{v}" for k, v in self.counts().items()) or "nothing matched"
+        return f"kernels ({self.backend}): {parts}"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _real_users(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if u.target is not _ASSERT]
+
+
+def _is_call(node: Any, targets: Iterable[Any]) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in set(targets)
+
+
+class _Rewriter:
+    """Shared mechanics: add an op node with a computed ``val``, drop dead nodes."""
+
+    def __init__(self, gm: fx.GraphModule, backend: str) -> None:
+        self.gm, self.graph, self.backend = gm, gm.graph, backend
+        vals = [n.meta.get("val") for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        self.fake_mode = detect_fake_mode(vals)
+        self.done: list[Substitution] = []
+
+    def add(self, before: fx.Node, target: Any, args: tuple[Any, ...], meta_from: fx.Node) -> fx.Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args)
+        node.meta.update({k: v for k, v in meta_from.meta.items() if k not in ("val", "tensor_meta")})
+        if self.fake_mode is not None:
+            fake_args = fx.map_arg(args, _val)
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args)
+        return node
+
+    def erase(self, nodes: Iterable[fx.Node]) -> int:
+        """Erase ``nodes`` (and assertions reading them), users first; all must be otherwise dead."""
+        doomed = set(nodes)
+        for n in list(doomed):
+            doomed.update(u for u in n.users if u.target is _ASSERT)
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for n in sorted(doomed, key=lambda n: -order[n]):
+            self.graph.erase_node(n)
+        return len(doomed)
+
+
+# --------------------------------------------------------------------------- RMSNorm (module calls)
+
+
+def _rms_eps(module: nn.Module) -> float | None:
+    for attr in ("eps", "variance_epsilon"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _rms_candidates(model: nn.Module) -> dict[str, float]:
+    """Module path -> eps for every RMSNorm-like module that passes the probe."""
+    out: dict[str, float] = {}
+    for path, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        eps = _rms_eps(module)
+        if not type(module).__name__.endswith("RMSNorm") or eps is None:
+            continue
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.device.type == "meta":
+            continue
+        try:
+            with torch.no_grad():
+                x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+                ok = torch.allclose(module(x), reference.rms_norm(x, weight, eps), rtol=1e-3, atol=1e-3)
+        except Exception:  # noqa: BLE001 - a module that cannot run the probe is simply not substituted
+            ok = False
+        if ok:
+            out[path] = eps
+    return out
+
+
+def _module_sites(graph: fx.Graph, paths: dict[str, float]) -> dict[str, list[fx.Node]]:
+    """Call site (module path, with ``@n`` for repeated calls) -> its call_function nodes."""
+    sites: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        for raw, _cls in (node.meta.get("nn_module_stack") or {}).values():
+            if _CALL_SUFFIX.sub("", str(raw)) in paths:
+                sites.setdefault(str(raw), []).append(node)
+                break
+    return sites
+
+
+def _same_as(node: fx.Node, x: fx.Node) -> bool:
+    """Whether ``node`` is ``x`` through casts that keep its dtype and shape (the same values)."""
+    x_val = _val(x)
+    if not isinstance(x_val, torch.Tensor):
+        return False
+    while node is not x:
+        val = _val(node)
+        if not _is_call(node, _CASTS) or not isinstance(val, torch.Tensor):
+            return False
+        if val.dtype != x_val.dtype or val.shape != x_val.shape:
+            return False
+        node = node.args[0]
+    return True
+
+
+def _rms_norm_sites(rw: _Rewriter, model: nn.Module) -> None:
+    paths = _rms_candidates(model)
+    attrs = {n.target: n for n in rw.graph.nodes if n.op == "get_attr"}
+    for site, nodes in _module_sites(rw.graph, paths).items():
+        path = _CALL_SUFFIX.sub("", site)
+        members = set(nodes)
+        inputs = {a for n in nodes for a in n.all_input_nodes if a not in members and a.op != "get_attr"}
+        weight = attrs.get(f"{path}.weight")
+        if len(inputs) != 1 or weight is None:
+            continue
+        (x,) = inputs
+        x_val = _val(x)
+        # `x.to(float32)` of an fp32 x is x itself; export may let the residual read that node.
+        for n in nodes:
+            if _same_as(n, x):
+                for u in [u for u in n.users if u not in members]:
+                    u.replace_input_with(n, x)
+        outputs = [n for n in nodes if any(u not in members for u in n.users)]
+        if len(outputs) != 1:
+            continue
+        (y,) = outputs
+        if isinstance(x_val, torch.Tensor) and tuple(_val(y).shape) != tuple(x_val.shape):
+            continue
+        new = rw.add(y, torch.ops.omnibal.rms_norm.default, (x, weight, paths[path], rw.backend), y)
+        y.replace_all_uses_with(new)
+        rw.done.append(Substitution(kernel="rms_norm", where=site, removed=rw.erase(nodes)))
+
+
+# --------------------------------------------------------------------------- LayerNorm and SwiGLU (node patterns)
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else node.name
+
+
+def _layer_norm_sites(rw: _Rewriter) -> None:
+    for node in list(rw.graph.nodes):
+        if not _is_call(node, [aten.layer_norm.default]):
+            continue
+        x, shape, weight, bias, eps = (list(node.args) + [None, None, 1e-5])[:5]
+        eps = node.kwargs.get("eps", eps)
+        x_val = _val(x)
+        if weight is None or bias is None or len(shape) != 1 or not isinstance(x_val, torch.Tensor):
+            continue
+        if x_val.shape[-1] != shape[0]:
+            continue
+        new = rw.add(node, torch.ops.omnibal.layer_norm.default, (x, weight, bias, float(eps), rw.backend), node)
+        node.replace_all_uses_with(new)
+        rw.done.append(Substitution(kernel="layer_norm", where=_where(node), removed=rw.erase([node])))
+
+
+def _swiglu_sites(rw: _Rewriter) -> None:
+    for silu in list(rw.graph.nodes):
+        if not _is_call(silu, [aten.silu.default]):
+            continue
+        users = _real_users(silu)
+        if len(users) != 1 or not _is_call(users[0], [aten.mul.Tensor]):
+            continue
+        mul = users[0]
+        a, b = mul.args[:2]
+        up = b if a is silu else a
+        gate = silu.args[0]
+        g_val, u_val = _val(gate), _val(up)
+        if up is silu or not isinstance(up, fx.Node) or not isinstance(g_val, torch.Tensor):
+            continue
+        if not isinstance(u_val, torch.Tensor) or g_val.shape != u_val.shape or g_val.dtype != u_val.dtype:
+            continue
+        new = rw.add(mul, torch.ops.omnibal.swiglu.default, (gate, up, rw.backend), mul)
+        mul.replace_all_uses_with(new)
+        rw.done.append(Substitution(kernel="swiglu", where=_where(mul), removed=rw.erase([mul, silu])))
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def _loss_sites(rw: _Rewriter) -> None:
+    for ce in list(rw.graph.nodes):
+        if not _is_call(ce, [aten.cross_entropy_loss.default]):
+            continue
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        args = dict(zip(names, (None, None, None, 1, -100, 0.0)))
+        args.update(zip(names, ce.args))
+        args.update(ce.kwargs)
+        if args["weight"] is not None or args["reduction"] != 1 or args["label_smoothing"] != 0.0:
+            continue
+        logits_val, target_val = _val(args["input"]), _val(args["target"])
+        if not isinstance(logits_val, torch.Tensor) or logits_val.dim() != 2 or target_val is None:
+            continue
+        # Walk back from the loss to the head: casts and reshapes first, then casts and slices.
+        chain: list[fx.Node] = []
+        cur, seen_slice = args["input"], False
+        while isinstance(cur, fx.Node) and not _is_call(cur, [aten.linear.default]):
+            if _is_call(cur, [aten.slice.Tensor]):
+                seen_slice = True
+            elif not (_is_call(cur, _CASTS) or (_is_call(cur, _RESHAPES) and not seen_slice)):
+                break
+            chain.append(cur)
+            cur = cur.args[0]
+        if not _is_call(cur, [aten.linear.default]):
+            continue
+        linear = cur
+        h, weight = linear.args[0], linear.args[1]
+        bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+        h_val = _val(h)
+        if bias is not None or not isinstance(weight, fx.Node) or weight.op != "get_attr" or h_val is None:
+            continue
+        if h_val.dtype != _val(weight).dtype:
+            continue
+        if any(len(_real_users(n)) != 1 for n in [linear, *chain]):
+            continue  # the logits (or a view of them) are used elsewhere, e.g. returned
+        rank = _val(linear).dim()
+        if any(_is_call(n, [aten.slice.Tensor]) and n.args[1] % rank == rank - 1 for n in chain):
+            continue  # a slice over the vocabulary cannot be replayed on the hidden states
+        cur = h
+        for n in reversed(chain):
+            if _is_call(n, [aten.slice.Tensor]):
+                cur = rw.add(ce, aten.slice.Tensor, (cur, *n.args[1:]), n)
+        flat = rw.add(ce, aten.reshape.default, (cur, [-1, h_val.shape[-1]]), ce)
+        target = args["target"]
+        fused = rw.add(
+            ce,
+            torch.ops.omnibal.fused_linear_cross_entropy.default,
+            (flat, weight, target, int(args["ignore_index"]), 0, rw.backend),
+            ce,
+        )
+        loss = rw.add(ce, operator.getitem, (fused, 0), ce)
+        ce.replace_all_uses_with(loss)
+        rw.done.append(
+            Substitution(kernel="fused_linear_cross_entropy", where=_where(linear), removed=rw.erase([ce, *chain, linear]))
+        )
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+def substitute_kernels(captured: Captured, model: nn.Module, *, backend: str) -> KernelReport:
+    """Rewrite ``captured``'s graph in place so every matching site runs one fused op; see the glossary.
+
+    ``backend`` is ``"triton"`` (Triton kernels where Triton can run, eager elsewhere; raises with
+    the install hint when Triton is not installed) or ``"eager"`` (the ops' eager implementations).
+    """
+    if backend not in ops.BACKENDS:
+        raise InputError(f"kernels must be one of {ops.BACKENDS} or None, got {backend!r}")
+    if backend == "triton":
+        ops.check_triton_installed()
+    if captured.method != "export":
+        raise InputError("kernels= needs capture_method='export' (fx graphs keep modules as call_module nodes)")
+    gm = captured.graph_module
+    rw = _Rewriter(gm, backend)
+    _rms_norm_sites(rw, model)
+    _layer_norm_sites(rw)
+    _swiglu_sites(rw)
+    _loss_sites(rw)
+    gm.graph.lint()
+    gm.recompile()
+    report = KernelReport(backend=backend, substitutions=tuple(rw.done))
+    gm.meta[REPORT_KEY] = report
+    return report

@@ -169,6 +169,7 @@ def optimize(
     plan: Plan | None = None,
     block_prefixes: Sequence[str] | None = None,
     capture_method: CaptureMethod = "export",
+    kernels: str | None = None,
 ) -> OptimizeResult:
     """Capture ``model`` on ``example_inputs``, cut it into ``num_stages`` pipeline stages, emit them.
 
@@ -180,10 +181,17 @@ def optimize(
         plan: use this plan instead of planning (it must match the model's blocks).
         block_prefixes: module paths that each form one block, overriding the default grouping.
         capture_method: ``"export"`` (torch.export, non-strict) or ``"fx"`` (symbolic_trace).
+        kernels: rewrite norms, SwiGLU and the LM-head loss into fused ops before cutting:
+            ``"triton"`` (Triton kernels; eager torch where Triton cannot run), ``"eager"``, or
+            None (default: no substitution).
     """
     timings: dict[str, float] = {}
     done: list[str] = []
     captured = _run_pass("capture", done, timings, lambda: capture(model, example_inputs, method=capture_method))
+    if kernels is not None:
+        from omnibal_compile.passes.kernels import substitute_kernels
+
+        _run_pass("kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels))
     graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
     if plan is not None:
         if plan.num_stages != num_stages:

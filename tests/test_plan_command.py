@@ -1,0 +1,97 @@
+"""``omnibal-compile plan`` end to end: the reference VLM and a tiny Hugging Face Llava config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from omnibal_compile.cli import main
+from omnibal_compile.costs import CostTable
+from omnibal_compile.plan import Plan
+
+from test_inspect import assert_picture
+
+ARTEFACTS = ("plan.json", "plan.txt", "costs.json", "torchtitan.json", "megatron.txt", "trace.json", "blocks.png",
+             "blocks.svg", "timeline.png", "stages.png")
+
+
+def check_artefacts(out: Path, stages: int, microbatches: int) -> Plan:
+    for name in ARTEFACTS:
+        assert (out / name).is_file(), name
+    text = (out / "plan.json").read_text()
+    plan = Plan.from_json(text)
+    assert Plan.from_json(plan.to_json()) == plan and json.loads(plan.to_json()) == json.loads(text)
+    assert plan.num_stages == stages and plan.num_microbatches == microbatches
+    assert plan.iteration_time_s and plan.iteration_time_s > 0 and len(plan.stage_time_s) == stages
+    costs = CostTable.from_json((out / "costs.json").read_text())
+    assert costs.names == plan.block_names
+    for png in ("blocks.png", "timeline.png", "stages.png"):
+        assert_picture(out / png)
+    trace = json.loads((out / "trace.json").read_text())
+    assert sum(e["ph"] == "X" and e["cat"] == "forward" for e in trace["traceEvents"]) == stages * microbatches
+    modules = json.loads((out / "torchtitan.json").read_text())
+    assert len(modules) == stages and all(isinstance(m, str) for stage in modules for m in stage)
+    assert (out / "megatron.txt").read_text().count("|") == stages - 1
+    return plan
+
+
+def test_plan_tiny_vlm(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["plan", "tiny-vlm", "--stages", "3", "--microbatches", "6", "--memory", "1GiB", "--device", "a100-80gb",
+                 "--sweep-stages", "2,3", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    plan = check_artefacts(out, 3, 6)
+    assert plan.memory_budget_bytes == (2**30,) * 3 and plan.schedule == "1f1b"
+    assert "simulated 1f1b: 3 stages on 3 devices" in printed and "Megatron layout:" in printed
+    assert "what-if over stages" in printed and (out / "sweep_stages.png").is_file()
+    assert CostTable.from_json((out / "costs.json").read_text()).source == "roofline"
+    # A saved cost table is reused as is, and the interleaved schedule runs chunks.
+    again = tmp_path / "again"
+    assert main(["plan", "tiny-vlm", "--stages", "4", "--virtual-stages", "2", "--schedule", "interleaved",
+                 "--microbatches", "4", "--costs", str(out / "costs.json"), "--no-pictures", "--out", str(again)]) == 0
+    assert "simulated interleaved: 4 stages on 2 devices" in capsys.readouterr().out
+    assert Plan.from_json((again / "plan.json").read_text()).virtual_stages == 2
+    assert not (again / "timeline.png").exists() and (again / "trace.json").is_file()
+
+
+def test_plan_hf_llava(tmp_path, capsys):
+    tf = pytest.importorskip("transformers")
+    vc = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             image_size=16, patch_size=4, projection_dim=32)
+    tc = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=64)
+    cfg = tf.LlavaConfig(vision_config=vc, text_config=tc, image_token_index=95, image_seq_length=17,
+                         vision_feature_layer=-1, vision_feature_select_strategy="full")
+    path = tmp_path / "config.json"
+    cfg.to_json_file(str(path))
+    out = tmp_path / "out"
+    code = main(["plan", f"hf:LlavaForConditionalGeneration:{path}", "--stages", "2", "--microbatches", "4",
+                 "--memory", "512MiB", "--text", "8", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    plan = check_artefacts(out, 2, 4)
+    assert any("language_model.layers" in n for n in plan.block_names)
+    assert "LlavaForConditionalGeneration" in capsys.readouterr().out
+
+
+def test_plan_errors_are_reported(tmp_path, capsys):
+    assert main(["plan", "tiny-vlm", "--memory", "80 parsecs", "--out", str(tmp_path)]) == 2
+    assert "unknown unit" in capsys.readouterr().err
+    assert main(["plan", "no_such_module:factory", "--out", str(tmp_path)]) == 2
+    assert "cannot load" in capsys.readouterr().err
+    assert main(["plan", "hf:NoSuchModel:x.json", "--out", str(tmp_path)]) == 2
+    assert "no model class" in capsys.readouterr().err
+    assert main(["plan", "tiny-vlm", "--virtual-stages", "2", "--out", str(tmp_path)]) == 2
+    assert "needs --schedule interleaved" in capsys.readouterr().err
+
+
+def test_plan_without_cost_pass(tmp_path, capsys, monkeypatch):
+    from omnibal_compile.commands import plan as plan_command
+
+    monkeypatch.setattr(plan_command, "cost_pass_available", lambda: False)
+    assert main(["plan", "tiny-vlm", "--stages", "2", "--out", str(tmp_path)]) == 0
+    assert "no costs" in capsys.readouterr().out
+    assert (tmp_path / "plan.json").is_file() and (tmp_path / "blocks.png").is_file()
+    assert not (tmp_path / "timeline.png").exists()

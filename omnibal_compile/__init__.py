@@ -8,6 +8,7 @@ from omnibal_compile.api import OptimizeResult, ParityReport, PassError, optimiz
 from omnibal_compile.errors import CaptureError, InputError, OmnibalError, PlanError
 from omnibal_compile.passes.codegen import StageInfo, stage_info
 from omnibal_compile.plan import Plan, StagePlan
+from omnibal_compile.sim import SimResult, simulate
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,6 @@ __all__ = [
     "PlanError",
     "InputError",
     "PassError",
+    "simulate",
+    "SimResult",
 ]

@@ -45,7 +45,7 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs
 from omnibal_compile.passes.codegen import generate_stages, stage_info
-from omnibal_compile.passes.cost_measure import LiveStorages, _tensors, median_time, record_ops, with_recompute
+from omnibal_compile.passes.cost_measure import CLOCKS, FlashOnMeta, LiveStorages, _tensors, median_time, record_ops, with_recompute
 from omnibal_compile.plan import Plan
 
 __all__ = [
@@ -175,7 +175,7 @@ def _backward_args(outs: Any, wrt: Sequence[torch.Tensor]) -> tuple[list[torch.T
 
 def _saved_bytes(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool], option: str) -> int:
     fn = with_recompute(m, option)
-    with torch.enable_grad():
+    with torch.enable_grad(), FlashOnMeta():
         with LiveStorages() as live:
             ins = [
                 x.detach().clone().requires_grad_(x.requires_grad) if c and isinstance(x, torch.Tensor) else x
@@ -196,7 +196,9 @@ class _Timing:
     selective_s: float
 
 
-def _profile_times(m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, warmup: int, repeats: int) -> _Timing:
+def _profile_times(
+    m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, warmup: int, repeats: int, clock: str
+) -> _Timing:
     wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     wrt += [p for p in m.parameters() if p.requires_grad]
 
@@ -204,7 +206,7 @@ def _profile_times(m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[A
         with torch.enable_grad():
             return m(*inputs)
 
-    fwd = median_time(forward, warmup=warmup, repeats=repeats, cuda=cuda)
+    fwd = median_time(forward, warmup=warmup, repeats=repeats, cuda=cuda, clock=clock)
     bwd = 0.0
     if _backward_args(forward(None), wrt) is not None:
         bwd = median_time(
@@ -213,6 +215,7 @@ def _profile_times(m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[A
             warmup=warmup,
             repeats=repeats,
             cuda=cuda,
+            clock=clock,
         )
     total = sum(r.seconds for r in records)
     rerun = sum(r.seconds for r in records if r.op_class == "memory")
@@ -279,6 +282,7 @@ def annotate_costs(
     warmup: int = 1,
     repeats: int = 5,
     threads: int | None = 1,
+    clock: str = "wall",
     cache: str | os.PathLike[str] | None = None,
     refresh: bool = False,
     batch_shape: Mapping[str, int] | None = None,
@@ -297,6 +301,8 @@ def annotate_costs(
         link_bandwidth: bytes/s between stages, overriding the device's.
         warmup, repeats: untimed and timed runs per measurement (the median is kept).
         threads: intra-op threads while profiling (None: leave as is).
+        clock: CPU timer: ``"wall"`` (perf_counter) or ``"thread"`` (CPU time of this thread, steadier
+            on a shared machine; use with ``threads=1``).
         cache: JSON file of profiled tables keyed by model structure, inputs, device and settings.
         refresh: ignore (and overwrite) a cached entry.
         batch_shape: recorded in the table (e.g. ``{"tiles": 4, "text_tokens": 256}``).
@@ -304,6 +310,8 @@ def annotate_costs(
     """
     name = device.name if isinstance(device, DeviceSpec) else str(device).strip().lower()
     spec = None if name in PROFILED_DEVICES else get_device(device)
+    if clock not in CLOCKS:
+        raise InputError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
     if warmup < 0 or repeats < 1:
         raise InputError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     ph = [n.name for n in graph.captured.graph_module.graph.nodes if n.op == "placeholder"]
@@ -317,7 +325,7 @@ def annotate_costs(
     if link_bandwidth is None:
         link_bandwidth = spec.link_bandwidth(link) if spec is not None else CPU_LINK_BANDWIDTH
     settings = {
-        "precision": asdict(precision), "warmup": warmup, "repeats": repeats, "threads": threads,
+        "precision": asdict(precision), "warmup": warmup, "repeats": repeats, "threads": threads, "clock": clock,
         "link_bandwidth": link_bandwidth, "batch_shape": dict(batch_shape or {}),
         "calibration": dict(spec.calibration) if spec else None,
     }
@@ -344,7 +352,7 @@ def annotate_costs(
             ]
             records, flops = record_ops(m, inputs, sync=sync)
             if spec is None:
-                timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats)
+                timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats, clock=clock)
             else:
                 timing = _roofline_times(records, spec)
             activation = {opt: _saved_bytes(m, inputs, charged, opt) for opt in RECOMPUTE_OPTIONS}
@@ -400,7 +408,7 @@ def measured_activation_bytes(graph: BlockGraph, model: nn.Module, option: str) 
     if option not in RECOMPUTE_OPTIONS:
         raise InputError(f"unknown recompute option {option!r}; use one of {list(RECOMPUTE_OPTIONS)}")
     fns: list[Callable[..., Any]] = [with_recompute(m, option) for m in block_modules(graph, model)]
-    with torch.enable_grad():
+    with torch.enable_grad(), FlashOnMeta():
         with LiveStorages() as live:
             values: Any = tuple(graph.captured.example_flat_inputs)
             for fn in fns:
@@ -413,7 +421,13 @@ def measured_activation_bytes(graph: BlockGraph, model: nn.Module, option: str) 
 
 
 def measured_step_time(
-    model: nn.Module, example_inputs: Any, *, warmup: int = 1, repeats: int = 5, threads: int | None = 1
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    threads: int | None = 1,
+    clock: str = "wall",
 ) -> float:
     """Median seconds of one forward + backward of the unsplit model (gradients of every parameter)."""
     from omnibal_compile.api import _scalar_to_differentiate  # api imports this module
@@ -428,4 +442,4 @@ def measured_step_time(
             torch.autograd.grad(loss, params, allow_unused=True)
 
     with _threads(threads if not cuda else None):
-        return median_time(step, warmup=warmup, repeats=repeats, cuda=cuda)
+        return median_time(step, warmup=warmup, repeats=repeats, cuda=cuda, clock=clock)

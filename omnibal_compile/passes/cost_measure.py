@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -37,7 +38,12 @@ __all__ = [
     "with_recompute",
     "median_time",
     "count_flops",
+    "CLOCKS",
+    "FlashOnMeta",
 ]
+
+CLOCKS: tuple[str, ...] = ("wall", "thread")
+"""CPU timers: wall clock, or CPU time of the calling thread."""
 
 aten = torch.ops.aten
 
@@ -163,6 +169,27 @@ class _FusedAttention(fx.Interpreter):
         return out
 
 
+class FlashOnMeta(TorchFunctionMode):
+    """Runs attention on meta tensors with the flash kernel's meta function, as a GPU would.
+
+    Left alone, attention on the meta device takes the math path, whose autograd graph keeps the
+    full score matrix; flash attention keeps only its output and log-sum-exp.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SDPA_TARGETS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            opts = {**dict(zip(names, args[3:])), **kwargs}
+            q, k, v = args[:3]
+            if q.shape[-3] == k.shape[-3] or not opts.get("enable_gqa", False):
+                return aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, opts.get("dropout_p", 0.0), opts.get("is_causal", False),
+                    attn_mask=opts.get("attn_mask"), scale=opts.get("scale"),
+                )[0]
+        return func(*args, **kwargs)
+
+
 def _cpu_flash_flops(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return sdpa_flop_count(q_shape, k_shape, v_shape)
 
@@ -179,7 +206,7 @@ def record_ops(gm: fx.GraphModule, inputs: Sequence[Any], *, sync: Callable[[], 
     selective-recompute estimate use.
     """
     recorder = _Recorder(sync)
-    with torch.enable_grad(), count_flops() as counter, recorder:
+    with torch.enable_grad(), FlashOnMeta(), count_flops() as counter, recorder:
         _FusedAttention(gm, recorder).run(*inputs)
     return recorder.records, int(counter.get_total_flops())
 
@@ -217,12 +244,18 @@ def median_time(
     warmup: int = 1,
     repeats: int = 5,
     cuda: bool = False,
+    clock: str = "wall",
 ) -> float:
     """Median seconds of ``call(setup())`` over ``repeats`` runs after ``warmup`` untimed ones.
 
-    CPU: ``time.perf_counter``; CUDA: events around the call, synchronised before reading.
+    CPU: ``time.perf_counter`` (``clock="wall"``) or ``time.thread_time`` (``clock="thread"``: CPU
+    time of this thread, blind to time spent descheduled on a busy machine; exact only with one
+    intra-op thread). CUDA: events around the call, synchronised before reading.
     ``setup`` runs outside the timed region (e.g. the forward whose backward is timed).
     """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     times: list[float] = []
     for i in range(warmup + repeats):
         state = setup() if setup else None
@@ -235,9 +268,9 @@ def median_time(
             torch.cuda.synchronize()
             seconds = start_ev.elapsed_time(stop_ev) / 1e3
         else:
-            start = time.perf_counter()
+            start = now()
             call(state)
-            seconds = time.perf_counter() - start
+            seconds = now() - start
         del state
         if i >= warmup:
             times.append(seconds)

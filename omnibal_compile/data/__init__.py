@@ -1,0 +1,24 @@
+"""Balanced data: length statistics -> balanced packs of a fixed shape -> sampler and collator.
+
+See :mod:`.lengths` (loading), :mod:`.isf` (OmniBal's ISF), :mod:`.balance` (ours),
+:mod:`.metrics` (Pad/Dist Ratios), :mod:`.sampler`, :mod:`.collate` and :mod:`.plan`.
+"""
+
+from omnibal_compile.data.balance import balance_pack, balanced_partition
+from omnibal_compile.data.isf import IsfSearch, isf_pack, isf_search
+from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths, scale_lengths
+from omnibal_compile.data.metrics import BalanceMetrics, ShapeCost, balance_metrics, dist_ratio
+from omnibal_compile.data.packing import (
+    OVERSIZED_POLICIES,
+    PackShape,
+    Packing,
+    length_grouped_batches,
+    random_batches,
+)
+
+__all__ = [
+    "LengthStats", "load_lengths", "scale_lengths", "INTERNVL_TOKENS_PER_TILE",
+    "PackShape", "Packing", "OVERSIZED_POLICIES", "random_batches", "length_grouped_batches",
+    "isf_pack", "isf_search", "IsfSearch", "balance_pack", "balanced_partition",
+    "BalanceMetrics", "ShapeCost", "balance_metrics", "dist_ratio",
+]

@@ -1,0 +1,250 @@
+"""Length statistics of a vision-language dataset: how many tiles and tokens each sample has.
+
+Glossary:
+    tiles        ``vit_num``: image crops the sample sends through the vision encoder (a text-only
+                 sample may carry one dummy tile).
+    tokens       ``token_num``: the sample's full LLM length, image placeholder tokens included.
+    image flags  ``image_flags``: how many of the tiles are real images (the rest are dummies);
+                 each real tile contributes ``tokens_per_tile`` of the sample's tokens.
+    source units the published statistics are in InternVL units: 448 px tiles that become 256 LLM
+                 tokens each. :func:`scale_lengths` converts them for a model with fewer tokens per
+                 tile (such as the tiny reference VLM).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omnibal_compile.errors import InputError
+
+__all__ = ["LengthStats", "load_lengths", "scale_lengths", "INTERNVL_TOKENS_PER_TILE"]
+
+INTERNVL_TOKENS_PER_TILE = 256
+"""Image tokens per tile in the published statistics (InternViT 448 px, pixel shuffle 0.5)."""
+
+_FIELDS = ("vit_num", "token_num", "image_flags")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LengthStats:
+    """Per-sample lengths of a dataset, as int64 arrays of equal length (index = sample id)."""
+
+    tiles: np.ndarray
+    """Tiles per sample (``vit_num``)."""
+    tokens: np.ndarray
+    """LLM tokens per sample, image tokens included (``token_num``)."""
+    image_flags: np.ndarray
+    """Real (non-dummy) tiles per sample; equals ``tiles`` when the source has no such field."""
+    source: str = "arrays"
+    """Where the statistics came from (file names), for messages."""
+
+    def __post_init__(self) -> None:
+        arrays = {}
+        for name in ("tiles", "tokens", "image_flags"):
+            a = np.asarray(getattr(self, name))
+            if a.ndim != 1:
+                raise InputError(f"{self.source}: {name} must be one-dimensional, got shape {a.shape}")
+            if a.size and not np.issubdtype(a.dtype, np.integer):
+                if not np.issubdtype(a.dtype, np.floating) or not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
+                    bad = _first_bad(a, lambda x: not float(x).is_integer())
+                    raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]!r} is not an integer")
+            a = a.astype(np.int64)
+            if a.size and a.min() < 0:
+                bad = int(np.argmax(a < 0))
+                raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]} is negative")
+            a.setflags(write=False)
+            arrays[name] = a
+        n = {k: v.size for k, v in arrays.items()}
+        if len(set(n.values())) != 1:
+            raise InputError(f"{self.source}: tiles, tokens and image_flags differ in length: {n}")
+        if arrays["tokens"].size == 0:
+            raise InputError(f"{self.source}: no samples; give at least one")
+        over = arrays["image_flags"] > arrays["tiles"]
+        if over.any():
+            bad = int(np.argmax(over))
+            raise InputError(f"{self.source}: record {bad}: image_flags {arrays['image_flags'][bad]} > vit_num {arrays['tiles'][bad]}")
+        for k, v in arrays.items():
+            object.__setattr__(self, k, v)
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    @classmethod
+    def from_arrays(cls, tiles: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                    image_flags: Sequence[int] | np.ndarray | None = None, *, source: str = "arrays") -> LengthStats:
+        """Two (or three) arrays from Python; ``image_flags`` defaults to ``tiles``."""
+        t = np.asarray(tiles)
+        return cls(tiles=t, tokens=np.asarray(tokens), image_flags=t if image_flags is None else np.asarray(image_flags),
+                   source=source)
+
+    @classmethod
+    def concat(cls, parts: Sequence[LengthStats]) -> LengthStats:
+        """Several datasets as one; sample ids follow the order of ``parts``."""
+        if not parts:
+            raise InputError("no length statistics to concatenate")
+        return cls(
+            tiles=np.concatenate([p.tiles for p in parts]),
+            tokens=np.concatenate([p.tokens for p in parts]),
+            image_flags=np.concatenate([p.image_flags for p in parts]),
+            source=" + ".join(p.source for p in parts),
+        )
+
+    def resample(self, n: int, *, seed: int = 0) -> LengthStats:
+        """``n`` samples drawn with replacement (scale tests on a bigger set from the same distribution)."""
+        idx = np.random.default_rng(seed).integers(0, len(self), size=n)
+        return LengthStats(tiles=self.tiles[idx], tokens=self.tokens[idx], image_flags=self.image_flags[idx],
+                           source=f"{n} draws from {self.source}")
+
+    def subset(self, idx: np.ndarray) -> LengthStats:
+        return LengthStats(tiles=self.tiles[idx], tokens=self.tokens[idx], image_flags=self.image_flags[idx],
+                           source=self.source)
+
+
+def _first_bad(a: np.ndarray, pred: Any) -> int:
+    for i, x in enumerate(a.tolist()):
+        if pred(x):
+            return i
+    return 0
+
+
+def _check_value(value: Any, where: str, field: str) -> int:
+    # bool is an int subclass; a JSON true is almost certainly a mistake.
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InputError(f"{where}: field '{field}' = {value!r} is not an integer")
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise InputError(f"{where}: field '{field}' = {value!r} is not an integer") from None
+    if isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()):
+        raise InputError(f"{where}: field '{field}' = {value!r} is not an integer")
+    v = int(value)
+    if v < 0:
+        raise InputError(f"{where}: field '{field}' = {v} is negative")
+    return v
+
+
+def _records_to_stats(records: Iterable[tuple[str, Any]], source: str) -> LengthStats:
+    tiles: list[int] = []
+    tokens: list[int] = []
+    flags: list[int] = []
+    for where, rec in records:
+        if not isinstance(rec, dict):
+            raise InputError(f"{where}: expected an object with fields {list(_FIELDS)}, got {type(rec).__name__}")
+        for f in ("vit_num", "token_num"):
+            if f not in rec or rec[f] is None or rec[f] == "":
+                raise InputError(f"{where}: missing field '{f}' (each record needs vit_num and token_num)")
+        v = _check_value(rec["vit_num"], where, "vit_num")
+        t = _check_value(rec["token_num"], where, "token_num")
+        # The OmniBal README spells it image_flag, the published files image_flags.
+        key = "image_flags" if "image_flags" in rec else "image_flag" if "image_flag" in rec else None
+        fl = v if key is None or rec[key] in (None, "") else _check_value(rec[key], where, key)
+        if fl > v:
+            raise InputError(f"{where}: field '{key}' = {fl} exceeds vit_num = {v}")
+        tiles.append(v)
+        tokens.append(t)
+        flags.append(fl)
+    if not tokens:
+        raise InputError(f"{source}: empty file; it must hold at least one record")
+    return LengthStats(tiles=np.array(tiles, np.int64), tokens=np.array(tokens, np.int64),
+                       image_flags=np.array(flags, np.int64), source=source)
+
+
+def _load_file(path: Path) -> LengthStats:
+    name = str(path)
+    if not path.is_file():
+        raise InputError(f"length statistics file {name} does not exist")
+    suffix = path.suffix.lower()
+    with open(path, newline="" if suffix == ".csv" else None) as f:
+        text = f.read()
+    if not text.strip():
+        raise InputError(f"{name}: empty file; it must hold at least one record")
+    if suffix == ".csv":
+        reader = csv.DictReader(text.splitlines())
+        missing = [k for k in ("vit_num", "token_num") if k not in (reader.fieldnames or [])]
+        if missing:
+            raise InputError(f"{name}: CSV header {reader.fieldnames} lacks column(s) {missing}")
+        # Header is line 1, so record i sits on line i + 2.
+        return _records_to_stats(((f"{name} record {i} (line {i + 2})", r) for i, r in enumerate(reader)), name)
+    if suffix in (".jsonl", ".ndjson"):
+        def rows() -> Iterable[tuple[str, Any]]:
+            i = 0
+            for line_no, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{name} line {line_no}: not valid JSON ({e.msg})") from None
+                yield f"{name} record {i} (line {line_no})", rec
+                i += 1
+        return _records_to_stats(rows(), name)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{name}: not valid JSON at line {e.lineno} ({e.msg}); "
+                         "use a .jsonl suffix for JSON Lines or .csv for CSV") from None
+    if not isinstance(data, list):
+        raise InputError(f"{name}: expected a JSON list of records like "
+                         '{"vit_num": 5, "token_num": 1420, "image_flags": 5}, '
+                         f"got {type(data).__name__}")
+    return _records_to_stats(((f"{name} record {i}", r) for i, r in enumerate(data)), name)
+
+
+def load_lengths(lengths: Any) -> LengthStats:
+    """Length statistics from a :class:`LengthStats`, one or more files, or a ``(tiles, tokens)`` pair.
+
+    Files: OmniBal JSON (a list of ``{"vit_num", "token_num", "image_flags"}``), JSON Lines
+    (``.jsonl``) or CSV (``.csv``) with the same fields; several files are concatenated in order.
+    """
+    if isinstance(lengths, LengthStats):
+        return lengths
+    if isinstance(lengths, (str, os.PathLike)):
+        return _load_file(Path(lengths))
+    if isinstance(lengths, tuple) and len(lengths) in (2, 3) and all(
+        isinstance(a, (np.ndarray, list)) for a in lengths
+    ):
+        return LengthStats.from_arrays(*lengths)
+    if isinstance(lengths, (list, tuple)) and lengths and all(isinstance(p, (str, os.PathLike)) for p in lengths):
+        return LengthStats.concat([_load_file(Path(p)) for p in lengths])
+    raise InputError(
+        f"cannot read length statistics from {type(lengths).__name__}; give a LengthStats, a file path "
+        "(.json, .jsonl, .csv), a list of paths, or a (tiles, tokens) pair of arrays"
+    )
+
+
+def scale_lengths(stats: LengthStats, *, tokens_per_tile: int, source_tokens_per_tile: int = INTERNVL_TOKENS_PER_TILE,
+                  text_scale: float | None = None, min_text_tokens: int = 2) -> LengthStats:
+    """Convert statistics measured for one model's tile size to another's.
+
+    Each sample's tokens split into image tokens (``image_flags * source_tokens_per_tile``) and text
+    tokens (the rest). Image tokens become ``image_flags * tokens_per_tile``; text tokens are
+    multiplied by ``text_scale`` (default ``tokens_per_tile / source_tokens_per_tile``, which keeps
+    the image/text ratio of every sample, so balancing decisions carry over), rounded up and kept
+    at least ``min_text_tokens`` (a sample needs two tokens for a next-token loss). Tiles are
+    unchanged.
+    """
+    if tokens_per_tile < 1 or source_tokens_per_tile < 1:
+        raise InputError("tokens_per_tile and source_tokens_per_tile must be >= 1")
+    scale = tokens_per_tile / source_tokens_per_tile if text_scale is None else float(text_scale)
+    if scale <= 0:
+        raise InputError(f"text_scale must be positive, got {scale}")
+    text = stats.tokens - stats.image_flags * source_tokens_per_tile
+    if text.min() < 0:
+        bad = int(np.argmax(text < 0))
+        raise InputError(
+            f"{stats.source}: record {bad} has {stats.tokens[bad]} tokens, fewer than its {stats.image_flags[bad]} "
+            f"image tiles x {source_tokens_per_tile}; is source_tokens_per_tile right?"
+        )
+    new_text = np.maximum(np.ceil(text * scale).astype(np.int64), min_text_tokens)
+    return LengthStats(tiles=stats.tiles, tokens=new_text + stats.image_flags * tokens_per_tile,
+                       image_flags=stats.image_flags, source=f"{stats.source} (scaled to {tokens_per_tile} tokens/tile)")

@@ -5,9 +5,12 @@ See :mod:`.lengths` (loading), :mod:`.isf` (OmniBal's ISF), :mod:`.balance` (our
 """
 
 from omnibal_compile.data.balance import balance_pack, balanced_partition
+from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_sample
 from omnibal_compile.data.isf import IsfSearch, isf_pack, isf_search
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths, scale_lengths
 from omnibal_compile.data.metrics import BalanceMetrics, ShapeCost, balance_metrics, dist_ratio
+from omnibal_compile.data.plan import DataOptions, DataPlan, plan_data
+from omnibal_compile.data.sampler import BalancedBatchSampler
 from omnibal_compile.data.packing import (
     OVERSIZED_POLICIES,
     PackShape,
@@ -21,4 +24,6 @@ __all__ = [
     "PackShape", "Packing", "OVERSIZED_POLICIES", "random_batches", "length_grouped_batches",
     "isf_pack", "isf_search", "IsfSearch", "balance_pack", "balanced_partition",
     "BalanceMetrics", "ShapeCost", "balance_metrics", "dist_ratio",
+    "BalancedBatchSampler", "PackingCollator", "MODEL_KEYS", "synthetic_sample",
+    "DataOptions", "DataPlan", "plan_data",
 ]

@@ -128,7 +128,8 @@ class IsfSearch:
 
 def isf_search(
     stats: LengthStats, *, dp: int, samples_per_pack: float, iterations: int = 50, seed: int = 0,
-    start_tokens: int = 4096, token_margin: int = 128, oversized: str = "error", max_tries: int = 200,
+    start_tokens: int = 4096, token_margin: int = 128, length_bin: int = 256, oversized: str = "error",
+    max_tries: int = 200,
     progress: Callable[[str], None] | None = None,
 ) -> IsfSearch:
     """The reference parameter search: pick (Q_v, Q_t) whose ISF packs average ``samples_per_pack``.
@@ -144,9 +145,10 @@ def isf_search(
     k = float(samples_per_pack)
     if k < 1:
         raise InputError(f"samples_per_pack must be >= 1, got {samples_per_pack}")
-    binned_tokens = -(-stats.tokens // 256) * 256  # the reference bins lengths to 256 first
-    per_tile = int(((float(binned_tokens.mean()) // max(float(stats.tiles.mean()), 1.0) + 1) // 16) * 16)
-    per_tile = max(per_tile, 16)
+    binned_tokens = -(-stats.tokens // length_bin) * length_bin  # the reference bins lengths to 256 first
+    round_to = max(length_bin // 16, 1)  # the reference rounds to 16 with 256-token bins
+    per_tile = int(((float(binned_tokens.mean()) // max(float(stats.tiles.mean()), 1.0) + 1) // round_to) * round_to)
+    per_tile = max(per_tile, round_to)
     q_t, q_v = start_tokens, max(start_tokens // per_tile, 1)
     best: tuple[float, IsfSearch] | None = None
     tried: list[tuple[int, int, float, float, float]] = []

@@ -1,0 +1,169 @@
+"""The data pass of ``optimize``: length statistics -> micro-batch shape, sampler and collator.
+
+Glossary:
+    model units   the statistics are scaled (:func:`~omnibal_compile.data.lengths.scale_lengths`)
+                  from ``source_tokens_per_tile`` (256 for the shared InternVL statistics) to the
+                  model's own tokens per tile before balancing, so Q_t is in the model's tokens.
+    DataPlan      what the pass decides: the fixed pack shape, the balance it reached, and
+                  factories for the per-rank sampler and the collator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnibal_compile.data.balance import balance_pack
+from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_sample
+from omnibal_compile.data.isf import isf_pack, isf_search
+from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths, scale_lengths
+from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
+from omnibal_compile.data.packing import OVERSIZED_POLICIES, PackShape, Packing
+from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
+from omnibal_compile.errors import InputError
+
+__all__ = ["DataOptions", "DataPlan", "plan_data"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataOptions:
+    """How to balance the data (all optional; model facts default to ``model.config``)."""
+
+    dp: int = 1
+    """Data-parallel ranks per step."""
+    samples_per_pack: float = 4.0
+    """Target mean samples per pack (micro-batch)."""
+    method: str = "ours"
+    """``ours`` (balanced packing) or ``isf`` (OmniBal's ISF with its parameter search)."""
+    shape: PackShape | None = None
+    """Fix the pack shape (Q_v, Q_t) in model units instead of deriving it."""
+    source_tokens_per_tile: int | None = INTERNVL_TOKENS_PER_TILE
+    """Tokens per tile the statistics were measured with; None if already in model units."""
+    oversized: str = "error"
+    """Samples over a fixed shape: ``error``, ``truncate`` or ``own-pack``."""
+    seed: int = 0
+    """Seed of packing and step order (mixed with the epoch)."""
+    cost: CostFn | None = None
+    """Pack cost ``(tiles, tokens, attention_pairs) -> cost`` deciding which packs share a step."""
+    tokens_per_tile: int | None = None
+    """Model's image tokens per tile (default: ``model.config.tokens_per_tile``)."""
+    image_token_id: int | None = None
+    """Model's image placeholder id (default: ``model.config.image_token_id``)."""
+    image_shape: tuple[int, int, int] | None = None
+    """(channels, height, width) of a tile (default: from ``model.config``)."""
+    vocab_size: int | None = None
+    """For the synthetic example batch (default: ``model.config.vocab_size``)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ours", "isf"):
+            raise InputError(f"DataOptions.method must be 'ours' or 'isf', got {self.method!r}")
+        if self.oversized not in OVERSIZED_POLICIES:
+            raise InputError(f"DataOptions.oversized must be one of {list(OVERSIZED_POLICIES)}, got {self.oversized!r}")
+        if self.dp < 1 or self.samples_per_pack < 1:
+            raise InputError(f"DataOptions needs dp >= 1 and samples_per_pack >= 1, got {self.dp}, {self.samples_per_pack}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataPlan:
+    """The balanced micro-batch shape plus a configured sampler and collator."""
+
+    stats: LengthStats = field(repr=False)
+    """Statistics in model units (what was balanced)."""
+    options: DataOptions = field(repr=False)
+    """The options used."""
+    shape: PackShape
+    """Fixed pack shape (Q_v tiles, Q_t tokens), model units."""
+    seq_len: int
+    """Row length of a collated batch (Q_t plus room for dummy-tile placeholders)."""
+    metrics: BalanceMetrics
+    """Balance of epoch 0."""
+    collator: PackingCollator = field(repr=False)
+    """``collate_fn`` for the DataLoader."""
+    packer: Callable[[int], Packing] = field(repr=False)
+    """``seed -> Packing`` that the sampler runs once per epoch."""
+    first_packing: Packing = field(repr=False)
+    """The packing of epoch 0 (what ``metrics`` measured)."""
+
+    def sampler(self, rank: int = 0) -> BalancedBatchSampler:
+        """The batch sampler of data-parallel ``rank``."""
+        return BalancedBatchSampler(self.packer, num_samples=len(self.stats), rank=rank, world_size=self.options.dp,
+                                    seed=self.options.seed)
+
+    def example_batch(self, *, seed: int = 0) -> dict[str, torch.Tensor]:
+        """One collated micro-batch of the planned shape (random content), for capture and profiling."""
+        o = self.options
+        g = torch.Generator().manual_seed(seed)
+        packing = self.first_packing
+        pack = packing.pack(int(packing.steps[0, 0]))
+        c = self.collator
+        samples = [synthetic_sample(int(self.stats.tiles[i]), int(self.stats.tokens[i]), tokens_per_tile=c.tokens_per_tile,
+                                    image_token_id=c.image_token_id, vocab_size=int(o.vocab_size or c.image_token_id + 1),
+                                    image_shape=c.image_shape, generator=g) for i in pack]
+        batch = c(samples)
+        return {k: batch[k] for k in MODEL_KEYS}
+
+    def summary(self) -> str:
+        m = self.metrics
+        return (f"data: {len(self.stats)} samples, {self.options.method} packs of ({self.shape.tiles} tiles, "
+                f"{self.shape.tokens} tokens), row {self.seq_len}, {m.samples_per_pack:.2f} samples/pack, "
+                f"{m.num_steps} steps x {self.options.dp} ranks; Pad {m.pad_ratio:.4f}, Dist vision {m.dist_vision:.4f} "
+                f"language {m.dist_language:.4f}, oversized {m.oversized}")
+
+
+def _model_fact(options: DataOptions, model: Any, name: str) -> Any:
+    value = getattr(options, name)
+    if value is not None:
+        return value
+    cfg = getattr(model, "config", None)
+    if name == "image_shape" and cfg is not None and all(hasattr(cfg, a) for a in ("channels", "image_size")):
+        return (int(cfg.channels), int(cfg.image_size), int(cfg.image_size))
+    if cfg is not None and hasattr(cfg, name):
+        return getattr(cfg, name)
+    raise InputError(f"the data pass needs the model's {name}; pass DataOptions({name}=...)")
+
+
+def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = None) -> DataPlan:
+    """Balance ``lengths`` for ``options.dp`` ranks; facts about the model come from ``options`` or ``model.config``."""
+    o = options or DataOptions()
+    tpt = int(_model_fact(o, model, "tokens_per_tile"))
+    image_token_id = int(_model_fact(o, model, "image_token_id"))
+    image_shape = tuple(int(x) for x in _model_fact(o, model, "image_shape"))
+    if o.vocab_size is None and model is not None and hasattr(getattr(model, "config", None), "vocab_size"):
+        o = DataOptions(**{**o.__dict__, "vocab_size": int(model.config.vocab_size)})
+    stats = load_lengths(lengths)
+    if o.source_tokens_per_tile is not None and o.source_tokens_per_tile != tpt:
+        stats = scale_lengths(stats, tokens_per_tile=tpt, source_tokens_per_tile=o.source_tokens_per_tile)
+    first = epoch_seed(o.seed, 0)
+    if o.method == "isf":
+        # The reference's constants in InternVL units (start at 4096 = 16 tiles' tokens, margin 128
+        # = half a tile, lengths binned to 256 = one tile), carried over to model units.
+        margin = max(tpt // 2, 1)
+        shape = o.shape
+        if shape is None:
+            shape = isf_search(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, seed=first, start_tokens=16 * tpt,
+                               token_margin=margin, length_bin=tpt, oversized=o.oversized).capacity
+        fixed = shape
+
+        def packer(seed: int) -> Packing:
+            return isf_pack(stats, dp=o.dp, capacity=fixed, seed=seed, oversized=o.oversized,
+                            token_thresh=fixed.tokens - margin)
+    else:
+        shape = o.shape or balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, seed=first,
+                                        cost=o.cost).capacity
+        assert shape is not None
+        fixed = shape
+
+        def packer(seed: int) -> Packing:
+            return balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, capacity=fixed, seed=seed,
+                                cost=o.cost, oversized=o.oversized)
+
+    packing = packer(first)
+    metrics = balance_metrics(stats, packing, cost=o.cost)
+    collator = PackingCollator(shape=fixed, tokens_per_tile=tpt, image_token_id=image_token_id,
+                               image_shape=image_shape, oversized=o.oversized)  # type: ignore[arg-type]
+    return DataPlan(stats=stats, options=o, shape=fixed, seq_len=collator.row_len, metrics=metrics,
+                    collator=collator, packer=packer, first_packing=packing)

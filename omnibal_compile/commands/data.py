@@ -1,0 +1,64 @@
+"""``omnibal-compile data LENGTHS...``: compare random, length-grouped, ISF and our batching."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+NAME = "data"
+HELP = "balance dataset length statistics and print Pad/Dist Ratios of random, length-grouped, ISF and ours"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("lengths", nargs="+", metavar="LENGTHS", help="length files (.json OmniBal format, .jsonl, .csv)")
+    p.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+    p.add_argument("--samples-per-pack", type=int, default=4, help="target samples per micro-batch (default 4)")
+    p.add_argument("--iterations", type=int, default=50, help="ISF iterations T (default 50, as the reference)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    p.add_argument("--resample", type=int, default=None, metavar="N", help="draw N samples with replacement first")
+    p.add_argument("--methods", default="random,length-grouped,isf,ours", help="comma-separated subset to run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _progress(enabled: bool, total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """A status callback and a closer: a tqdm bar when available, else plain prints."""
+    if not enabled:
+        return (lambda _m: None), (lambda: None)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return (lambda m: print(m, flush=True)), (lambda: None)
+    bar: Any = tqdm(total=total, unit="method", leave=False, dynamic_ncols=True)
+
+    def say(msg: str) -> None:
+        bar.set_description_str(msg[:70])
+        if msg.endswith("s") and ": done in " in msg:
+            bar.update(1)
+
+    return say, bar.close
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnibal_compile.data.compare import METHODS, compare_balancers, format_comparison
+    from omnibal_compile.data.lengths import load_lengths
+    from omnibal_compile.errors import InputError
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise InputError(f"--methods has unknown {unknown}; choose from {list(METHODS)}")
+    if args.dp < 1 or args.samples_per_pack < 1:
+        raise InputError("--dp and --samples-per-pack must be >= 1")
+    stats = load_lengths(list(args.lengths))
+    if args.resample:
+        stats = stats.resample(args.resample, seed=args.seed)
+    say, close = _progress(not args.no_progress, len(methods))
+    try:
+        result = compare_balancers(stats, dp=args.dp, samples_per_pack=args.samples_per_pack, seed=args.seed,
+                                   iterations=args.iterations, methods=methods, progress=say)
+    finally:
+        close()
+    print(f"statistics: {stats.source}")
+    print(format_comparison(result))
+    return 0

@@ -1,0 +1,85 @@
+"""Compare the four ways of batching on the same statistics: random, length-grouped, ISF, ours.
+
+Glossary:
+    progress   a callable receiving one-line status messages (the command wires it to a tqdm bar,
+               or to print when tqdm is absent).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omnibal_compile.data.balance import balance_pack
+from omnibal_compile.data.isf import isf_search
+from omnibal_compile.data.lengths import LengthStats
+from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
+from omnibal_compile.data.packing import PackShape, length_grouped_batches, random_batches
+
+__all__ = ["Comparison", "compare_balancers", "format_comparison", "METHODS"]
+
+METHODS: tuple[str, ...] = ("random", "length-grouped", "isf", "ours")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """Metrics of each method plus the pack shapes ISF and ours chose."""
+
+    rows: tuple[BalanceMetrics, ...]
+    """One row per method, in the order run."""
+    shapes: dict[str, PackShape]
+    """Pack shape (Q_v, Q_t) of the packing methods."""
+    num_samples: int
+    """Samples balanced."""
+    dp: int
+    """Data-parallel ranks."""
+
+
+def compare_balancers(
+    stats: LengthStats, *, dp: int, samples_per_pack: int, seed: int = 0, iterations: int = 50,
+    methods: tuple[str, ...] = METHODS, cost: CostFn | None = None, progress: Callable[[str], None] | None = None,
+) -> Comparison:
+    """Run each method; ours targets the samples per pack ISF reached (when ISF runs)."""
+    say = progress or (lambda _msg: None)
+    rows: list[BalanceMetrics] = []
+    shapes: dict[str, PackShape] = {}
+    isf_spp: float | None = None
+    for method in methods:
+        say(f"{method}: balancing {len(stats)} samples")
+        t0 = time.perf_counter()
+        if method == "random":
+            packing = random_batches(stats, dp=dp, batch_size=samples_per_pack, seed=seed)
+        elif method == "length-grouped":
+            packing = length_grouped_batches(stats, dp=dp, batch_size=samples_per_pack, seed=seed)
+        elif method == "isf":
+            found = isf_search(stats, dp=dp, samples_per_pack=samples_per_pack, iterations=iterations, seed=seed,
+                               progress=say)
+            packing = found.packing
+            isf_spp = packing.samples_per_pack()
+        elif method == "ours":
+            packing = balance_pack(stats, dp=dp, samples_per_pack=isf_spp or samples_per_pack, seed=seed, cost=cost)
+        else:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+        seconds = time.perf_counter() - t0
+        if packing.capacity is not None:
+            shapes[method] = packing.capacity
+        rows.append(balance_metrics(stats, packing, cost=cost, seconds=seconds))
+        say(f"{method}: done in {seconds:.1f}s")
+    return Comparison(rows=tuple(rows), shapes=shapes, num_samples=len(stats), dp=dp)
+
+
+def format_comparison(c: Comparison) -> str:
+    """A fixed-width table of the comparison."""
+    head = (f"{'method':<15} {'samples/pack':>12} {'Pad':>7} {'Dist vis':>9} {'Dist lang':>9} {'Dist FLOPs':>10} "
+            f"{'steps':>7} {'shape (Q_v, Q_t)':>17} {'time s':>7}")
+    lines = [f"{c.num_samples} samples, {c.dp} data-parallel ranks, one micro-batch per rank per step", head,
+             "-" * len(head)]
+    for r in c.rows:
+        shape = c.shapes.get(r.method)
+        shape_s = f"({shape.tiles}, {shape.tokens})" if shape else "padded"
+        lines.append(
+            f"{r.method:<15} {r.samples_per_pack:>12.2f} {r.pad_ratio:>7.4f} {r.dist_vision:>9.4f} "
+            f"{r.dist_language:>9.4f} {r.dist_compute:>10.4f} {r.num_steps:>7} {shape_s:>17} {r.seconds:>7.2f}"
+        )
+    return "\n".join(lines)

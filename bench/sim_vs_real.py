@@ -1,0 +1,80 @@
+"""Simulated vs measured iteration time of real pipeline runs on this machine (CPU, gloo, torchrun).
+
+For the reference VLM, each planner's plan is (1) simulated from costs profiled here at the
+micro-batch shape, with one thread as every rank uses, and (2) trained for a few steps on N local
+ranks by the runtime; the median step time (first step dropped) is compared with the simulated
+iteration time. The measured step also holds the optimizer step (SGD, cheap) and the barrier; the
+simulation holds neither.
+
+    python bench/sim_vs_real.py                  # 2 ranks, 1f1b, 4 micro-batches
+    python bench/sim_vs_real.py --ranks 2 4 --schedule gpipe --microbatches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from omnibal_compile import optimize
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile.passes.cost import annotate_costs
+from omnibal_compile.passes.partition import PLANNERS
+from omnibal_compile.runtime.launch import RunConfig, launch
+from omnibal_compile.sim import simulate
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--mb-samples", type=int, default=2, help="samples per micro-batch")
+    p.add_argument("--tiles", type=int, default=2)
+    p.add_argument("--text", type=int, default=64)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--planners", nargs="+", default=[n for n in ("ilp", "uniform", "parameters") if n in PLANNERS])
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    cfg = TinyVLMConfig()
+    model = TinyVLM(cfg)
+    mb = make_example_batch(cfg, batch=args.mb_samples, tiles_per_sample=args.tiles, text_tokens=args.text, seed=1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            for name in args.planners:
+                result = optimize(model, mb, num_stages=ranks, planner=name)
+                costs = annotate_costs(result.graph, model, device="cpu", threads=1, repeats=7)
+                plan = dataclasses.replace(result.plan, schedule=args.schedule, num_microbatches=args.microbatches)
+                sim = simulate(plan, costs)
+                path = Path(tmp) / f"plan_{ranks}_{name}.json"
+                path.write_text(plan.to_json())
+                logs = launch(
+                    RunConfig(
+                        plan=str(path), batch_size=args.mb_samples * args.microbatches, tiles_per_sample=args.tiles,
+                        text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, recompute=False,
+                    ),
+                    timeout_s=600, quiet=True,
+                )
+                measured = statistics.median(s.step_time_s for s in logs[1:])
+                err = sim.iteration_time_s / measured - 1
+                rows.append((ranks, name, list(plan.boundaries), sim.iteration_time_s, measured, err))
+                print(f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
+                      f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms, error {err:+.1%} "
+                      f"(steps: {', '.join(f'{s.step_time_s * 1e3:.0f}' for s in logs)} ms)", flush=True)
+    print(f"\n{'ranks':>5}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  {'error':>7}")
+    for ranks, name, _, s, m, e in rows:
+        print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}")
+    worst = max(abs(r[5]) for r in rows)
+    print(f"worst |error| {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

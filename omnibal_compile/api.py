@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,10 +13,13 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from omnibal_compile.costs import CostTable
+from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import CaptureMethod, Captured, capture, normalize_example_inputs
 from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
+from omnibal_compile.passes.cost import BF16_ADAM, Precision, annotate_costs
 from omnibal_compile.passes.partition import PLANNERS, Planner
 from omnibal_compile.plan import Plan
 
@@ -81,6 +85,8 @@ class OptimizeResult:
     """One module per stage; ``stages[s+1](*stages[s](...))`` chains, stage 0 takes flat inputs."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each pass."""
+    costs: CostTable | None = None
+    """Per-block costs when ``optimize(device=...)`` was given one; None otherwise."""
 
     def stage_info(self, index: int) -> StageInfo:
         """Inputs, outputs, blocks and parameter names of stage ``index``."""
@@ -170,6 +176,10 @@ def optimize(
     block_prefixes: Sequence[str] | None = None,
     capture_method: CaptureMethod = "export",
     kernels: str | None = None,
+    device: str | DeviceSpec | None = None,
+    precision: Precision = BF16_ADAM,
+    cost_cache: str | os.PathLike[str] | None = None,
+    refresh_costs: bool = False,
 ) -> OptimizeResult:
     """Capture ``model`` on ``example_inputs``, cut it into ``num_stages`` pipeline stages, emit them.
 
@@ -184,6 +194,10 @@ def optimize(
         kernels: rewrite norms, SwiGLU and the LM-head loss into fused ops before cutting:
             ``"triton"`` (Triton kernels; eager torch where Triton cannot run), ``"eager"``, or
             None (default: no substitution).
+        device: cost the blocks: ``"cpu"``/``"cuda"`` profile here, ``"a100-80gb"``, ``"h100-80gb"``,
+            ``"h200"`` (or a DeviceSpec) use the roofline model; None (default) skips costing.
+        precision: bytes per parameter for weights, gradients and optimizer states (costing only).
+        cost_cache: JSON file caching profiled costs; ``refresh_costs=True`` ignores cached entries.
     """
     timings: dict[str, float] = {}
     done: list[str] = []
@@ -193,6 +207,12 @@ def optimize(
 
         _run_pass("kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels))
     graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
+    costs = None
+    if device is not None:
+        costs = _run_pass(
+            "cost", done, timings,
+            lambda: annotate_costs(graph, model, device=device, precision=precision, cache=cost_cache, refresh=refresh_costs),
+        )
     if plan is not None:
         if plan.num_stages != num_stages:
             raise PlanError(f"the given plan has {plan.num_stages} stages but num_stages={num_stages}")
@@ -210,4 +230,6 @@ def optimize(
         if not isinstance(chosen, Plan):
             raise InputError(f"planner {getattr(fn, '__name__', fn)!r} returned {type(chosen).__name__}, not a Plan")
     stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
-    return OptimizeResult(model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings)
+    return OptimizeResult(
+        model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=costs
+    )

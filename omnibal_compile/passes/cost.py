@@ -310,6 +310,7 @@ def annotate_costs(
     """
     name = device.name if isinstance(device, DeviceSpec) else str(device).strip().lower()
     spec = None if name in PROFILED_DEVICES else get_device(device)
+    name = spec.name if spec is not None else name  # canonical, so aliases share cache entries
     if clock not in CLOCKS:
         raise InputError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
     if warmup < 0 or repeats < 1:

@@ -69,9 +69,12 @@ def triton_runs_on(device: torch.device | str) -> bool:
         return False
     if torch.device(device).type == "cuda":
         return True
+    if not _interpret_env():
+        return False
+    # Kernels are decorated for the interpreter or the GPU once, when their module is imported;
+    # the interpreter also reads the variable while it runs, so both must hold.
     loaded = sys.modules.get(_TRITON_MODULE)
-    # Kernels are decorated for the interpreter or the GPU once, when their module is imported.
-    return bool(loaded.INTERPRETED) if loaded is not None else _interpret_env()
+    return loaded is None or bool(loaded.INTERPRETED)
 
 
 _PY_IMPLS: dict[str, Callable[..., Any]] = {}

@@ -63,10 +63,9 @@ def _rms_bwd_kernel(DY, X, W, DX, DWP, stride_dy, stride_x, stride_dx, M, N, eps
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    start = pid * rows_per_prog
+    start = pid.to(tl.int64) * rows_per_prog  # int64 row offsets below
     stop = tl.minimum(start + rows_per_prog, M)
-    for r in range(start, stop):
-        row = r.to(tl.int64)
+    for row in range(start, stop):
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)  # recomputed: cheaper than storing it
@@ -135,10 +134,9 @@ def _ln_bwd_kernel(
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
-    start = pid * rows_per_prog
+    start = pid.to(tl.int64) * rows_per_prog  # int64 row offsets below
     stop = tl.minimum(start + rows_per_prog, M)
-    for r in range(start, stop):
-        row = r.to(tl.int64)
+    for row in range(start, stop):
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=0) / N

@@ -1,0 +1,108 @@
+"""The batch sampler: exactly once per epoch across ranks, determinism, resumption, epochs differ."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnibal_compile.data import BalancedBatchSampler, LengthStats, PackShape, balance_pack, isf_pack
+from omnibal_compile.errors import InputError
+
+
+def _sampler(n: int, world: int, rank: int, seed: int, method: str = "ours") -> BalancedBatchSampler:
+    rng = np.random.default_rng(n)
+    tiles = rng.integers(0, 5, n)
+    stats = LengthStats.from_arrays(tiles, tiles * 8 + rng.integers(2, 30, n))
+
+    def packer(s: int):
+        if method == "isf":
+            return isf_pack(stats, dp=world, capacity=PackShape(tiles=10, tokens=120), seed=s, iterations=4)
+        return balance_pack(stats, dp=world, samples_per_pack=3, seed=s, refine_rounds=6)
+
+    return BalancedBatchSampler(packer, num_samples=n, rank=rank, world_size=world, seed=seed)
+
+
+sizes = st.tuples(st.integers(8, 120), st.integers(1, 8), st.integers(0, 2**16), st.sampled_from(["ours", "isf"]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes)
+def test_each_sample_exactly_once_per_epoch_across_ranks(case: tuple[int, int, int, str]) -> None:
+    n, world, seed, method = case
+    samplers = [_sampler(n, world, r, seed, method) for r in range(world)]
+    for epoch in range(2):
+        per_rank = [list(s) for s in samplers]
+        assert len({len(b) for b in per_rank}) == 1  # all ranks run the same number of steps
+        seen = sorted(i for batches in per_rank for b in batches for i in b)
+        assert seen == list(range(n)), f"epoch {epoch}"
+        assert all(len(b) > 0 for batches in per_rank for b in batches)
+        assert all(s.epoch == epoch + 1 for s in samplers)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes, st.data())
+def test_resume_from_state_dict_at_any_step_continues_the_same_sequence(case: tuple[int, int, int, str],
+                                                                        data: st.DataObject) -> None:
+    n, world, seed, method = case
+    rank = data.draw(st.integers(0, world - 1))
+    full = _sampler(n, world, rank, seed, method)
+    reference = list(full) + list(full)  # two epochs
+    stop = data.draw(st.integers(0, len(reference)))
+    first = _sampler(n, world, rank, seed, method)
+    it = iter(first)
+    got = []
+    for _ in range(stop):
+        try:
+            got.append(next(it))
+        except StopIteration:
+            it = iter(first)
+            got.append(next(it))
+    state = first.state_dict()
+    resumed = _sampler(n, world, rank, seed, method)
+    resumed.load_state_dict(state)
+    rest = list(itertools.islice(itertools.chain(resumed, resumed), len(reference) - stop))
+    assert got + rest == reference
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes)
+def test_same_seed_and_epoch_same_batches_other_epochs_differ(case: tuple[int, int, int, str]) -> None:
+    n, world, seed, method = case
+    a, b = _sampler(n, world, 0, seed, method), _sampler(n, world, 0, seed, method)
+    a.set_epoch(3)
+    b.set_epoch(3)
+    assert list(a) == list(b)
+    # Over all ranks the epoch's packing and step order are reshuffled.
+    e3 = [list(_at(_sampler(n, world, r, seed, method), 3)) for r in range(world)]
+    e4 = [list(_at(_sampler(n, world, r, seed, method), 4)) for r in range(world)]
+    assert e3 != e4
+
+
+def _at(s: BalancedBatchSampler, epoch: int) -> BalancedBatchSampler:
+    s.set_epoch(epoch)
+    return s
+
+
+def test_state_mismatch_and_bad_rank_are_named() -> None:
+    s = _sampler(40, 2, 0, seed=1)
+    with pytest.raises(InputError, match="world_size=4 but this sampler has world_size=2"):
+        s.load_state_dict({"epoch": 0, "step": 0, "world_size": 4})
+    with pytest.raises(InputError, match="'step'"):
+        s.load_state_dict({"epoch": 0})
+    with pytest.raises(InputError, match="rank"):
+        _sampler(40, 2, 2, seed=1)
+
+
+def test_works_as_a_dataloader_batch_sampler() -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    s = _sampler(30, 2, 1, seed=0)
+    loader = DataLoader(list(range(30)), batch_sampler=s, collate_fn=lambda xs: torch.tensor(xs))
+    got = [b.tolist() for b in loader]
+    s.set_epoch(0)
+    assert got == list(s)

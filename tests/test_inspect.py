@@ -13,9 +13,7 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.interop import megatron_layout, torchtitan_module_names
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim import simulate
-from omnibal_compile.sim.lengths import load_lengths, random_microbatch_costs, scale_costs, shape_costs
-
-LENGTHS = Path("/work/shared/data/lengths/ai2d_train_12k.json")
+from omnibal_compile.sim.lengths import packing_shapes, scale_costs, shape_costs
 
 # Named like TinyVLM's blocks: vision side, projector, LLM embedding, glue, decoder layers, head, loss glue.
 NAMES = (
@@ -143,19 +141,25 @@ def test_shape_costs_scale_linearly():
         shape_costs(costs, [(1, 1)], vision_blocks=99)
 
 
-@pytest.mark.skipif(not LENGTHS.exists(), reason="shared length statistics not present")
-def test_random_microbatches_from_real_lengths(tmp_path):
-    samples = load_lengths([LENGTHS])
-    assert len(samples) == 12413 and all(t >= 0 and n > 0 for t, n in samples[:100])
-    plan = vlm_plan()
-    tables = random_microbatch_costs(costs_for(), [LENGTHS], num_microbatches=6, samples_per_microbatch=2, vision_blocks=5)
-    uneven = simulate(plan, costs_for(), microbatch_costs=tables)
-    even = simulate(plan, costs_for())
-    # Same mean load, but the pipeline waits for heavy micro-batches: never faster than identical ones.
-    assert uneven.iteration_time_s > even.iteration_time_s
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps([{"vit_num": 1}]))
-    with pytest.raises(InputError, match="entry 0"):
-        load_lengths([bad])
-    with pytest.raises(InputError, match="does not exist"):
-        load_lengths([tmp_path / "missing.json"])
+def test_balanced_packs_beat_random_batches_in_simulation():
+    import numpy as np
+
+    from omnibal_compile.data import balance_pack, load_lengths, random_batches
+
+    rng = np.random.default_rng(0)
+    tiles = rng.integers(1, 6, 600)
+    stats = load_lengths((tiles, tiles * 256 + rng.integers(20, 600, 600)))
+    plan, costs = vlm_plan(), costs_for()
+    M = plan.num_microbatches
+    ref = (float(stats.tiles.mean()) * 2, float(stats.tokens.mean()) * 2)
+    times = {}
+    for name, packing in (("random", random_batches(stats, dp=M, batch_size=2)),
+                          ("ours", balance_pack(stats, dp=M, samples_per_pack=2))):
+        shapes = packing_shapes(stats, packing, step=0)
+        assert len(shapes) == M
+        tables = shape_costs(costs, shapes, vision_blocks=5, reference=ref)
+        times[name] = simulate(plan, costs, microbatch_costs=tables).iteration_time_s
+    # Padding and uneven micro-batches cost the random batches time; balanced packs do not pad.
+    assert times["ours"] < times["random"]
+    with pytest.raises(InputError, match="step must lie"):
+        packing_shapes(stats, packing, step=10**6)

@@ -39,14 +39,17 @@ def check_artefacts(out: Path, stages: int, microbatches: int) -> Plan:
 
 def test_plan_tiny_vlm(tmp_path, capsys):
     out = tmp_path / "out"
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([{"vit_num": 1 + i % 5, "token_num": 300 + 97 * (i % 13)} for i in range(300)]))
     code = main(["plan", "tiny-vlm", "--stages", "3", "--microbatches", "6", "--memory", "1GiB", "--device", "a100-80gb",
-                 "--sweep-stages", "2,3", "--out", str(out)])
+                 "--sweep-stages", "2,3", "--lengths", str(lengths), "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     plan = check_artefacts(out, 3, 6)
     assert plan.memory_budget_bytes == (2**30,) * 3 and plan.schedule == "1f1b"
     assert "simulated 1f1b: 3 stages on 3 devices" in printed and "Megatron layout:" in printed
     assert "what-if over stages" in printed and (out / "sweep_stages.png").is_file()
+    assert "random batches (padded)" in printed and "balanced packs (ours)" in printed
     assert CostTable.from_json((out / "costs.json").read_text()).source == "roofline"
     # A saved cost table is reused as is, and the interleaved schedule runs chunks.
     again = tmp_path / "again"

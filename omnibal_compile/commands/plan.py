@@ -31,6 +31,8 @@ NAME = "plan"
 HELP = "plan a model's pipeline stages, simulate an iteration, and write the plan, pictures and a trace"
 
 DEFAULT_OUT = "omnibal-plan"
+LENGTH_ITERATIONS = 16
+"""Iterations simulated per packing for --lengths."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -395,23 +397,35 @@ def _sweep(kind: str, text: str, args: argparse.Namespace, model: Any, batch: An
 
 
 def _lengths_report(args: argparse.Namespace, plan: Any, costs: Any, result: Any) -> str:
-    from omnibal_compile.sim.lengths import random_microbatch_costs
-
+    """Simulate micro-batches drawn from real length statistics: random batches vs balanced packs."""
     if costs is None:
         return "--lengths: skipped (no costs)"
+    from omnibal_compile.data import balance_pack, load_lengths, random_batches
     from omnibal_compile.sim import simulate
+    from omnibal_compile.sim.lengths import packing_shapes, shape_costs
 
-    tables = random_microbatch_costs(
-        costs, args.lengths, num_microbatches=plan.num_microbatches, samples_per_microbatch=args.batch,
-        vision_blocks=_vision_blocks(result), seed=args.seed,
-    )
-    uneven = simulate(plan, costs, microbatch_costs=tables)
+    stats = load_lengths(args.lengths)
+    M = plan.num_microbatches
+    # The cost table counts as the average micro-batch of --batch samples.
+    reference = (float(stats.tiles.mean()) * args.batch, float(stats.tokens.mean()) * args.batch)
+    vision = _vision_blocks(result)
+    lines = [f"micro-batches of {args.batch} samples from {stats.source} ({len(stats):,} samples), {M} per iteration:"]
     even = simulate(plan, costs)
-    return (
-        f"micro-batches drawn at random from {len(args.lengths)} length file(s): iteration "
-        f"{uneven.iteration_time_s * 1e3:.3f} ms (bubble {uneven.bubble_fraction:.1%}) vs "
-        f"{even.iteration_time_s * 1e3:.3f} ms with identical micro-batches"
-    )
+    lines.append(f"  {'identical (the cost table)':<28} iteration {even.iteration_time_s * 1e3:9.3f} ms, bubble {even.bubble_fraction:.1%}")
+    for label, packing in (
+        ("random batches (padded)", random_batches(stats, dp=M, batch_size=args.batch, seed=args.seed)),
+        ("balanced packs (ours)", balance_pack(stats, dp=M, samples_per_pack=args.batch, seed=args.seed)),
+    ):
+        # One packing step = one iteration's M micro-batches; average over the first few iterations.
+        runs = [
+            simulate(plan, costs, microbatch_costs=shape_costs(
+                costs, packing_shapes(stats, packing, step=k), vision_blocks=vision, reference=reference))
+            for k in range(min(LENGTH_ITERATIONS, packing.num_steps))
+        ]
+        t = sum(r.iteration_time_s for r in runs) / len(runs)
+        bubble = sum(r.bubble_fraction for r in runs) / len(runs)
+        lines.append(f"  {label:<28} iteration {t * 1e3:9.3f} ms, bubble {bubble:.1%} (mean of {len(runs)} iterations)")
+    return "\n".join(lines)
 
 
 def _vision_blocks(result: Any) -> int:

@@ -2,7 +2,9 @@
 
 A cost table is measured at one micro-batch shape. Real micro-batches carry different numbers of
 image tiles and text tokens; this module rescales the table per micro-batch with a linear model,
-so the simulator can replay random batches or the data balancer's packs.
+so the simulator can replay random batches or the data balancer's packs (:func:`packing_shapes`).
+A fitted shape model of the cost pass (``ShapeCostModel.table(shape)``) is the more precise
+alternative: its tables can be given to ``simulate(microbatch_costs=...)`` directly.
 
 Glossary:
     shape          (tiles, tokens) of one micro-batch: image tiles through the vision encoder, and
@@ -20,38 +22,13 @@ Glossary:
 from __future__ import annotations
 
 import dataclasses
-import json
-import random
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 from omnibal_compile.costs import BlockCost, CostTable
 from omnibal_compile.errors import InputError
 
-__all__ = ["load_lengths", "scale_costs", "shape_costs", "random_microbatch_costs"]
-
-
-def load_lengths(paths: Sequence[str | Path]) -> list[tuple[int, int]]:
-    """(tiles, tokens) of every sample in JSON files of ``{"vit_num": .., "token_num": ..}`` entries."""
-    samples: list[tuple[int, int]] = []
-    for path in paths:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise InputError(f"length file {p} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise InputError(f"length file {p} is not JSON: {e}") from None
-        if not isinstance(data, list):
-            raise InputError(f"length file {p} must hold a JSON list of samples")
-        for i, item in enumerate(data):
-            try:
-                samples.append((int(item["vit_num"]), int(item["token_num"])))
-            except (KeyError, TypeError, ValueError):
-                raise InputError(f"length file {p}, entry {i}: expected {{'vit_num': int, 'token_num': int}}, got {item!r}") from None
-    if not samples:
-        raise InputError("the length files hold no samples")
-    return samples
+__all__ = ["scale_costs", "shape_costs", "packing_shapes"]
 
 
 def _scale_block(b: BlockCost, k: float) -> BlockCost:
@@ -102,22 +79,18 @@ def shape_costs(
     return out
 
 
-def random_microbatch_costs(
-    costs: CostTable,
-    length_files: Sequence[str | Path],
-    *,
-    num_microbatches: int,
-    samples_per_microbatch: int,
-    vision_blocks: int,
-    seed: int = 0,
-) -> list[CostTable]:
-    """Cost tables for ``num_microbatches`` micro-batches of random samples (the unbalanced baseline)."""
-    if samples_per_microbatch < 1:
-        raise InputError("samples_per_microbatch must be >= 1")
-    samples = load_lengths(length_files)
-    rng = random.Random(seed)
-    shapes = []
-    for _ in range(num_microbatches):
-        picked = [samples[rng.randrange(len(samples))] for _ in range(samples_per_microbatch)]
-        shapes.append((sum(p[0] for p in picked), sum(p[1] for p in picked)))
-    return shape_costs(costs, shapes, vision_blocks=vision_blocks)
+def packing_shapes(stats: Any, packing: Any, *, step: int = 0) -> list[tuple[int, int]]:
+    """(tiles, computed LLM tokens) of the packs of one step of a data packing, one per micro-batch.
+
+    ``stats`` and ``packing`` come from :mod:`omnibal_compile.data` (``load_lengths`` and any balancer:
+    ``random_batches``, ``length_grouped_batches``, ``isf_pack``, ``balance_pack``). Pack with
+    ``dp`` = micro-batches per iteration so that one step's packs are one pipeline iteration's
+    micro-batches (balanced against each other). Padded layouts count their padding tokens, since
+    the model computes them.
+    """
+    from omnibal_compile.data.metrics import pack_loads
+
+    if not 0 <= step < packing.num_steps:
+        raise InputError(f"step must lie in [0, {packing.num_steps}), got {step}")
+    loads = pack_loads(stats, packing)
+    return [(int(loads["tiles"][p]), int(loads["computed"][p])) for p in packing.steps[step]]

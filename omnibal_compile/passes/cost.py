@@ -45,7 +45,15 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs
 from omnibal_compile.passes.codegen import generate_stages, stage_info
-from omnibal_compile.passes.cost_measure import CLOCKS, FlashOnMeta, LiveStorages, _tensors, median_time, record_ops, with_recompute
+from omnibal_compile.passes.cost_measure import (
+    CLOCKS,
+    FlashOnMeta,
+    LiveStorages,
+    median_time,
+    record_ops,
+    tensor_leaves,
+    with_recompute,
+)
 from omnibal_compile.plan import Plan
 
 __all__ = [
@@ -167,7 +175,7 @@ def _block_inputs(graph: BlockGraph, modules: Sequence[fx.GraphModule]) -> list[
 
 
 def _backward_args(outs: Any, wrt: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    diff = [t for t in _tensors(outs) if t.requires_grad]
+    diff = [t for t in tensor_leaves(outs) if t.requires_grad]
     if not diff or not wrt:
         return None
     return diff, [torch.ones_like(t) for t in diff]
@@ -182,7 +190,7 @@ def _saved_bytes(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[boo
                 for x, c in zip(inputs, charged)
             ]
             outs = fn(*ins)
-        keep = [t.grad_fn for t in _tensors(outs) if t.grad_fn is not None]  # keeps the graph, not the outputs
+        keep = [t.grad_fn for t in tensor_leaves(outs) if t.grad_fn is not None]  # keeps the graph, not the outputs
         del outs, ins
         nbytes = live.alive_bytes()
         del keep
@@ -351,7 +359,7 @@ def annotate_costs(
             charged = [
                 n in values and values[n].producer >= 0 and values[n].last_use == k for n in info.input_names
             ]
-            records, flops = record_ops(m, inputs, sync=sync)
+            records, flops = record_ops(m, inputs, sync=sync, clock=clock)
             if spec is None:
                 timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats, clock=clock)
             else:
@@ -414,7 +422,7 @@ def measured_activation_bytes(graph: BlockGraph, model: nn.Module, option: str) 
             values: Any = tuple(graph.captured.example_flat_inputs)
             for fn in fns:
                 values = fn(*values)
-        keep = [t.grad_fn for t in _tensors(values) if t.grad_fn is not None]
+        keep = [t.grad_fn for t in tensor_leaves(values) if t.grad_fn is not None]
         del values
         nbytes = live.alive_bytes()
         del keep

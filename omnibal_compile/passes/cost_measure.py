@@ -38,6 +38,7 @@ __all__ = [
     "with_recompute",
     "median_time",
     "count_flops",
+    "tensor_leaves",
     "CLOCKS",
     "FlashOnMeta",
 ]
@@ -85,7 +86,7 @@ def with_recompute(fn: Callable[..., Any], option: str) -> Callable[..., Any]:
     raise ValueError(f"unknown recompute option {option!r}")
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
@@ -110,11 +111,12 @@ class OpRecord:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, sync: Callable[[], None] | None) -> None:
+    def __init__(self, sync: Callable[[], None] | None, now: Callable[[], float]) -> None:
         super().__init__()
         self.records: list[OpRecord] = []
         self.paused = False
         self.sync = sync
+        self.now = now
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -122,12 +124,12 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.sync:
             self.sync()
-        start = time.perf_counter()
+        start = self.now()
         out = func(*args, **kwargs)
         if self.sync:
             self.sync()
-        seconds = time.perf_counter() - start
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        seconds = self.now() - start
+        ins, outs = tensor_leaves((args, kwargs)), tensor_leaves(out)
         in_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in ins}
         is_view = all(StorageWeakRef(t.untyped_storage()).cdata in in_storages for t in outs)
         packet = func.overloadpacket
@@ -151,7 +153,7 @@ class _FusedAttention(fx.Interpreter):
         q, k, v = args[:3]
         if rec.sync:
             rec.sync()
-        start = time.perf_counter()
+        start = rec.now()
         rec.paused = True
         try:
             out = super().call_function(target, args, kwargs)
@@ -159,7 +161,7 @@ class _FusedAttention(fx.Interpreter):
             rec.paused = False
         if rec.sync:
             rec.sync()
-        seconds = time.perf_counter() - start
+        seconds = rec.now() - start
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         nbytes = sum(_nbytes(t) for t in (q, k, v, out)) + (_nbytes(mask) if isinstance(mask, torch.Tensor) else 0)
         flops = sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape))
@@ -199,13 +201,15 @@ def count_flops() -> FlopCounterMode:
     return FlopCounterMode(display=False, custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops})
 
 
-def record_ops(gm: fx.GraphModule, inputs: Sequence[Any], *, sync: Callable[[], None] | None = None) -> tuple[list[OpRecord], int]:
+def record_ops(
+    gm: fx.GraphModule, inputs: Sequence[Any], *, sync: Callable[[], None] | None = None, clock: str = "wall"
+) -> tuple[list[OpRecord], int]:
     """Run ``gm`` once on ``inputs`` (grad enabled, as in training): its op records and total FLOPs.
 
     The FLOP total comes from :class:`FlopCounterMode`; the records are what the roofline and the
-    selective-recompute estimate use.
+    selective-recompute estimate use. ``clock`` times each op as in :func:`median_time`.
     """
-    recorder = _Recorder(sync)
+    recorder = _Recorder(sync, time.perf_counter if clock == "wall" else time.thread_time)
     with torch.enable_grad(), FlashOnMeta(), count_flops() as counter, recorder:
         _FusedAttention(gm, recorder).run(*inputs)
     return recorder.records, int(counter.get_total_flops())
@@ -225,8 +229,8 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        in_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
+        in_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in tensor_leaves((args, kwargs))}
+        for t in tensor_leaves(out):
             storage = t.untyped_storage()
             ref = StorageWeakRef(storage)
             if ref.cdata not in in_storages:

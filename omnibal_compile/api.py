@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.costs import CostTable
+from omnibal_compile.data.plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
@@ -87,6 +88,8 @@ class OptimizeResult:
     """Seconds spent in each pass."""
     costs: CostTable | None = None
     """Per-block costs when ``optimize(device=...)`` was given one; None otherwise."""
+    data: DataPlan | None = None
+    """Balanced micro-batch shape, sampler and collator when ``optimize(lengths=...)`` was given; None otherwise."""
 
     def stage_info(self, index: int) -> StageInfo:
         """Inputs, outputs, blocks and parameter names of stage ``index``."""
@@ -168,7 +171,7 @@ def _run_pass(name: str, done: list[str], timings: dict[str, float], fn: Callabl
 
 def optimize(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = None,
     *,
     num_stages: int,
     planner: str | Planner = "parameters",
@@ -180,6 +183,8 @@ def optimize(
     precision: Precision = BF16_ADAM,
     cost_cache: str | os.PathLike[str] | None = None,
     refresh_costs: bool = False,
+    lengths: Any = None,
+    data: DataOptions | None = None,
 ) -> OptimizeResult:
     """Capture ``model`` on ``example_inputs``, cut it into ``num_stages`` pipeline stages, emit them.
 
@@ -198,9 +203,23 @@ def optimize(
             ``"h200"`` (or a DeviceSpec) use the roofline model; None (default) skips costing.
         precision: bytes per parameter for weights, gradients and optimizer states (costing only).
         cost_cache: JSON file caching profiled costs; ``refresh_costs=True`` ignores cached entries.
+        lengths: dataset length statistics (files, a LengthStats or a ``(tiles, tokens)`` pair):
+            balance them into packs of one fixed shape; with ``example_inputs=None`` the model is
+            captured, costed and planned on a micro-batch of that shape. ``result.data`` holds the
+            shape, the per-rank sampler and the collator.
+        data: how to balance (``DataOptions``: data-parallel size, samples per pack, method...).
     """
     timings: dict[str, float] = {}
     done: list[str] = []
+    data_plan = None
+    if lengths is not None:
+        data_plan = _run_pass("data", done, timings, lambda: plan_data(lengths, data, model=model))
+        if example_inputs is None:
+            example_inputs = data_plan.example_batch()
+    elif data is not None:
+        raise InputError("optimize(data=...) needs lengths=... (the dataset's length statistics)")
+    if example_inputs is None:
+        raise InputError("optimize() needs example_inputs, or lengths=... to build a batch of the balanced shape")
     captured = _run_pass("capture", done, timings, lambda: capture(model, example_inputs, method=capture_method))
     if kernels is not None:
         from omnibal_compile.passes.kernels import substitute_kernels
@@ -231,5 +250,6 @@ def optimize(
             raise InputError(f"planner {getattr(fn, '__name__', fn)!r} returned {type(chosen).__name__}, not a Plan")
     stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
-        model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=costs
+        model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=costs,
+        data=data_plan,
     )

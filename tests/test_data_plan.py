@@ -1,0 +1,77 @@
+"""The data pass: optimize(lengths=...) fixes the micro-batch shape and carries sampler and collator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import omnibal_compile as oc
+from conftest import SMALL_VLM
+from omnibal_compile.data import MODEL_KEYS, DataOptions, plan_data, synthetic_sample
+from omnibal_compile.errors import InputError
+from omnibal_compile.models import TinyVLM
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
+
+
+def _lengths(n: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    tiles = rng.integers(0, 3, n)
+    return tiles, tiles * SMALL_VLM.tokens_per_tile + rng.integers(2, 12, n)
+
+
+def test_optimize_with_lengths_plans_on_the_balanced_shape_and_feeds_it() -> None:
+    torch.manual_seed(0)
+    model = TinyVLM(SMALL_VLM)
+    tiles, tokens = _lengths()
+    opts = DataOptions(dp=2, samples_per_pack=3, source_tokens_per_tile=None)
+    result = oc.optimize(model, lengths=(tiles, tokens), data=opts, num_stages=2)
+    plan = result.data
+    assert plan is not None and "data" in result.timings
+    assert result.captured.flatten_inputs(**plan.example_batch())[1].shape == (1, plan.seq_len)
+    # Feed rank 1's first two steps through the stages: the fixed shape runs and matches the model.
+    dataset = [synthetic_sample(int(v), int(t), tokens_per_tile=SMALL_VLM.tokens_per_tile,
+                                image_token_id=SMALL_VLM.image_token_id, vocab_size=SMALL_VLM.vocab_size,
+                                image_shape=(3, SMALL_VLM.image_size, SMALL_VLM.image_size),
+                                generator=torch.Generator().manual_seed(i)) for i, (v, t) in enumerate(zip(tiles, tokens))]
+    loader = DataLoader(dataset, batch_sampler=plan.sampler(rank=1), collate_fn=plan.collator)
+    for step, batch in zip(range(2), loader):
+        inputs = {k: batch[k] for k in MODEL_KEYS}
+        assert inputs["pixel_values"].shape[0] == plan.shape.tiles
+        assert inputs["input_ids"].shape == (1, plan.seq_len)
+        torch.testing.assert_close(result.run(**inputs), model(**inputs))
+    assert oc.optimize(model, plan.example_batch(), num_stages=2).data is None
+
+
+def test_optimize_data_errors_are_named() -> None:
+    model = TinyVLM(SMALL_VLM)
+    with pytest.raises(InputError, match="needs lengths"):
+        oc.optimize(model, num_stages=2, data=DataOptions())
+    with pytest.raises(InputError, match="needs example_inputs"):
+        oc.optimize(model, num_stages=2)
+    with pytest.raises(InputError, match="tokens_per_tile"):
+        plan_data(_lengths(), DataOptions(source_tokens_per_tile=None), model=torch.nn.Linear(2, 2))
+    with pytest.raises(InputError, match="method"):
+        DataOptions(method="greedy")
+
+
+def test_isf_method_plan_runs_on_synthetic_lengths() -> None:
+    tiles, tokens = _lengths(400)
+    plan = plan_data((tiles, tokens), DataOptions(dp=4, samples_per_pack=4, method="isf", source_tokens_per_tile=None),
+                     model=TinyVLM(SMALL_VLM))
+    assert 4 <= plan.metrics.samples_per_pack <= 5
+    sampler = plan.sampler(rank=0)
+    assert sum(len(b) for b in sampler) > 0
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="shared length statistics not present")
+def test_shared_statistics_scaled_to_the_tiny_model() -> None:
+    plan = plan_data(sorted(SHARED.glob("*.json")), DataOptions(dp=8, samples_per_pack=4), model=TinyVLM(SMALL_VLM))
+    assert plan.stats.tokens.max() < 1_832  # scaled from 256 to 4 tokens per tile
+    assert plan.metrics.dist_vision <= 0.01 and plan.metrics.dist_language <= 0.02
+    batch = plan.example_batch()
+    assert batch["input_ids"].shape == (1, plan.seq_len) and batch["pixel_values"].shape[0] == plan.shape.tiles

@@ -9,6 +9,7 @@ skip, and nothing here changes the environment of other test files.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -29,11 +30,12 @@ needs_interpreter = pytest.mark.skipif(
 def run_triton_cases_in_child(path: str) -> None:
     """Run the ``triton`` cases of test file ``path`` in a child pytest under the interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", path, "-q", "-x", "-k", "triton", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", path, "-x", "-k", "triton", "-p", "no:cacheprovider"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     tail = out.stdout[-3000:] + out.stderr[-2000:]
     assert out.returncode == 0, tail
-    assert " passed" in out.stdout and " failed" not in out.stdout, tail
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert passed and int(passed.group(1)) > 0 and " failed" not in out.stdout, tail
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

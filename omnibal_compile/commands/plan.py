@@ -266,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
                     c.forward_s + c.backward_s + c.recompute_s + c.send_s for c in stage_costs(plan, costs)
                 ),
                 iteration_time_s=plan.iteration_time_s if plan.iteration_time_s is not None else sim.iteration_time_s,
+                # One stage per device: the device's simulated peak is the stage's.
+                stage_memory_bytes=plan.stage_memory_bytes or (sim.peak_memory_bytes if plan.virtual_stages == 1 else ()),
             )
             (out / "costs.json").write_text(costs.to_json())
             written.append(out / "costs.json")

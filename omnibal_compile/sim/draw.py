@@ -36,7 +36,8 @@ COLOURS = {
     "forward": "#4C72B0", "recompute": "#DD8452", "backward": "#55A868", "idle": "#E5E5E5",
     "send_forward": "#8172B3", "send_backward": "#937860",
 }
-_STAGE_CMAP = "tab10"
+STAGE_COLOURS = ("#1F77B4", "#FF7F0E", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22", "#17BECF")
+"""Stage colours (tab10 without red, which marks recomputation)."""
 
 
 def _figure(width: float, height: float) -> Any:
@@ -138,9 +139,10 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str | None = No
 
 
 # -- block graph ----------------------------------------------------------------------------------
-def _short(name: str, width: int = 14) -> str:
+def _short(name: str, width: int = 18) -> str:
     parts = name.replace(":glue", ".glue").split(".")
-    text = ".".join(parts[-2:]) if len(parts) > 1 else name
+    keep = 3 if parts[-1].isdigit() else 2  # vision.layers.0 and llm.layers.0 stay apart
+    text = ".".join(parts[-keep:])
     return text if len(text) <= width else text[: width - 1] + "~"
 
 
@@ -150,9 +152,9 @@ def draw_block_graph(plan: Plan, path: str | Path, *, dag: nx.DiGraph | None = N
     ``dag`` (``BlockGraph.dag``: nodes are block indices) adds arrows for values that skip blocks;
     without it only the chain is drawn.
     """
-    from matplotlib import colormaps
+    def colour(stage: int) -> str:
+        return STAGE_COLOURS[stage % len(STAGE_COLOURS)]
 
-    cmap = colormaps[_STAGE_CMAP]
     pos: dict[int, tuple[float, float]] = {}
     row = 0
     for st in plan.stages:
@@ -178,13 +180,14 @@ def draw_block_graph(plan: Plan, path: str | Path, *, dag: nx.DiGraph | None = N
         for i in range(st.start, st.stop):
             x, y = pos[i]
             recomputed = rec[i] != "none"
-            ax.scatter([x], [y], s=420, color=cmap(st.index % 10), edgecolors="#D62728" if recomputed else "white",
+            ax.scatter([x], [y], s=420, color=colour(st.index), edgecolors="#D62728" if recomputed else "white",
                        linewidths=3 if recomputed else 1, zorder=3)
             label = _short(plan.block_names[i]) + (f"\n[{rec[i]}]" if recomputed else "")
             ax.text(x, y - 0.3, label, ha="center", va="top", fontsize=6, zorder=4)
     for st in plan.stages:
         x, y = pos[st.start]
-        ax.text(-0.8, y, f"stage {st.index}", ha="right", va="center", fontsize=8, color=cmap(st.index % 10), weight="bold")
+        where = f" (device {st.index % plan.num_devices})" if plan.virtual_stages > 1 else ""
+        ax.text(-0.8, y, f"stage {st.index}{where}", ha="right", va="center", fontsize=8, color=colour(st.index), weight="bold")
     ax.set_xlim(-2.2, ncols)
     ax.set_ylim(-row + 0.3, 0.6)
     ax.axis("off")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -73,6 +74,10 @@ def main() -> int:
         print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}")
     worst = max(abs(r[5]) for r in rows)
     print(f"worst |error| {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
+    load = os.getloadavg()[0]
+    print(f"load average {load:.1f} on {os.cpu_count()} CPUs" + (
+        ": other processes compete for the cores, so profiled and measured times are both perturbed"
+        if load > (os.cpu_count() or 1) else ""))
     return 0
 
 

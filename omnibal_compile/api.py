@@ -146,8 +146,9 @@ class OptimizeResult:
         )
 
     def summary(self) -> str:
-        """The block table and the plan table."""
-        return f"{self.graph.summary()}\n\n{self.plan.summary()}"
+        """The block table, the cost table (when costed) and the plan table."""
+        costs = f"\n\n{self.costs.summary()}" if self.costs is not None else ""
+        return f"{self.graph.summary()}{costs}\n\n{self.plan.summary()}"
 
 
 def _unflat(captured: Captured) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -69,10 +69,13 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
     if Progress is not None and sys.stderr.isatty():
         with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), transient=True) as bar:
-            task = bar.add_task("planning", total=total)
+            task = bar.add_task("starting", total=total)
+            started_steps = [0]
 
             def step(name: str) -> None:
-                bar.update(task, advance=1 if bar.tasks[0].description != "planning" else 0, description=name)
+                # A new step means the one before it is done.
+                bar.update(task, completed=started_steps[0], description=name)
+                started_steps[0] += 1
 
             yield step
             bar.update(task, completed=total)

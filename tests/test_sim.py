@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from omnibal_compile.costs import BlockCost, CostTable
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.plan import Plan
-from omnibal_compile.sim import operation_order, simulate, stage_costs, sweep
+from omnibal_compile.sim import operation_order, simulate, stage_costs, sweep, sweep_table
 from omnibal_compile.units import format_size, parse_size
 
 
@@ -49,7 +49,7 @@ def test_equal_stages_match_closed_form(schedule, S, M, F, B):
     assert res.peak_memory_bytes == tuple(50 + n * 1000 for n in want)
 
 
-@pytest.mark.parametrize("D,v,M,f,b", [(2, 2, 4, 1.0, 1.0), (4, 2, 8, 1.0, 2.0), (4, 3, 12, 1.0, 2.0), (3, 2, 9, 1.0, 3.0), (4, 2, 4, 0.5, 1.0)])
+@pytest.mark.parametrize("D,v,M,f,b", [(1, 3, 2, 1.0, 2.0), (2, 1, 4, 1.0, 2.0), (2, 2, 4, 1.0, 1.0), (4, 2, 8, 1.0, 2.0), (4, 3, 12, 1.0, 2.0), (3, 2, 9, 1.0, 3.0), (4, 2, 4, 0.5, 1.0)])
 def test_interleaved_matches_closed_form(D, v, M, f, b):
     res = simulate(chain_plan(D * v, schedule="interleaved", M=M, v=v), table([block(i, f, b) for i in range(D * v)]))
     assert res.num_devices == D
@@ -193,6 +193,9 @@ def test_sweep_marks_infeasible_values():
         return chain_plan(stages, schedule="1f1b", M=8, per_stage=4 // stages)
 
     points = sweep(make, [1, 2, 4, 8], costs)
+    table_text = sweep_table(points, label="stages")
+    assert "infeasible" in table_text and "[0, 2, 4]" in table_text
+    assert "bubble" in points[1].result.summary()
     assert [p.iteration_time_s is None for p in points] == [False, False, False, True]
     assert points[0].iteration_time_s == pytest.approx(8 * 12.0)
     assert points[2].iteration_time_s < points[1].iteration_time_s < points[0].iteration_time_s

@@ -12,18 +12,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS
+from omnibal_compile.costs import RECOMPUTE_OPTIONS, CostTable
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes.blocks import build_blocks
 from omnibal_compile.passes.capture import capture
-from omnibal_compile.passes.cost import annotate_costs, measured_activation_bytes, measured_step_time
+from omnibal_compile.passes.cost import annotate_costs, measured_activation_bytes, measured_step_time, profile_costs
 from omnibal_compile.passes.cost_measure import LiveStorages
-from omnibal_compile.passes.cost_shapes import BatchShape, fit_shape_costs
+from omnibal_compile.passes.cost_shapes import BatchShape, fit_shape_model
 
 
 def unsplit_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
@@ -34,6 +35,19 @@ def unsplit_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tens
     nbytes = live.alive_bytes()
     del keep
     return nbytes
+
+
+def median_table(tables: list[CostTable]) -> CostTable:
+    """Per block, the median forward and backward time over repeated measurements of one shape."""
+    blocks = tuple(
+        dataclasses.replace(
+            bs[0],
+            forward_s=statistics.median(b.forward_s for b in bs),
+            backward_s=statistics.median(b.backward_s for b in bs),
+        )
+        for bs in zip(*(t.blocks for t in tables))
+    )
+    return dataclasses.replace(tables[0], blocks=blocks)
 
 
 def main() -> None:
@@ -86,13 +100,21 @@ def main() -> None:
     if args.quick:
         held = held[:1]
     start = time.perf_counter()
-    kw = dict(tokens_per_tile=cfg.tokens_per_tile, repeats=args.repeats, warmup=2, clock=args.clock)
-    shape_model, _ = fit_shape_costs(model, make, fit, **kw)
-    _, measured = fit_shape_costs(model, make, held + fit[:4], **kw)
-    errs = shape_model.errors(measured[: len(held)], held)
+    # Fitted and held-back shapes are measured interleaved, in every round, so that a change of
+    # machine load between them does not pass for a model error; per shape the median round counts.
+    order = [s for pair in zip(fit, held + [None] * len(fit)) for s in pair if s is not None]
+    runs: dict[BatchShape, list[CostTable]] = {s: [] for s in order}
+    for _ in range(1 if args.quick else 2):
+        for s in order:
+            runs[s].append(profile_costs(model, make(s), repeats=args.repeats, warmup=2, clock=args.clock,
+                                         batch_shape=s.as_dict()))
+    tables = {s: median_table(ts) for s, ts in runs.items()}
+    shape_model = fit_shape_model([tables[s] for s in fit], fit, tokens_per_tile=cfg.tokens_per_tile)
+    measured = [tables[s] for s in held]
+    errs = shape_model.errors(measured, held)
     print(f"\n[shape model] fitted on {len(fit)} shapes (in-sample step-time error {shape_model.fit_error:.1%}), "
           f"{time.perf_counter() - start:.0f} s")
-    for t, sh in zip(measured[: len(held)], held):
+    for t, sh in zip(measured, held):
         p = shape_model.table(sh)
         ps, ms = sum(b.forward_s + b.backward_s for b in p.blocks), sum(b.forward_s + b.backward_s for b in t.blocks)
         print(f"  held-back {sh.as_dict()}: predicted {ps * 1e3:.2f} ms, measured {ms * 1e3:.2f} ms, ratio {ps / ms:.3f}")

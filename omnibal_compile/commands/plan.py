@@ -155,19 +155,45 @@ def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed:
 
 
 # -- planning and costs ---------------------------------------------------------------------------
-def available_planners() -> list[str]:
-    from omnibal_compile.passes.partition import PLANNERS
+def available_planners(with_costs: bool) -> list[str]:
+    """Planner names usable here: the cost-free baselines, plus the cost-based ones when costs exist."""
+    from omnibal_compile.passes import partition
 
-    return sorted(PLANNERS)
+    names = set(partition.PLANNERS)
+    if with_costs and hasattr(partition, "plan_with_costs"):
+        names |= set(getattr(partition, "COST_PLANNERS", ()))
+    return sorted(names)
 
 
-def _choose_planner(name: str) -> str:
-    names = available_planners()
+def _choose_planner(name: str, with_costs: bool) -> str:
+    names = available_planners(with_costs)
     if name == "auto":
         return "ilp" if "ilp" in names else "parameters"
     if name not in names:
-        raise InputError(f"planner {name!r} is not available here; choose one of {['auto', *names]}")
+        hint = "" if with_costs else " (cost-based planners need costs)"
+        raise InputError(f"planner {name!r} is not available here{hint}; choose one of {['auto', *names]}")
     return name
+
+
+PlanMaker = Callable[[int, "int | None"], Any]
+"""(number of stages, memory budget per device or None) -> a scheduled Plan."""
+
+
+def plan_maker(planner: str, args: argparse.Namespace, result: Any, costs: Any) -> PlanMaker:
+    """How to plan: a cost-based planner (ILP, DP, ...) on the cost table, else a baseline on the block graph."""
+    from omnibal_compile.passes import partition
+
+    if costs is not None and hasattr(partition, "plan_with_costs") and planner in getattr(partition, "COST_PLANNERS", ()):
+        def make(stages: int, budget: int | None) -> Any:
+            return partition.plan_with_costs(
+                costs, num_stages=stages, num_microbatches=args.microbatches, planner=planner,
+                schedule=args.schedule, virtual_stages=args.virtual_stages, memory_budget=budget,
+            )
+    else:
+        def make(stages: int, budget: int | None) -> Any:
+            # Baselines ignore costs and budgets; the simulation shows whether the split fits.
+            return _scheduled(partition.PLANNERS[planner](result.graph, stages), args, budget)
+    return make
 
 
 def cost_pass_available() -> bool:
@@ -239,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stages % args.virtual_stages:
         raise InputError(f"--stages {args.stages} must be a multiple of --virtual-stages {args.virtual_stages}")
     budget = parse_size(args.memory) if args.memory else None
-    planner = _choose_planner(args.planner)
+    _choose_planner(args.planner, with_costs=True)  # fail early on an unknown name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pictures = not args.no_pictures
@@ -249,16 +275,20 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise InputError("pictures need matplotlib: pip install matplotlib (or pass --no-pictures)") from None
 
-    steps = 6 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
+    steps = 7 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
     written: list[Path] = []
     with _progress(steps) as step:
         step("building the model")
         model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed)
-        step(f"capture + plan ({planner})")
-        result = oc.optimize(model, batch, num_stages=args.stages, planner=planner)
-        plan = _scheduled(result.plan, args, budget)
+        step("capture + blocks")
+        result = oc.optimize(model, batch, num_stages=args.stages, planner="parameters")
         step("costs")
         costs, cost_note = load_costs(args, result)
+        planner = _choose_planner(args.planner, with_costs=costs is not None)
+        step(f"planning ({planner})")
+        make_plan = plan_maker(planner, args, result, costs)
+        plan = make_plan(args.stages, budget)
+        predicted = plan.iteration_time_s
         sim = None
         if costs is not None:
             step("simulating")
@@ -313,13 +343,16 @@ def run(args: argparse.Namespace) -> int:
             if costs is None:
                 sweeps.append(f"sweep over {kind} skipped: no costs")
                 continue
-            sweeps.append(_sweep(kind, flag, args, model, batch, result, plan, costs, out, pictures, written))
+            sweeps.append(_sweep(kind, flag, args, make_plan, budget, costs, out, pictures, written, planner))
 
     _print_plan(plan, name)
     print(cost_note)
     if sim is not None:
         print()
         print(sim.summary())
+        if predicted is not None:
+            print(f"planner '{plan.planner}' predicted {predicted * 1e3:.3f} ms per iteration; simulated "
+                  f"{sim.iteration_time_s * 1e3:.3f} ms ({sim.iteration_time_s / predicted - 1:+.1%})")
         if budget is not None:
             over = [d for d, m in enumerate(sim.peak_memory_bytes) if m > budget]
             if over:
@@ -358,47 +391,38 @@ def _print_plan(plan: Any, name: str) -> None:
         console.print(f"predicted iteration time: {plan.iteration_time_s * 1e3:.3f} ms")
 
 
-def _sweep(kind: str, text: str, args: argparse.Namespace, model: Any, batch: Any, result: Any, plan: Any, costs: Any,
-           out: Path, pictures: bool, written: list[Path]) -> str:
+def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker, budget: int | None, costs: Any,
+           out: Path, pictures: bool, written: list[Path], planner: str) -> str:
     from omnibal_compile.sim import sweep, sweep_table
     from omnibal_compile.units import format_size, parse_size
 
-    planner = _choose_planner(args.planner)
     if kind == "memory":
         values = _parse_list(text, parse_size, "--sweep-memory")
-
-        def make(budget: int) -> Any:
-            p = _scheduled(result.plan, args, budget)
-            return p  # baseline planners ignore the budget; the simulation shows whether it fits
-
-        label, fmt, xs = "budget", format_size, [v / 2**30 for v in values]
-        xlabel = "memory budget per device (GiB)"
+        make = lambda b: make_plan(args.stages, b)  # noqa: E731
+        label, fmt, xs, xlabel = "budget", format_size, [v / 2**30 for v in values], "memory budget per device (GiB)"
     else:
         values = _parse_list(text, int, "--sweep-stages")
 
         def make(stages: int) -> Any:
             if stages % args.virtual_stages:
                 raise PlanError(f"{stages} stages is not a multiple of {args.virtual_stages} chunks per device")
-            from omnibal_compile.passes.partition import PLANNERS
-
-            p = PLANNERS[planner](result.graph, stages)  # same blocks and costs: no need to capture again
-            return _scheduled(p, args, parse_size(args.memory) if args.memory else None)
+            return make_plan(stages, budget)
 
         label, fmt, xs, xlabel = "stages", str, values, "pipeline stages"
     points = sweep(make, values, costs)
-    if kind == "memory":
-        # A plan whose simulated peak exceeds the budget is infeasible at that budget.
-        points = tuple(
-            p if p.result is None or max(p.result.peak_memory_bytes) <= p.value
-            else dataclasses.replace(p, plan=None, result=None, error=f"peak {format_size(max(p.result.peak_memory_bytes))} exceeds it")
-            for p in points
-        )
+    # A plan whose simulated peak exceeds its budget does not fit (baseline planners ignore budgets).
+    limit = {p.value: (p.value if kind == "memory" else budget) for p in points}
+    points = tuple(
+        p if p.result is None or limit[p.value] is None or max(p.result.peak_memory_bytes) <= limit[p.value]
+        else dataclasses.replace(p, plan=None, result=None, error=f"peak {format_size(max(p.result.peak_memory_bytes))} exceeds the budget")
+        for p in points
+    )
     if pictures:
         from omnibal_compile.sim.draw import draw_sweep
 
         ys = [p.iteration_time_s * 1e3 if p.iteration_time_s is not None else None for p in points]
         written.append(draw_sweep(xs, ys, out / f"sweep_{kind}.png", xlabel=xlabel, title=f"what-if: {kind} ({planner})"))
-    return f"what-if over {kind}:\n" + sweep_table(points, label=label, fmt=fmt)
+    return f"what-if over {kind} (planner {planner}):\n" + sweep_table(points, label=label, fmt=fmt)
 
 
 def _lengths_report(args: argparse.Namespace, plan: Any, costs: Any, result: Any) -> str:

@@ -25,9 +25,14 @@ import torch
 from omnibal_compile import optimize
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes.cost import annotate_costs
+from omnibal_compile.passes import partition
 from omnibal_compile.passes.partition import PLANNERS
 from omnibal_compile.runtime.launch import RunConfig, launch
 from omnibal_compile.sim import simulate
+
+
+plan_with_costs = getattr(partition, "plan_with_costs", None)
+NAMES = set(PLANNERS) | (set(getattr(partition, "COST_PLANNERS", ())) if plan_with_costs else set())
 
 
 def main() -> int:
@@ -39,7 +44,7 @@ def main() -> int:
     p.add_argument("--tiles", type=int, default=2)
     p.add_argument("--text", type=int, default=64)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--planners", nargs="+", default=[n for n in ("ilp", "uniform", "parameters") if n in PLANNERS])
+    p.add_argument("--planners", nargs="+", default=[n for n in ("ilp", "uniform", "parameters") if n in NAMES])
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -49,17 +54,23 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
+            graph = optimize(model, mb, num_stages=ranks, planner="parameters").graph
             for name in args.planners:
-                result = optimize(model, mb, num_stages=ranks, planner=name)
-                costs = annotate_costs(result.graph, model, device="cpu", threads=1, repeats=7)
-                plan = dataclasses.replace(result.plan, schedule=args.schedule, num_microbatches=args.microbatches)
+                # Profiled again per plan, right before its run, so both see similar machine load.
+                costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=7)
+                if plan_with_costs is not None:
+                    plan = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches, planner=name,
+                                           schedule=args.schedule)
+                else:
+                    plan = dataclasses.replace(PLANNERS[name](graph, ranks), schedule=args.schedule,
+                                               num_microbatches=args.microbatches)
                 sim = simulate(plan, costs)
                 path = Path(tmp) / f"plan_{ranks}_{name}.json"
                 path.write_text(plan.to_json())
                 logs = launch(
                     RunConfig(
                         plan=str(path), batch_size=args.mb_samples * args.microbatches, tiles_per_sample=args.tiles,
-                        text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, recompute=False,
+                        text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, recompute=True,
                     ),
                     timeout_s=600, quiet=True,
                 )

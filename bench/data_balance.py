@@ -53,8 +53,10 @@ def main() -> int:
     t0 = time.perf_counter()
     costed = balance_pack(stats, dp=args.dp, samples_per_pack=isf_row.samples_per_pack, seed=args.seed, cost=ShapeCost())
     m = balance_metrics(stats, costed, seconds=time.perf_counter() - t0)
-    print(f"{'ours (FLOP cost)':<15} {m.samples_per_pack:>12.2f} {m.pad_ratio:>7.4f} {m.dist_vision:>9.4f} "
-          f"{m.dist_language:>9.4f} {m.dist_compute:>10.4f} {m.num_steps:>7} {'':>17} {m.seconds:>7.2f}")
+    shape = costed.capacity
+    print(f"{'ours (FLOP cost)':<16} {m.samples_per_pack:>12.2f} {m.pad_ratio:>7.4f} {m.dist_vision:>9.5f} "
+          f"{m.dist_language:>9.5f} {m.dist_compute:>10.5f} {m.num_steps:>7} "
+          f"{f'({shape.tiles}, {shape.tokens})' if shape else '':>17} {m.seconds:>7.2f}")
     ours = next(r for r in result.rows if r.method == "ours")
     ok = ours.dist_vision <= 0.01 and ours.dist_language <= 0.02
     print(f"\ntarget ours Dist vision <= 0.01 and language <= 0.02 at ISF's {isf_row.samples_per_pack:.2f} samples/pack: "

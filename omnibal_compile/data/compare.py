@@ -16,6 +16,7 @@ from omnibal_compile.data.isf import isf_search
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
 from omnibal_compile.data.packing import PackShape, length_grouped_batches, random_batches
+from omnibal_compile.errors import InputError
 
 __all__ = ["Comparison", "compare_balancers", "format_comparison", "METHODS"]
 
@@ -60,7 +61,7 @@ def compare_balancers(
         elif method == "ours":
             packing = balance_pack(stats, dp=dp, samples_per_pack=isf_spp or samples_per_pack, seed=seed, cost=cost)
         else:
-            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+            raise InputError(f"unknown method {method!r}; choose from {list(METHODS)}")
         seconds = time.perf_counter() - t0
         if packing.capacity is not None:
             shapes[method] = packing.capacity
@@ -71,7 +72,7 @@ def compare_balancers(
 
 def format_comparison(c: Comparison) -> str:
     """A fixed-width table of the comparison."""
-    head = (f"{'method':<15} {'samples/pack':>12} {'Pad':>7} {'Dist vis':>9} {'Dist lang':>9} {'Dist FLOPs':>10} "
+    head = (f"{'method':<16} {'samples/pack':>12} {'Pad':>7} {'Dist vis':>9} {'Dist lang':>9} {'Dist FLOPs':>10} "
             f"{'steps':>7} {'shape (Q_v, Q_t)':>17} {'time s':>7}")
     lines = [f"{c.num_samples} samples, {c.dp} data-parallel ranks, one micro-batch per rank per step", head,
              "-" * len(head)]
@@ -79,7 +80,7 @@ def format_comparison(c: Comparison) -> str:
         shape = c.shapes.get(r.method)
         shape_s = f"({shape.tiles}, {shape.tokens})" if shape else "padded"
         lines.append(
-            f"{r.method:<15} {r.samples_per_pack:>12.2f} {r.pad_ratio:>7.4f} {r.dist_vision:>9.4f} "
-            f"{r.dist_language:>9.4f} {r.dist_compute:>10.4f} {r.num_steps:>7} {shape_s:>17} {r.seconds:>7.2f}"
+            f"{r.method:<16} {r.samples_per_pack:>12.2f} {r.pad_ratio:>7.4f} {r.dist_vision:>9.5f} "
+            f"{r.dist_language:>9.5f} {r.dist_compute:>10.5f} {r.num_steps:>7} {shape_s:>17} {r.seconds:>7.2f}"
         )
     return "\n".join(lines)

@@ -11,10 +11,9 @@ Glossary:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from omnibal_compile.data.balance import balance_pack
@@ -133,7 +132,7 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
     image_token_id = int(_model_fact(o, model, "image_token_id"))
     image_shape = tuple(int(x) for x in _model_fact(o, model, "image_shape"))
     if o.vocab_size is None and model is not None and hasattr(getattr(model, "config", None), "vocab_size"):
-        o = DataOptions(**{**o.__dict__, "vocab_size": int(model.config.vocab_size)})
+        o = replace(o, vocab_size=int(model.config.vocab_size))
     stats = load_lengths(lengths)
     if o.source_tokens_per_tile is not None and o.source_tokens_per_tile != tpt:
         stats = scale_lengths(stats, tokens_per_tile=tpt, source_tokens_per_tile=o.source_tokens_per_tile)

@@ -247,7 +247,8 @@ def _scheduled(plan: Any, args: argparse.Namespace, budget: int | None) -> Any:
         schedule=args.schedule,
         num_microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
-        memory_budget_bytes=(budget,) * plan.num_stages if budget is not None else (),
+        # As the cost-based planners record it: a device's budget shared evenly by its chunks.
+        memory_budget_bytes=(budget // args.virtual_stages,) * plan.num_stages if budget is not None else (),
     )
 
 
@@ -377,14 +378,16 @@ def _print_plan(plan: Any, name: str) -> None:
         return
     table = Table(title=f"{name}: plan by '{plan.planner}', {plan.num_stages} stages, {plan.schedule}, "
                         f"{plan.num_microbatches} micro-batches")
-    for col in ("stage", "blocks", "first", "last", "params", "recomputed", "time ms", "budget MiB"):
-        table.add_column(col, justify="right" if col in ("stage", "params", "time ms", "budget MiB") else "left")
+    numeric = ("stage", "params", "time ms", "memory MiB", "budget MiB")
+    for col in ("stage", "blocks", "first", "last", "params", "recomputed", "time ms", "memory MiB", "budget MiB"):
+        table.add_column(col, justify="right" if col in numeric else "left")
     for st in plan.stages:
         params = f"{sum(plan.block_params[st.start:st.stop]):,}" if plan.block_params else "-"
         rec = ", ".join(f"{b}:{r}" for b, r in zip(st.blocks, st.recompute) if r != "none") or "-"
         t = f"{plan.stage_time_s[st.index] * 1e3:.3f}" if plan.stage_time_s else "-"
-        mem = f"{plan.memory_budget_bytes[st.index] / 2**20:,.0f}" if plan.memory_budget_bytes else "-"
-        table.add_row(str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], params, rec, t, mem)
+        mem = f"{plan.stage_memory_bytes[st.index] / 2**20:,.1f}" if plan.stage_memory_bytes else "-"
+        budget = f"{plan.memory_budget_bytes[st.index] / 2**20:,.0f}" if plan.memory_budget_bytes else "-"
+        table.add_row(str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], params, rec, t, mem, budget)
     console = Console(width=140)
     console.print(table)
     if plan.iteration_time_s is not None:

@@ -227,7 +227,7 @@ def draw_stage_bars(
     ax.legend(fontsize=7)
 
     D = plan.num_devices
-    top = max([*(plan.memory_budget_bytes or [0]), *(result.peak_memory_bytes if result else [0]),
+    top = max([sum(plan.memory_budget_bytes), *(result.peak_memory_bytes if result else [0]),
                *(sc[s].static_bytes + sc[s].activation_bytes for s in range(S))])
     unit, gib = ("GiB", 1 / 2**30) if top >= 2**30 else ("MiB", 1 / 2**20)
     static = [sum(sc[s].static_bytes for s in range(d, S, D)) * gib for d in range(D)]
@@ -241,7 +241,8 @@ def draw_stage_bars(
     mx.bar(dx, static, color="#8C8C8C", label="static (weights, grads, optimizer)")
     mx.bar(dx, act, bottom=static, color=COLOURS["forward"], label=act_label)
     if plan.memory_budget_bytes:
-        budget = [plan.memory_budget_bytes[d] * gib for d in range(D)]
+        # A device's budget: the sum of its stages' shares.
+        budget = [sum(plan.memory_budget_bytes[s] for s in range(d, S, D)) * gib for d in range(D)]
         mx.hlines(budget, [d - 0.45 for d in dx], [d + 0.45 for d in dx], colors="#D62728", linestyles="--", label="budget")
     mx.set_xticks(dx, [str(d) for d in dx])
     mx.set_xlabel("device")

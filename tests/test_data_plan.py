@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 import omnibal_compile as oc
 from conftest import SMALL_VLM
-from omnibal_compile.data import MODEL_KEYS, DataOptions, plan_data, synthetic_sample
+from omnibal_compile.data import MODEL_KEYS, DataOptions, PackShape, plan_data, synthetic_sample
 from omnibal_compile.errors import InputError
 from omnibal_compile.models import TinyVLM
 
@@ -75,3 +75,28 @@ def test_shared_statistics_scaled_to_the_tiny_model() -> None:
     assert plan.metrics.dist_vision <= 0.01 and plan.metrics.dist_language <= 0.02
     batch = plan.example_batch()
     assert batch["input_ids"].shape == (1, plan.seq_len) and batch["pixel_values"].shape[0] == plan.shape.tiles
+
+
+@pytest.mark.parametrize("oversized", ["truncate", "own-pack"])
+def test_every_epoch_fits_the_planned_row(oversized: str) -> None:
+    tiles, tokens = _lengths(300)
+    tiles[5], tokens[5] = 9, 9 * SMALL_VLM.tokens_per_tile + 5  # over the shape below
+    model = TinyVLM(SMALL_VLM)
+    probe = plan_data((tiles, tokens), DataOptions(dp=4, samples_per_pack=4, source_tokens_per_tile=None), model=model)
+    shape = PackShape(tiles=probe.shape.tiles - 1, tokens=probe.shape.tokens)
+    plan = plan_data((tiles, tokens), DataOptions(dp=4, samples_per_pack=4, source_tokens_per_tile=None, shape=shape,
+                                                  oversized=oversized), model=model)
+    tpt = SMALL_VLM.tokens_per_tile
+    assert plan.seq_len < shape.tokens + shape.tiles * tpt  # tighter than the always-safe bound
+    assert plan.metrics.oversized >= 1
+    sampler = plan.sampler(rank=0)
+    for epoch in range(3):
+        packing = sampler.packing(epoch)
+        packing.check_exactly_once(300)
+        v = np.minimum(tiles, shape.tiles) if oversized == "truncate" else tiles
+        t = np.minimum(tokens, shape.tokens) if oversized == "truncate" else tokens
+        pv, pt = packing.pack_sums(v), packing.pack_sums(t)
+        lone = np.diff(packing.offsets) == 1
+        normal = ~(lone & np.isin(packing.order[packing.offsets[:-1]], packing.oversized))
+        assert (pv[normal] <= shape.tiles).all() and (pt[normal] <= shape.tokens).all()
+        assert (pt[normal] + (shape.tiles - pv[normal]) * tpt <= plan.seq_len).all()

@@ -112,9 +112,12 @@ def _pack_count(n: int, own: int, dp: int, k: float, source: str) -> int:
 def balance_pack(
     stats: LengthStats, *, dp: int, samples_per_pack: float, capacity: PackShape | None = None,
     cost: CostFn | None = None, seed: int = 0, oversized: str = "error", refine_rounds: int = 48,
+    row_tokens: int | None = None, dummy_tile_tokens: int = 0,
 ) -> Packing:
     """Our balanced packing of ``stats`` for ``dp`` ranks at about ``samples_per_pack`` samples per pack.
 
+    ``row_tokens``/``dummy_tile_tokens``: also require ``tokens + (Q_v - tiles) * dummy_tile_tokens
+    <= row_tokens``, for a collator that gives each padding tile placeholder tokens in the row.
     With ``capacity`` the packs must fit it (oversized samples follow ``oversized``); without,
     the capacity is the largest pack. ``cost`` (a callable ``(tiles, tokens, attention_pairs) ->
     cost`` per pack, e.g. :class:`~omnibal_compile.data.metrics.ShapeCost`) decides which packs
@@ -146,7 +149,10 @@ def balance_pack(
             break
         tv = np.where(used, packed_stats.tiles[ids][slots], 0).sum(axis=1)
         tt = np.where(used, packed_stats.tokens[ids][slots], 0).sum(axis=1)
-        if ((tv <= capacity.tiles) & (tt <= capacity.tokens)).all():
+        fit = (tv <= capacity.tiles) & (tt <= capacity.tokens)
+        if row_tokens is not None:
+            fit &= tt + (capacity.tiles - tv) * dummy_tile_tokens <= row_tokens
+        if fit.all():
             fitted = True
             break
         if num + dp > n:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnibal_compile.data.balance import balance_pack
@@ -150,19 +151,29 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
         def packer(seed: int) -> Packing:
             return isf_pack(stats, dp=o.dp, capacity=fixed, seed=seed, oversized=o.oversized,
                             token_thresh=fixed.tokens - margin)
+        row = None  # ISF packs vary in tiles: keep the collator's always-sufficient row
     else:
-        shape = o.shape or balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, seed=first,
-                                        cost=o.cost).capacity
-        assert shape is not None
-        fixed = shape
+        draft = balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, seed=first, cost=o.cost,
+                             capacity=o.shape, oversized=o.oversized)
+        fixed = o.shape or draft.capacity
+        assert fixed is not None
+        # Our packs are near-full in tiles, so few dummy tiles need placeholders: size the row for
+        # epoch 0's worst pack and hold every later epoch's packs to it.
+        own = np.zeros(draft.num_packs, bool)
+        if o.oversized == "own-pack":  # a lone oversized sample is collated to its own shape
+            own = (np.diff(draft.offsets) == 1) & np.isin(draft.order[draft.offsets[:-1]], draft.oversized)
+        # Truncation cuts samples to the shape, so size the row from clipped lengths.
+        tiles = draft.pack_sums(np.minimum(stats.tiles, fixed.tiles))[~own]
+        tokens = draft.pack_sums(np.minimum(stats.tokens, fixed.tokens))[~own]
+        row = int(max(fixed.tokens, (tokens + (fixed.tiles - tiles) * tpt).max(initial=0)))
 
         def packer(seed: int) -> Packing:
             return balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, capacity=fixed, seed=seed,
-                                cost=o.cost, oversized=o.oversized)
+                                cost=o.cost, oversized=o.oversized, row_tokens=row, dummy_tile_tokens=tpt)
 
     packing = packer(first)
     metrics = balance_metrics(stats, packing, cost=o.cost)
-    collator = PackingCollator(shape=fixed, tokens_per_tile=tpt, image_token_id=image_token_id,
+    collator = PackingCollator(shape=fixed, tokens_per_tile=tpt, image_token_id=image_token_id, seq_len=row,
                                image_shape=image_shape, oversized=o.oversized)  # type: ignore[arg-type]
     return DataPlan(stats=stats, options=o, shape=fixed, seq_len=collator.row_len, metrics=metrics,
                     collator=collator, packer=packer, first_packing=packing)

@@ -156,9 +156,9 @@ def test_fused_loss_ignores_masked_rows_and_keeps_logits_unchanged():
 
 
 def test_auto_chunk_size_bounds():
-    assert eager.auto_chunk_size(16384, 4096, 131072) == 512
+    assert eager.auto_chunk_size(16384, 4096, 131072) == 512  # logits chunk ~ hidden states
     assert eager.auto_chunk_size(3, 64, 32) == 3  # never more rows than there are
-    assert eager.auto_chunk_size(1, 8, 100000) == 1
+    assert eager.auto_chunk_size(4096, 128, 131072) == eager.MIN_CHUNK
 
 
 def _opcheck_cases(backend: str):
@@ -263,3 +263,34 @@ def test_triton_path_is_taken_under_the_interpreter(monkeypatch):
 @pytest.mark.skipif(IN_INTERPRETER or not ops.triton_available(), reason="this process runs them itself, or no triton")
 def test_triton_cases_in_interpreter():
     run_triton_cases_in_child(__file__)
+
+
+def test_live_bytes_measures_the_fused_loss_below_the_unfused_one():
+    from omnibal_compile.kernels import bench
+
+    m = bench.loss_memory(torch.device("cpu"), torch.float32, tokens=256, hidden=32, vocab=8192, backend="eager")
+    logits = 256 * 8192 * 4
+    assert m.unfused_peak >= 2 * logits  # logits and their gradient at least
+    assert m.fused_peak < 0.5 * m.unfused_peak
+    meter = bench.LiveBytes()
+    with meter:
+        a = torch.empty(1000)  # 4000 bytes
+        b = a.view(10, 100)  # a view allocates nothing
+        del a, b
+        c = torch.empty(500)
+    assert meter.peak == 4000 and meter.live == 2000
+    del c
+
+
+def test_bench_rows_and_cli_registration():
+    from omnibal_compile.cli import build_parser
+    from omnibal_compile.kernels import bench
+
+    rows = bench.run_bench(bench.cases(torch.device("cpu"), torch.float32, small=True)[:2], torch.device("cpu"), ["eager"])
+    assert [(r.kernel, r.direction) for r in rows] == [
+        ("rms_norm", "fwd"), ("rms_norm", "bwd"), ("layer_norm", "fwd"), ("layer_norm", "bwd"),
+    ]
+    assert all(r.max_error < 1e-4 and r.fused_ms > 0 for r in rows)
+    assert "speedup" in bench.format_rows(rows)
+    args = build_parser().parse_args(["bench", "kernels", "--dtype", "float32"])
+    assert args.target == "kernels" and args.dtype == "float32"

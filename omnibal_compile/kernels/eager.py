@@ -109,20 +109,26 @@ def rope_bwd(
 
 
 def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, ignore_index: int) -> None:
-    lf = logits.float()
+    lf = logits.float()  # logits themselves when fp32: the gradient is then built in place
     lse = torch.logsumexp(lf, dim=-1)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0).unsqueeze(1)
     picked = lf.gather(1, safe).squeeze(1)
     losses.copy_(torch.where(valid, lse - picked, 0.0))
-    grad = torch.exp(lf - lse.unsqueeze(1))
+    grad = lf.sub_(lse.unsqueeze(1)).exp_()
     grad.scatter_add_(1, safe, torch.full_like(picked, -1.0).unsqueeze(1))
-    logits.copy_(grad * valid.unsqueeze(1))
+    grad.mul_(valid.unsqueeze(1))
+    if grad is not logits:
+        logits.copy_(grad)
+
+
+MIN_CHUNK = 128
+"""Fewest rows per chunk (unless there are fewer rows): smaller chunks re-read the weight too often."""
 
 
 def auto_chunk_size(n: int, hidden: int, vocab: int) -> int:
     """Rows per chunk so that one chunk of logits is about as large as the hidden states (a power of two)."""
-    rows = max(1, -(-n // max(1, -(-vocab // hidden))))
+    rows = max(MIN_CHUNK, -(-n // max(1, -(-vocab // hidden))))
     return min(1 << (rows - 1).bit_length(), max(n, 1))
 
 

@@ -290,9 +290,14 @@ def _flce_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor,
     _loss, dh, dw = output
     ctx.save_for_backward(dh, dw)
     ctx.mark_non_differentiable(dh, dw)
+    ctx.set_materialize_grads(False)  # no weight-sized zeros for the gradients of dh and dw
 
 
-def _flce_grad(ctx: Any, dloss: Tensor, _ddh: Any, _ddw: Any) -> tuple[Tensor, Tensor, None, None, None, None]:
+def _flce_grad(
+    ctx: Any, dloss: Tensor | None, _ddh: Any, _ddw: Any
+) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
+    if dloss is None:
+        return None, None, None, None, None, None
     dh, dw = ctx.saved_tensors
     return dloss.to(dh.dtype) * dh, dloss.to(dw.dtype) * dw, None, None, None, None
 

@@ -157,3 +157,24 @@ def test_targets_on_the_shared_statistics() -> None:
     assert abs(ours.samples_per_pack - isf.samples_per_pack) < 0.01
     assert ours.dist_vision <= 0.01 and ours.dist_language <= 0.02
     assert ours.pad_ratio < isf.pad_ratio
+
+
+def test_shape_model_cost_sums_block_coefficients_and_steers_steps() -> None:
+    from types import SimpleNamespace
+
+    from omnibal_compile.data import shape_model_cost
+
+    # Two blocks, features (1, tiles, text tokens, attention): forward + backward summed over blocks.
+    model = SimpleNamespace(tokens_per_tile=16, coefficients={
+        "forward_s": ((1.0, 2.0, 0.0, 0.0), (0.0, 0.0, 3.0, 0.5)),
+        "backward_s": ((1.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.5)),
+    })
+    cost = shape_model_cost(model)
+    tiles, tokens = np.array([2, 0]), np.array([2 * 16 + 10, 20])
+    squares = np.array([42**2, 20**2])
+    got = cost(tiles, tokens, (squares + tokens) / 2)
+    assert got.tolist() == pytest.approx([2 + 4 + 30 + 42**2, 2 + 0 + 60 + 20**2])
+    s = _stats(800)
+    p = balance_pack(s, dp=8, samples_per_pack=4, cost=cost)
+    p.check_exactly_once(len(s))
+    assert balance_metrics(s, p, cost=cost).dist_compute < 0.01

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.packing import Packing
 
-__all__ = ["ShapeCost", "BalanceMetrics", "dist_ratio", "balance_metrics", "pack_loads"]
+__all__ = ["ShapeCost", "BalanceMetrics", "dist_ratio", "balance_metrics", "pack_loads", "shape_model_cost"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,28 @@ class ShapeCost:
 
 
 CostFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def shape_model_cost(model: Any) -> CostFn:
+    """A pack cost from the cost pass's fitted ``ShapeCostModel``: predicted forward + backward seconds.
+
+    The model is linear per block over (1, tiles, text tokens, attention = tokens^2 / rows); the
+    blocks' coefficients are summed (without the per-block clipping at 0 that ``table()`` applies),
+    so whole arrays of packs are costed at once. For a packed row the attention feature is the
+    sum of squared sample lengths, since attention stays inside each sample.
+    """
+    coef = np.zeros(4)
+    for quantity in ("forward_s", "backward_s"):
+        for block in model.coefficients[quantity]:
+            coef += np.asarray(block, dtype=np.float64)
+    tpt = int(model.tokens_per_tile)
+
+    def cost(tiles: np.ndarray, tokens: np.ndarray, attention_pairs: np.ndarray) -> np.ndarray:
+        text = np.maximum(tokens - tiles * tpt, 0)
+        squares = 2 * np.asarray(attention_pairs, dtype=np.float64) - tokens  # undo (sq + tokens) / 2
+        return coef[0] + coef[1] * tiles + coef[2] * text + coef[3] * squares
+
+    return cost
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -178,3 +178,16 @@ def test_shape_model_cost_sums_block_coefficients_and_steers_steps() -> None:
     p = balance_pack(s, dp=8, samples_per_pack=4, cost=cost)
     p.check_exactly_once(len(s))
     assert balance_metrics(s, p, cost=cost).dist_compute < 0.01
+
+
+@pytest.mark.parametrize(("n_img", "n_text", "dp"), [(37, 3, 4), (30, 9, 8), (64, 0, 8)])
+def test_length_grouping_gives_every_rank_a_batch_from_each_mega_batch(n_img: int, n_text: int, dp: int) -> None:
+    rng = np.random.default_rng(1)
+    flags = np.r_[np.ones(n_img, int), np.zeros(n_text, int)]
+    s = LengthStats.from_arrays(np.ones(n_img + n_text, int), rng.integers(5, 500, n_img + n_text), flags)
+    p = length_grouped_batches(s, dp=dp, batch_size=4)
+    p.check_exactly_once(len(s))
+    sizes = np.diff(p.offsets)[p.steps]
+    assert (sizes > 0).all()
+    # Within a step the ranks' micro-batches differ by at most one sample (one mega-batch per step).
+    assert (sizes.max(axis=1) - sizes.min(axis=1) <= 1).all()

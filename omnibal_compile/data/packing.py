@@ -225,26 +225,39 @@ def length_grouped_batches(stats: LengthStats, *, dp: int, batch_size: int, seed
     ranks so each rank's summed length is as even as a greedy split allows.
     """
     rng = np.random.default_rng(seed)
+    if len(stats) < dp:
+        raise InputError(f"{len(stats)} samples cannot fill {dp} data-parallel ranks; use fewer ranks")
     mb = dp * batch_size
-    groups: list[np.ndarray] = []
-    megas: list[list[np.ndarray]] = []
+    megas: list[np.ndarray] = []
+    leftover = np.zeros(0, np.int64)
     for ids in (np.flatnonzero(stats.image_flags > 0), np.flatnonzero(stats.image_flags == 0)):
         ids = ids[rng.permutation(ids.size)]
-        for start in range(0, ids.size, mb):
-            mega = ids[start:start + mb]
-            mega = mega[np.argsort(-stats.tokens[mega], kind="stable")]
-            megas.append(_split_even_chunks(mega, stats.tokens, dp, batch_size))
+        pieces = [ids[i:i + mb] for i in range(0, ids.size, mb)]
+        # Every mega-batch must give each rank a micro-batch, so a tail shorter than dp joins its
+        # neighbour (a modality with fewer than dp samples joins the other modality).
+        if pieces and pieces[-1].size < dp:
+            tail = pieces.pop()
+            if pieces:
+                pieces[-1] = np.concatenate([pieces[-1], tail])
+            else:
+                leftover = np.concatenate([leftover, tail])
+        megas += pieces
+    if leftover.size:
+        megas[-1] = np.concatenate([megas[-1], leftover])
+    groups: list[np.ndarray] = []
     for i in rng.permutation(len(megas)):
-        groups += megas[i]
-    return packing_from_groups(np.concatenate(groups), np.array([g.size for g in groups]), dp=dp, capacity=None, layout="padded", oversized=np.zeros(0, np.int64),
-                               policy="error", method="length-grouped", seed=seed, in_order=True)
+        mega = megas[i][np.argsort(-stats.tokens[megas[i]], kind="stable")]
+        groups += _split_even_chunks(mega, stats.tokens, dp, batch_size)
+    return packing_from_groups(np.concatenate(groups), np.array([g.size for g in groups]), dp=dp, capacity=None,
+                               layout="padded", oversized=np.zeros(0, np.int64), policy="error",
+                               method="length-grouped", seed=seed, in_order=True)
 
 
 def _split_even_chunks(mega: np.ndarray, tokens: np.ndarray, dp: int, batch_size: int) -> list[np.ndarray]:
     """Greedy: each sample (longest first) goes to the rank with the least total length that has room."""
     if mega.size % dp:
         # LLaVA deals an uneven mega-batch round-robin.
-        return [c for c in (mega[r::dp] for r in range(dp)) if c.size]
+        return [mega[r::dp] for r in range(dp)]
     per = mega.size // dp
     chunks: list[list[int]] = [[] for _ in range(dp)]
     load = np.zeros(dp)

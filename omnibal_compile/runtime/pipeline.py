@@ -161,6 +161,19 @@ class _WeightedLoss:
         return loss * target.sum().to(loss.dtype)
 
 
+class _TensorOutputs(nn.Module):
+    """The last stage with only its tensor outputs (pipelining handles stage outputs as tensors)."""
+
+    def __init__(self, stage: nn.Module, keep: tuple[int, ...]) -> None:
+        super().__init__()
+        self.stage = stage
+        self.keep = keep
+
+    def forward(self, *args: Any) -> tuple[Any, ...]:
+        out = self.stage(*args)
+        return tuple(out[j] for j in self.keep)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TiedParameter:
     """A parameter used by stages on several ranks."""
@@ -297,9 +310,16 @@ def build_pipeline(
     device = torch.device(device)
     mine = rank_stages(plan, rank)
     examples = _stage_examples(result, mine, device)
-    modules = []
-    for s in mine:
-        mod = apply_recompute(result.stages[s], result.graph, plan) if recompute else result.stages[s]
+    loss_index = _loss_index(result)
+    modules: list[nn.Module] = []
+    for i, s in enumerate(mine):
+        mod: nn.Module = apply_recompute(result.stages[s], result.graph, plan) if recompute else result.stages[s]
+        ins, outs = examples[i]
+        keep = tuple(j for j, v in enumerate(outs) if isinstance(v, torch.Tensor))
+        if len(keep) < len(outs):  # only the last stage may return non-tensors (HF outputs hold Nones)
+            mod = _TensorOutputs(mod, keep)
+            examples[i] = (ins, tuple(outs[j] for j in keep))
+            loss_index = keep.index(loss_index)
         modules.append(mod.to(device))
     names = _original_names(result.model)
     state: dict[str, torch.Tensor] = {}
@@ -312,7 +332,7 @@ def build_pipeline(
         PipelineStage(mod, s, plan.num_stages, device, input_args=ins, output_args=outs, group=group)
         for s, mod, (ins, outs) in zip(mine, modules, examples)
     )
-    loss_fn = _WeightedLoss(_loss_index(result))
+    loss_fn = _WeightedLoss(loss_index)
     cls = _SCHEDULES[plan.schedule]
     if plan.schedule == "interleaved":
         schedule = cls(list(stages), plan.num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -353,17 +373,18 @@ def _stage_examples(
             outs = tuple(fresh(x) for x in (out if isinstance(out, (tuple, list)) else (out,)))
             found[s] = (values, outs)
             values = outs
+    last = result.plan.num_stages - 1
     for s in wanted:
         for kind, vals in zip(("input", "output"), found[s]):
             for i, v in enumerate(vals):
-                if not isinstance(v, torch.Tensor):
+                if not isinstance(v, torch.Tensor) and not (kind == "output" and s == last):
                     raise InputError(
                         f"stage {s} {kind} #{i} is a {type(v).__name__}, not a tensor: pipelining sends tensors only; "
                         "cut the model elsewhere"
                     )
 
-    def to_device(vals: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(fresh(v.to(device)) for v in vals)
+    def to_device(vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(fresh(v.to(device)) if isinstance(v, torch.Tensor) else v for v in vals)
 
     return [(to_device(found[s][0]), to_device(found[s][1])) for s in wanted]
 

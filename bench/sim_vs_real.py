@@ -44,6 +44,8 @@ def main() -> int:
     p.add_argument("--tiles", type=int, default=2)
     p.add_argument("--text", type=int, default=64)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--clock", default="wall", choices=["wall", "thread"],
+                   help="profiling clock: wall (contended like the run) or thread (CPU time, ignores contention)")
     p.add_argument("--planners", nargs="+", default=[n for n in ("ilp", "uniform", "parameters") if n in NAMES])
     args = p.parse_args()
 
@@ -57,7 +59,7 @@ def main() -> int:
             graph = optimize(model, mb, num_stages=ranks, planner="parameters").graph
             for name in args.planners:
                 # Profiled again per plan, right before its run, so both see similar machine load.
-                costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=7)
+                costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=7, clock=args.clock)
                 if plan_with_costs is not None:
                     plan = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches, planner=name,
                                            schedule=args.schedule)

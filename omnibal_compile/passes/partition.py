@@ -1,24 +1,37 @@
-"""Baseline planners: cut a block chain into stages without cost measurements.
+"""Planners over a block graph: cut it into stages, with or without measured costs.
 
-Every planner has the signature ``planner(graph: BlockGraph, num_stages: int) -> Plan`` so that
-cost-based planners added later can be swapped in and compared one call away.
+Every graph-level planner has the signature ``planner(graph: BlockGraph, num_stages: int) -> Plan``.
+Without costs only the baselines ``uniform`` and ``parameters`` apply; with a ``CostTable`` every
+planner of :mod:`omnibal_compile.solver` (``ilp``, ``dp``, ``uniform``, ``parameters``, ``flops``,
+``omnibal``) runs through :func:`plan_with_costs`, which also fills the plan's predictions.
 
 Glossary:
-    uniform      equal numbers of layer blocks per stage (Megatron/torchtitan default); other
-                 blocks ride with the layer before them (or the first layer, if they lead).
+    uniform      equal numbers of layer blocks per stage (Megatron/torchtitan default).
     parameters   contiguous split minimising the largest stage's parameter count (DeepSpeed's
-                 ``partition_method="parameters"``), solved exactly by dynamic programming.
+                 ``partition_method="parameters"``), solved exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from omnibal_compile.costs import CostTable
 from omnibal_compile.errors import PlanError
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.plan import Plan
+from omnibal_compile.solver import PLANNER_NAMES, Solution, min_max_partition, problem_from_costs, solve, uniform_boundaries
 
-__all__ = ["uniform", "parameters", "PLANNERS", "Planner", "check_num_stages", "min_max_partition"]
+__all__ = [
+    "uniform",
+    "parameters",
+    "PLANNERS",
+    "COST_PLANNERS",
+    "Planner",
+    "check_num_stages",
+    "min_max_partition",
+    "plan_with_costs",
+    "plan_from_solution",
+]
 
 Planner = Callable[[BlockGraph, int], Plan]
 
@@ -47,49 +60,11 @@ def _plan(graph: BlockGraph, boundaries: Sequence[int], planner: str, **notes: o
 def uniform(graph: BlockGraph, num_stages: int) -> Plan:
     """Equal numbers of layer blocks per stage; the first stages take the remainder."""
     check_num_stages(graph, num_stages)
-    layers = [b.index for b in graph.blocks if b.kind == "layer"]
-    if not layers:
-        layers = list(range(graph.num_blocks))  # no layer stack: every block counts as a layer
-    if len(layers) < num_stages:
-        raise PlanError(
-            f"uniform planner needs at least num_stages={num_stages} layer blocks, {graph.captured.model_name} has "
-            f"{len(layers)}; use planner='parameters' or fewer stages"
-        )
-    per, extra = divmod(len(layers), num_stages)
-    boundaries, first = [0], 0
-    for s in range(num_stages - 1):
-        first += per + (1 if s < extra else 0)
-        boundaries.append(layers[first])
-    boundaries.append(graph.num_blocks)
+    try:
+        boundaries = uniform_boundaries([b.kind for b in graph.blocks], num_stages)
+    except PlanError as e:
+        raise PlanError(f"{graph.captured.model_name}: {e}") from None
     return _plan(graph, boundaries, "uniform")
-
-
-def min_max_partition(weights: Sequence[float], num_stages: int) -> tuple[list[int], float]:
-    """Exact contiguous partition of ``weights`` into ``num_stages`` non-empty parts minimising the max sum.
-
-    Returns (boundaries, max part sum). O(n^2 S) dynamic programming; ties prefer earlier cuts.
-    """
-    n = len(weights)
-    if not 1 <= num_stages <= n:
-        raise PlanError(f"cannot split {n} items into {num_stages} non-empty parts")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + float(w))
-    inf = float("inf")
-    # best[s][i]: minimal max over the first i items in s parts; arg[s][i]: start of the last part.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    arg = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):
-                cand = max(best[s - 1][j], prefix[i] - prefix[j])
-                if cand < best[s][i]:
-                    best[s][i], arg[s][i] = cand, j
-    boundaries = [n]
-    for s in range(num_stages, 0, -1):
-        boundaries.append(arg[s][boundaries[-1]])
-    return boundaries[::-1], best[num_stages][n]
 
 
 def parameters(graph: BlockGraph, num_stages: int) -> Plan:
@@ -100,4 +75,65 @@ def parameters(graph: BlockGraph, num_stages: int) -> Plan:
 
 
 PLANNERS: dict[str, Planner] = {"uniform": uniform, "parameters": parameters}
-"""Planners selectable by name in :func:`omnibal_compile.optimize`."""
+"""Planners that need no costs, selectable by name in :func:`omnibal_compile.optimize`."""
+
+COST_PLANNERS: tuple[str, ...] = PLANNER_NAMES
+"""Planners that run on a CostTable (see :func:`plan_with_costs`)."""
+
+
+def plan_from_solution(sol: Solution, costs: CostTable, *, schedule: str, num_microbatches: int, virtual_stages: int,
+                       budget: Sequence[float] = (), block_params: Sequence[int] = (), block_kinds: Sequence[str] = ()) -> Plan:
+    """Wrap a solver solution as a Plan carrying its predicted figures."""
+    S = len(sol.boundaries) - 1
+    notes: dict[str, object] = {"binding": sol.binding, "status": sol.status, "solve seconds": round(sol.solve_seconds, 3)}
+    if sol.gap is not None:
+        notes["gap"] = sol.gap
+    return Plan(
+        block_names=costs.names,
+        boundaries=sol.boundaries,
+        planner=sol.planner,
+        block_params=tuple(block_params) or tuple(b.num_params for b in costs.blocks),
+        block_kinds=tuple(block_kinds) or tuple(b.kind for b in costs.blocks),
+        recompute=sol.recompute,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        virtual_stages=virtual_stages,
+        stage_time_s=sol.stage_time,
+        stage_memory_bytes=tuple(int(m) for m in sol.stage_memory),
+        memory_budget_bytes=tuple(int(budget[s % len(budget)] / virtual_stages) for s in range(S)) if budget else (),
+        iteration_time_s=sol.iteration_time,
+        notes=notes,
+    )
+
+
+def plan_with_costs(
+    costs: CostTable,
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    planner: str = "ilp",
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    memory_budget: float | Sequence[float] | None = None,
+    recompute: str = "auto",
+    solver: str = "auto",
+    time_limit: float | None = 60.0,
+) -> Plan:
+    """Plan from measured or modelled costs with any planner of :mod:`omnibal_compile.solver`.
+
+    ``memory_budget`` is bytes per device (one number or one per device); ``recompute`` is
+    ``auto`` (the planner chooses per block) or one option forced everywhere.
+    """
+    problem = problem_from_costs(
+        costs,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        budget=memory_budget,
+        recompute=recompute,
+    )
+    sol = solve(problem, planner, solver=solver, time_limit=time_limit)
+    return plan_from_solution(
+        sol, costs, schedule=schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages, budget=problem.budget
+    )

@@ -1,0 +1,142 @@
+"""Exact dynamic program for the joint problem (GPipe and 1F1B), the ILP's oracle and upper bound.
+
+Two facts make it exact:
+1. Given a stage's block range, its best recompute choice is independent of other stages: the
+   objective sum_s T_s + (M - 1) max_s T_s grows with every T_s and memory is per stage. So each
+   stage takes the fastest option vector whose activations fit its capacity
+   (budget - static - receive buffer) / k_s: a multiple-choice knapsack, solved exactly from the
+   Pareto frontier of (activation bytes, time) over the range's option vectors.
+2. Over cut points, the objective is monotone in (sum, max) of stage times, so keeping the Pareto
+   set of (sum, max) for every prefix (s stages covering blocks [0, j)) loses no optimum.
+Interleaved schedules couple non-adjacent stages on one device; use the ILP for them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from omnibal_compile.errors import PlanError
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight
+
+__all__ = ["solve_dp", "Frontiers"]
+
+
+class Frontiers:
+    """Pareto frontiers of (activation bytes, time) for every block range [i, j).
+
+    Built left to right: the frontier of [i, j + 1) is the pruned union of the frontier of [i, j)
+    shifted by each option of block j (numpy; a point survives if no other is both smaller and faster).
+    """
+
+    def __init__(self, problem: PartitionProblem) -> None:
+        self.problem = problem
+        opts = np.array(problem.option_indices())
+        n = problem.n
+        act = np.asarray(problem.act, dtype=np.float64)[:, opts]  # [n, |opts|]
+        tim = np.asarray(problem.time, dtype=np.float64)[:, opts]
+        self.acts: list[list[np.ndarray]] = []
+        self.times: list[list[np.ndarray]] = []
+        self.back: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        for i in range(n):
+            acts_i, times_i, back_i = [], [], []
+            pa, pt = np.zeros(1), np.zeros(1)
+            for j in range(i, n):
+                m = len(pa)
+                ca = (pa[None, :] + act[j][:, None]).ravel()  # option-major: [o * m + k]
+                ct = (pt[None, :] + tim[j][:, None]).ravel()
+                order = np.lexsort((ct, ca))
+                ca, ct = ca[order], ct[order]
+                # keep strictly faster than every point with no more activation
+                prev_best = np.minimum.accumulate(np.concatenate(([np.inf], ct[:-1])))
+                keep = ct < prev_best - 1e-15 * np.maximum(1.0, np.abs(ct))
+                sel = order[keep]
+                pa, pt = ca[keep], ct[keep]
+                acts_i.append(pa)
+                times_i.append(pt)
+                back_i.append((sel % m, opts[sel // m]))
+            self.acts.append(acts_i)
+            self.times.append(times_i)
+            self.back.append(back_i)
+
+    def fastest_within(self, i: int, j: int, cap: float) -> int | None:
+        """Index of the fastest frontier point of [i, j) with activations <= cap, or None."""
+        acts = self.acts[i][j - i - 1]
+        k = int(np.searchsorted(acts, cap * (1 + 1e-12) + 1e-9, side="right")) - 1
+        return k if k >= 0 else None
+
+    def options(self, i: int, j: int, k: int) -> list[int]:
+        """Option index of every block of [i, j) at frontier point k."""
+        out = []
+        for jj in range(j, i, -1):
+            parents, options = self.back[i][jj - i - 1]
+            out.append(int(options[k]))
+            k = int(parents[k])
+        return out[::-1]
+
+
+def solve_dp(problem: PartitionProblem, *, frontiers: Frontiers | None = None) -> Solution:
+    """Exact optimum of the joint problem for GPipe / 1F1B; raises PlanError when nothing fits."""
+    if problem.schedule == "interleaved":
+        raise PlanError("the dynamic program handles gpipe and 1f1b; use the ILP for interleaved schedules")
+    start = time.perf_counter()
+    P = problem
+    n, S, M = P.n, P.num_stages, P.num_microbatches
+    F = frontiers or Frontiers(P)
+    prefix_w = [0]
+    for w in P.static:
+        prefix_w.append(prefix_w[-1] + w)
+    # states[s][j]: Pareto list of (sum, max, i, parent state index, frontier point) for [0, j) in s stages.
+    states: list[list[list[tuple[float, float, int, int, int]]]] = [[[] for _ in range(n + 1)] for _ in range(S + 1)]
+    states[0][0] = [(0.0, 0.0, -1, -1, -1)]
+    for s in range(S):
+        k_s = in_flight(P, s)
+        budget = P.stage_budget(s)
+        for j in range(s + 1, n - (S - s - 1) + 1):
+            cands = []
+            for i in range(s, j):
+                prev = states[s][i]
+                if not prev:
+                    continue
+                recv = P.cut_bytes[i] if i > 0 else 0
+                cap = (budget - (prefix_w[j] - prefix_w[i]) - recv) / k_s
+                if cap < 0:
+                    continue
+                k = F.fastest_within(i, j, cap)
+                if k is None:
+                    continue
+                T = float(F.times[i][j - i - 1][k]) + P.cut_time[i] + P.cut_time[j]
+                for idx, (sm, mx, _, _, _) in enumerate(prev):
+                    cands.append((sm + T, max(mx, T), i, idx, k))
+            if not cands:
+                continue
+            cands.sort(key=lambda c: (c[1], c[0]))
+            front, best_sum = [], math.inf
+            for c in cands:
+                if c[0] < best_sum - 1e-15 * max(1.0, abs(c[0])):
+                    front.append(c)
+                    best_sum = c[0]
+            states[s + 1][j] = front
+    final = states[S][n]
+    if not final:
+        raise PlanError("no partition fits the memory budget")  # explained by planner.explain_infeasible
+    best = min(range(len(final)), key=lambda q: final[q][0] + (M - 1) * final[q][1])
+    boundaries = [n]
+    opts: list[int] = []
+    s, j, q = S, n, best
+    while s > 0:
+        _, _, i, parent, k = states[s][j][q]
+        opts = F.options(i, j, k) + opts
+        boundaries.append(i)
+        s, j, q = s - 1, i, parent
+    return evaluate(
+        P,
+        boundaries[::-1],
+        [OPTIONS[o] for o in opts],
+        planner="dp",
+        status="optimal",
+        solve_seconds=time.perf_counter() - start,
+        gap=0.0,
+    )

@@ -1,0 +1,245 @@
+"""The joint ILP in PuLP: cut points and one recompute option per block, under per-device memory.
+
+Variables (n blocks i, S stages s, options o):
+    w[i, s, o] in {0, 1}   block i runs on stage s with option o; x[i, s] = sum_o w[i, s, o]
+    y[i, s] = sum_{t <= s} x[i, t]   (an expression) block i lies on a stage <= s
+    T[s] >= 0 stage time;  Tmax >= T[s] (1F1B/GPipe) or >= T_d per device (interleaved)
+Constraints:
+    assignment   sum_{s, o} w[i, s, o] = 1
+    contiguity   y[i, s] <= y[i - 1, s]     (prefix form: if block i is on a stage <= s, so is i - 1)
+    order        block 0 on stage 0, block n - 1 on stage S - 1, every stage non-empty
+    cut k ends stage s  iff  e[k, s] = y[k - 1, s] - y[k, s] = 1   (linear, no extra variables)
+    time         T[s] = sum_{i, o} w t_io + sum_k e[k, s] c_k + sum_k e[k, s - 1] c_k
+    memory       sum_i x w_i + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
+    bound        objective <= DP optimum (when given): prunes the search
+Objective: the schedule's iteration time (see solver.problem), then, lexicographically, the number
+of recomputed blocks (a tie-break weight far below any time difference that matters), so ties
+among recompute choices are not arbitrary. Valid lower-bound cuts tighten the LP relaxation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from omnibal_compile.errors import PlanError
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight
+
+__all__ = ["solve_ilp", "make_solver"]
+
+
+def make_solver(name: str = "auto", *, time_limit: float | None = None, gap: float = 1e-4, msg: bool = False):
+    """A PuLP solver: HiGHS when highspy is installed (or asked for), CBC otherwise."""
+    import pulp
+
+    if name not in ("auto", "highs", "cbc"):
+        raise PlanError(f"solver must be 'auto', 'highs' or 'cbc', got {name!r}")
+    if name in ("auto", "highs"):
+        try:
+            import highspy
+
+            class WarmHiGHS(pulp.HiGHS):
+                """HiGHS that starts from the variables' initial values when all are set."""
+
+                def callSolver(self, lp):  # noqa: N802 - PuLP's name
+                    values = [v.varValue for v in lp.variables()]
+                    if values and all(x is not None for x in values):
+                        sol = highspy.HighsSolution()
+                        sol.col_value = [float(x) for x in values]
+                        sol.value_valid = True
+                        lp.solverModel.setSolution(sol)
+                    lp.solverModel.run()
+
+            return WarmHiGHS(msg=msg, timeLimit=time_limit, gapRel=gap)
+        except ImportError:
+            if name == "highs":
+                raise PlanError("solver='highs' needs highspy: pip install 'omnibal-compile[highs]'") from None
+    return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, gapRel=gap)
+
+
+def _gap(prob, solver) -> float | None:
+    model = getattr(prob, "solverModel", None)
+    if model is not None and hasattr(model, "getInfo"):
+        try:
+            return float(model.getInfo().mip_gap)
+        except Exception:  # noqa: BLE001 - the gap is informative only
+            return None
+    return None
+
+
+def solve_ilp(
+    problem: PartitionProblem,
+    *,
+    upper_bound: float | None = None,
+    solver: str = "auto",
+    time_limit: float | None = 60.0,
+    minimise_recompute: bool = True,
+    warm: Solution | None = None,
+    gap: float = 1e-6,
+) -> Solution:
+    """Solve the joint problem; ``upper_bound`` (e.g. the DP optimum) speeds it up.
+
+    ``gap`` is the relative optimality gap at which the solver may stop. With a time limit the
+    best plan found is returned with its optimality gap in ``status``.
+    """
+    import pulp
+
+    P = problem
+    n, S, M = P.n, P.num_stages, P.num_microbatches
+    opts = P.option_indices()
+    start = time.perf_counter()
+    prob = pulp.LpProblem("omnibal_partition", pulp.LpMinimize)
+    # w[i][s][o] only for the stages block i can lie on: every stage is non-empty, and, given an
+    # upper bound on the objective, every stage time is at most tau, so stages 0..s must hold the
+    # work of blocks 0..i ((s + 1) tau >= prefix) and stages s..S-1 that of blocks i..n-1.
+    fastest = [min(P.time[i][o] for o in opts) for i in range(n)]
+    lo = [max(0, S - (n - i)) for i in range(n)]
+    hi = [min(S - 1, i) for i in range(n)]
+    tau = _stage_time_bound(P, upper_bound, sum(fastest)) if upper_bound is not None else None
+    if tau is not None and tau > 0:
+        prefix = 0.0
+        suffix = sum(fastest)
+        for i in range(n):
+            prefix += fastest[i]
+            lo[i] = max(lo[i], math.ceil(prefix / tau - 1e-9) - 1)
+            hi[i] = min(hi[i], S - math.ceil(suffix / tau - 1e-9))
+            suffix -= fastest[i]
+            if lo[i] > hi[i]:
+                raise PlanError(f"the upper bound {upper_bound} leaves block {i} no stage: it is below the optimum")
+    w = {
+        (i, s, o): pulp.LpVariable(f"w_{i}_{s}_{o}", cat="Binary")
+        for i in range(n)
+        for s in range(lo[i], hi[i] + 1)
+        for o in opts
+    }
+
+    def x(i: int, s: int):
+        return pulp.lpSum(w[i, s, o] for o in opts if (i, s, o) in w)
+
+    def y(i: int, s: int):
+        """Block i on a stage <= s (constant 1 past the block's last possible stage)."""
+        if s >= hi[i]:
+            return 1
+        return pulp.lpSum(x(i, t) for t in range(lo[i], s + 1))
+
+    def ends(k: int, s: int):
+        """Cut k (1 <= k < n) is the end of stage s."""
+        return y(k - 1, s) - y(k, s)
+
+    for i in range(n):
+        prob += pulp.lpSum(w[i, s, o] for s in range(lo[i], hi[i] + 1) for o in opts) == 1, f"assign_{i}"
+    for i in range(1, n):
+        for s in range(S - 1):
+            prob += y(i, s) <= y(i - 1, s), f"contig_{i}_{s}"
+    for s in range(S):
+        prob += pulp.lpSum(x(i, s) for i in range(n) if lo[i] <= s <= hi[i]) >= 1, f"nonempty_{s}"
+
+    T = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(S)]
+    cuts = range(1, n)
+    for s in range(S):
+        compute = pulp.lpSum(w[i, s, o] * P.time[i][o] for i in range(n) for o in opts if (i, s, o) in w)
+        send_fwd = pulp.lpSum(ends(k, s) * P.cut_time[k] for k in cuts) if s < S - 1 else 0
+        send_bwd = pulp.lpSum(ends(k, s - 1) * P.cut_time[k] for k in cuts) if s > 0 else 0
+        prob += T[s] == compute + send_fwd + send_bwd, f"time_{s}"
+        budget = P.stage_budget(s)
+        if budget != float("inf"):
+            mem = (
+                pulp.lpSum(x(i, s) * P.static[i] for i in range(n) if lo[i] <= s <= hi[i])
+                + in_flight(P, s) * pulp.lpSum(w[i, s, o] * P.act[i][o] for i in range(n) for o in opts if (i, s, o) in w)
+                + (pulp.lpSum(ends(k, s - 1) * P.cut_bytes[k] for k in cuts) if s > 0 else 0)
+            )
+            # scale bytes to GiB so coefficients stay in a range the solver handles well
+            prob += (1 / 2**30) * mem <= budget / 2**30, f"memory_{s}"
+    Tmax = pulp.LpVariable("Tmax", lowBound=0)
+    if P.schedule in ("gpipe", "1f1b"):
+        for s in range(S):
+            prob += Tmax >= T[s], f"max_{s}"
+        objective = pulp.lpSum(T) + (M - 1) * Tmax
+    else:
+        p, v = P.num_devices, P.virtual_stages
+        for d in range(p):
+            prob += Tmax >= pulp.lpSum(T[s] for s in range(S) if P.device_of(s) == d), f"max_dev_{d}"
+        objective = M * Tmax + (p - 1) / (p * v) * pulp.lpSum(T)
+    # Valid cuts that tighten the LP relaxation: the bottleneck is at least max(work / S, largest block).
+    if tau is not None:
+        for s in range(S):
+            T[s].upBound = tau
+    if P.schedule in ("gpipe", "1f1b"):
+        prob += Tmax >= max(sum(fastest) / S, max(fastest)), "bottleneck_lower_bound"
+    prob += pulp.lpSum(T) >= sum(fastest), "total_work_lower_bound"
+    if upper_bound is not None:
+        prob += objective <= upper_bound * (1 + 1e-7) + 1e-12, "dp_bound"
+    # Phase 2 folded in lexicographically: a tie-break weight far below any time difference that
+    # matters makes the solver prefer less recomputation among plans of equal iteration time.
+    recomp = [k for k in w if k[2] != 0]
+    if minimise_recompute and recomp:
+        eps = 1e-7 * max(sum(fastest), 1e-30) / max(1, len(recomp))
+        prob += objective + eps * pulp.lpSum(w[k] for k in recomp)
+    else:
+        prob += objective
+    if warm is not None:
+        # A complete starting point (including stage times), so the solver only has to prove it.
+        for (i, s, o), var in w.items():
+            on = warm.boundaries[s] <= i < warm.boundaries[s + 1] and OPTIONS.index(warm.recompute[i]) == o
+            var.setInitialValue(1 if on else 0)
+        for s in range(S):
+            T[s].setInitialValue(warm.stage_time[s])
+        if P.schedule in ("gpipe", "1f1b"):
+            Tmax.setInitialValue(max(warm.stage_time))
+        else:
+            Tmax.setInitialValue(
+                max(sum(warm.stage_time[s] for s in range(S) if P.device_of(s) == d) for d in range(P.num_devices))
+            )
+
+    status = _solve(prob, solver, time_limit, bool(warm), gap)
+    if any(var.value() is None for var in w.values()):
+        raise PlanError(f"the ILP found no plan that fits the memory budget (status {status})")
+    found_gap = _gap(prob, solver)
+    note = status if found_gap is None or found_gap <= 1e-6 else f"{status}, gap {found_gap:.2%}"
+    boundaries, recompute = _read(w, n, S, opts)
+    return evaluate(
+        P,
+        boundaries,
+        recompute,
+        planner="ilp",
+        status=note,
+        solve_seconds=time.perf_counter() - start,
+        gap=found_gap,
+        extra={"solver": type(make_solver(solver)).__name__, "objective": pulp.value(objective)},
+    )
+
+
+def _stage_time_bound(P: PartitionProblem, upper_bound: float, min_total: float) -> float:
+    """Largest stage time any plan with objective <= upper_bound can have."""
+    M = P.num_microbatches
+    slack = upper_bound * (1 + 1e-7) + 1e-12
+    if P.schedule in ("gpipe", "1f1b"):
+        # sum_s T_s + (M - 1) Tmax <= UB and sum_s T_s >= min_total + Tmax - ... ; bound Tmax by
+        # (UB - (min_total - Tmax)) / M  <=>  Tmax <= (UB - min_total) / (M - 1) + ... use the safe form:
+        return (slack - min_total) / (M - 1) if M > 1 else slack
+    p, v = P.num_devices, P.virtual_stages
+    return (slack - (p - 1) / (p * v) * min_total) / M
+
+
+def _solve(prob, solver: str, time_limit: float | None, warm: bool, gap: float) -> str:
+    import pulp
+
+    s = make_solver(solver, time_limit=time_limit, gap=gap)
+    if warm and isinstance(s, pulp.PULP_CBC_CMD):
+        s.optionsDict["warmStart"] = True
+    prob.solve(s)
+    return pulp.LpStatus[prob.status]
+
+
+def _read(w, n: int, S: int, opts: Sequence[int]) -> tuple[list[int], list[str]]:
+    stage_of = [0] * n
+    option = ["none"] * n
+    for (i, s, o), var in w.items():
+        if (var.value() or 0) > 0.5:
+            stage_of[i] = s
+            option[i] = OPTIONS[o]
+    boundaries = [0] + [i for i in range(1, n) if stage_of[i] != stage_of[i - 1]] + [n]
+    if len(boundaries) != S + 1:
+        raise PlanError(f"internal error: the ILP returned {len(boundaries) - 1} stages instead of {S}")
+    return boundaries, option

@@ -1,0 +1,277 @@
+"""The joint partition + recomputation problem, and the one accounting every solver shares.
+
+Torch-free. Notation (as in the ILP):
+    n blocks i = 0..n-1, S stages s = 0..S-1 (contiguous, non-empty), M micro-batches;
+    option o in {none, selective, full} per block;
+    t_io = f_i + b_i + r_io     time of block i under option o (forward, backward, recompute);
+    a_io                        activation bytes block i keeps for backward under option o;
+    w_i                         static bytes (weights, gradients, optimizer states);
+    c_k = bytes_k / bandwidth   time to send what crosses cut k (c_0 = c_n = 0).
+Stage s running blocks [i, j):
+    T_s = sum t_io + c_j + c_i            (sends forward activations at its end, gradients at its start)
+    Mem_s = sum w_i + k_s * sum a_io + bytes_i     (k_s micro-batches in flight; a receive buffer)
+In flight k_s: GPipe M; 1F1B min(S - s, M); interleaved 1F1B with p = S / v devices and v chunks
+per device: device d = s mod p keeps min(2 (p - d - 1) + (v - 1) p + 1, v M) micro-batch chunks at
+its peak (Megatron's warm-up count + 1), shared evenly by its v chunks, each chunk given 1/v of the
+device budget (an approximation that keeps stages independent).
+Iteration time: GPipe and 1F1B  sum_s T_s + (M - 1) max_s T_s;
+    interleaved  M max_d T_d + (p - 1) / (p v) sum_s T_s, with T_d the sum over device d's chunks
+    For equal stages of time T these give (M + S - 1) T, and (v M + p - 1) T for interleaved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from omnibal_compile.costs import RECOMPUTE_OPTIONS, CostTable
+from omnibal_compile.errors import InputError, PlanError
+
+__all__ = ["PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound"]
+
+OPTIONS = RECOMPUTE_OPTIONS
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionProblem:
+    """Everything a solver needs, as plain numbers."""
+
+    names: tuple[str, ...]
+    """Block names."""
+    kinds: tuple[str, ...]
+    """Block kinds (``layer`` / ``module`` / ``glue``)."""
+    time: tuple[tuple[float, float, float], ...]
+    """t_io: seconds per micro-batch of block i under none / selective / full."""
+    act: tuple[tuple[int, int, int], ...]
+    """a_io: activation bytes kept per micro-batch under none / selective / full."""
+    static: tuple[int, ...]
+    """w_i: static bytes of block i."""
+    cut_time: tuple[float, ...]
+    """c_k: send time across cut k, k = 0..n (c_0 = c_n = 0)."""
+    cut_bytes: tuple[int, ...]
+    """Bytes across cut k (receive buffer of a stage starting at k)."""
+    num_params: tuple[int, ...]
+    """Parameters per block (for the parameter baseline)."""
+    flops: tuple[float, ...]
+    """Forward FLOPs per block (for the FLOPs baseline)."""
+    num_stages: int
+    """S, stages (all chunks of all devices)."""
+    num_microbatches: int
+    """M."""
+    schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved``."""
+    virtual_stages: int = 1
+    """v, chunks per device (interleaved only)."""
+    budget: tuple[float, ...] = ()
+    """Memory budget per device (length p = S / v); empty = unconstrained."""
+    allowed: tuple[str, ...] = OPTIONS
+    """Recompute options the solver may use."""
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for name in ("kinds", "time", "act", "static", "num_params", "flops"):
+            if len(getattr(self, name)) != n:
+                raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks")
+        if len(self.cut_time) != n + 1 or len(self.cut_bytes) != n + 1:
+            raise InputError(f"cut_time and cut_bytes need n + 1 = {n + 1} entries")
+        if not 1 <= self.num_stages <= n:
+            raise PlanError(f"num_stages={self.num_stages} must lie in [1, {n}] (the number of blocks)")
+        if self.num_microbatches < 1:
+            raise InputError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.schedule not in ("gpipe", "1f1b", "interleaved"):
+            raise InputError(f"schedule {self.schedule!r} is unknown; use gpipe, 1f1b or interleaved")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise InputError("virtual_stages > 1 needs schedule='interleaved'")
+        if self.num_stages % self.virtual_stages:
+            raise PlanError(f"num_stages={self.num_stages} must be a multiple of virtual_stages={self.virtual_stages}")
+        if self.budget and len(self.budget) != self.num_devices:
+            raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
+        if not self.allowed or any(o not in OPTIONS for o in self.allowed):
+            raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_stages // self.virtual_stages
+
+    def device_of(self, s: int) -> int:
+        return s % self.num_devices
+
+    def stage_budget(self, s: int) -> float:
+        """Memory a stage may use (its device's budget, split evenly among the device's chunks)."""
+        if not self.budget:
+            return math.inf
+        return self.budget[self.device_of(s)] / self.virtual_stages
+
+    def option_indices(self) -> tuple[int, ...]:
+        return tuple(OPTIONS.index(o) for o in self.allowed)
+
+
+def in_flight(problem: PartitionProblem, s: int) -> float:
+    """k_s: micro-batches whose activations stage ``s`` holds at its peak (see module docstring)."""
+    S, M = problem.num_stages, problem.num_microbatches
+    if problem.schedule == "gpipe":
+        return float(M)
+    if problem.schedule == "1f1b":
+        return float(min(S - s, M))
+    p, v = problem.num_devices, problem.virtual_stages
+    d = problem.device_of(s)
+    chunks = min(2 * (p - d - 1) + (v - 1) * p + 1, v * M)
+    return chunks / v
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    """A plan at solver level: cut points, recompute options, and its predicted figures."""
+
+    boundaries: tuple[int, ...]
+    """0 = b_0 < ... < b_S = n."""
+    recompute: tuple[str, ...]
+    """Option per block."""
+    stage_time: tuple[float, ...]
+    """T_s per micro-batch."""
+    stage_memory: tuple[float, ...]
+    """Mem_s."""
+    iteration_time: float
+    """The schedule's iteration time."""
+    feasible: bool
+    """Every stage fits its budget."""
+    planner: str = ""
+    """Who produced it."""
+    status: str = ""
+    """Solver status (e.g. ``optimal``, ``time limit, gap 0.3%``)."""
+    solve_seconds: float = 0.0
+    """Wall time of the solve."""
+    gap: float | None = None
+    """Relative optimality gap reported by the solver, when known."""
+    binding: str = ""
+    """Constraint that limits the plan (``time of stage k`` or ``memory of stage k``)."""
+    extra: dict = field(default_factory=dict)
+    """Solver-specific notes."""
+
+
+def _iteration_time(problem: PartitionProblem, stage_time: Sequence[float]) -> float:
+    M = problem.num_microbatches
+    if problem.schedule in ("gpipe", "1f1b"):
+        return sum(stage_time) + (M - 1) * max(stage_time)
+    p, v = problem.num_devices, problem.virtual_stages
+    per_device = [sum(stage_time[s] for s in range(problem.num_stages) if problem.device_of(s) == d) for d in range(p)]
+    return M * max(per_device) + (p - 1) / (p * v) * sum(stage_time)
+
+
+def stage_figures(problem: PartitionProblem, s: int, i: int, j: int, options: Sequence[int]) -> tuple[float, float]:
+    """(T_s, Mem_s) of stage ``s`` running blocks [i, j) with option index ``options[b - i]`` each."""
+    t = sum(problem.time[b][o] for b, o in zip(range(i, j), options)) + problem.cut_time[i] + problem.cut_time[j]
+    a = sum(problem.act[b][o] for b, o in zip(range(i, j), options))
+    mem = sum(problem.static[i:j]) + in_flight(problem, s) * a + (problem.cut_bytes[i] if i > 0 else 0)
+    return t, mem
+
+
+def evaluate(
+    problem: PartitionProblem,
+    boundaries: Sequence[int],
+    recompute: Sequence[str],
+    *,
+    planner: str = "",
+    status: str = "",
+    solve_seconds: float = 0.0,
+    gap: float | None = None,
+    extra: dict | None = None,
+) -> Solution:
+    """Predicted stage times, memory and iteration time of a plan, by the shared accounting."""
+    b = tuple(int(x) for x in boundaries)
+    if len(b) != problem.num_stages + 1 or b[0] != 0 or b[-1] != problem.n or any(x >= y for x, y in zip(b, b[1:])):
+        raise PlanError(f"boundaries {list(b)} are not {problem.num_stages} contiguous non-empty stages of {problem.n} blocks")
+    if len(recompute) != problem.n:
+        raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
+    opts = [OPTIONS.index(r) for r in recompute]
+    times, mems = [], []
+    for s in range(problem.num_stages):
+        t, m = stage_figures(problem, s, b[s], b[s + 1], opts[b[s] : b[s + 1]])
+        times.append(t)
+        mems.append(m)
+    feasible = all(m <= problem.stage_budget(s) * (1 + 1e-9) + 1e-6 for s, m in enumerate(mems))
+    slow = max(range(len(times)), key=times.__getitem__)
+    binding = f"time of stage {slow}"
+    if problem.budget:
+        # The slowest stage is held back by memory when it recomputes and has no headroom left.
+        head = problem.stage_budget(slow) - mems[slow]
+        if any(opts[k] != 0 for k in range(b[slow], b[slow + 1])) and head < 0.02 * problem.stage_budget(slow):
+            binding = f"memory of stage {slow}"
+        elif any(opts[k] != 0 for k in range(b[slow], b[slow + 1])):
+            binding = f"memory of stage {slow} (recomputes to fit)"
+    return Solution(
+        boundaries=b,
+        recompute=tuple(recompute),
+        stage_time=tuple(times),
+        stage_memory=tuple(mems),
+        iteration_time=_iteration_time(problem, times),
+        feasible=feasible,
+        planner=planner,
+        status=status,
+        solve_seconds=solve_seconds,
+        gap=gap,
+        binding=binding,
+        extra=dict(extra or {}),
+    )
+
+
+def lower_bound(problem: PartitionProblem) -> float:
+    """max(total work / S, largest block) with the fastest option everywhere: no plan's bottleneck is lower."""
+    fastest = [min(problem.time[i][o] for o in problem.option_indices()) for i in range(problem.n)]
+    return max(sum(fastest) / problem.num_stages, max(fastest))
+
+
+def problem_from_costs(
+    costs: CostTable,
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    budget: float | Sequence[float] | None = None,
+    recompute: str = "auto",
+) -> PartitionProblem:
+    """Build the solver's problem from a cost table.
+
+    ``recompute``: ``auto`` lets the solver pick per block; ``none``/``selective``/``full`` forces one option.
+    """
+    if recompute == "auto":
+        allowed = OPTIONS
+    elif recompute in OPTIONS:
+        allowed = (recompute,)
+    else:
+        raise InputError(f"recompute must be 'auto' or one of {list(OPTIONS)}, got {recompute!r}")
+    p = num_stages // virtual_stages if virtual_stages else num_stages
+    if budget is None:
+        budgets: tuple[float, ...] = ()
+    elif isinstance(budget, (int, float)):
+        budgets = (float(budget),) * p
+    else:
+        budgets = tuple(float(x) for x in budget)
+    if any(x <= 0 for x in budgets):
+        raise InputError(f"memory budgets must be positive, got {list(budgets)}")
+    blocks = costs.blocks
+    return PartitionProblem(
+        names=tuple(b.name for b in blocks),
+        kinds=tuple(b.kind for b in blocks),
+        time=tuple(
+            tuple(b.forward_s + b.backward_s + b.recompute_s[o] for o in OPTIONS) for b in blocks  # type: ignore[misc]
+        ),
+        act=tuple(tuple(int(b.activation_bytes[o]) for o in OPTIONS) for b in blocks),  # type: ignore[misc]
+        static=tuple(b.static_bytes for b in blocks),
+        cut_time=tuple(costs.send_s(k) if 0 < k < len(blocks) else 0.0 for k in range(len(blocks) + 1)),
+        cut_bytes=tuple(c if 0 < k < len(blocks) else 0 for k, c in enumerate(costs.cut_bytes)),
+        num_params=tuple(b.num_params for b in blocks),
+        flops=tuple(b.flops for b in blocks),
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        budget=budgets,
+        allowed=allowed,
+    )

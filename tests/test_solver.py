@@ -1,0 +1,197 @@
+"""The joint partition + recompute solvers: DP against brute force, ILP against DP, baselines."""
+
+import ast
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from omnibal_compile import PlanError
+from omnibal_compile.solver import BASELINES, PartitionProblem, evaluate, lower_bound, solve, solve_dp, solve_ilp
+from omnibal_compile.solver.problem import OPTIONS, in_flight
+
+GiB = 2**30
+
+
+@st.composite
+def problems(draw, max_n=5, schedules=("gpipe", "1f1b")):
+    n = draw(st.integers(1, max_n))
+    S = draw(st.integers(1, min(n, 4)))
+    schedule = draw(st.sampled_from(schedules))
+    M = draw(st.integers(1, 6))
+    time, act = [], []
+    for _ in range(n):
+        f = draw(st.floats(0.1, 10))
+        sel = draw(st.floats(0, 0.5))
+        time.append((f, f + sel, f + draw(st.floats(sel, sel + 2 * f))))
+        a = draw(st.integers(0, 4 * GiB))
+        a_sel = draw(st.integers(0, a))
+        act.append((a, a_sel, draw(st.integers(0, a_sel))))
+    static = [draw(st.integers(0, 4 * GiB)) for _ in range(n)]
+    cut_bytes = [0] + [draw(st.integers(0, GiB // 4)) for _ in range(n - 1)] + [0]
+    budget = draw(st.one_of(st.none(), st.floats(2, 40)))
+    kinds = tuple(draw(st.sampled_from(["layer", "module"])) for _ in range(n))
+    return PartitionProblem(
+        names=tuple(f"b{i}" for i in range(n)),
+        kinds=kinds,
+        time=tuple(time),
+        act=tuple(act),
+        static=tuple(static),
+        cut_time=tuple(c / (50 * GiB) for c in cut_bytes),
+        cut_bytes=tuple(cut_bytes),
+        num_params=tuple(s // 16 for s in static),
+        flops=tuple(t[0] * 1e12 for t in time),
+        num_stages=S,
+        num_microbatches=M,
+        schedule=schedule,
+        budget=(budget * GiB,) * S if budget is not None else (),
+    )
+
+
+def brute_force(P):
+    """Best feasible (boundaries, options) by enumeration, or None."""
+    best = None
+    opts = P.option_indices()
+    for cuts in itertools.combinations(range(1, P.n), P.num_stages - 1):
+        b = (0, *cuts, P.n)
+        for choice in itertools.product(opts, repeat=P.n):
+            sol = evaluate(P, b, [OPTIONS[o] for o in choice])
+            if sol.feasible and (best is None or sol.iteration_time < best.iteration_time - 1e-12):
+                best = sol
+    return best
+
+
+def close(a, b):
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-9)  # the solvers' default relative gap is 1e-6
+
+
+@given(problems())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_dp_is_exact_and_ilp_matches_it(P):
+    oracle = brute_force(P)
+    if oracle is None:
+        with pytest.raises(PlanError, match="no plan fits"):
+            solve(P, "dp")
+        with pytest.raises(PlanError, match="no plan fits"):
+            solve(P, "ilp")
+        return
+    dp = solve_dp(P)
+    assert dp.feasible and close(dp.iteration_time, oracle.iteration_time)
+    ilp = solve_ilp(P, time_limit=30, gap=1e-9)  # cold: no DP bound, to test the ILP on its own
+    assert ilp.feasible and close(ilp.iteration_time, dp.iteration_time), (ilp, dp)
+    bounded = solve(P, "ilp")
+    assert bounded.feasible and close(bounded.iteration_time, dp.iteration_time)
+    for name, baseline in BASELINES.items():
+        if P.num_stages > sum(k == "layer" for k in P.kinds) and name == "uniform" and "layer" in P.kinds:
+            continue  # uniform needs one layer per stage
+        b = baseline(P)
+        if b.feasible:
+            assert bounded.iteration_time <= b.iteration_time * (1 + 1e-9), name
+
+
+@given(problems(max_n=5, schedules=("interleaved",)), st.sampled_from([1, 2]))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_interleaved_ilp_matches_brute_force(P, v):
+    if P.num_stages % v:
+        return
+    P = PartitionProblem(**{**P.__dict__, "virtual_stages": v, "budget": P.budget[: P.num_stages // v]})
+    oracle = brute_force(P)
+    if oracle is None:
+        with pytest.raises(PlanError):
+            solve(P, "ilp")
+        return
+    sol = solve(P, "ilp")
+    assert sol.feasible and close(sol.iteration_time, oracle.iteration_time)
+
+
+def equal_problem(n=8, S=4, M=8, schedule="1f1b", budget=None, v=1):
+    return PartitionProblem(
+        names=tuple(f"layer{i}" for i in range(n)), kinds=("layer",) * n,
+        time=((1.0, 1.2, 2.0),) * n, act=((4 * GiB, 2 * GiB, GiB // 4),) * n, static=(GiB,) * n,
+        cut_time=(0.0,) * (n + 1), cut_bytes=(0,) * (n + 1), num_params=(10,) * n, flops=(1.0,) * n,
+        num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
+        budget=(budget,) * (S // v) if budget else (),
+    )
+
+
+def test_closed_forms_and_in_flight_counts():
+    P = equal_problem()
+    sol = solve(P, "ilp")
+    assert sol.boundaries == (0, 2, 4, 6, 8) and sol.recompute == ("none",) * 8
+    assert close(sol.iteration_time, (8 + 4 - 1) * 2.0)  # (M + S - 1) x stage time
+    assert [in_flight(P, s) for s in range(4)] == [4, 3, 2, 1]
+    G = equal_problem(schedule="gpipe")
+    assert [in_flight(G, s) for s in range(4)] == [8] * 4
+    iv = equal_problem(S=4, schedule="interleaved", v=2)
+    assert close(solve(iv, "ilp").iteration_time, (2 * 8 + 2 - 1) * 2.0)  # (v M + p - 1) x chunk time
+    assert lower_bound(P) == 2.0
+
+
+def test_memory_budget_forces_recompute_on_the_stages_that_need_it():
+    # 1F1B: stage 0 holds 4 micro-batches, stage 3 one. A 12 GiB budget: stage 3 fits without
+    # recomputation (2 + 8), stage 0 does not (2 + 4 * 8 = 34) and must recompute.
+    P = equal_problem(budget=12 * GiB)
+    sol = solve(P, "ilp")
+    assert sol.feasible and all(m <= 12 * GiB for m in sol.stage_memory)
+    assert sol.recompute[-2:] == ("none", "none") and sol.recompute[0] != "none"
+    assert sol.binding.startswith("memory of stage") or sol.binding.startswith("time of stage")
+    dp = solve(P, "dp")
+    assert close(dp.iteration_time, sol.iteration_time)
+    # With no choice of recompute allowed, the same budget is explained as infeasible.
+    forced = PartitionProblem(**{**P.__dict__, "allowed": ("none",)})
+    with pytest.raises(PlanError) as info:
+        solve(forced, "ilp")
+    msg = str(info.value)
+    assert "needs 20.00 GiB on stage 3" in msg and "over by 8.00 GiB" in msg  # 4 layers: 4 x 1 + 1 x 16 GiB
+    assert "smallest per-device budget that fits is 20.00 GiB" in msg
+    assert "recompute='auto'" in msg
+
+
+def test_smallest_budget_in_the_explanation_is_tight():
+    P = equal_problem(budget=3 * GiB)
+    with pytest.raises(PlanError) as info:
+        solve(P, "ilp")
+    text = str(info.value)
+    needed = float(text.split("smallest per-device budget that fits is ")[1].split(" GiB")[0])
+    ok = equal_problem(budget=(needed + 0.01) * GiB)
+    assert solve(ok, "ilp").feasible
+    with pytest.raises(PlanError):
+        solve(equal_problem(budget=(needed - 0.05) * GiB), "ilp")
+
+
+def test_heterogeneous_vlm_like_instance_beats_uniform():
+    n_vit, n_llm = 12, 8
+    time = [(1.0, 1.1, 1.4)] * n_vit + [(3.0, 3.3, 4.0)] * n_llm
+    P = PartitionProblem(
+        names=tuple(f"b{i}" for i in range(20)), kinds=("layer",) * 20, time=tuple(time),
+        act=((GiB, GiB // 2, GiB // 8),) * 20, static=(GiB,) * 20, cut_time=(0.01,) * 21, cut_bytes=(GiB // 64,) * 21,
+        num_params=(100,) * 20, flops=tuple(t[0] for t in time), num_stages=4, num_microbatches=8,
+    )
+    ilp, uni = solve(P, "ilp"), solve(P, "uniform")
+    assert uni.iteration_time / ilp.iteration_time > 1.3
+
+
+def test_bad_problems_are_rejected():
+    with pytest.raises(PlanError, match="num_stages"):
+        equal_problem(n=2, S=3)
+    with pytest.raises(PlanError, match="unknown planner"):
+        solve(equal_problem(), "magic")
+    with pytest.raises(Exception, match="virtual_stages > 1 needs"):
+        equal_problem(v=2)
+    with pytest.raises(PlanError, match="dynamic program handles"):
+        solve_dp(equal_problem(schedule="interleaved", v=2))
+
+
+def test_solver_modules_do_not_import_torch():
+    root = Path(__file__).parents[1] / "omnibal_compile"
+    for path in [*sorted((root / "solver").glob("*.py")), root / "costs.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), f"{path.name} imports torch"

@@ -1,6 +1,7 @@
 """Kernel-substitution pass: the reference VLM and a tiny HF Llama keep their loss and gradients.
 
-Triton cases run in a child pytest under ``TRITON_INTERPRET=1`` (see ``test_kernels.py`` for why).
+On CPU, Triton cases run in a child pytest under ``TRITON_INTERPRET=1`` (``test_kernels.py`` says
+why); with a GPU they run here on CUDA.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ import copy
 import pytest
 import torch
 from conftest import SMALL_VLM
-from test_kernels import IN_INTERPRETER, needs_interpreter, run_triton_cases_in_child
+from test_kernels import CUDA, needs_triton, run_triton_cases_in_child, triton_impl
 
 import omnibal_compile as oc
 from omnibal_compile.kernels import ops
 from omnibal_compile.passes.kernels import REPORT_KEY, KernelReport
 
-BACKENDS = [pytest.param("triton", marks=needs_interpreter), "eager"]
+BACKENDS = [pytest.param("triton", marks=needs_triton), "eager"]
 VLM_SITES = {
     "rms_norm": 2 * SMALL_VLM.llm_layers + 1,
     "layer_norm": 2 * SMALL_VLM.vit_layers + 1,  # two per ViT block, one in the projector
@@ -36,6 +37,9 @@ def _code(result: oc.OptimizeResult) -> str:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reference_vlm_keeps_loss_and_gradients(vlm, backend):
     model, batch = vlm
+    if CUDA and backend == "triton":  # the compiled kernels need CUDA tensors
+        model = copy.deepcopy(model).cuda()
+        batch = {k: v.cuda() for k, v in batch.items()}
     result = oc.optimize(model, batch, num_stages=3, kernels=backend)
     assert _report(result).counts() == VLM_SITES
     code = _code(result)
@@ -129,6 +133,6 @@ def test_missing_backend_named_by_optimize(vlm, monkeypatch):
         oc.optimize(model, batch, num_stages=2, kernels="triton")
 
 
-@pytest.mark.skipif(IN_INTERPRETER or not ops.triton_available(), reason="this process runs them itself, or no triton")
+@pytest.mark.skipif(triton_impl is not None or not ops.triton_available(), reason="this process runs them, or no triton")
 def test_triton_cases_in_interpreter():
     run_triton_cases_in_child(__file__)

@@ -1,9 +1,10 @@
 """Fused kernels: Triton (under TRITON_INTERPRET=1, on CPU) and eager against the unfused references.
 
 Triton's interpreter must be chosen before ``triton`` is first imported, and importing torch's
-export machinery (conftest does) imports it. So the Triton cases run in a child pytest started
-with ``TRITON_INTERPRET=1`` (:func:`test_triton_cases_in_interpreter`); in this process they
-skip, and nothing here changes the environment of other test files.
+export machinery (conftest does) imports it. So on CPU the Triton cases run in a child pytest
+started with ``TRITON_INTERPRET=1`` (:func:`test_triton_cases_in_interpreter`); in this process
+they skip, and nothing here changes the environment of other test files. With a GPU every case
+runs here on CUDA tensors, through the compiled kernels (``bench/kernels_gpu.sh``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from omnibal_compile.kernels import eager, ops
 from omnibal_compile.kernels import reference as R
 
 IN_INTERPRETER = ops.triton_available() and os.environ.get("TRITON_INTERPRET") == "1"
-triton_impl = ops.require_triton() if IN_INTERPRETER else None
-needs_interpreter = pytest.mark.skipif(
-    not IN_INTERPRETER, reason="Triton cases run in a child pytest with TRITON_INTERPRET=1"
+CUDA = torch.cuda.is_available() and ops.triton_available() and not IN_INTERPRETER
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+triton_impl = ops.require_triton() if IN_INTERPRETER or CUDA else None
+needs_triton = pytest.mark.skipif(
+    triton_impl is None, reason="on CPU, Triton cases run in a child pytest with TRITON_INTERPRET=1"
 )
 
 
@@ -41,7 +44,7 @@ def run_triton_cases_in_child(path: str) -> None:
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (atol, rtol) per dtype: a few ulps of the output dtype, since both sides round differently.
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (6e-2, 3e-2), torch.float16: (6e-3, 4e-3)}
-BACKENDS = [pytest.param("triton", marks=needs_interpreter), "eager"]
+BACKENDS = [pytest.param("triton", marks=needs_triton), "eager"]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
@@ -52,13 +55,13 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, sca
 
 def _leaf(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+    return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype).requires_grad_()
 
 
 def _grads(out: torch.Tensor | tuple[torch.Tensor, ...], inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
     outs = out if isinstance(out, tuple) else (out,)
     g = torch.Generator().manual_seed(seed)
-    cot = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    cot = [torch.randn(o.shape, generator=g).to(device=o.device, dtype=o.dtype) for o in outs]
     return list(torch.autograd.grad(outs, inputs, cot))
 
 
@@ -117,7 +120,7 @@ def test_rope_matches_reference(backend, dtype, heads, kv_heads, t, d):
     k = _leaf(2, t, kv_heads, d, dtype=dtype, seed=9).detach().transpose(1, 2).requires_grad_()
     pos = torch.arange(t, dtype=torch.float32)[None, :, None] * torch.linspace(0.1, 1.0, d // 2)
     emb = torch.cat((pos, pos), dim=-1)  # [1, t, d]
-    cos, sin = emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+    cos, sin = emb.cos().to(DEVICE, dtype).unsqueeze(1), emb.sin().to(DEVICE, dtype).unsqueeze(1)
     _check_against_reference(
         lambda q, k: K.rope(q, k, cos, sin, backend=backend), lambda q, k: R.rope(q, k, cos, sin), [q, k], dtype
     )
@@ -134,6 +137,7 @@ def test_fused_linear_cross_entropy_matches_reference(backend, dtype, n, h, v, c
     weight = _leaf(v, h, dtype=dtype, seed=11, scale=0.3)
     labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(12))
     labels[::4] = -100
+    labels = labels.to(DEVICE)
     loss = K.fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk, backend=backend)
     expected = R.linear_cross_entropy(hidden, weight, labels)
     assert loss.dtype == torch.float32 and loss.dim() == 0
@@ -147,7 +151,7 @@ def test_fused_linear_cross_entropy_matches_reference(backend, dtype, n, h, v, c
 def test_fused_loss_ignores_masked_rows_and_keeps_logits_unchanged():
     hidden = _leaf(8, 4, dtype=torch.float32, seed=13)
     weight = _leaf(10, 4, dtype=torch.float32, seed=14)
-    labels = torch.tensor([1, -100, 2, 3, -100, 4, 5, 6])
+    labels = torch.tensor([1, -100, 2, 3, -100, 4, 5, 6], device=DEVICE)
     keep = labels != -100
     loss = K.fused_linear_cross_entropy(hidden, weight, labels, chunk_size=3, backend="eager")
     torch.testing.assert_close(loss, R.linear_cross_entropy(hidden[keep], weight, labels[keep]))
@@ -165,14 +169,14 @@ def _opcheck_cases(backend: str):
     x = _leaf(3, 40, dtype=torch.float32, seed=20)
     w = _leaf(40, dtype=torch.float32, seed=21)
     b = _leaf(40, dtype=torch.float32, seed=22)
-    dy = torch.randn(3, 40)
+    dy = torch.randn(3, 40, device=DEVICE)
     g, u = _leaf(2, 33, dtype=torch.float32, seed=23), _leaf(2, 33, dtype=torch.float32, seed=24)
     q = _leaf(1, 2, 3, 8, dtype=torch.float32, seed=25)
     k = _leaf(1, 1, 3, 8, dtype=torch.float32, seed=26)
-    cos, sin = torch.rand(1, 1, 3, 8), torch.rand(1, 1, 3, 8)
+    cos, sin = torch.rand(1, 1, 3, 8, device=DEVICE), torch.rand(1, 1, 3, 8, device=DEVICE)
     h = _leaf(6, 8, dtype=torch.float32, seed=27)
     wv = _leaf(20, 8, dtype=torch.float32, seed=28)
-    labels = torch.tensor([1, 2, -100, 4, 5, 19])
+    labels = torch.tensor([1, 2, -100, 4, 5, 19], device=DEVICE)
     o = torch.ops.omnibal
     return [
         (o.rms_norm.default, (x, w, 1e-6, backend)),
@@ -180,9 +184,9 @@ def _opcheck_cases(backend: str):
         (o.layer_norm.default, (x, w, b, 1e-5, backend)),
         (o.layer_norm_backward.default, (dy, x.detach(), w.detach(), 1e-5, backend)),
         (o.swiglu.default, (g, u, backend)),
-        (o.swiglu_backward.default, (torch.randn(2, 33), g.detach(), u.detach(), backend)),
+        (o.swiglu_backward.default, (torch.randn(2, 33, device=DEVICE), g.detach(), u.detach(), backend)),
         (o.rope.default, (q, k, cos, sin, backend)),
-        (o.rope_backward.default, (torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), cos, sin, torch.float32, torch.float32, backend)),
+        (o.rope_backward.default, (q.detach() * 2, k.detach() * 2, cos, sin, torch.float32, torch.float32, backend)),
         (o.fused_linear_cross_entropy.default, (h, wv, labels, -100, 4, backend)),
     ]
 
@@ -250,17 +254,18 @@ def test_package_works_without_the_optional_backend():
     assert "pip install 'omnibal-compile[triton]'" in out.stdout
 
 
-@needs_interpreter
-def test_triton_path_is_taken_under_the_interpreter(monkeypatch):
+@needs_triton
+def test_triton_path_is_taken(monkeypatch):
     calls = []
     real = triton_impl.rms_norm_fwd
     monkeypatch.setattr(triton_impl, "rms_norm_fwd", lambda *a: calls.append(1) or real(*a))
-    K.rms_norm(torch.randn(2, 8), torch.ones(8), backend="triton")
-    K.rms_norm(torch.randn(2, 8), torch.ones(8), backend="eager")
+    x, w = torch.randn(2, 8, device=DEVICE), torch.ones(8, device=DEVICE)
+    K.rms_norm(x, w, backend="triton")
+    K.rms_norm(x, w, backend="eager")
     assert calls == [1]
 
 
-@pytest.mark.skipif(IN_INTERPRETER or not ops.triton_available(), reason="this process runs them itself, or no triton")
+@pytest.mark.skipif(triton_impl is not None or not ops.triton_available(), reason="this process runs them, or no triton")
 def test_triton_cases_in_interpreter():
     run_triton_cases_in_child(__file__)
 

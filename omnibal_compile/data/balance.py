@@ -28,7 +28,7 @@ import numpy as np
 
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import CostFn, pack_loads
-from omnibal_compile.data.packing import PackShape, Packing, assign_steps, split_oversized
+from omnibal_compile.data.packing import OVERSIZED_POLICIES, PackShape, Packing, assign_steps, split_oversized
 from omnibal_compile.errors import InputError
 
 __all__ = ["balanced_partition", "balance_pack"]
@@ -116,17 +116,19 @@ def balance_pack(
 ) -> Packing:
     """Our balanced packing of ``stats`` for ``dp`` ranks at about ``samples_per_pack`` samples per pack.
 
-    ``row_tokens``/``dummy_tile_tokens``: also require ``tokens + (Q_v - tiles) * dummy_tile_tokens
-    <= row_tokens``, for a collator that gives each padding tile placeholder tokens in the row.
     With ``capacity`` the packs must fit it (oversized samples follow ``oversized``); without,
-    the capacity is the largest pack. ``cost`` (a callable ``(tiles, tokens, attention_pairs) ->
-    cost`` per pack, e.g. :class:`~omnibal_compile.data.metrics.ShapeCost`) decides which packs
-    share a step; default: tiles, then tokens.
+    the capacity is the largest pack. ``row_tokens``/``dummy_tile_tokens`` also require
+    ``tokens + (Q_v - tiles) * dummy_tile_tokens <= row_tokens``, for a collator that gives each
+    padding tile placeholder tokens in the row. ``cost`` (a callable ``(tiles, tokens,
+    attention_pairs) -> cost`` per pack, e.g. :class:`~omnibal_compile.data.metrics.ShapeCost`)
+    decides which packs share a step; default: tiles, then tokens.
     """
     if dp < 1:
         raise InputError(f"dp must be >= 1, got {dp}")
     if samples_per_pack < 1:
         raise InputError(f"samples_per_pack must be >= 1, got {samples_per_pack}")
+    if oversized not in OVERSIZED_POLICIES:
+        raise InputError(f"unknown oversized policy {oversized!r}; choose one of {list(OVERSIZED_POLICIES)}")
     big = np.zeros(0, np.int64)
     packed_stats = stats
     if capacity is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +22,9 @@ from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import CaptureMethod, Captured, capture, normalize_example_inputs
 from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
 from omnibal_compile.passes.cost import BF16_ADAM, Precision, annotate_costs
-from omnibal_compile.passes.partition import PLANNERS, Planner
+from omnibal_compile.passes.partition import COST_PLANNERS, PLANNERS, Planner, plan_with_costs
 from omnibal_compile.plan import Plan
+from omnibal_compile.units import parse_size
 
 __all__ = ["optimize", "OptimizeResult", "ParityReport", "PassError"]
 
@@ -170,13 +172,33 @@ def _run_pass(name: str, done: list[str], timings: dict[str, float], fn: Callabl
     return result
 
 
+def _parse_budget(budget: Any) -> float | list[float] | None:
+    if budget is None:
+        return None
+    if isinstance(budget, (list, tuple)):
+        return [float(parse_size(b)) for b in budget]
+    return float(parse_size(budget))
+
+
+def _with_graph_info(graph: BlockGraph, plan: Plan) -> Plan:
+    """Cost-based plans name blocks from the cost table; give them the graph's parameter counts too."""
+    return dataclasses.replace(plan, block_params=tuple(b.num_params for b in graph.blocks))
+
+
 def optimize(
     model: nn.Module,
     example_inputs: Any = None,
     *,
     num_stages: int,
-    planner: str | Planner = "parameters",
+    planner: str | Planner | None = None,
     plan: Plan | None = None,
+    num_microbatches: int = 1,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    memory_budget: str | float | Sequence[str | float] | None = None,
+    recompute: str = "auto",
+    solver: str = "auto",
+    solver_time_limit: float | None = 60.0,
     block_prefixes: Sequence[str] | None = None,
     capture_method: CaptureMethod = "export",
     kernels: str | None = None,
@@ -193,8 +215,16 @@ def optimize(
         model: any ``nn.Module``; it is not modified.
         example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``.
         num_stages: pipeline stages to emit.
-        planner: ``"uniform"``, ``"parameters"`` or a callable ``(BlockGraph, num_stages) -> Plan``.
+        planner: ``"ilp"`` (default when costs are known: cut points and per-block recomputation chosen
+            jointly and optimally), ``"dp"``, ``"uniform"``, ``"parameters"`` (default without costs),
+            ``"flops"``, ``"omnibal"`` (the paper's heuristic), or a callable ``(BlockGraph, S) -> Plan``.
+            All but uniform/parameters need ``device`` to cost the blocks.
         plan: use this plan instead of planning (it must match the model's blocks).
+        num_microbatches, schedule, virtual_stages: the pipeline schedule planned for
+            (``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` with ``virtual_stages`` chunks per device).
+        memory_budget: per device, e.g. ``"40GiB"`` (one value or one per device); needs ``device``.
+        recompute: ``"auto"`` (the planner chooses per block), ``"none"``, ``"selective"`` or ``"full"``.
+        solver, solver_time_limit: ILP backend (``"auto"``: HiGHS if installed, else CBC) and limit (s).
         block_prefixes: module paths that each form one block, overriding the default grouping.
         capture_method: ``"export"`` (torch.export, non-strict) or ``"fx"`` (symbolic_trace).
         kernels: rewrite norms, SwiGLU and the LM-head loss into fused ops before cutting:
@@ -237,10 +267,31 @@ def optimize(
         if plan.num_stages != num_stages:
             raise PlanError(f"the given plan has {plan.num_stages} stages but num_stages={num_stages}")
         chosen = plan
+    elif costs is not None and (planner is None or (isinstance(planner, str) and planner in COST_PLANNERS)):
+        budget = _parse_budget(memory_budget)
+        chosen = _run_pass(
+            "plan", done, timings,
+            lambda: _with_graph_info(graph, plan_with_costs(
+                costs, num_stages=num_stages, num_microbatches=num_microbatches, planner=planner or "ilp",
+                schedule=schedule, virtual_stages=virtual_stages, memory_budget=budget, recompute=recompute,
+                solver=solver, time_limit=solver_time_limit,
+            )),
+        )
     else:
+        planner = planner or "parameters"
+        if isinstance(planner, str) and planner in COST_PLANNERS and planner not in PLANNERS:
+            raise InputError(
+                f"planner {planner!r} needs block costs: pass device='cpu' to profile here, or a target such as "
+                f"'a100-80gb' for the roofline model"
+            )
+        if memory_budget is not None:
+            raise InputError("memory_budget needs block costs: pass device='cpu' or a target such as 'a100-80gb'")
         if isinstance(planner, str):
             if planner not in PLANNERS:
-                raise InputError(f"unknown planner {planner!r}; choose one of {sorted(PLANNERS)} or pass a callable")
+                raise InputError(
+                    f"unknown planner {planner!r}; choose one of {sorted(set(PLANNERS) | set(COST_PLANNERS))} "
+                    "or pass a callable"
+                )
             fn = PLANNERS[planner]
         elif callable(planner):
             fn = planner

@@ -195,3 +195,50 @@ def test_solver_modules_do_not_import_torch():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(n == "torch" or n.startswith("torch.") for n in names), f"{path.name} imports torch"
+
+
+# -- wired into optimize() on the reference VLM, with roofline costs (no profiling: fast) --------
+
+
+@pytest.fixture(scope="module")
+def vlm_ilp(vlm):
+    import omnibal_compile as oc
+
+    model, batch = vlm
+    return oc.optimize(model, batch, num_stages=3, device="a100-80gb", num_microbatches=4, memory_budget="80GiB")
+
+
+def test_optimize_with_ilp_fills_predictions_and_keeps_parity(vlm, vlm_ilp):
+    plan = vlm_ilp.plan
+    assert plan.planner == "ilp" and plan.num_microbatches == 4 and plan.schedule == "1f1b"
+    assert len(plan.stage_time_s) == 3 and plan.iteration_time_s > 0
+    assert all(m <= b for m, b in zip(plan.stage_memory_bytes, plan.memory_budget_bytes))
+    assert "binding" in plan.notes and "ilp" in plan.summary()
+    assert vlm_ilp.check_parity(vlm[1]).ok
+
+
+def test_ilp_is_never_worse_than_baselines_on_real_costs(vlm_ilp):
+    from omnibal_compile.passes.partition import plan_with_costs
+
+    kw = dict(num_stages=3, num_microbatches=4)
+    best = plan_with_costs(vlm_ilp.costs, planner="ilp", **kw).iteration_time_s
+    for name in ("dp", "uniform", "parameters", "flops", "omnibal"):
+        other = plan_with_costs(vlm_ilp.costs, planner=name, **kw).iteration_time_s
+        assert best <= other * (1 + 1e-6), name
+
+
+def test_too_small_budget_is_explained_on_a_real_model(vlm_ilp):
+    from omnibal_compile.passes.partition import plan_with_costs
+
+    with pytest.raises(PlanError, match=r"no plan fits .* over by .* smallest per-device budget"):
+        plan_with_costs(vlm_ilp.costs, num_stages=3, num_microbatches=4, memory_budget=1000.0)
+
+
+def test_cost_planners_need_costs(vlm):
+    import omnibal_compile as oc
+
+    model, batch = vlm
+    with pytest.raises(oc.InputError, match="needs block costs"):
+        oc.optimize(model, batch, num_stages=2, planner="ilp")
+    with pytest.raises(oc.InputError, match="memory_budget needs block costs"):
+        oc.optimize(model, batch, num_stages=2, memory_budget="1GiB")

@@ -19,12 +19,13 @@ among recompute choices are not arbitrary. Valid lower-bound cuts tighten the LP
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
 
 from omnibal_compile.errors import PlanError
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, lower_bound
 
 __all__ = ["solve_ilp", "make_solver"]
 
@@ -85,6 +86,19 @@ def solve_ilp(
     """
     import pulp
 
+    # Solve in units of the bottleneck's lower bound: solvers' absolute tolerances (~1e-6) would
+    # otherwise swamp objectives measured in microseconds.
+    unit = lower_bound(problem) or 1.0
+    original = problem
+    problem = dataclasses.replace(
+        problem,
+        time=tuple(tuple(t / unit for t in row) for row in problem.time),  # type: ignore[misc]
+        cut_time=tuple(c / unit for c in problem.cut_time),
+    )
+    if upper_bound is not None:
+        upper_bound /= unit
+    if warm is not None:
+        warm = dataclasses.replace(warm, stage_time=tuple(t / unit for t in warm.stage_time))
     P = problem
     n, S, M = P.n, P.num_stages, P.num_microbatches
     opts = P.option_indices()
@@ -199,14 +213,14 @@ def solve_ilp(
     note = status if found_gap is None or found_gap <= 1e-6 else f"{status}, gap {found_gap:.2%}"
     boundaries, recompute = _read(w, n, S, opts)
     return evaluate(
-        P,
+        original,
         boundaries,
         recompute,
         planner="ilp",
         status=note,
         solve_seconds=time.perf_counter() - start,
         gap=found_gap,
-        extra={"solver": type(make_solver(solver)).__name__, "objective": pulp.value(objective)},
+        extra={"solver": type(make_solver(solver)).__name__, "objective": (pulp.value(objective) or 0.0) * unit},
     )
 
 

@@ -133,6 +133,6 @@ def test_missing_backend_named_by_optimize(vlm, monkeypatch):
         oc.optimize(model, batch, num_stages=2, kernels="triton")
 
 
-@pytest.mark.skipif(triton_impl is not None or not ops.triton_available(), reason="this process runs them, or no triton")
+@pytest.mark.skipif(triton_impl is not None or not ops.triton_available(), reason="runs them itself, or no triton")
 def test_triton_cases_in_interpreter():
     run_triton_cases_in_child(__file__)

@@ -67,9 +67,10 @@ def _grads(out: torch.Tensor | tuple[torch.Tensor, ...], inputs: list[torch.Tens
 
 def _check_against_reference(fn, ref, inputs, dtype, grad_scale: float = 1.0) -> None:
     out, expected = fn(*inputs), ref(*inputs)
-    for a, e in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+    outs, refs = (out if isinstance(out, tuple) else (out,)), (expected if isinstance(expected, tuple) else (expected,))
+    for a, e in zip(outs, refs, strict=True):
         _close(a, e, dtype)
-    for a, e in zip(_grads(out, inputs, 7), _grads(expected, inputs, 7)):
+    for a, e in zip(_grads(out, inputs, 7), _grads(expected, inputs, 7), strict=True):
         _close(a, e, dtype, grad_scale)
 
 
@@ -144,7 +145,7 @@ def test_fused_linear_cross_entropy_matches_reference(backend, dtype, n, h, v, c
     _close(loss, expected, torch.float32, scale=10.0 if dtype != torch.float32 else 1.0)
     grads = torch.autograd.grad(loss * 3.0, [hidden, weight])
     ref_grads = torch.autograd.grad(expected * 3.0, [hidden, weight])
-    for a, e in zip(grads, ref_grads):
+    for a, e in zip(grads, ref_grads, strict=True):
         _close(a, e, dtype)
 
 
@@ -265,7 +266,7 @@ def test_triton_path_is_taken(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.skipif(triton_impl is not None or not ops.triton_available(), reason="this process runs them, or no triton")
+@pytest.mark.skipif(triton_impl is not None or not ops.triton_available(), reason="runs them itself, or no triton")
 def test_triton_cases_in_interpreter():
     run_triton_cases_in_child(__file__)
 
@@ -291,7 +292,8 @@ def test_bench_rows_and_cli_registration():
     from omnibal_compile.cli import build_parser
     from omnibal_compile.kernels import bench
 
-    rows = bench.run_bench(bench.cases(torch.device("cpu"), torch.float32, small=True)[:2], torch.device("cpu"), ["eager"])
+    cpu = torch.device("cpu")
+    rows = bench.run_bench(bench.cases(cpu, torch.float32, small=True)[:2], cpu, ["eager"])
     assert [(r.kernel, r.direction) for r in rows] == [
         ("rms_norm", "fwd"), ("rms_norm", "bwd"), ("layer_norm", "fwd"), ("layer_norm", "bwd"),
     ]

@@ -20,7 +20,9 @@ HELP = "benchmark parts of the library: 'kernels' times the fused kernels agains
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", choices=sorted(TARGETS), help="what to benchmark")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)"
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--kernels-vocab", type=int, nargs="+", default=[32000, 128256, 151936],
                    help="loss vocab sizes timed on CUDA (default 32000 128256 151936)")
@@ -33,8 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _argv(args: argparse.Namespace) -> list[str]:
     """The command line that gives ``args`` again."""
     argv = [NAME, args.target, "--kernels-vocab", *map(str, args.kernels_vocab)]
-    for flag, value in (("--dtype", args.dtype), ("--json", args.json), ("--kernels-loss-tokens", args.kernels_loss_tokens),
-                        ("--kernels-loss-hidden", args.kernels_loss_hidden)):
+    options = {
+        "--dtype": args.dtype,
+        "--json": args.json,
+        "--kernels-loss-tokens": args.kernels_loss_tokens,
+        "--kernels-loss-hidden": args.kernels_loss_hidden,
+    }
+    for flag, value in options.items():
         if value is not None:
             argv += [flag, str(value)]
     return argv

@@ -30,7 +30,8 @@ from omnibal_compile.kernels import ops
 from omnibal_compile.kernels import reference as R
 
 __all__ = [
-    "LiveBytes", "Case", "BenchRow", "LossMemory", "cases", "run_bench", "loss_memory", "format_rows", "format_loss_memory",
+    "LiveBytes", "Case", "BenchRow", "LossMemory", "cases", "run_bench", "loss_memory", "format_rows",
+    "format_loss_memory",
 ]
 
 
@@ -47,7 +48,9 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
         self._seen.discard(key)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func.namespace == "omnibal":
             # Run the op's Python body with this mode on, so its temporaries are counted too.
@@ -121,7 +124,9 @@ class Case:
     """Matmul FLOPs of forward + backward (the fused loss only); 0 for memory-bound kernels."""
 
 
-def cases(device: torch.device, dtype: torch.dtype, *, small: bool, loss_vocab: Sequence[int] = (128256,)) -> list[Case]:
+def cases(
+    device: torch.device, dtype: torch.dtype, *, small: bool, loss_vocab: Sequence[int] = (128256,)
+) -> list[Case]:
     """The benchmark cases: training-sized on a GPU, tiny (for the interpreter) when ``small``."""
     e = torch.tensor([], dtype=dtype).element_size()
 
@@ -220,18 +225,18 @@ class BenchRow:
 
 
 def _max_diff(a: Any, b: Any) -> float:
-    pairs = zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
-    return max((float((x.detach().float() - y.detach().float()).abs().max()) for x, y in pairs if x.numel()), default=0.0)
+    pairs = zip(pytree.tree_leaves(a), pytree.tree_leaves(b), strict=True)
+    diffs = [float((x.detach().float() - y.detach().float()).abs().max()) for x, y in pairs if x.numel()]
+    return max(diffs, default=0.0)
 
 
-def _grad_fn(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[Callable[[], Any], list[torch.Tensor]]:
-    """A closure running only the backward of ``fn(*inputs)`` (graph kept), and the inputs it differentiates."""
+def _grad_fn(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> Callable[[], Any]:
+    """A closure running only the backward of ``fn(*inputs)`` (its graph kept for repeats)."""
     wrt = [x for x in inputs if x.requires_grad]
-    out = fn(*inputs)
-    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+    outs = [o for o in pytree.tree_leaves(fn(*inputs)) if isinstance(o, torch.Tensor)]
     g = torch.Generator(device=outs[0].device).manual_seed(0)
     cot = [torch.randn(o.shape, generator=g, device=o.device).to(o.dtype) for o in outs]
-    return (lambda: torch.autograd.grad(outs, wrt, cot, retain_graph=True)), wrt
+    return lambda: torch.autograd.grad(outs, wrt, cot, retain_graph=True)
 
 
 def _throughput(case: Case, direction: str, ms: float) -> str:
@@ -247,49 +252,47 @@ def run_bench(case_list: Sequence[Case], device: torch.device, backends: Sequenc
     for case in case_list:
         inputs = case.make()
         for backend in backends:
-
-            def fused(*xs: Any, backend: str = backend) -> Any:
-                return case.fused(*xs, backend=backend)
-
-            if case.flops:  # the loss: forward and backward together
-                wrt = [x for x in inputs if x.requires_grad]
-
-                def both(fn: Callable[..., Any]) -> Callable[[], Any]:
-                    return lambda: torch.autograd.grad(fn(*inputs), wrt)
-
-                ref_peak, ref_out = peak_bytes(both(case.reference), device)
-                fused_peak, fused_out = peak_bytes(both(fused), device)
-                del ref_out
-                err = _max_diff(fused_out, both(case.reference)())
-                ref_ms, fused_ms = time_ms(both(case.reference), device), time_ms(both(fused), device)
-                rows.append(_row(case, "fwd+bwd", backend, ref_ms, fused_ms, ref_peak, fused_peak, err))
-                continue
-            ref_peak, ref_out = peak_bytes(lambda: case.reference(*inputs), device)
-            fused_peak, fused_out = peak_bytes(lambda: fused(*inputs), device)
-            err = _max_diff(fused_out, ref_out)
-            del ref_out, fused_out
-            ref_ms = time_ms(lambda: case.reference(*inputs), device)
-            fused_ms = time_ms(lambda: fused(*inputs), device)
-            rows.append(_row(case, "fwd", backend, ref_ms, fused_ms, ref_peak, fused_peak, err))
-            ref_bwd, _ = _grad_fn(case.reference, inputs)
-            fused_bwd, _ = _grad_fn(fused, inputs)
-            ref_peak, ref_grads = peak_bytes(ref_bwd, device)
-            fused_peak, fused_grads = peak_bytes(fused_bwd, device)
-            err = _max_diff(fused_grads, ref_grads)
-            del ref_grads, fused_grads
-            rows.append(
-                _row(case, "bwd", backend, time_ms(ref_bwd, device), time_ms(fused_bwd, device), ref_peak, fused_peak, err)
-            )
-            del ref_bwd, fused_bwd
+            rows += _bench_one(case, inputs, backend, device)
     return rows
 
 
-def _row(case: Case, direction: str, backend: str, ref_ms: float, fused_ms: float, ref_peak: int, fused_peak: int, err: float) -> BenchRow:
-    return BenchRow(
-        kernel=case.kernel, shape=case.shape, direction=direction, backend=backend, reference_ms=ref_ms,
-        fused_ms=fused_ms, throughput=_throughput(case, direction, fused_ms), reference_peak=ref_peak,
-        fused_peak=fused_peak, max_error=err,
-    )
+def _bench_one(case: Case, inputs: list[torch.Tensor], backend: str, device: torch.device) -> list[BenchRow]:
+    def fused(*xs: Any) -> Any:
+        return case.fused(*xs, backend=backend)
+
+    def row(
+        direction: str, ref: Callable[[], Any], mine: Callable[[], Any], err: float, peaks: tuple[int, int]
+    ) -> BenchRow:
+        ref_ms, fused_ms = time_ms(ref, device), time_ms(mine, device)
+        return BenchRow(
+            kernel=case.kernel, shape=case.shape, direction=direction, backend=backend, reference_ms=ref_ms,
+            fused_ms=fused_ms, throughput=_throughput(case, direction, fused_ms), reference_peak=peaks[0],
+            fused_peak=peaks[1], max_error=err,
+        )
+
+    if case.flops:  # the loss computes its gradients in its forward: time both directions together
+        wrt = [x for x in inputs if x.requires_grad]
+        ref_both = lambda: torch.autograd.grad(case.reference(*inputs), wrt)  # noqa: E731
+        fused_both = lambda: torch.autograd.grad(fused(*inputs), wrt)  # noqa: E731
+        ref_peak, ref_grads = peak_bytes(ref_both, device)
+        fused_peak, fused_grads = peak_bytes(fused_both, device)
+        err = _max_diff(fused_grads, ref_grads)
+        del ref_grads, fused_grads
+        return [row("fwd+bwd", ref_both, fused_both, err, (ref_peak, fused_peak))]
+    ref_fwd = lambda: case.reference(*inputs)  # noqa: E731
+    fused_fwd = lambda: fused(*inputs)  # noqa: E731
+    ref_peak, ref_out = peak_bytes(ref_fwd, device)
+    fused_peak, fused_out = peak_bytes(fused_fwd, device)
+    err = _max_diff(fused_out, ref_out)
+    del ref_out, fused_out
+    rows = [row("fwd", ref_fwd, fused_fwd, err, (ref_peak, fused_peak))]
+    ref_bwd, fused_bwd = _grad_fn(case.reference, inputs), _grad_fn(fused, inputs)
+    ref_peak, ref_grads = peak_bytes(ref_bwd, device)
+    fused_peak, fused_grads = peak_bytes(fused_bwd, device)
+    err = _max_diff(fused_grads, ref_grads)
+    del ref_grads, fused_grads
+    rows.append(row("bwd", ref_bwd, fused_bwd, err, (ref_peak, fused_peak)))
+    return rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,7 +350,10 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
             f"{r.speedup:.2f}x", r.throughput, _mib(r.reference_peak), _mib(r.fused_peak), f"{r.max_error:.2e}",
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
+    lines = [
+        "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in table
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

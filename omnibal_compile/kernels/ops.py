@@ -28,7 +28,8 @@ from omnibal_compile.errors import InputError, OmnibalError
 from omnibal_compile.kernels import eager
 
 __all__ = [
-    "Backend", "BACKENDS", "INSTALL_HINT", "MissingBackendError", "triton_available", "check_triton_installed", "require_triton",
+    "Backend", "BACKENDS", "INSTALL_HINT", "MissingBackendError", "triton_available", "check_triton_installed",
+    "require_triton",
     "triton_runs_on", "python_impl", "rms_norm", "layer_norm", "swiglu", "rope", "fused_linear_cross_entropy",
 ]
 
@@ -363,4 +364,5 @@ def fused_linear_cross_entropy(
     if hidden.dtype != weight.dtype:
         raise InputError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     h = hidden.reshape(-1, hidden.shape[-1])
-    return torch.ops.omnibal.fused_linear_cross_entropy(h, weight, labels.reshape(-1), ignore_index, chunk_size, backend)[0]
+    flat_labels = labels.reshape(-1)
+    return torch.ops.omnibal.fused_linear_cross_entropy(h, weight, flat_labels, ignore_index, chunk_size, backend)[0]

@@ -225,7 +225,8 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
     dg, du = torch.empty_like(g), torch.empty_like(u)
     numel = g.numel()
     if numel:
-        _swiglu_bwd_kernel[(triton.cdiv(numel, _SWIGLU_BLOCK),)](d, g, u, dg, du, numel, BLOCK=_SWIGLU_BLOCK, num_warps=4)
+        grid = (triton.cdiv(numel, _SWIGLU_BLOCK),)
+        _swiglu_bwd_kernel[grid](d, g, u, dg, du, numel, BLOCK=_SWIGLU_BLOCK, num_warps=4)
     return dg, du
 
 
@@ -264,7 +265,9 @@ def _rope_kernel(
     tl.store(yp + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
 
-def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, backward: bool) -> torch.Tensor:
+def _rope_one(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, backward: bool
+) -> torch.Tensor:
     b, h, t, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()

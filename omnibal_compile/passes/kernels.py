@@ -266,8 +266,8 @@ def _loss_sites(rw: _Rewriter) -> None:
         if not _is_call(ce, [aten.cross_entropy_loss.default]):
             continue
         names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
-        args = dict(zip(names, (None, None, None, 1, -100, 0.0)))
-        args.update(zip(names, ce.args))
+        args = dict(zip(names, (None, None, None, 1, -100, 0.0), strict=True))
+        args.update(zip(names, ce.args, strict=False))  # trailing defaults may be omitted
         args.update(ce.kwargs)
         if args["weight"] is not None or args["reduction"] != 1 or args["label_smoothing"] != 0.0:
             continue
@@ -314,7 +314,9 @@ def _loss_sites(rw: _Rewriter) -> None:
         loss = rw.add(ce, operator.getitem, (fused, 0), ce)
         ce.replace_all_uses_with(loss)
         rw.done.append(
-            Substitution(kernel="fused_linear_cross_entropy", where=_where(linear), removed=rw.erase([ce, *chain, linear]))
+            Substitution(
+                kernel="fused_linear_cross_entropy", where=_where(linear), removed=rw.erase([ce, *chain, linear])
+            )
         )
 
 

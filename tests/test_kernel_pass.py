@@ -22,6 +22,7 @@ VLM_SITES = {
     "rms_norm": 2 * SMALL_VLM.llm_layers + 1,
     "layer_norm": 2 * SMALL_VLM.vit_layers + 1,  # two per ViT block, one in the projector
     "swiglu": SMALL_VLM.llm_layers,
+    "rope": SMALL_VLM.llm_layers,  # q and k of each layer: one op
     "fused_linear_cross_entropy": 1,
 }
 
@@ -46,7 +47,8 @@ def test_reference_vlm_keeps_loss_and_gradients(vlm, backend):
     for kernel, count in VLM_SITES.items():
         assert code.count(f"torch.ops.omnibal.{kernel}.default(") == count
     assert f"'{backend}'" in code
-    assert "cross_entropy_loss" not in code and "aten.silu" not in code and "aten.layer_norm" not in code
+    for unfused in ("cross_entropy_loss", "aten.silu", "aten.layer_norm", "aten.neg", "aten.rsqrt"):
+        assert unfused not in code
     report = result.check_parity(batch, tolerance=1e-5)
     assert report.ok, str(report)
     assert report.num_params == sum(1 for _ in model.parameters())
@@ -82,7 +84,7 @@ def test_tiny_llama_norms_and_mlp(tiny_llama):
     result = oc.optimize(model, batch, num_stages=2, kernels="eager")
     layers = model.config.num_hidden_layers
     # the logits are returned next to the loss, so the loss keeps its unfused form
-    assert _report(result).counts() == {"rms_norm": 2 * layers + 1, "swiglu": layers}
+    assert _report(result).counts() == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers}
     report = result.check_parity(batch, tolerance=1e-5)
     assert report.ok, str(report)
 
@@ -116,6 +118,29 @@ def test_lookalike_norm_is_left_alone_and_swiglu_still_matches():
     result = oc.optimize(model, (x,), num_stages=1, kernels="eager")
     assert _report(result).counts() == {"swiglu": 1}
     assert result.check_parity((x,), tolerance=1e-5).ok
+
+
+class _LearnedRotary(torch.nn.Module):
+    """The rotary pattern with trainable cos/sin tables: the op (constant tables) must not take it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cos = torch.nn.Parameter(torch.randn(1, 1, 5, 8))
+        self.sin = torch.nn.Parameter(torch.randn(1, 1, 5, 8))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            a, b = x.chunk(2, dim=-1)
+            return x * self.cos + torch.cat((-b, a), dim=-1) * self.sin
+
+        return (rot(q) * rot(k)).sum()
+
+
+def test_rotary_with_trainable_tables_is_left_alone():
+    model, q, k = _LearnedRotary(), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    result = oc.optimize(model, (q, k), num_stages=1, kernels="eager")
+    assert "rope" not in _report(result).counts()
+    assert result.check_parity((q, k), tolerance=1e-5).ok
 
 
 def test_bad_kernels_argument(vlm):

@@ -9,13 +9,16 @@ Glossary:
                  are left alone).
     LayerNorm site  an ``aten.layer_norm`` node over the last dim with a weight and a bias.
     SwiGLU site  ``mul(silu(a), b)`` with ``a`` and ``b`` of one shape and dtype, silu used only there.
+    rotary site  ``x * cos + cat(-x2, x1) * sin`` (``x1``/``x2`` the halves of ``x``, by ``chunk`` or
+                 ``slice``) for a q and a k of one module call sharing ``cos``/``sin`` of shape
+                 ``[b|1, 1, t, d]`` that no trainable parameter feeds: one ``rope`` node for both.
     loss site    ``cross_entropy(<casts/slices/reshapes of> linear(h, W), labels)`` with mean
                  reduction, no class weights or smoothing, and logits used by nothing else: it
                  becomes the chunked fused linear + cross-entropy, the slices replayed on ``h``.
 Parameters stay ``get_attr`` inputs of the new nodes, so the blocks pass, the stage parameter
 maps and the gradients see the same parameters as before. New nodes inherit the module stack
 of the nodes they replace, so they land in the same blocks; their ``val`` comes from the ops'
-fake implementations. Rotary embeddings are not substituted yet (the op exists; see kernels).
+fake implementations.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Substitution:
     """One rewritten site."""
 
     kernel: str
-    """Op that replaced it (``rms_norm``, ``layer_norm``, ``swiglu``, ``fused_linear_cross_entropy``)."""
+    """Op that replaced it (``rms_norm``, ``layer_norm``, ``swiglu``, ``rope``, ``fused_linear_cross_entropy``)."""
     where: str
     """Module path of the site (or the replaced node's name where it has no module of its own)."""
     removed: int
@@ -258,6 +261,102 @@ def _swiglu_sites(rw: _Rewriter) -> None:
         rw.done.append(Substitution(kernel="swiglu", where=_where(mul), removed=rw.erase([mul, silu])))
 
 
+# --------------------------------------------------------------------------- rotary embedding
+
+
+def _halves(a: Any, b: Any) -> fx.Node | None:
+    """``x`` when ``a``/``b`` are the first/second halves of ``x``'s last dim (chunk or slice)."""
+    if _is_call(a, [operator.getitem]) and _is_call(b, [operator.getitem]) and a.args[0] is b.args[0]:
+        chunk = a.args[0]
+        if _is_call(chunk, [aten.chunk.default]) and chunk.args[1] == 2 and a.args[1] == 0 and b.args[1] == 1:
+            x = chunk.args[0]
+            dim = chunk.args[2] if len(chunk.args) > 2 else 0
+            return x if dim % _val(x).dim() == _val(x).dim() - 1 else None
+        return None
+    if _is_call(a, [aten.slice.Tensor]) and _is_call(b, [aten.slice.Tensor]) and a.args[0] is b.args[0]:
+        x = a.args[0]
+        rank, d = _val(x).dim(), _val(x).shape[-1]
+        lo, hi = (list(a.args) + [None, None, None])[1:4], (list(b.args) + [None, None, None])[1:4]
+        if lo[0] % rank == rank - 1 == hi[0] % rank and lo[1] == 0 and lo[2] == d // 2 == hi[1] and hi[2] >= d:
+            return x
+    return None
+
+
+def _rotary_of(add: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
+    """``(x, cos, sin, pattern nodes)`` when ``add`` computes ``x * cos + rotate_half(x) * sin``."""
+    if not _is_call(add, [aten.add.Tensor]) or len(add.args) != 2 or add.kwargs:
+        return None
+    for m1, m2 in (add.args, add.args[::-1]):
+        if not (_is_call(m1, [aten.mul.Tensor]) and _is_call(m2, [aten.mul.Tensor])):
+            continue
+        for cat, sin in (m2.args, m2.args[::-1]):
+            if not _is_call(cat, [aten.cat.default]) or len(cat.args[0]) != 2:
+                continue
+            neg, first = cat.args[0]
+            if not _is_call(neg, [aten.neg.default]):
+                continue
+            x = _halves(first, neg.args[0])
+            if x is None or x not in m1.args or not isinstance(sin, fx.Node):
+                continue
+            cos = m1.args[1] if m1.args[0] is x else m1.args[0]
+            if not isinstance(cos, fx.Node):
+                continue
+            parts = [add, m1, m2, cat, neg, first, neg.args[0]]
+            if _is_call(first, [operator.getitem]):
+                parts.append(first.args[0])
+            return x, cos, sin, parts
+    return None
+
+
+def _feeds_from_parameters(node: fx.Node, trainable: set[str]) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and n.target in trainable:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _rope_sites(rw: _Rewriter, model: nn.Module) -> None:
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    order = {n: i for i, n in enumerate(rw.graph.nodes)}
+    groups: dict[tuple[Any, ...], list[tuple[fx.Node, fx.Node, list[fx.Node]]]] = {}
+    for add in list(rw.graph.nodes):
+        found = _rotary_of(add)
+        if found is None:
+            continue
+        x, cos, sin, parts = found
+        xv, cv, sv = _val(x), _val(cos), _val(sin)
+        if not all(isinstance(v, torch.Tensor) for v in (xv, cv, sv)) or xv.dim() != 4 or xv.shape[-1] % 2:
+            continue
+        b, _, t, d = xv.shape
+        if cv.shape != sv.shape or cv.dim() != 4 or tuple(cv.shape[1:]) != (1, t, d) or cv.shape[0] not in (1, b):
+            continue
+        if cv.dtype != sv.dtype or _val(add).dtype != torch.promote_types(xv.dtype, cv.dtype):
+            continue
+        members = set(parts)
+        if any(u not in members for p in parts[1:] for u in _real_users(p)):
+            continue  # an intermediate value is used outside the pattern
+        groups.setdefault((_where(add), cos, sin, xv.dtype), []).append((x, add, parts))
+    for (where, cos, sin, _dtype), sites in groups.items():
+        if _feeds_from_parameters(cos, trainable) or _feeds_from_parameters(sin, trainable):
+            continue  # the op treats cos/sin as constants
+        for (q, q_add, q_parts), (k, k_add, k_parts) in zip(sites[0::2], sites[1::2], strict=False):
+            first = min(q_add, k_add, key=order.__getitem__)
+            if max(order[q], order[k], order[cos], order[sin]) > order[first]:
+                continue
+            pair = rw.add(first, torch.ops.omnibal.rope.default, (q, k, cos, sin, rw.backend), q_add)
+            q_new = rw.add(first, operator.getitem, (pair, 0), q_add)
+            k_new = rw.add(first, operator.getitem, (pair, 1), k_add)
+            q_add.replace_all_uses_with(q_new)
+            k_add.replace_all_uses_with(k_new)
+            rw.done.append(Substitution(kernel="rope", where=where, removed=rw.erase([*q_parts, *k_parts])))
+
+
 # --------------------------------------------------------------------------- the loss
 
 
@@ -340,6 +439,7 @@ def substitute_kernels(captured: Captured, model: nn.Module, *, backend: str) ->
     _rms_norm_sites(rw, model)
     _layer_norm_sites(rw)
     _swiglu_sites(rw)
+    _rope_sites(rw, model)
     _loss_sites(rw)
     gm.graph.lint()
     gm.recompile()

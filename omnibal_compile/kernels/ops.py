@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
@@ -72,10 +71,10 @@ def triton_runs_on(device: torch.device | str) -> bool:
         return True
     if not _interpret_env():
         return False
-    # Kernels are decorated for the interpreter or the GPU once, when their module is imported;
-    # the interpreter also reads the variable while it runs, so both must hold.
-    loaded = sys.modules.get(_TRITON_MODULE)
-    return loaded is None or bool(loaded.INTERPRETED)
+    # Kernels are decorated for the interpreter or the GPU once, when their module is imported
+    # (and Triton's own library when triton is); the interpreter also reads the variable while
+    # it runs, so all must hold.
+    return bool(require_triton().INTERPRETED)
 
 
 _PY_IMPLS: dict[str, Callable[..., Any]] = {}
@@ -103,7 +102,7 @@ def _impl(backend: str, t: Tensor) -> Any:
         raise InputError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
     if t.is_cuda:
         return require_triton()
-    return require_triton() if triton_runs_on(t.device) else eager
+    return require_triton() if triton_runs_on(t.device) else eager  # else: no GPU, no interpreter
 
 
 # --------------------------------------------------------------------------- RMSNorm

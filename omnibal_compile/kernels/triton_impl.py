@@ -25,8 +25,22 @@ __all__ = [
     "swiglu_bwd", "rope_fwd", "rope_bwd", "ce_chunk", "fused_linear_cross_entropy",
 ]
 
-INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-"""Whether this module's kernels were built for Triton's CPU interpreter."""
+
+
+def _built_for_interpreter() -> bool:
+    # Triton picks the interpreter per function when it is decorated: ours now, Triton's own
+    # library (tl.sum, ...) when triton was first imported. Both must agree for kernels to run.
+    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+        return False
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return True
+    return isinstance(getattr(tl.standard, "sum", None), InterpretedFunction)
+
+
+INTERPRETED: bool = _built_for_interpreter()
+"""Whether these kernels (and Triton's library) were built for Triton's CPU interpreter."""
 
 
 def _warps(block: int) -> int:

@@ -352,6 +352,7 @@ def test_split_batch_and_loss_weights():
     w = loss_weights((x, labels), ("x", "labels"))
     assert w.tolist() == pytest.approx([2 / 5, 0, 2 / 5, 1 / 5])
     assert loss_weights((x,), ("x",)).tolist() == [0.25] * 4
+    assert loss_weights((x, labels), ("x", "labels"), "rows").tolist() == [0.25] * 4
     with pytest.raises(InputError, match="no labelled token"):
         loss_weights((x, torch.full((4, 3), -100)), ("x", "labels"))
 

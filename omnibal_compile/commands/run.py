@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="override the plan's micro-batch count")
     p.add_argument("--virtual-stages", type=int, default=None, help="override the plan's stages per rank")
     p.add_argument("--no-recompute", action="store_true", help="ignore the plan's recompute options")
+    p.add_argument(
+        "--loss-weighting", default="tokens", choices=["tokens", "rows"],
+        help="the model's loss is a mean over labelled tokens (default) or over rows",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--save", default=None, metavar="DIR", help="write a stage checkpoint (original names) here")
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         num_microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
         recompute=not args.no_recompute,
+        weighting=args.loss_weighting,
         device=args.device,
         threads=args.threads,
         save=args.save,

@@ -2,22 +2,22 @@
 
 from omnibal_compile.runtime.pipeline import (
     RankPipeline,
+    TiedParameter,
     build_pipeline,
     check_pipeline,
     compile_for_microbatches,
     loss_weights,
     rank_stages,
-    replace_plan,
     split_batch,
 )
 
 __all__ = [
     "RankPipeline",
+    "TiedParameter",
     "build_pipeline",
     "check_pipeline",
     "compile_for_microbatches",
     "loss_weights",
     "rank_stages",
-    "replace_plan",
     "split_batch",
 ]

@@ -91,6 +91,8 @@ class RunConfig:
     """Override the plan's stages per rank."""
     recompute: bool = True
     """Apply the plan's recompute options."""
+    weighting: str = "tokens"
+    """How micro-batch losses combine: ``tokens`` (mean over labelled tokens) or ``rows``."""
     device: str = "cpu"
     """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank)."""
     threads: int = 1
@@ -203,6 +205,8 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError(f"{nproc} ranks need {nproc} GPUs, found {torch.cuda.device_count()}; use device='cpu'")
     if config.optimizer not in _OPTIMIZERS:
         raise InputError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {config.optimizer!r}")
+    if config.weighting not in ("tokens", "rows"):
+        raise InputError(f"weighting must be 'tokens' or 'rows', got {config.weighting!r}")
     if config.steps < 1:
         raise InputError(f"steps must be >= 1, got {config.steps}")
     model = build_model(config)
@@ -230,7 +234,9 @@ def train(config: RunConfig) -> list[StepLog]:
     model = build_model(config)
     source = batch_source(config, model)
     result = compile_for_microbatches(model, source(0), plan)
-    pipeline = build_pipeline(result, rank=rank, world_size=world, device=device, recompute=config.recompute)
+    pipeline = build_pipeline(
+        result, rank=rank, world_size=world, device=device, recompute=config.recompute, weighting=config.weighting
+    )
     del model, result  # each rank keeps only its stages' parameters
     if config.load:
         load_into_pipeline(pipeline, config.load)

@@ -17,7 +17,6 @@ Glossary:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +41,6 @@ __all__ = [
     "compile_for_microbatches",
     "loss_weights",
     "rank_stages",
-    "replace_plan",
     "split_batch",
     "TiedParameter",
 ]
@@ -123,10 +121,18 @@ def compile_for_microbatches(model: nn.Module, batch: Any, plan: Plan, **optimiz
     return optimize(model, (tuple(mb_args), dict(mb_kwargs)), num_stages=plan.num_stages, plan=plan, **optimize_kwargs)
 
 
-def loss_weights(flat_inputs: Sequence[Any], input_names: Sequence[str]) -> torch.Tensor:
-    """Per-row share of the batch's loss terms, summing to 1 (see the module glossary)."""
+def loss_weights(flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens") -> torch.Tensor:
+    """Per-row share of the batch's loss terms, summing to 1 (see the module glossary).
+
+    ``tokens``: rows weigh by their labelled tokens (``labels[:, 1:] != -100``), right for a loss
+    that is the mean over labelled next-token positions (Hugging Face causal LMs, the reference
+    VLM); rows weigh equally when there is no ``labels`` input. ``rows``: always equally, right for
+    a loss that is a mean over rows.
+    """
+    if weighting not in ("tokens", "rows"):
+        raise InputError(f"loss weighting must be 'tokens' or 'rows', got {weighting!r}")
     rows = int(flat_inputs[0].shape[0])
-    if "labels" in input_names:
+    if weighting == "tokens" and "labels" in input_names:
         labels = flat_inputs[list(input_names).index("labels")]
         if isinstance(labels, torch.Tensor) and labels.dim() == 2:
             counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).double()
@@ -212,6 +218,8 @@ class RankPipeline:
     """Names of the model's flat inputs."""
     microbatch_shapes: tuple[tuple[int, ...], ...]
     """Shape of every flat input of one micro-batch, as captured."""
+    weighting: str
+    """How micro-batch losses are weighted: ``tokens`` or ``rows`` (see :func:`loss_weights`)."""
     state: dict[str, torch.Tensor] = field(repr=False)
     """Original model name -> tensor, for every parameter and persistent buffer this rank holds."""
     tied: tuple[TiedParameter, ...] = field(repr=False)
@@ -265,7 +273,7 @@ class RankPipeline:
         across the ranks holding them. The caller runs the optimizer.
         """
         flat = self.flatten(batch)
-        target = loss_weights(flat, self.input_names).to(self.device) if self.has_last else None
+        target = loss_weights(flat, self.input_names, self.weighting).to(self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
         args = flat if self.has_first else ()
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
@@ -297,6 +305,7 @@ def build_pipeline(
     device: torch.device | str = "cpu",
     group: Any = None,
     recompute: bool = True,
+    weighting: str = "tokens",
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`compile_for_microbatches`).
 
@@ -304,7 +313,10 @@ def build_pipeline(
     with respect to other collective calls: it creates process groups for tied parameters.
     ``result.plan`` sets the schedule, micro-batches and virtual stages; its recompute options are
     applied by :func:`omnibal_compile.passes.recompute.apply_recompute` unless ``recompute=False``.
+    ``weighting`` says how the model's loss averages (see :func:`loss_weights`).
     """
+    if weighting not in ("tokens", "rows"):
+        raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
     plan = result.plan
     check_pipeline(plan, world_size=world_size)
     device = torch.device(device)
@@ -349,6 +361,7 @@ def build_pipeline(
         in_spec=result.captured.in_spec,
         input_names=result.stage_info(0).input_names,
         microbatch_shapes=tuple(tuple(x.shape) for x in result.captured.example_flat_inputs),
+        weighting=weighting,
         state=state,
         tied=tied,
         device=device,
@@ -417,12 +430,3 @@ def _tied_parameters(
             )
         )
     return tuple(tied)
-
-
-def replace_plan(plan: Plan, **changes: Any) -> Plan:
-    """``plan`` with ``schedule``/``num_microbatches``/``virtual_stages``/``recompute`` changed."""
-    allowed = {"schedule", "num_microbatches", "virtual_stages", "recompute"}
-    bad = set(changes) - allowed
-    if bad:
-        raise InputError(f"cannot change {sorted(bad)} of a plan here; only {sorted(allowed)}")
-    return dataclasses.replace(plan, **{k: v for k, v in changes.items() if v is not None})

@@ -301,3 +301,12 @@ def test_bench_rows_and_cli_registration():
     assert "speedup" in bench.format_rows(rows)
     args = build_parser().parse_args(["bench", "kernels", "--dtype", "float32"])
     assert args.target == "kernels" and args.dtype == "float32"
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="needs a process whose triton was imported without the interpreter")
+def test_interpreter_chosen_too_late_falls_back_to_eager(monkeypatch):
+    # conftest imported triton before this variable was set: Triton's library is compiled-mode
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not ops.triton_runs_on("cpu")
+    x, w = torch.randn(3, 8), torch.rand(8)
+    torch.testing.assert_close(K.rms_norm(x, w, backend="triton"), R.rms_norm(x, w, 1e-6))

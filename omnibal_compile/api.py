@@ -22,7 +22,7 @@ from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import CaptureMethod, Captured, capture, normalize_example_inputs
 from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
 from omnibal_compile.passes.cost import BF16_ADAM, Precision, annotate_costs
-from omnibal_compile.passes.partition import COST_PLANNERS, PLANNERS, Planner, plan_with_costs
+from omnibal_compile.passes.partition import COST_PLANNERS, PLANNERS, Planner, check_num_stages, plan_with_costs
 from omnibal_compile.plan import Plan
 from omnibal_compile.units import parse_size
 
@@ -257,6 +257,8 @@ def optimize(
 
         _run_pass("kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels))
     graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
+    if plan is None:
+        check_num_stages(graph, num_stages)  # before costing: a bad stage count should fail fast
     costs = None
     if device is not None:
         costs = _run_pass(

@@ -209,7 +209,8 @@ class Plan:
         for st in self.stages:
             layers = sum(1 for k in self.block_kinds[st.start : st.stop] if k == "layer") if self.block_kinds else "-"
             params = f"{sum(self.block_params[st.start : st.stop]):,}" if self.block_params else "-"
-            rec = ", ".join(f"{b}:{r}" for b, r in zip(st.blocks, st.recompute) if r != "none")
+            counts = {o: st.recompute.count(o) for o in RECOMPUTE_OPTIONS if o != "none" and o in st.recompute}
+            rec = ", ".join(f"{c} {o}" for o, c in counts.items())  # per block: plan.stages[s].recompute
             row = [str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], str(layers), params, rec or "-"]
             if self.stage_time_s:
                 row.append(f"{self.stage_time_s[st.index] * 1e3:.3f}")

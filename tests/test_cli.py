@@ -7,9 +7,11 @@ from omnibal_compile.cli import main
 
 def test_demo_runs_and_reports_parity(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    assert main(["demo", "--stages", "3", "--save-plan", str(plan_path), "--show-code", "1"]) == 0
+    args = ["demo", "--stages", "3", "--device", "a100-80gb", "--save-plan", str(plan_path), "--show-code", "1"]
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "parity OK" in out and "Plan by 'parameters'" in out and "def forward" in out
+    assert "parity OK" in out and "Plan by 'ilp'" in out and "def forward" in out
+    assert "x the ilp plan" in out and "full" in out  # baselines compared; the 20MiB budget forces recomputation
     assert len(json.loads(plan_path.read_text())["boundaries"]) == 4
 
 

@@ -1,4 +1,9 @@
-"""``omnibal-compile demo``: the whole flow on the built-in tiny VLM, on CPU."""
+"""``omnibal-compile demo``: the whole flow on the built-in tiny VLM, on CPU.
+
+capture -> blocks -> costs (profiled here) -> ILP plan (cut points + recomputation under a memory
+budget) compared with the uniform and parameter-balanced splits -> simulated iteration -> codegen
+-> parity of the stages against the unsplit model.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,23 @@ import argparse
 import time
 
 NAME = "demo"
-HELP = "cut the built-in tiny VLM into pipeline stages and check they reproduce it (CPU, ~10 s)"
+HELP = "plan the built-in tiny VLM into balanced pipeline stages and check they reproduce it (CPU, ~30 s)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
-    p.add_argument("--planner", default="parameters", help="uniform | parameters (default parameters)")
-    p.add_argument("--batch", type=int, default=2, help="samples in the example batch (default 2)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"), help="pipeline schedule")
+    p.add_argument("--planner", default="ilp", help="ilp | dp | omnibal | flops | uniform | parameters (default ilp)")
+    p.add_argument(
+        "--device", default="cpu", help="cost source: 'cpu' profiles here (default), or a roofline target such as a100-80gb"
+    )
+    p.add_argument(
+        "--memory", default="20MiB", help="memory budget per device (default 20MiB: tight enough that early stages recompute)"
+    )
+    p.add_argument("--batch", type=int, default=2, help="samples in the example micro-batch (default 2)")
     p.add_argument("--tiles", type=int, default=2, help="image tiles per sample (default 2)")
-    p.add_argument("--text", type=int, default=32, help="text tokens per sample (default 32)")
+    p.add_argument("--text", type=int, default=48, help="text tokens per sample (default 48)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
     p.add_argument("--show-code", type=int, metavar="STAGE", default=None, help="print the generated code of a stage")
     p.add_argument("--save-plan", metavar="PATH", default=None, help="write the plan as JSON")
@@ -25,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
 
     import omnibal_compile as oc
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+    from omnibal_compile.passes.partition import plan_with_costs
+    from omnibal_compile.units import parse_size
 
     torch.manual_seed(args.seed)
     cfg = TinyVLMConfig()
@@ -36,12 +51,36 @@ def run(args: argparse.Namespace) -> int:
         f"(width {cfg.llm_hidden}), {n_params:,} parameters"
     )
     print(
-        f"batch: {batch['pixel_values'].shape[0]} tiles, input_ids {tuple(batch['input_ids'].shape)} "
+        f"micro-batch: {batch['pixel_values'].shape[0]} tiles, input_ids {tuple(batch['input_ids'].shape)} "
         f"({cfg.tokens_per_tile} image tokens per tile)\n"
     )
     t0 = time.perf_counter()
-    result = oc.optimize(model, batch, num_stages=args.stages, planner=args.planner)
+    print(f"capturing, grouping blocks and costing them on '{args.device}' ...")
+    virtual = 2 if args.schedule == "interleaved" else 1
+    result = oc.optimize(
+        model, batch, num_stages=args.stages, planner=args.planner, device=args.device,
+        num_microbatches=args.microbatches, schedule=args.schedule, virtual_stages=virtual,
+        memory_budget=args.memory,
+    )
     print(result.summary())
+    print()
+    budget = float(parse_size(args.memory)) if args.memory else None
+    print(f"predicted iteration time ({args.schedule}, {args.microbatches} micro-batches), simulated event by event:")
+    best = oc.simulate(result.plan, result.costs)
+    for name in ("uniform", "parameters", "omnibal", args.planner):
+        try:
+            other = plan_with_costs(
+                result.costs, num_stages=args.stages, num_microbatches=args.microbatches, planner=name,
+                schedule=args.schedule, virtual_stages=virtual, memory_budget=budget,
+            )
+        except oc.PlanError as e:
+            print(f"  {name:>10}: no plan ({e})")
+            continue
+        sim = oc.simulate(other, result.costs)
+        print(
+            f"  {name:>10}: {sim.iteration_time_s * 1e3:8.2f} ms, bubble {sim.bubble_fraction:.1%}, "
+            f"{sim.iteration_time_s / best.iteration_time_s:.2f}x the {args.planner} plan"
+        )
     print()
     for s in range(len(result.stages)):
         info = result.stage_info(s)

@@ -69,8 +69,11 @@ def test_resume_from_state_dict_at_any_step_continues_the_same_sequence(case: tu
 
 
 @settings(max_examples=15, deadline=None)
-@given(sizes)
+@given(sizes.filter(lambda c: c[0] >= 24))
 def test_same_seed_and_epoch_same_batches_other_epochs_differ(case: tuple[int, int, int, str]) -> None:
+    # From 24 samples there are >= 8 packs, whose orders alone make equal epochs a 1-in-40,000
+    # event; with a handful of samples the balanced partition is nearly unique and 3 packs have
+    # only 6 orders, so two epochs may legitimately coincide.
     n, world, seed, method = case
     a, b = _sampler(n, world, 0, seed, method), _sampler(n, world, 0, seed, method)
     a.set_epoch(3)

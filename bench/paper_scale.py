@@ -78,7 +78,8 @@ def main() -> int:
         monotone = all(b <= a * (1 + 1e-9) for a, b in zip(chain, chain[1:]))
         if show:
             print(format_table(setup, rows, paper))
-            ilp = "; ".join(f"{r.plan.status} in {r.plan.solve_seconds:.1f} s" for r in rows if r.plan.planner == "ilp")
+            ilp = "; ".join(f"{r.plan.status} in {r.plan.solve_seconds:.1f} s" for r in rows
+                            if r.plan is not None and r.plan.planner == "ilp")
             print(f"monotone: {'yes' if monotone else 'NO'}; ILP solves: {ilp}; elapsed {time.perf_counter() - start:.0f} s\n")
         if not monotone:
             failures.append(f"PP {setup.pp} x DP {setup.dp} {setup.model.name}: {[round(x, 3) for x in chain]}")

@@ -33,6 +33,7 @@ Glossary:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import pack_loads
 from omnibal_compile.data.packing import Packing, random_batches
 from omnibal_compile.devices import A100_80G, DeviceSpec
-from omnibal_compile.errors import InputError
+from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.models.scale import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
 from omnibal_compile.passes.cost import Precision
 from omnibal_compile.plan import Plan
@@ -172,8 +173,8 @@ class Row:
     """Step of the ablation."""
     batching: str
     """Which micro-batches it runs."""
-    plan: PlanChoice
-    """The plan it runs."""
+    plan: PlanChoice | None
+    """The plan it runs (None: the planner found none that fits; see ``notes``)."""
     epoch_s: float
     """Simulated seconds per epoch."""
     gpu_days: float
@@ -307,17 +308,25 @@ def _problem(setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch, rec
     return dataclasses.replace(timed, act=sized.act, cut_bytes=sized.cut_bytes)
 
 
-def plan_steps(setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch) -> dict[str, PlanChoice]:
-    """The plans of the ablation: balanced for ``time_shape`` micro-batches, fitting ``memory_shape`` ones."""
+def plan_steps(
+    setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch
+) -> tuple[dict[str, PlanChoice], dict[str, str]]:
+    """The plans of the ablation (balanced for ``time_shape`` micro-batches, fitting ``memory_shape`` ones),
+    and, for planners that found no plan that fits, why."""
     model = setup.model
     n = model.num_blocks
     uniform = tuple(uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()],
                                        setup.pp))
     plans = {"uniform": PlanChoice(boundaries=uniform, recompute=("full",) * n, planner="uniform")}
+    failed: dict[str, str] = {}
     for key, planner, recompute in (("ilp-full", "ilp", "full"), ("ilp-auto", "ilp", "auto"),
                                     ("omnibal-full", "omnibal", "full"), ("omnibal-auto", "omnibal", "auto")):
         start = time.perf_counter()
-        sol = solve(_problem(setup, time_shape, memory_shape, recompute), planner, time_limit=setup.ilp_time_limit)
+        try:
+            sol = solve(_problem(setup, time_shape, memory_shape, recompute), planner, time_limit=setup.ilp_time_limit)
+        except PlanError as e:  # a heuristic split may not fit where the ILP's does
+            failed[key] = str(e)
+            continue
         plans[key] = PlanChoice(boundaries=sol.boundaries, recompute=sol.recompute, planner=planner, status=sol.status,
                                 solve_seconds=time.perf_counter() - start)
     # The planners optimise the closed form sum_s T_s + (M - 1) max_s T_s; the schedule itself can
@@ -325,13 +334,15 @@ def plan_steps(setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch) -
     # each step keeps the step before's plan unless the simulator prefers the new one.
     for key, before in (("ilp-full", "uniform"), ("ilp-auto", "ilp-full"), ("omnibal-full", "uniform"),
                         ("omnibal-auto", "omnibal-full")):
+        if key not in plans or before not in plans:
+            continue
         new, old = (_simulated(setup, plans[k], time_shape) for k in (key, before))
         if new > old:
             plans[key] = dataclasses.replace(
                 plans[before], planner=plans[key].planner, solve_seconds=plans[key].solve_seconds,
                 status=f"kept the {before} plan (simulated {old:.4f} s vs {new:.4f} s per iteration)",
             )
-    return plans
+    return plans, failed
 
 
 def _simulated(setup: Setup, plan: PlanChoice, shape: MicroBatch) -> float:
@@ -355,7 +366,7 @@ def run_ablation(setup: Setup, batches: dict[str, MicroBatches]) -> list[Row]:
                              f"dp x M = {setup.dp * setup.microbatches}")
     costs = {k: type_costs(setup.model, b.tiles, b.tokens, b.pairs, device=setup.device) for k, b in batches.items()}
     balanced = batches["balanced"]
-    plans = plan_steps(setup, balanced.mean_shape(), balanced.planning_shape())
+    plans, failed = plan_steps(setup, balanced.mean_shape(), balanced.planning_shape())
     spec = [  # (name, batching, plan, in the monotone chain)
         ("baseline: random batches, uniform split, full recompute", "random", "uniform", True),
         ("+ balanced data", "balanced", "uniform", True),
@@ -366,6 +377,12 @@ def run_ablation(setup: Setup, batches: dict[str, MicroBatches]) -> list[Row]:
     ]
     rows = []
     for name, batching, key, chain in spec:
+        if key in failed:
+            if chain:
+                raise PlanError(f"{name}: {failed[key]}")
+            rows.append(Row(name=name, batching=batching, plan=None, epoch_s=math.nan, gpu_days=math.nan,
+                            peak_memory_gib=math.nan, fits=False, chain=False, notes={"error": failed[key]}))
+            continue
         b, plan = batches[batching], plans[key]
         epoch = epoch_seconds(setup, b, costs[batching], plan)
         peak, fits = _memory(setup, plan, b.planning_shape())
@@ -402,6 +419,9 @@ def format_table(setup: Setup, rows: Sequence[Row], paper: Sequence[float] = ())
     cols = ("step", "GPU-days", "ratio", "paper ratio (GPU-days)", "peak GiB", "stages (ViT|LLM layers) recompute")
     body = []
     for r in rows:
+        if r.plan is None:
+            body.append((r.name, "-", "-", "-", "-", "no plan fits: " + r.notes.get("error", "")[:60]))
+            continue
         body.append((r.name, f"{r.gpu_days:.2f}", f"{r.gpu_days / base:.3f}", paper_ratio.get(r.name, "-"),
                      f"{r.peak_memory_gib:.1f}{'' if r.fits else ' OVER'}", _stage_layout(setup.model, r.plan)))
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]

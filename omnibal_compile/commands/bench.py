@@ -1,4 +1,5 @@
-"""``omnibal-compile bench <target>``: benchmarks. Targets: ``kernels`` (the fused Triton kernels).
+"""``omnibal-compile bench <target>``: benchmarks. Targets: ``kernels`` (the fused Triton kernels), ``all``
+(every script of bench/, results written to bench/RESULTS.md; see :mod:`omnibal_compile.bench_all`).
 
 Each target is one entry of :data:`TARGETS` (a function ``(args) -> exit code``), so others
 (``all``, ...) can be added beside it; target-specific options are prefixed with the target name.
@@ -15,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 NAME = "bench"
-HELP = "benchmark parts of the library: 'kernels' times the fused kernels against eager torch"
+HELP = ("benchmark parts of the library: 'kernels' times the fused kernels against eager torch; 'all' runs every "
+        "bench script and writes bench/RESULTS.md")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens of the vocab-128k memory measurement (default 16384 on CUDA, 1024 on CPU)")
     p.add_argument("--kernels-loss-hidden", type=int, default=None,
                    help="hidden size of that measurement (default 4096 on CUDA, 256 on CPU)")
+    p.add_argument("--all-quick", action="store_true", help="all: cheaper flags for scripts that have them")
+    p.add_argument("--all-timeout", type=float, default=1200.0, help="all: seconds per script before it is killed")
+    p.add_argument("--all-bench-dir", default=None, help="all: the bench folder (default: the checkout's bench/)")
+    p.add_argument("--all-out", default=None, help="all: results page (default: <bench dir>/RESULTS.md)")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -94,7 +100,16 @@ def _kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-TARGETS: dict[str, Callable[[argparse.Namespace], int]] = {"kernels": _kernels}
+def _all(args: argparse.Namespace) -> int:
+    from omnibal_compile.bench_all import run_all
+
+    command = "omnibal-compile bench all" + (" --all-quick" if args.all_quick else "")
+    results = run_all(args.all_bench_dir, out=args.all_out, quick=args.all_quick, timeout=args.all_timeout,
+                      command=command)
+    return 0 if all(r.status == "ok" or r.status.startswith("skipped") for r in results) else 1
+
+
+TARGETS: dict[str, Callable[[argparse.Namespace], int]] = {"kernels": _kernels, "all": _all}
 """Benchmark targets by name; add new ones here."""
 
 

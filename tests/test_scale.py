@@ -120,7 +120,7 @@ def _stats(n: int) -> LengthStats:
 
 def test_ablation_is_monotone_on_a_reduced_configuration():
     start = time.perf_counter()
-    setup = Setup(model=INTERNVL_6B_20B, pp=4, dp=4, global_batch=64, ilp_time_limit=3.0)
+    setup = Setup(model=INTERNVL_6B_20B, pp=8, dp=2, global_batch=128, ilp_time_limit=3.0)  # M = 16
     batches = make_batches(_stats(12_000), per_step=setup.dp * setup.microbatches, samples_per_microbatch=4)
     rows = run_ablation(setup, batches)
     chain = [r.gpu_days for r in rows if r.chain]

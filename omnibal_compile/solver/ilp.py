@@ -121,11 +121,20 @@ def solve_ilp(
             suffix -= fastest[i]
             if lo[i] > hi[i]:
                 raise PlanError(f"the upper bound {upper_bound} leaves block {i} no stage: it is below the optimum")
+    # An option no faster and no smaller than another of the same block is never needed.
+    useful = [
+        [o for o in opts if not any(
+            (P.time[i][q], P.act[i][q]) != (P.time[i][o], P.act[i][o]) and P.time[i][q] <= P.time[i][o]
+            and P.act[i][q] <= P.act[i][o] or (P.time[i][q], P.act[i][q]) == (P.time[i][o], P.act[i][o]) and q < o
+            for q in opts
+        )]
+        for i in range(n)
+    ]
     w = {
         (i, s, o): pulp.LpVariable(f"w_{i}_{s}_{o}", cat="Binary")
         for i in range(n)
         for s in range(lo[i], hi[i] + 1)
-        for o in opts
+        for o in useful[i]
     }
 
     def x(i: int, s: int):
@@ -142,7 +151,7 @@ def solve_ilp(
         return y(k - 1, s) - y(k, s)
 
     for i in range(n):
-        prob += pulp.lpSum(w[i, s, o] for s in range(lo[i], hi[i] + 1) for o in opts) == 1, f"assign_{i}"
+        prob += pulp.lpSum(w[i, s, o] for s in range(lo[i], hi[i] + 1) for o in useful[i]) == 1, f"assign_{i}"
     for i in range(1, n):
         for s in range(S - 1):
             prob += y(i, s) <= y(i - 1, s), f"contig_{i}_{s}"
@@ -192,6 +201,8 @@ def solve_ilp(
         prob += objective + eps * pulp.lpSum(w[k] for k in recomp)
     else:
         prob += objective
+    if warm is not None and not all(OPTIONS.index(r) in useful[i] for i, r in enumerate(warm.recompute)):
+        warm = None  # the incumbent uses a dominated option: start cold rather than from a partial point
     if warm is not None:
         # A complete starting point (including stage times), so the solver only has to prove it.
         for (i, s, o), var in w.items():

@@ -8,7 +8,8 @@ image tokens through narrow ViT layers, few text tokens through wide LLM layers)
 
 Planners: ``uniform`` and ``parameters`` (no costs); ``measured`` (the exact min-max split of the
 blocks' profiled forward+backward time on this machine, from the cost pass); ``ilp`` whenever
-``omnibal_compile.passes.partition.PLANNERS`` has it.
+``omnibal_compile.passes.partition`` offers it (in ``PLANNERS``, or on the profiled cost table
+through ``plan_with_costs``). The first planner listed is the baseline of the ratios.
 
     python bench/pipeline_cpu.py                      # default: 10 steps per plan
     python bench/pipeline_cpu.py --steps 20 --repeats 2 --planners uniform parameters measured
@@ -28,7 +29,9 @@ from pathlib import Path
 import torch
 
 import omnibal_compile as oc
+from omnibal_compile.costs import CostTable
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile.passes import partition
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.passes.cost import annotate_costs
 from omnibal_compile.passes.partition import PLANNERS, min_max_partition
@@ -42,9 +45,8 @@ CONFIG = TinyVLMConfig(
 """ViT: 256 patches per tile at width 64; LLM: 64 image tokens per tile + text at width 256."""
 
 
-def measured_planner(graph: BlockGraph, model: torch.nn.Module, num_stages: int) -> Plan:
+def measured_planner(costs: CostTable, graph: BlockGraph, num_stages: int) -> Plan:
     """Contiguous split minimising the slowest stage's profiled forward+backward time (exact DP)."""
-    costs = annotate_costs(graph, model, device="cpu", threads=1, warmup=1, repeats=5, clock="thread")
     times = [b.forward_s + b.backward_s for b in costs.blocks]
     boundaries, worst = min_max_partition(times, num_stages)
     return Plan(
@@ -57,22 +59,37 @@ def measured_planner(graph: BlockGraph, model: torch.nn.Module, num_stages: int)
     )
 
 
-def make_plans(names: list[str], model: torch.nn.Module, microbatch: dict[str, torch.Tensor], stages: int) -> dict[str, Plan]:
+def cost_planners() -> tuple[str, ...]:
+    """Planners that run on a cost table through ``partition.plan_with_costs``, when it exists."""
+    return tuple(getattr(partition, "COST_PLANNERS", ())) if hasattr(partition, "plan_with_costs") else ()
+
+
+def make_plans(
+    names: list[str], model: torch.nn.Module, microbatch: dict[str, torch.Tensor], stages: int, microbatches: int
+) -> dict[str, Plan]:
     graph = oc.optimize(model, microbatch, num_stages=1).graph
+    costs: CostTable | None = None
     plans: dict[str, Plan] = {}
     for name in names:
-        if name == "measured":
-            plans[name] = measured_planner(graph, model, stages)
-        elif name in PLANNERS:
+        if name in PLANNERS:
             plans[name] = PLANNERS[name](graph, stages)
+            continue
+        if name != "measured" and name not in cost_planners():
+            known = ["measured", *sorted(PLANNERS), *cost_planners()]
+            raise SystemExit(f"unknown planner {name!r}; available: {', '.join(known)}")
+        if costs is None:  # profiled once, on this machine, at the micro-batch shape
+            costs = annotate_costs(graph, model, device="cpu", threads=1, warmup=1, repeats=5, clock="thread")
+        if name == "measured":
+            plans[name] = measured_planner(costs, graph, stages)
         else:
-            raise SystemExit(f"unknown planner {name!r}; available: measured, {', '.join(sorted(PLANNERS))}")
+            plans[name] = partition.plan_with_costs(costs, num_stages=stages, num_microbatches=microbatches, planner=name)
     return plans
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = ["measured", "uniform", "parameters"] + (["ilp"] if "ilp" in PLANNERS else [])
+    ilp = ["ilp"] if "ilp" in PLANNERS or "ilp" in cost_planners() else []
+    default = [*ilp, "measured", "uniform", "parameters"]
     p.add_argument("--planners", nargs="+", default=default, help=f"default: {' '.join(default)}; the first is the baseline of the ratios")
     p.add_argument("--steps", type=int, default=10, help="training steps per plan (the first 2 are not timed)")
     p.add_argument("--repeats", type=int, default=1, help="run every plan this many times, interleaved")
@@ -90,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = make_example_batch(CONFIG, batch=args.batch, tiles_per_sample=args.tiles, text_tokens=args.text)
     microbatch = {k: v[: v.shape[0] // args.microbatches] for k, v in batch.items()}
     t0 = time.perf_counter()
-    plans = make_plans(args.planners, model, microbatch, stages=2)
+    plans = make_plans(args.planners, model, microbatch, stages=2, microbatches=args.microbatches)
     print(f"planned in {time.perf_counter() - t0:.1f} s")
     for plan in plans.values():
         print(plan.summary(), "\n")
@@ -101,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for name, plan in plans.items():
                 path = Path(tmp) / f"{name}.json"
-                path.write_text(dataclasses.replace(plan, schedule=args.schedule, num_microbatches=args.microbatches).to_json())
+                plan = dataclasses.replace(plan, schedule=args.schedule, num_microbatches=args.microbatches, virtual_stages=1)
+                path.write_text(plan.to_json())
                 config = RunConfig(
                     plan=str(path), model="tinyvlm", model_config=dataclasses.asdict(CONFIG), batch_size=args.batch,
                     tiles_per_sample=args.tiles, text_tokens=args.text, steps=args.steps, optimizer="adamw", lr=1e-4,
@@ -111,15 +129,24 @@ def main(argv: list[str] | None = None) -> int:
                 step_times = [s.step_time_s for s in logs[2:]]
                 times[name].extend(step_times)
                 losses[name] = logs[0].loss
-                print(f"[{r + 1}/{args.repeats}] {name:>10}: median step {statistics.median(step_times) * 1e3:8.1f} ms", flush=True)
+                print(
+                    f"[{r + 1}/{args.repeats}] {name:>10}: median step {statistics.median(step_times) * 1e3:8.1f} ms, "
+                    f"min {min(step_times) * 1e3:8.1f} ms",
+                    flush=True,
+                )
 
     base = args.planners[0]
     med = {n: statistics.median(t) for n, t in times.items()}
+    low = {n: min(t) for n, t in times.items()}
     print(f"\nstep time on 2 CPU ranks ({args.schedule}, {args.microbatches} micro-batches of {args.batch // args.microbatches} "
-          f"samples x {args.tiles} tiles + {args.text} text tokens), median of {len(times[base])} steps:")
+          f"samples x {args.tiles} tiles + {args.text} text tokens), {len(times[base])} timed steps per plan:")
+    print(f"  {'plan':>10}  {'median ms':>9}  {'min ms':>8}  {'median ratio':>12}  {'min ratio':>9}  cut before block")
     for name in plans:
         cuts = plans[name].boundaries[1:-1]
-        print(f"  {name:>10}: {med[name] * 1e3:8.1f} ms   {med[name] / med[base]:5.2f}x of {base}   cut before block {cuts}")
+        print(f"  {name:>10}  {med[name] * 1e3:9.1f}  {low[name] * 1e3:8.1f}  {med[name] / med[base]:12.2f}  "
+              f"{low[name] / low[base]:9.2f}  {cuts}")
+    print(f"ratios are step time / step time of '{base}' (above 1: '{base}' is that much faster); min is the "
+          "least disturbed by other processes on the machine")
     load = os.getloadavg()
     print(f"load average during the run: {load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on {os.cpu_count()} cores; "
           "a waiting rank sleeps in gloo, so other processes on the cores shrink the measured differences")

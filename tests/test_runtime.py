@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import SMALL_VLM
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import omnibal_compile as oc
@@ -28,8 +29,6 @@ from omnibal_compile.passes.partition import uniform
 from omnibal_compile.passes.recompute import apply_recompute
 from omnibal_compile.runtime import check_pipeline, compile_for_microbatches, loss_weights, rank_stages, split_batch
 from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model, launch
-
-from conftest import SMALL_VLM
 
 TOL = 1e-5
 SPAWN_TIMEOUT_S = 240
@@ -169,7 +168,7 @@ def _spawn(world: int, out: Path, models: dict[str, Any], cases: list[Any]) -> l
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{world} ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    except Exception as e:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError) as e:
         errors = "\n".join(f"rank {p.stem}: {p.read_text()}" for p in sorted(out.glob("*.error")))
         raise AssertionError(f"distributed run failed: {e}\n{errors}") from None
     finally:
@@ -245,10 +244,11 @@ def _run_config(tmp_path: Path, plan: Plan, **kw: Any) -> RunConfig:
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     fields = {f.name: getattr(SMALL_VLM, f.name) for f in dataclasses.fields(SMALL_VLM)}
-    base = dict(
-        plan=str(path), model="tinyvlm", model_config=fields, batch_size=4, tiles_per_sample=1, text_tokens=12,
-        steps=2, optimizer="sgd", lr=0.5, seed=0, schedule="1f1b", num_microbatches=2,
-    )
+    base: dict[str, Any] = {
+        "plan": str(path), "model": "tinyvlm", "model_config": fields, "batch_size": 4, "tiles_per_sample": 1,
+        "text_tokens": 12, "steps": 2, "optimizer": "sgd", "lr": 0.5, "seed": 0, "schedule": "1f1b",
+        "num_microbatches": 2,
+    }
     base.update(kw)
     return RunConfig(**base)
 

@@ -21,8 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from omnibal_compile.errors import PlanError
@@ -30,7 +29,7 @@ from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.passes.codegen import _META_KEY, stage_info
 from omnibal_compile.plan import Plan
 
-__all__ = ["SAVED_OPS", "selective_policy", "CheckpointedRegion", "apply_recompute"]
+__all__ = ["SAVED_OPS", "CheckpointedRegion", "apply_recompute", "selective_policy"]
 
 
 def _packets(*names: str) -> frozenset[Any]:
@@ -97,6 +96,26 @@ def _attr(module: nn.Module, target: str) -> Any:
     return obj
 
 
+def _region_graph(members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+    """A graph of ``members`` taking ``inputs`` and returning the tuple of ``outputs``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for x in inputs:
+        env[x] = graph.placeholder(x.name)
+        env[x].meta.update(x.meta)
+
+    def lookup(x: fx.Node) -> fx.Node:
+        if x not in env:  # every outside value is an input, so anything else read is a parameter
+            env[x] = graph.get_attr(x.target)  # type: ignore[arg-type]
+            env[x].meta.update(x.meta)
+        return env[x]
+
+    for n in members:
+        env[n] = graph.node_copy(n, lookup)
+    graph.output(tuple(env[o] for o in outputs))
+    return graph
+
+
 def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.GraphModule:
     """A new stage module in which each planned region runs under activation checkpointing.
 
@@ -144,7 +163,7 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
         if k in emitted:
             continue
         emitted.add(k)
-        option, names = regions[k]
+        option = regions[k][0]
         inside = set(members[k])
         inputs: list[fx.Node] = []
         for n in members[k]:
@@ -152,25 +171,9 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
                 if x not in inside and x.op != "get_attr" and x not in inputs:
                     inputs.append(x)
         outputs = [n for n in members[k] if any(u not in inside for u in n.users)]
-        inner = fx.Graph()
-        ienv: dict[fx.Node, fx.Node] = {}
-        for x in inputs:
-            ienv[x] = inner.placeholder(x.name)
-            ienv[x].meta.update(x.meta)
-
-        def inner_lookup(x: fx.Node) -> fx.Node:
-            if x not in ienv:
-                if x.op != "get_attr":
-                    raise PlanError(f"internal error: region {names} of stage {info.index} reads '{x.name}' too early")
-                ienv[x] = inner.get_attr(x.target)  # type: ignore[arg-type]
-                ienv[x].meta.update(x.meta)
-            return ienv[x]
-
-        for n in members[k]:
-            ienv[n] = inner.node_copy(n, inner_lookup)
-        inner.output(tuple(ienv[o] for o in outputs))
+        region = _region_graph(members[k], inputs, outputs)
         name = f"recompute_{k}"
-        root[name] = CheckpointedRegion(fx.GraphModule(stage, inner, class_name=f"Region{k}"), option)
+        root[name] = CheckpointedRegion(fx.GraphModule(stage, region, class_name=f"Region{k}"), option)
         call = outer.call_module(name, tuple(outer_lookup(x) for x in inputs))
         for j, o in enumerate(outputs):
             env[o] = outer.call_function(operator.getitem, (call, j))

@@ -19,7 +19,7 @@ from torch import nn
 from omnibal_compile.errors import InputError
 from omnibal_compile.runtime.pipeline import RankPipeline
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_into_model", "load_into_pipeline"]
+__all__ = ["load_checkpoint", "load_into_model", "load_into_pipeline", "save_checkpoint"]
 
 
 def save_checkpoint(pipeline: RankPipeline, directory: str | Path, *, step: int) -> Path:

@@ -37,14 +37,14 @@ from omnibal_compile.errors import InputError, OmnibalError
 from omnibal_compile.plan import Plan
 
 __all__ = [
+    "LaunchError",
     "RunConfig",
     "StepLog",
-    "LaunchError",
-    "read_plan",
-    "build_model",
     "batch_source",
-    "precheck",
+    "build_model",
     "launch",
+    "precheck",
+    "read_plan",
     "train",
 ]
 

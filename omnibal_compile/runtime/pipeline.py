@@ -36,13 +36,13 @@ from omnibal_compile.plan import Plan
 __all__ = [
     "IGNORE_INDEX",
     "RankPipeline",
+    "TiedParameter",
     "build_pipeline",
     "check_pipeline",
     "compile_for_microbatches",
     "loss_weights",
     "rank_stages",
     "split_batch",
-    "TiedParameter",
 ]
 
 IGNORE_INDEX = -100

@@ -47,6 +47,40 @@ def step_cost(model: VLMSpec):
     return cost
 
 
+def explain(setup: Setup, rows: list, batches: dict[str, MicroBatches], real_tokens: int) -> str:
+    """Why each step's ratio differs from the paper's, with this run's figures."""
+    paper = PAPER_GPU_DAYS[setup.model.name]
+    chain = [r for r in rows if r.chain]
+    r = [c.gpu_days for c in chain]
+    vit_first = next(x for x in rows if x.plan is not None and x.plan.planner == "vit-first")
+    mean = batches["balanced"].mean_shape()
+    tc = type_costs(setup.model, mean.tiles, mean.tokens, mean.attention_pairs)
+    vit_ms, llm_ms = tc.forward_s["vision.layer"][0] * 1e3, tc.forward_s["llm.layer"][0] * 1e3
+    pad = batches["random"].tokens.sum() / real_tokens - 1
+    best = chain[-1].plan.recompute
+    counts = ", ".join(f"{best.count(o)} {o}" for o in ("none", "selective", "full"))
+    return "\n".join([
+        f"why the ratios differ from the paper's ({setup.model.name}, PP {setup.pp} x DP {setup.dp}):",
+        f"- balanced data: ours x{r[1] / r[0]:.3f}, paper x{paper[1] / paper[0]:.3f}. Random micro-batches of "
+        f"{setup.samples_per_microbatch} samples are padded to their longest sample (the LLM computes {pad:.0%} more "
+        "tokens than the data hold) and DP ranks wait for the slowest; balanced packs remove both. Same size of effect.",
+        f"- partition: ours x{r[2] / r[1]:.3f}, paper x{paper[2] / paper[1]:.3f}. Our baseline is the issue's uniform "
+        "layer split, which counts ViT and LLM layers alike; at the mean balanced pack "
+        f"({mean.tiles} tiles, {mean.tokens} tokens) an InternViT-6B layer takes {vit_ms:.1f} ms forward and an "
+        f"InternLM2-20B layer {llm_ms:.1f} ms, so counting layers is already close to balancing time and little is "
+        "left for the ILP. The paper does not state its baseline split; a layout such as Megatron's VLM default "
+        f"(whole ViT on stage 0, row above) takes x{vit_first.gpu_days / r[1]:.2f} the time of the balanced-data row"
+        + ("" if vit_first.fits else f" (and needs {vit_first.peak_memory_gib:.0f} GiB, over the budget)")
+        + ": against a baseline like that a partitioner gains as much as the paper reports, or more.",
+        f"- recomputation: ours x{r[3] / r[2]:.3f}, paper x{paper[3] / paper[2]:.3f}: close. Full recomputation reruns "
+        f"every forward (4/3 of a step without it); the ILP keeps what memory allows ({counts} blocks).",
+        f"- overall: ours x{r[3] / r[0]:.3f}, paper x{paper[3] / paper[0]:.3f}; the gap is the partition step above.",
+        f"- absolute GPU-days (ours {r[0]:.1f} for the baseline, paper {paper[0]:g}) are not comparable: the roofline "
+        "at 70% of peak for matmuls and 50% for attention, with no gradient all-reduce, optimizer step or data "
+        "loading, is optimistic, and the paper's batch size and micro-batching are not given; only ratios are compared.",
+    ])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1_200_000, help="samples per epoch, drawn from the shared statistics")
@@ -86,7 +120,8 @@ def main() -> int:
         return rows
 
     main_setup = Setup(model=INTERNVL_6B_20B, pp=8, dp=16, ilp_time_limit=args.ilp_time_limit)
-    ablate(main_setup, paper=PAPER_GPU_DAYS[INTERNVL_6B_20B.name])
+    main_rows = ablate(main_setup, paper=PAPER_GPU_DAYS[INTERNVL_6B_20B.name])
+    print(explain(main_setup, main_rows, cache[(INTERNVL_6B_20B.name, 256, 4)], int(stats.tokens.sum())) + "\n")
     if not args.no_sensitivity:
         print("sensitivity (6+20B; global batch 1024 fixed, so M = 256 / DP):")
         lines = [("PP x DP = GPUs", "M", "link", "baseline GPU-days", "+data", "+ILP", "+recompute", "OmniBal heur.+rec",
@@ -97,8 +132,9 @@ def main() -> int:
             rows = ablate(setup, show=False)
             base = rows[0].gpu_days
             chain = [r for r in rows if r.chain]
+            heuristic = next(r for r in rows if "per-stage recompute" in r.name)
             lines.append((f"{pp} x {dp} = {pp * dp}", str(setup.microbatches), link, f"{base:.2f}",
-                          *(f"{r.gpu_days / base:.3f}" for r in chain[1:]), f"{rows[-1].gpu_days / base:.3f}",
+                          *(f"{r.gpu_days / base:.3f}" for r in chain[1:]), f"{heuristic.gpu_days / base:.3f}",
                           f"{chain[-1].gpu_days:.2f}"))
         widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
         for j, line in enumerate(lines):

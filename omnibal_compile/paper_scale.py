@@ -64,6 +64,7 @@ __all__ = [
     "stage_times",
     "epoch_seconds",
     "plan_steps",
+    "vit_first_boundaries",
     "run_ablation",
     "format_table",
 ]
@@ -308,6 +309,17 @@ def _problem(setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch, rec
     return dataclasses.replace(timed, act=sized.act, cut_bytes=sized.cut_bytes)
 
 
+def vit_first_boundaries(model: VLMSpec, pp: int) -> tuple[int, ...]:
+    """Megatron's VLM layout: the whole vision encoder and projector on stage 0, LLM layers split evenly."""
+    first_llm = model.vision.layers + 3  # vision.embed, the ViT layers, projector, llm.embed
+    per, extra = divmod(model.llm.layers, pp)
+    bounds, layer = [0], 0
+    for s in range(pp - 1):
+        layer += per + (1 if s < extra else 0)
+        bounds.append(first_llm + layer)
+    return (*bounds, model.num_blocks)
+
+
 def plan_steps(
     setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch
 ) -> tuple[dict[str, PlanChoice], dict[str, str]]:
@@ -317,7 +329,9 @@ def plan_steps(
     n = model.num_blocks
     uniform = tuple(uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()],
                                        setup.pp))
-    plans = {"uniform": PlanChoice(boundaries=uniform, recompute=("full",) * n, planner="uniform")}
+    plans = {"uniform": PlanChoice(boundaries=uniform, recompute=("full",) * n, planner="uniform"),
+             "vit-first": PlanChoice(boundaries=vit_first_boundaries(model, setup.pp), recompute=("full",) * n,
+                                     planner="vit-first")}
     failed: dict[str, str] = {}
     for key, planner, recompute in (("ilp-full", "ilp", "full"), ("ilp-auto", "ilp", "auto"),
                                     ("omnibal-full", "omnibal", "full"), ("omnibal-auto", "omnibal", "auto")):
@@ -374,6 +388,7 @@ def run_ablation(setup: Setup, batches: dict[str, MicroBatches]) -> list[Row]:
         ("+ per-block recompute (ILP, auto) = omnibal_compile", "balanced", "ilp-auto", True),
         ("  OmniBal heuristic partition (full recompute)", "balanced", "omnibal-full", False),
         ("  OmniBal heuristic partition + per-stage recompute", "balanced", "omnibal-auto", False),
+        ("  Megatron VLM layout (ViT on stage 0), full recompute", "balanced", "vit-first", False),
     ]
     rows = []
     for name, batching, key, chain in spec:

@@ -1,6 +1,6 @@
 """Paper-scale ablation (SIMULATED): OmniBal's Table 5 steps for InternVL-Chat 6+20B and 6+34B on A100s.
 
-    python bench/paper_scale.py                  # 1.2M samples, main table + sensitivity + 6+34B
+    python bench/paper_scale.py                  # 1.2M samples, main table + sensitivity + 6+34B + LLaVA-1.5-13B
     python bench/paper_scale.py --quick          # 200k samples (same configurations)
 
 Nothing here runs a model: block costs are analytic (``omnibal_compile.models.scale``) on the
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omnibal_compile.data import load_lengths
-from omnibal_compile.models.scale import INTERNVL_6B_20B, INTERNVL_6B_34B, VLMSpec, type_costs
+from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths
+from omnibal_compile.models.scale import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B, VLMSpec, type_costs
 from omnibal_compile.paper_scale import PAPER_GPU_DAYS, MicroBatches, Setup, format_table, make_batches, run_ablation
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
@@ -45,6 +45,13 @@ def step_cost(model: VLMSpec):
         return sum(3 * tc.forward_s[t] * c for t, c in counts.items())
 
     return cost
+
+
+def llava_lengths(stats: LengthStats) -> LengthStats:
+    """InternVL-unit statistics (256 tokens per tile) as LLaVA-1.5 sees the samples: one 576-token image at most."""
+    images = (stats.image_flags > 0).astype(np.int64)
+    tokens = stats.tokens - INTERNVL_TOKENS_PER_TILE * stats.image_flags + 576 * images
+    return LengthStats(tiles=images, tokens=np.maximum(tokens, 1), image_flags=images, source=f"{stats.source} as LLaVA-1.5")
 
 
 def explain(setup: Setup, rows: list, batches: dict[str, MicroBatches], real_tokens: int) -> str:
@@ -144,6 +151,11 @@ def main() -> int:
         print("(ratios to each configuration's own baseline)\n")
     ablate(Setup(model=INTERNVL_6B_34B, pp=8, dp=16, ilp_time_limit=args.ilp_time_limit),
            paper=PAPER_GPU_DAYS[INTERNVL_6B_34B.name])
+    # Second family: one 336 px image = 576 tokens per sample with an image (no tiling), 24 small CLIP
+    # layers before 40 Vicuna-13B layers, so counting layers is far from balancing time.
+    print("LLaVA-1.5-13B (no paper figures; statistics converted to one 576-token image per sample with images):")
+    stats = llava_lengths(stats)
+    ablate(Setup(model=LLAVA15_13B, pp=4, dp=32, ilp_time_limit=args.ilp_time_limit))
     print(f"monotone in every configuration: {'yes' if not failures else 'NO: ' + '; '.join(failures)}")
     print(f"total {time.perf_counter() - start:.0f} s wall")
     return 1 if failures else 0

@@ -18,14 +18,21 @@ How an epoch is simulated (all of it vectorised with numpy):
     4. a step lasts as long as its slowest data-parallel rank (the gradient all-reduce waits for
        it); the epoch is the sum over steps; GPU-days = epoch seconds x GPUs / 86400.
     Not modelled: the gradient all-reduce / distributed-optimizer collectives and the optimizer
-    step themselves (the same for every row, so they shift all rows by the same amount), data
-    loading, and kernel-launch overheads.
+    step themselves (about the same time in every row, so leaving them out makes the ratios
+    somewhat larger gains than a real run would show), data loading, kernel-launch overheads.
 
 Glossary:
     PP, DP, M      pipeline stages, data-parallel ranks, micro-batches per rank per step.
     planning shape plans balance stage times of the mean micro-batch of the balanced packing and
                    size memory for its largest tiles, tokens and pairs, so every micro-batch fits
                    the memory the plan predicts.
+    steps          baseline (random batches, uniform layer split, full recompute) -> + balanced
+                   data -> + ILP partition (full recompute) -> + per-block recompute (ILP with
+                   ``recompute="auto"``); side rows: OmniBal's heuristic partition in place of the
+                   ILP, and Megatron's VLM layout (ViT on stage 0).
+    acceptance     a planner's new plan replaces the step before's only if
+                   :func:`omnibal_compile.sim.simulate` predicts it faster at the planning shape
+                   (the planners optimise a closed form that can rank near-equal plans the other way).
     budget         memory a device may use: ``memory_fraction`` of its HBM (the rest is kept for
                    the allocator's fragmentation, NCCL buffers and workspace).
 """

@@ -89,7 +89,7 @@ def test_dp_is_exact_and_ilp_matches_it(P):
             continue  # uniform needs one layer per stage
         b = baseline(P)
         if b.feasible:
-            assert bounded.iteration_time <= b.iteration_time * (1 + 1e-9), name
+            assert bounded.iteration_time <= b.iteration_time * (1 + 1e-5), name  # within the solver gap
 
 
 @given(problems(max_n=5, schedules=("interleaved",)), st.sampled_from([1, 2]))

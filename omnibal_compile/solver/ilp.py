@@ -29,6 +29,10 @@ from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, 
 
 __all__ = ["solve_ilp", "make_solver"]
 
+BOUND_MARGIN = 1e-5
+"""Relative slack on an upper bound: an incumbent exactly at the bound must stay feasible under the
+solver's feasibility tolerances (a bound equal to the optimum made HiGHS report infeasible)."""
+
 
 def make_solver(name: str = "auto", *, time_limit: float | None = None, gap: float = 1e-4, msg: bool = False):
     """A PuLP solver: HiGHS when highspy is installed (or asked for), CBC otherwise."""
@@ -154,7 +158,9 @@ def solve_ilp(
         prob += pulp.lpSum(w[i, s, o] for s in range(lo[i], hi[i] + 1) for o in useful[i]) == 1, f"assign_{i}"
     for i in range(1, n):
         for s in range(S - 1):
-            prob += y(i, s) <= y(i - 1, s), f"contig_{i}_{s}"
+            rule = y(i, s) - y(i - 1, s)
+            if isinstance(rule, pulp.LpAffineExpression) and rule.keys():  # constants are decided already
+                prob += rule <= 0, f"contig_{i}_{s}"
     for s in range(S):
         prob += pulp.lpSum(x(i, s) for i in range(n) if lo[i] <= s <= hi[i]) >= 1, f"nonempty_{s}"
 
@@ -192,7 +198,7 @@ def solve_ilp(
         prob += Tmax >= max(sum(fastest) / S, max(fastest)), "bottleneck_lower_bound"
     prob += pulp.lpSum(T) >= sum(fastest), "total_work_lower_bound"
     if upper_bound is not None:
-        prob += objective <= upper_bound * (1 + 1e-7) + 1e-12, "dp_bound"
+        prob += objective <= upper_bound * (1 + BOUND_MARGIN), "dp_bound"
     # Phase 2 folded in lexicographically: a tie-break weight far below any time difference that
     # matters makes the solver prefer less recomputation among plans of equal iteration time.
     recomp = [k for k in w if k[2] != 0]
@@ -218,8 +224,9 @@ def solve_ilp(
             )
 
     status = _solve(prob, solver, time_limit, bool(warm), gap)
-    if any(var.value() is None for var in w.values()):
-        raise PlanError(f"the ILP found no plan that fits the memory budget (status {status})")
+    chosen = [sum(1 for (i, _, _), var in w.items() if i == b and (var.value() or 0) > 0.5) for b in range(n)]
+    if any(c != 1 for c in chosen):
+        raise PlanError(f"the ILP found no plan that fits the memory budget (solver status {status})")
     found_gap = _gap(prob, solver)
     note = status if found_gap is None or found_gap <= 1e-6 else f"{status}, gap {found_gap:.2%}"
     boundaries, recompute = _read(w, n, S, opts)
@@ -238,7 +245,7 @@ def solve_ilp(
 def _stage_time_bound(P: PartitionProblem, upper_bound: float, min_total: float) -> float:
     """Largest stage time any plan with objective <= upper_bound can have."""
     M = P.num_microbatches
-    slack = upper_bound * (1 + 1e-7) + 1e-12
+    slack = upper_bound * (1 + BOUND_MARGIN)
     if P.schedule in ("gpipe", "1f1b"):
         # sum_s T_s + (M - 1) Tmax <= UB and sum_s T_s >= min_total + Tmax - ... ; bound Tmax by
         # (UB - (min_total - Tmax)) / M  <=>  Tmax <= (UB - min_total) / (M - 1) + ... use the safe form:
@@ -265,6 +272,6 @@ def _read(w, n: int, S: int, opts: Sequence[int]) -> tuple[list[int], list[str]]
             stage_of[i] = s
             option[i] = OPTIONS[o]
     boundaries = [0] + [i for i in range(1, n) if stage_of[i] != stage_of[i - 1]] + [n]
-    if len(boundaries) != S + 1:
-        raise PlanError(f"internal error: the ILP returned {len(boundaries) - 1} stages instead of {S}")
+    if len(boundaries) != S + 1 or any(stage_of[i] > stage_of[i + 1] for i in range(n - 1)):
+        raise PlanError(f"internal error: the ILP returned stages {stage_of}, not {S} contiguous ones")
     return boundaries, option

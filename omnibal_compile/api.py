@@ -227,7 +227,7 @@ def optimize(
         solver, solver_time_limit: ILP backend (``"auto"``: HiGHS if installed, else CBC) and limit (s).
         block_prefixes: module paths that each form one block, overriding the default grouping.
         capture_method: ``"export"`` (torch.export, non-strict) or ``"fx"`` (symbolic_trace).
-        kernels: rewrite norms, SwiGLU and the LM-head loss into fused ops before cutting:
+        kernels: rewrite norms, SwiGLU, rotary and the LM-head loss into fused ops before cutting:
             ``"triton"`` (Triton kernels; eager torch where Triton cannot run), ``"eager"``, or
             None (default: no substitution).
         device: cost the blocks: ``"cpu"``/``"cuda"`` profile here, ``"a100-80gb"``, ``"h100-80gb"``,

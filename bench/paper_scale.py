@@ -22,8 +22,11 @@ pipelines longer than a node send over InfiniBand).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,20 @@ from omnibal_compile.models.scale import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA
 from omnibal_compile.paper_scale import PAPER_GPU_DAYS, MicroBatches, Setup, format_table, make_batches, run_ablation
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
+
+
+@contextlib.contextmanager
+def stdout_silenced() -> Iterator[None]:
+    """Send file descriptor 1 to /dev/null (output written by C libraries included)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def step_cost(model: VLMSpec):
@@ -114,7 +131,8 @@ def main() -> int:
         if key not in cache:
             cache[key] = make_batches(stats, per_step=key[1], samples_per_microbatch=key[2], cost=step_cost(setup.model),
                                       seed=args.seed)
-        rows = run_ablation(setup, cache[key])
+        with stdout_silenced():  # HiGHS prints a banner from C on every solve
+            rows = run_ablation(setup, cache[key])
         chain = [r.gpu_days for r in rows if r.chain]
         monotone = all(b <= a * (1 + 1e-9) for a, b in zip(chain, chain[1:]))
         if show:

@@ -14,7 +14,9 @@ How an epoch is simulated (all of it vectorised with numpy):
     3. a plan (cut points + recompute option per block) turns those into per-stage forward and
        backward(+recompute) times per micro-batch; each rank's pipeline iteration is replayed
        exactly as :func:`omnibal_compile.sim.simulate` does (same operation order, same
-       dependencies, sends overlapped), for all ranks and steps at once (:func:`pipeline_times`);
+       dependencies, sends overlapped), for all ranks and steps at once (:func:`pipeline_times`;
+       tests/test_scale.py checks it against ``simulate`` with one CostTable per micro-batch;
+       calling ``simulate`` for each of the ~19k rank-steps of every row would take tens of minutes);
     4. a step lasts as long as its slowest data-parallel rank (the gradient all-reduce waits for
        it); the epoch is the sum over steps; GPU-days = epoch seconds x GPUs / 86400.
     Not modelled: the gradient all-reduce / distributed-optimizer collectives and the optimizer

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plan.summary(), "\n")
 
     times: dict[str, list[float]] = {n: [] for n in plans}
+    rank_cpu: dict[str, list[tuple[float, ...]]] = {n: [] for n in plans}
     losses: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 logs = launch(config, timeout_s=600, quiet=True)
                 step_times = [s.step_time_s for s in logs[2:]]
                 times[name].extend(step_times)
+                rank_cpu[name].extend(s.rank_cpu_s for s in logs[2:])
                 losses[name] = logs[0].loss
                 print(
                     f"[{r + 1}/{args.repeats}] {name:>10}: median step {statistics.median(step_times) * 1e3:8.1f} ms, "
@@ -145,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         cuts = plans[name].boundaries[1:-1]
         print(f"  {name:>10}  {med[name] * 1e3:9.1f}  {low[name] * 1e3:8.1f}  {med[name] / med[base]:12.2f}  "
               f"{low[name] / low[base]:9.2f}  {cuts}")
+    print("CPU time per step of each rank (its own compute; a rank waiting for its neighbour sleeps), median:")
+    for name in plans:
+        per_rank = [statistics.median(c[r] for c in rank_cpu[name]) * 1e3 for r in range(2)]
+        print(f"  {name:>10}  " + "  ".join(f"rank {r}: {t:7.1f} ms" for r, t in enumerate(per_rank))
+              + f"   max/mean {max(per_rank) / statistics.mean(per_rank):.2f}")
     print(f"ratios are step time / step time of '{base}' (above 1: '{base}' is that much faster); min is the "
           "least disturbed by other processes on the machine")
     load = os.getloadavg()

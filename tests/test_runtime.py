@@ -291,7 +291,7 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
     for step in range(config.steps):
         opt.zero_grad()
         loss = model(**source(step))
-        assert abs(float(loss) - logged[step]["loss"]) <= TOL
+        assert abs(float(loss.detach()) - logged[step]["loss"]) <= TOL
         loss.backward()
         opt.step()
     loaded = build_model(dataclasses.replace(config, seed=123))
@@ -303,6 +303,11 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
         assert float((loaded(**batch) - model(**batch)).abs()) <= TOL
         batch.pop("labels")
         assert float((loaded(**batch) - model(**batch)).abs().max()) <= TOL
+
+    # resuming from the checkpoint: the first loss is the trained model's loss on batch 0
+    resumed = launch(dataclasses.replace(config, load=str(ckpt), steps=1), timeout_s=200, quiet=True)
+    with torch.no_grad():
+        assert abs(resumed[0].loss - float(model(**source(0)))) <= TOL
 
 
 def test_pre_launch_checks_fail_before_any_process_starts(tmp_path, vlm_plan2, monkeypatch, capsys):

@@ -122,6 +122,8 @@ class StepLog:
     """Loss of the whole batch (the unsplit model's mean loss)."""
     step_time_s: float
     """Slowest rank's wall time for forward, backward and optimizer."""
+    rank_cpu_s: tuple[float, ...] = ()
+    """CPU time of each rank's thread in the step: its own compute, not its waits (gloo sleeps)."""
 
 
 def read_plan(config: RunConfig) -> Plan:
@@ -246,16 +248,20 @@ def train(config: RunConfig) -> list[StepLog]:
     for step in range(config.steps):
         batch = source(step)
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
         loss = pipeline.step(batch)
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        cpu = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(cpu, torch.tensor([time.thread_time() - cpu_start], dtype=torch.float64, device=device))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if rank == last_rank:
-            entry = StepLog(step=step, loss=float(loss or 0.0), step_time_s=float(elapsed))
+            entry = StepLog(
+                step=step, loss=float(loss or 0.0), step_time_s=float(elapsed), rank_cpu_s=tuple(float(c) for c in cpu)
+            )
             logs.append(entry)
             line = json.dumps(dataclasses.asdict(entry))
             print(f"[omnibal run] {line}", flush=True)
@@ -316,7 +322,11 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
         if proc.returncode != 0:
             raise LaunchError(f"run failed (exit {proc.returncode}); output tail:\n{''.join(out_lines[-60:])}")
         with open(log) as f:
-            return [StepLog(**json.loads(line)) for line in f if line.strip()]
+            return [_step_log(json.loads(line)) for line in f if line.strip()]
+
+
+def _step_log(data: dict[str, Any]) -> StepLog:
+    return StepLog(**{**data, "rank_cpu_s": tuple(data.get("rank_cpu_s", ()))})
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:

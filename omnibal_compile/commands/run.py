@@ -14,7 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tinyvlm", help="tinyvlm (default) or package.module:factory")
     p.add_argument("--model-config", default="{}", metavar="JSON", help="TinyVLMConfig fields or factory kwargs, as JSON")
     p.add_argument("--data", default=None, metavar="MODULE:FN", help="fn(step, *, batch_size, seed) -> batch")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per step (default 8)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per step (default 8); with --lengths, packs per step")
+    p.add_argument("--lengths", nargs="+", default=(), metavar="FILE",
+                   help="length statistics (OmniBal JSON, JSONL, CSV): train on balanced packs of their lengths")
+    p.add_argument("--samples-per-pack", type=float, default=4.0, help="with --lengths: mean samples per pack")
     p.add_argument("--tiles", type=int, default=1, help="built-in batches: image tiles per sample (default 1)")
     p.add_argument("--text", type=int, default=32, help="built-in batches: text tokens per sample (default 32)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
@@ -51,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         model_config=model_config,
         data=args.data,
+        lengths=tuple(str(x) for x in args.lengths),
+        samples_per_pack=args.samples_per_pack,
         batch_size=args.batch_size,
         tiles_per_sample=args.tiles,
         text_tokens=args.text,

@@ -7,8 +7,10 @@ Glossary:
                   fields) or ``package.module:factory`` (``factory(**model_config) -> nn.Module``).
     batch source  ``source(step) -> batch``, the whole batch of one training step. Built-in
                   TinyVLM: random fixed-shape batches; otherwise ``data = "package.module:fn"``
-                  with ``fn(step, *, batch_size, seed) -> batch``. A balanced sampler + packing
-                  collator plugs in here: any function that returns batches of the planned shape.
+                  with ``fn(step, *, batch_size, seed) -> batch``. With ``lengths`` (dataset length
+                  statistics), every row of a step is one balanced pack from the data balancer's
+                  sampler, collated to the fixed (Q_v tiles, row length) shape; sample contents are
+                  synthetic (random pixels and tokens), the lengths real.
     pre-launch checks  :func:`precheck` runs in the launching process, before any rank starts:
                   world size vs stages, micro-batches vs stages and batch size, plan vs model.
 """
@@ -67,8 +69,12 @@ class RunConfig:
     """TinyVLMConfig fields, or keyword arguments of the factory."""
     data: str | None = None
     """``package.module:fn`` with ``fn(step, *, batch_size, seed) -> batch``; None: built-in random batches."""
+    lengths: tuple[str, ...] = ()
+    """Length-statistics files: feed balanced packs (one per row) instead of random batches."""
+    samples_per_pack: float = 4.0
+    """With ``lengths``: target mean samples per pack."""
     batch_size: int = 8
-    """Samples per step (whole batch, all micro-batches)."""
+    """Rows per step (whole batch, all micro-batches); with ``lengths``, packs per step."""
     tiles_per_sample: int = 1
     """Built-in batches: image tiles per sample."""
     text_tokens: int = 32
@@ -109,7 +115,9 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        data["lengths"] = tuple(data.get("lengths", ()))
+        return cls(**data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +181,10 @@ def build_model(config: RunConfig) -> nn.Module:
 
 def batch_source(config: RunConfig, model: nn.Module) -> BatchSource:
     """``step -> batch`` for this run (see the module glossary)."""
+    if config.data is not None and config.lengths:
+        raise InputError("give either data='module:fn' or lengths=..., not both")
+    if config.lengths:
+        return balanced_source(config, model)
     if config.data is not None:
         fn = _import(config.data, "data function")
         return lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
@@ -188,6 +200,50 @@ def batch_source(config: RunConfig, model: nn.Module) -> BatchSource:
         text_tokens=config.text_tokens,
         seed=config.seed + 1 + step,
     )
+
+
+def balanced_source(config: RunConfig, model: nn.Module) -> BatchSource:
+    """Steps of ``batch_size`` balanced packs, each collated to one fixed-shape row.
+
+    Deterministic in (seed, step), so every rank builds the same batch; pack j of the run is pack
+    ``j % P`` of epoch ``j // P`` (P packs per epoch), so each sample is used once per epoch.
+    """
+    import torch
+
+    from omnibal_compile.data.collate import MODEL_KEYS, synthetic_sample
+    from omnibal_compile.data.plan import DataOptions, plan_data
+
+    data = plan_data(list(config.lengths), DataOptions(samples_per_pack=config.samples_per_pack, seed=config.seed),
+                     model=model)
+    sampler = data.sampler(0)
+    per_epoch = len(sampler)
+    epochs: dict[int, list[list[int]]] = {}
+    collate = data.collator
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", collate.image_token_id + 1))
+
+    def pack(j: int) -> list[int]:
+        epoch = j // per_epoch
+        if epoch not in epochs:
+            sampler.set_epoch(epoch)
+            epochs[epoch] = list(sampler)
+        return epochs[epoch][j % per_epoch]
+
+    def source(step: int) -> dict[str, Any]:
+        rows = []
+        for r in range(config.batch_size):
+            j = step * config.batch_size + r
+            g = torch.Generator().manual_seed(config.seed * 1_000_003 + j)
+            samples = [
+                synthetic_sample(int(data.stats.tiles[i]), int(data.stats.tokens[i]), tokens_per_tile=collate.tokens_per_tile,
+                                 image_token_id=collate.image_token_id, vocab_size=vocab, image_shape=collate.image_shape,
+                                 generator=g)
+                for i in pack(j)
+            ]
+            rows.append(collate(samples))
+        return {k: torch.cat([row[k] for row in rows]) for k in MODEL_KEYS}
+
+    source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
+    return source
 
 
 def precheck(config: RunConfig) -> Plan:

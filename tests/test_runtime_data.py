@@ -1,0 +1,73 @@
+"""Training on balanced packs: the runtime fed by the data balancer's sampler and packing collator."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import omnibal_compile as oc
+from omnibal_compile.errors import InputError
+from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model, launch
+from tests.conftest import SMALL_VLM
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def lengths_file(tmp_path_factory):
+    # OmniBal's format in InternVL units (256 tokens per tile); scaled to the small model on load.
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for _ in range(40):
+        tiles = int(torch.randint(1, 4, (1,), generator=g))
+        records.append({"vit_num": tiles, "token_num": tiles * 256 + int(torch.randint(64, 700, (1,), generator=g)),
+                        "image_flags": tiles})
+    path = tmp_path_factory.mktemp("lengths") / "lengths.json"
+    path.write_text(json.dumps(records))
+    return str(path)
+
+
+def _config(tmp_path, lengths_file, **kw):
+    model_config = dataclasses.asdict(SMALL_VLM)
+    model = build_model(RunConfig(plan="-", model_config=model_config))
+    probe = RunConfig(plan="-", model_config=model_config, lengths=(lengths_file,), batch_size=1)
+    micro = batch_source(probe, model)(0)
+    plan = oc.optimize(model, micro, num_stages=2, planner="uniform").plan
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json())
+    return RunConfig(plan=str(plan_path), model_config=model_config, lengths=(lengths_file,), **kw)
+
+
+def test_balanced_batches_have_one_fixed_shape_and_are_deterministic(tmp_path, lengths_file):
+    config = _config(tmp_path, lengths_file, batch_size=2)
+    model = build_model(config)
+    source = batch_source(config, model)
+    shapes = {k: tuple(v.shape) for k, v in source(0).items()}
+    per_epoch = len(source.data_plan.sampler(0))
+    for step in (1, 2, per_epoch):  # past the end of the first epoch too
+        assert {k: tuple(v.shape) for k, v in source(step).items()} == shapes
+    assert shapes["input_ids"][0] == 2 and shapes["pixel_values"][0] == 2 * source.data_plan.shape.tiles
+    again = batch_source(config, build_model(config))
+    assert all(torch.equal(again(3)[k], source(3)[k]) for k in shapes)  # every rank builds the same batch
+    assert torch.isfinite(model(**source(0)))
+    with pytest.raises(InputError, match="not both"):
+        batch_source(dataclasses.replace(config, data="x:y"), model)
+
+
+def test_two_ranks_train_on_balanced_packs_like_the_unsplit_model(tmp_path, lengths_file):
+    config = _config(
+        tmp_path, lengths_file, batch_size=2, steps=2, optimizer="sgd", lr=0.5, num_microbatches=2, schedule="1f1b",
+        log=str(tmp_path / "steps.jsonl"),
+    )
+    logged = launch(config, timeout_s=240, quiet=True)
+    assert [e.step for e in logged] == [0, 1]
+    model = build_model(config)
+    source = batch_source(config, model)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+    for step, entry in enumerate(logged):
+        opt.zero_grad()
+        loss = model(**source(step))
+        assert abs(float(loss.detach()) - entry.loss) <= TOL, (step, float(loss), entry.loss)
+        loss.backward()
+        opt.step()

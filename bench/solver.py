@@ -16,7 +16,6 @@ import random
 import time
 
 from omnibal_compile.solver import BASELINES, PartitionProblem, lower_bound, solve, solve_dp
-from omnibal_compile.solver.dp import Frontiers
 
 GiB = 2**30
 
@@ -58,9 +57,6 @@ def part1() -> None:
     print("== 80 blocks x 8 stages, 1F1B, 16 micro-batches (InternVL-like, A100-like costs) ==")
     for budget in (None, 80 * GiB, 60 * GiB):
         P = internvl_like(budget)
-        t0 = time.perf_counter()
-        Frontiers(P)
-        frontier_s = time.perf_counter() - t0
         dp = solve_dp(P)
         t0 = time.perf_counter()
         ilp = solve(P, "ilp")
@@ -68,7 +64,7 @@ def part1() -> None:
         label = "no budget" if budget is None else f"budget {budget / GiB:.0f} GiB"
         recomputed = sum(r != "none" for r in ilp.recompute)
         print(
-            f"{label:>15}: DP {dp.solve_seconds:.3f} s (of which frontiers {frontier_s:.3f} s), "
+            f"{label:>15}: DP {dp.solve_seconds:.3f} s, "
             f"ILP {ilp_s:.2f} s incl. DP bound [{ilp.status}], ILP == DP: "
             f"{abs(ilp.iteration_time - dp.iteration_time) <= 1e-6 * dp.iteration_time}; "
             f"{recomputed} blocks recomputed; binding: {ilp.binding}"

@@ -31,10 +31,12 @@ class Frontiers:
     shifted by each option of block j (numpy; a point survives if no other is both smaller and faster).
     """
 
-    def __init__(self, problem: PartitionProblem) -> None:
+    def __init__(self, problem: PartitionProblem, *, max_time: float = math.inf) -> None:
+        """``max_time``: ranges whose fastest time exceeds it can never be a stage; they are not built."""
         self.problem = problem
         opts = np.array(problem.option_indices())
         n = problem.n
+        fastest = [min(problem.time[b][o] for o in opts) for b in range(n)]
         act = np.asarray(problem.act, dtype=np.float64)[:, opts]  # [n, |opts|]
         tim = np.asarray(problem.time, dtype=np.float64)[:, opts]
         self.acts: list[list[np.ndarray]] = []
@@ -43,7 +45,11 @@ class Frontiers:
         for i in range(n):
             acts_i, times_i, back_i = [], [], []
             pa, pt = np.zeros(1), np.zeros(1)
+            work = 0.0
             for j in range(i, n):
+                work += fastest[j]
+                if work > max_time * (1 + 1e-9) and j > i:
+                    break
                 m = len(pa)
                 ca = (pa[None, :] + act[j][:, None]).ravel()  # option-major: [o * m + k]
                 ct = (pt[None, :] + tim[j][:, None]).ravel()
@@ -63,6 +69,8 @@ class Frontiers:
 
     def fastest_within(self, i: int, j: int, cap: float) -> int | None:
         """Index of the fastest frontier point of [i, j) with activations <= cap, or None."""
+        if j - i > len(self.acts[i]):
+            return None  # longer than any stage can be
         acts = self.acts[i][j - i - 1]
         k = int(np.searchsorted(acts, cap * (1 + 1e-12) + 1e-9, side="right")) - 1
         return k if k >= 0 else None
@@ -84,7 +92,19 @@ def solve_dp(problem: PartitionProblem, *, frontiers: Frontiers | None = None) -
     start = time.perf_counter()
     P = problem
     n, S, M = P.n, P.num_stages, P.num_microbatches
-    F = frontiers or Frontiers(P)
+    if frontiers is None:
+        # A quick incumbent bounds the bottleneck, so ranges slower than that are never built.
+        from omnibal_compile.solver.baselines import BASELINES
+
+        bound = math.inf
+        for name in ("flops", "parameters"):
+            b = BASELINES[name](P)
+            if b.feasible:
+                bound = min(bound, b.iteration_time)
+        fastest = sum(min(P.time[i][o] for o in P.option_indices()) for i in range(n))
+        max_time = (bound - fastest) / (M - 1) if M > 1 and bound < math.inf else bound
+        frontiers = Frontiers(P, max_time=max_time)
+    F = frontiers
     prefix_w = [0]
     for w in P.static:
         prefix_w.append(prefix_w[-1] + w)

@@ -1,13 +1,14 @@
 """Simulated vs measured iteration time of real pipeline runs on this machine (CPU, gloo, torchrun).
 
-For the reference VLM, each planner's plan is (1) simulated from costs profiled here at the
-micro-batch shape, with one thread as every rank uses, and (2) trained for a few steps on N local
+For the reference VLM, each planner's plan is (1) simulated from one cost profile taken here at
+the micro-batch shape (one thread, as every rank uses) plus the runtime's own overheads measured
+in the same run on a near-empty model (``omnibal_compile.runtime.measure_overhead``: time per
+forward/backward action beyond compute, and per step), and (2) trained for a few steps on N local
 ranks by the runtime; the median step time (first step dropped) is compared with the simulated
-iteration time. The measured step also holds the optimizer step (SGD, cheap) and the barrier; the
-simulation holds neither.
+iteration time. The error without the overhead terms is printed too.
 
     python bench/sim_vs_real.py                  # 2 ranks, 1f1b, 4 micro-batches
-    python bench/sim_vs_real.py --ranks 2 4 --schedule gpipe --microbatches 8
+    python bench/sim_vs_real.py --schedule gpipe --microbatches 8
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes.cost import annotate_costs
 from omnibal_compile.passes import partition
 from omnibal_compile.passes.partition import PLANNERS
+from omnibal_compile.runtime import measure_overhead
 from omnibal_compile.runtime.launch import RunConfig, launch
 from omnibal_compile.sim import simulate
 
@@ -46,6 +48,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--clock", default="wall", choices=["wall", "thread"],
                    help="profiling clock: wall (contended like the run) or thread (CPU time, ignores contention)")
+    p.add_argument("--repeats", type=int, default=15, help="profiling repeats per block (median)")
     p.add_argument("--planners", nargs="+", default=[n for n in ("ilp", "uniform", "parameters") if n in NAMES])
     args = p.parse_args()
 
@@ -57,16 +60,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
             graph = optimize(model, mb, num_stages=ranks, planner="parameters").graph
+            over = measure_overhead(ranks=ranks, schedule=args.schedule)
+            print(f"ranks {ranks}: runtime overhead {over.op_s * 1e3:.2f} ms per forward/backward action, "
+                  f"{over.step_s * 1e3:.2f} ms per step (near-empty model, median steps "
+                  f"{', '.join(f'M={m}: {t * 1e3:.1f} ms' for m, t in over.samples)})", flush=True)
+            # One profile for every plan: separate profiles differ by their own noise, which would
+            # then read as simulation error. More repeats than the default for a stable median.
+            costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=args.repeats, clock=args.clock)
             for name in args.planners:
-                # Profiled again per plan, right before its run, so both see similar machine load.
-                costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=7, clock=args.clock)
                 if plan_with_costs is not None:
                     plan = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches, planner=name,
                                            schedule=args.schedule)
                 else:
                     plan = dataclasses.replace(PLANNERS[name](graph, ranks), schedule=args.schedule,
                                                num_microbatches=args.microbatches)
-                sim = simulate(plan, costs)
+                raw = simulate(plan, costs)
+                sim = simulate(plan, costs, op_overhead_s=over.op_s, step_overhead_s=over.step_s)
                 path = Path(tmp) / f"plan_{ranks}_{name}.json"
                 path.write_text(plan.to_json())
                 logs = launch(
@@ -78,13 +87,15 @@ def main() -> int:
                 )
                 measured = statistics.median(s.step_time_s for s in logs[1:])
                 err = sim.iteration_time_s / measured - 1
-                rows.append((ranks, name, list(plan.boundaries), sim.iteration_time_s, measured, err))
+                rows.append((ranks, name, list(plan.boundaries), sim.iteration_time_s, measured, err,
+                             raw.iteration_time_s / measured - 1))
                 print(f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
                       f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms, error {err:+.1%} "
                       f"(steps: {', '.join(f'{s.step_time_s * 1e3:.0f}' for s in logs)} ms)", flush=True)
-    print(f"\n{'ranks':>5}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  {'error':>7}")
-    for ranks, name, _, s, m, e in rows:
-        print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}")
+    print(f"\n{'ranks':>5}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  {'error':>7}  "
+          f"{'without overhead':>16}")
+    for ranks, name, _, s, m, e, e_raw in rows:
+        print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}")
     worst = max(abs(r[5]) for r in rows)
     print(f"worst |error| {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
     load = os.getloadavg()[0]

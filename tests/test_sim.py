@@ -213,3 +213,13 @@ def test_parse_size():
         with pytest.raises(InputError, match=msg):
             parse_size(bad)
     assert format_size(3 * 2**30) == "3.00 GiB" and format_size(12) == "12 B"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_runtime_overheads_extend_every_action_and_the_step(schedule):
+    S, M, F, B, h, c = 3, 6, 1.0, 2.0, 0.25, 0.5
+    res = simulate(chain_plan(S, schedule=schedule, M=M), table([block(i, F, B) for i in range(S)]),
+                   op_overhead_s=h, step_overhead_s=c)
+    assert res.iteration_time_s == pytest.approx((M + S - 1) * (F + B + 2 * h) + c)
+    with pytest.raises(InputError, match="overhead"):
+        simulate(chain_plan(S, schedule=schedule, M=M), table([block(i) for i in range(S)]), op_overhead_s=-1.0)

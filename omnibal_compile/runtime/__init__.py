@@ -1,5 +1,6 @@
 """Run generated stages on ``torch.distributed.pipelining``: stage construction, training, launch."""
 
+from omnibal_compile.runtime.overhead import RuntimeOverhead, measure_overhead
 from omnibal_compile.runtime.pipeline import (
     RankPipeline,
     TiedParameter,
@@ -12,6 +13,8 @@ from omnibal_compile.runtime.pipeline import (
 )
 
 __all__ = [
+    "RuntimeOverhead",
+    "measure_overhead",
     "RankPipeline",
     "TiedParameter",
     "build_pipeline",

@@ -297,6 +297,8 @@ def simulate(
     schedule: str | None = None,
     num_microbatches: int | None = None,
     link_bandwidth: float | None = None,
+    op_overhead_s: float = 0.0,
+    step_overhead_s: float = 0.0,
 ) -> SimResult:
     """Simulate one training iteration of ``plan`` with per-block ``costs``.
 
@@ -309,7 +311,13 @@ def simulate(
         schedule: override ``plan.schedule``.
         num_microbatches: override ``plan.num_microbatches``.
         link_bandwidth: override ``costs.link_bandwidth`` (bytes/s); ``float('inf')`` for free sends.
+        op_overhead_s: runtime cost of every forward and backward action beyond its compute (the
+            schedule's Python, send/receive posting, autograd bookkeeping); measure it on the target
+            with :func:`omnibal_compile.runtime.measure_overhead`. Counted as busy time.
+        step_overhead_s: fixed cost per iteration (optimizer step, barrier), added at the end.
     """
+    if op_overhead_s < 0 or step_overhead_s < 0:
+        raise InputError("op_overhead_s and step_overhead_s must be >= 0")
     sched = schedule or plan.schedule
     if microbatch_costs is not None and num_microbatches is None:
         M = len(microbatch_costs)
@@ -348,7 +356,7 @@ def simulate(
                         break
                     ready = f_end[(s - 1, m)] + send(s - 1, m) if s > 0 else 0.0
                     start = max(free[d], ready)
-                    end = start + per_mb[m][s].forward_s
+                    end = start + per_mb[m][s].forward_s + op_overhead_s
                     events.append(Event(kind="forward", stage=s, device=d, microbatch=m, start_s=start, end_s=end))
                     f_start[(s, m)], f_end[(s, m)] = start, end
                     if s + 1 < S and send(s, m) > 0:
@@ -366,7 +374,7 @@ def simulate(
                             kind="recompute", stage=s, device=d, microbatch=m, start_s=start, end_s=start + c.recompute_s
                         ))
                     b_start = start + c.recompute_s
-                    end = b_start + c.backward_s
+                    end = b_start + c.backward_s + op_overhead_s
                     events.append(Event(kind="backward", stage=s, device=d, microbatch=m, start_s=b_start, end_s=end))
                     b_end[(s, m)] = end
                     if s > 0 and send(s - 1, m) > 0:
@@ -381,7 +389,7 @@ def simulate(
             stuck = {d: orders[d][pos[d]] for d in range(D) if pos[d] < len(orders[d])}
             raise SimulationError(f"the operation orders deadlock; devices wait on {stuck}")
 
-    T = max(b_end.values())
+    T = max(b_end.values()) + step_overhead_s
     compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]
     stage_busy = [0.0] * S
     for e in compute:

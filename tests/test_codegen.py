@@ -152,3 +152,16 @@ def test_random_valid_plans_reproduce_the_model(vlm, vlm_result):
             assert float((g - r).abs().max()) <= 1e-5
 
     check()
+
+
+def test_every_cut_sends_contiguous_tensors(vlm, vlm_result):
+    """Point-to-point sends reject non-contiguous tensors; a cut after a view must not produce one."""
+    from omnibal_compile.passes.codegen import generate_stages
+
+    model, batch = vlm
+    graph = vlm_result.graph
+    plan = Plan(block_names=graph.names, boundaries=tuple(range(graph.num_blocks + 1)))
+    values = vlm_result.flatten_inputs(**batch)
+    for stage in generate_stages(graph, plan, model)[:-1]:
+        values = stage(*values)
+        assert all(v.is_contiguous() for v in values if isinstance(v, torch.Tensor))

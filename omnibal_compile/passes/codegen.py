@@ -3,8 +3,9 @@
 Glossary:
     stage inputs   stage 0 takes the model's flat inputs; stage s > 0 takes exactly the values
                    crossing its first cut, in :meth:`BlockGraph.crossing` order.
-    stage outputs  the values crossing its last cut (same order), so ``stage[s+1](*stage[s](...))``
-                   chains; the last stage returns the model's flat outputs. Values that a stage does
+    stage outputs  the values crossing its last cut (same order, made contiguous for sending), so
+                   ``stage[s+1](*stage[s](...))`` chains; the last stage returns the model's flat
+                   outputs. Values that a stage does
                    not use but a later one does are passed straight through.
     param map      stage parameter name -> every name of that parameter in the original model
                    (several when weights are tied). Stages share the model's parameter objects:
@@ -127,7 +128,12 @@ def generate_stages(graph: BlockGraph, plan: Plan, model: nn.Module | None = Non
             g.output(fx.map_arg(output_node.args[0], lookup))
         else:
             out_names = tuple(v.name for v in graph.crossing(st.stop))
-            g.output(tuple(env[name] for name in out_names))
+            # Point-to-point sends need contiguous tensors; a cut can fall after a view (expand,
+            # transpose). contiguous() is free when the tensor already is, and differentiable.
+            tensors = {v.name for v in graph.crossing(st.stop) if v.shape is not None}
+            g.output(tuple(
+                g.call_method("contiguous", (env[name],)) if name in tensors else env[name] for name in out_names
+            ))
         g.lint()
         gm = fx.GraphModule(src, g, class_name=f"Stage{st.index}")
         param_map: dict[str, tuple[str, ...]] = {}

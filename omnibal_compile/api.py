@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -180,11 +179,6 @@ def _parse_budget(budget: Any) -> float | list[float] | None:
     return float(parse_size(budget))
 
 
-def _with_graph_info(graph: BlockGraph, plan: Plan) -> Plan:
-    """Cost-based plans name blocks from the cost table; give them the graph's parameter counts too."""
-    return dataclasses.replace(plan, block_params=tuple(b.num_params for b in graph.blocks))
-
-
 def optimize(
     model: nn.Module,
     example_inputs: Any = None,
@@ -273,11 +267,11 @@ def optimize(
         budget = _parse_budget(memory_budget)
         chosen = _run_pass(
             "plan", done, timings,
-            lambda: _with_graph_info(graph, plan_with_costs(
+            lambda: plan_with_costs(
                 costs, num_stages=num_stages, num_microbatches=num_microbatches, planner=planner or "ilp",
                 schedule=schedule, virtual_stages=virtual_stages, memory_budget=budget, recompute=recompute,
                 solver=solver, time_limit=solver_time_limit,
-            )),
+            ),
         )
     else:
         planner = planner or "parameters"

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from omnibal_compile.tables import format_table
+
 __all__ = ["RECOMPUTE_OPTIONS", "BlockCost", "CostTable"]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
@@ -105,13 +107,8 @@ class CostTable:
                 f"{a['none'] * mib:.2f}/{a['selective'] * mib:.2f}/{a['full'] * mib:.2f}",
                 f"{r['selective'] * 1e3:.3f}/{r['full'] * 1e3:.3f}",
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"costs on {self.device} ({self.source}), micro-batch {dict(self.batch_shape)}"]
-        for j, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-            if j == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        title = f"costs on {self.device} ({self.source}), micro-batch {dict(self.batch_shape)}"
+        return title + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2))
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(asdict(self), indent=indent)

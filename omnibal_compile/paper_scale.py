@@ -61,6 +61,7 @@ from omnibal_compile.passes.cost import Precision
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim.simulate import operation_order, simulate
 from omnibal_compile.solver import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries
+from omnibal_compile.tables import format_table
 
 __all__ = [
     "Setup",
@@ -448,8 +449,4 @@ def format_table(setup: Setup, rows: Sequence[Row], paper: Sequence[float] = ())
             continue
         body.append((r.name, f"{r.gpu_days:.2f}", f"{r.gpu_days / base:.3f}", paper_ratio.get(r.name, "-"),
                      f"{r.peak_memory_gib:.1f}{'' if r.fits else ' OVER'}", _stage_layout(setup.model, r.plan)))
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
-    lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) if i in (0, 3, 5) else v.rjust(w) for i, (v, w) in enumerate(zip(b, widths)))
-              for b in body]
-    return "\n".join(lines)
+    return head + "\n" + format_table([cols, *body], "lrrlrl")

@@ -13,6 +13,7 @@ from typing import Any
 
 from omnibal_compile.costs import RECOMPUTE_OPTIONS
 from omnibal_compile.errors import PlanError
+from omnibal_compile.tables import format_table
 
 __all__ = ["Plan", "StagePlan", "PLAN_FORMAT", "SCHEDULES"]
 
@@ -220,16 +221,12 @@ class Plan:
                     mem += f" / {self.memory_budget_bytes[st.index] / 2**20:.1f}"
                 row.append(mem)
             rows.append(row)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        numeric = {0, 4, 5, 7, 8}
         lines = [
             f"Plan by '{self.planner}': {self.num_blocks} blocks in {self.num_stages} stages, schedule {self.schedule}, "
-            f"{self.num_microbatches} micro-batches"
+            f"{self.num_microbatches} micro-batches",
+            format_table(rows, "".join("r" if i in numeric else "l" for i in range(len(header)))),
         ]
-        numeric = {0, 4, 5, 7, 8}
-        for j, r in enumerate(rows):
-            lines.append("  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-            if j == 0:
-                lines.append("  ".join("-" * w for w in widths))
         if self.block_params:
             loads = [sum(self.block_params[s.start : s.stop]) for s in self.stages]
             mean = sum(loads) / len(loads)

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default="cpu", help="cost source: 'cpu' profiles here (default), or a roofline target such as a100-80gb"
     )
     p.add_argument(
-        "--memory", default="20MiB", help="memory budget per device (default 20MiB: tight enough that early stages recompute)"
+        "--memory", default="16MiB", help="memory budget per device (default 16MiB: tight enough that some blocks recompute)"
     )
     p.add_argument("--batch", type=int, default=2, help="samples in the example micro-batch (default 2)")
     p.add_argument("--tiles", type=int, default=2, help="image tiles per sample (default 2)")

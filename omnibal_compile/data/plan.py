@@ -10,7 +10,7 @@ Glossary:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -95,14 +95,16 @@ class DataPlan:
 
     def example_batch(self, *, seed: int = 0) -> dict[str, torch.Tensor]:
         """One collated micro-batch of the planned shape (random content), for capture and profiling."""
-        o = self.options
-        g = torch.Generator().manual_seed(seed)
         packing = self.first_packing
-        pack = packing.pack(int(packing.steps[0, 0]))
+        return self.synthetic_batch(packing.pack(int(packing.steps[0, 0])), generator=torch.Generator().manual_seed(seed))
+
+    def synthetic_batch(self, pack: Sequence[int], *, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The samples of ``pack`` with their real lengths and random contents, collated to one fixed-shape row."""
         c = self.collator
         samples = [synthetic_sample(int(self.stats.tiles[i]), int(self.stats.tokens[i]), tokens_per_tile=c.tokens_per_tile,
-                                    image_token_id=c.image_token_id, vocab_size=int(o.vocab_size or c.image_token_id + 1),
-                                    image_shape=c.image_shape, generator=g) for i in pack]
+                                    image_token_id=c.image_token_id,
+                                    vocab_size=int(self.options.vocab_size or c.image_token_id + 1),
+                                    image_shape=c.image_shape, generator=generator) for i in pack]
         batch = c(samples)
         return {k: batch[k] for k in MODEL_KEYS}
 

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnibal_compile.kernels import ops
 from omnibal_compile.kernels import reference as R
+from omnibal_compile.tables import format_table
 
 __all__ = [
     "LiveBytes", "Case", "BenchRow", "LossMemory", "cases", "run_bench", "loss_memory", "format_rows",
@@ -349,13 +350,7 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
             r.kernel, r.shape, r.direction, r.backend, f"{r.reference_ms:.3f}", f"{r.fused_ms:.3f}",
             f"{r.speedup:.2f}x", r.throughput, _mib(r.reference_peak), _mib(r.fused_peak), f"{r.max_error:.2e}",
         ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = [
-        "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-        for row in table
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(table, "llll" + "r" * (len(table[0]) - 4))
 
 
 def format_loss_memory(m: LossMemory) -> str:

@@ -27,6 +27,7 @@ from torch import nn
 
 from omnibal_compile.errors import InputError
 from omnibal_compile.passes.capture import Captured
+from omnibal_compile.tables import format_table
 
 __all__ = ["Block", "CrossingValue", "BlockGraph", "build_blocks", "find_layer_stacks"]
 
@@ -112,14 +113,7 @@ class BlockGraph:
         for b in self.blocks:
             after = "-" if b.index == self.num_blocks - 1 else f"{self.cut_bytes(b.index + 1):,}"
             rows.append((str(b.index), b.name, b.kind, str(len(b.nodes)), f"{b.num_params:,}", after))
-        return _table(rows)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+        return format_table(rows, "lllrrr")
 
 
 _CALL_SUFFIX = re.compile(r"@\d+$")

@@ -19,7 +19,7 @@ from omnibal_compile.costs import CostTable
 from omnibal_compile.errors import PlanError
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.plan import Plan
-from omnibal_compile.solver import PLANNER_NAMES, Solution, min_max_partition, problem_from_costs, solve, uniform_boundaries
+from omnibal_compile.solver import PLANNER_NAMES, PartitionProblem, Solution, min_max_partition, problem_from_costs, solve, uniform_boundaries
 
 __all__ = [
     "uniform",
@@ -81,10 +81,8 @@ COST_PLANNERS: tuple[str, ...] = PLANNER_NAMES
 """Planners that run on a CostTable (see :func:`plan_with_costs`)."""
 
 
-def plan_from_solution(sol: Solution, costs: CostTable, *, schedule: str, num_microbatches: int, virtual_stages: int,
-                       budget: Sequence[float] = (), block_params: Sequence[int] = (), block_kinds: Sequence[str] = ()) -> Plan:
-    """Wrap a solver solution as a Plan carrying its predicted figures."""
-    S = len(sol.boundaries) - 1
+def plan_from_solution(sol: Solution, costs: CostTable, problem: PartitionProblem) -> Plan:
+    """Wrap a solver solution of ``problem`` (built from ``costs``) as a Plan carrying its predicted figures."""
     notes: dict[str, object] = {"binding": sol.binding, "status": sol.status, "solve seconds": round(sol.solve_seconds, 3)}
     if sol.gap is not None:
         notes["gap"] = sol.gap
@@ -92,15 +90,17 @@ def plan_from_solution(sol: Solution, costs: CostTable, *, schedule: str, num_mi
         block_names=costs.names,
         boundaries=sol.boundaries,
         planner=sol.planner,
-        block_params=tuple(block_params) or tuple(b.num_params for b in costs.blocks),
-        block_kinds=tuple(block_kinds) or tuple(b.kind for b in costs.blocks),
+        block_params=tuple(b.num_params for b in costs.blocks),
+        block_kinds=tuple(b.kind for b in costs.blocks),
         recompute=sol.recompute,
-        schedule=schedule,
-        num_microbatches=num_microbatches,
-        virtual_stages=virtual_stages,
+        schedule=problem.schedule,
+        num_microbatches=problem.num_microbatches,
+        virtual_stages=problem.virtual_stages,
         stage_time_s=sol.stage_time,
         stage_memory_bytes=tuple(int(m) for m in sol.stage_memory),
-        memory_budget_bytes=tuple(int(budget[s % len(budget)] / virtual_stages) for s in range(S)) if budget else (),
+        memory_budget_bytes=(
+            tuple(int(problem.stage_budget(s)) for s in range(problem.num_stages)) if problem.budget else ()
+        ),
         iteration_time_s=sol.iteration_time,
         notes=notes,
     )
@@ -134,6 +134,4 @@ def plan_with_costs(
         recompute=recompute,
     )
     sol = solve(problem, planner, solver=solver, time_limit=time_limit)
-    return plan_from_solution(
-        sol, costs, schedule=schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages, budget=problem.budget
-    )
+    return plan_from_solution(sol, costs, problem)

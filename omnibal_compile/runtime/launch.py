@@ -210,7 +210,7 @@ def balanced_source(config: RunConfig, model: nn.Module) -> BatchSource:
     """
     import torch
 
-    from omnibal_compile.data.collate import MODEL_KEYS, synthetic_sample
+    from omnibal_compile.data.collate import MODEL_KEYS
     from omnibal_compile.data.plan import DataOptions, plan_data
 
     data = plan_data(list(config.lengths), DataOptions(samples_per_pack=config.samples_per_pack, seed=config.seed),
@@ -218,8 +218,6 @@ def balanced_source(config: RunConfig, model: nn.Module) -> BatchSource:
     sampler = data.sampler(0)
     per_epoch = len(sampler)
     epochs: dict[int, list[list[int]]] = {}
-    collate = data.collator
-    vocab = int(getattr(getattr(model, "config", None), "vocab_size", collate.image_token_id + 1))
 
     def pack(j: int) -> list[int]:
         epoch = j // per_epoch
@@ -232,14 +230,7 @@ def balanced_source(config: RunConfig, model: nn.Module) -> BatchSource:
         rows = []
         for r in range(config.batch_size):
             j = step * config.batch_size + r
-            g = torch.Generator().manual_seed(config.seed * 1_000_003 + j)
-            samples = [
-                synthetic_sample(int(data.stats.tiles[i]), int(data.stats.tokens[i]), tokens_per_tile=collate.tokens_per_tile,
-                                 image_token_id=collate.image_token_id, vocab_size=vocab, image_shape=collate.image_shape,
-                                 generator=g)
-                for i in pack(j)
-            ]
-            rows.append(collate(samples))
+            rows.append(data.synthetic_batch(pack(j), generator=torch.Generator().manual_seed(config.seed * 1_000_003 + j)))
         return {k: torch.cat([row[k] for row in rows]) for k in MODEL_KEYS}
 
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics

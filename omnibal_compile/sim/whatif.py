@@ -17,6 +17,7 @@ from omnibal_compile.costs import CostTable
 from omnibal_compile.errors import PlanError
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim.simulate import SimResult, simulate
+from omnibal_compile.tables import format_table
 
 __all__ = ["SweepPoint", "sweep", "sweep_table"]
 
@@ -74,7 +75,4 @@ def sweep_table(points: Sequence[SweepPoint], *, label: str, fmt: Callable[[Any]
                 fmt(p.value), f"{r.iteration_time_s * 1e3:.3f}", f"{r.bubble_fraction:.1%}",
                 f"{max(r.peak_memory_bytes) / 2**20:.1f}", str(list(p.plan.boundaries)),
             ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i < 4 else c for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows, "rrrrl")

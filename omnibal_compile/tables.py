@@ -1,0 +1,26 @@
+"""Plain-text tables shared by every printable result (plans, blocks, costs, sweeps, benches)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["format_table"]
+
+
+def format_table(rows: Sequence[Sequence[str]], align: str) -> str:
+    """``rows`` (the first is the header) as aligned columns with a rule under the header.
+
+    ``align`` holds one letter per column: ``l`` (left) or ``r`` (right).
+    """
+    if not rows:
+        return ""
+    if len(align) != len(rows[0]) or set(align) - {"l", "r"}:
+        raise ValueError(f"align needs one 'l' or 'r' per column ({len(rows[0])}), got {align!r}")
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(align))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            str(c).ljust(w) if a == "l" else str(c).rjust(w) for c, w, a in zip(cells, widths, align)
+        ).rstrip()
+
+    return "\n".join([line(rows[0]), "  ".join("-" * w for w in widths), *(line(r) for r in rows[1:])])

@@ -28,7 +28,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 __all__ = [
     "OpRecord",
@@ -117,6 +116,7 @@ class _Recorder(TorchDispatchMode):
         self.paused = False
         self.sync = sync
         self.now = now
+        self.flop_registry = _flop_counter().flop_registry
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -133,7 +133,7 @@ class _Recorder(TorchDispatchMode):
         in_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in ins}
         is_view = all(StorageWeakRef(t.untyped_storage()).cdata in in_storages for t in outs)
         packet = func.overloadpacket
-        flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+        flops = self.flop_registry[packet](*args, **kwargs, out_val=out) if packet in self.flop_registry else 0
         nbytes = 0 if is_view else sum(_nbytes(t) for t in ins + outs)
         self.records.append(OpRecord(name=str(func), op_class=op_class(func), flops=float(flops), nbytes=nbytes, seconds=seconds))
         return out
@@ -164,7 +164,7 @@ class _FusedAttention(fx.Interpreter):
         seconds = rec.now() - start
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         nbytes = sum(_nbytes(t) for t in (q, k, v, out)) + (_nbytes(mask) if isinstance(mask, torch.Tensor) else 0)
-        flops = sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        flops = _flop_counter().sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape))
         rec.records.append(
             OpRecord(name="scaled_dot_product_attention", op_class="attention", flops=float(flops), nbytes=nbytes, seconds=seconds)
         )
@@ -193,12 +193,22 @@ class FlashOnMeta(TorchFunctionMode):
 
 
 def _cpu_flash_flops(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_flop_count(q_shape, k_shape, v_shape)
+    return _flop_counter().sdpa_flop_count(q_shape, k_shape, v_shape)
 
 
-def count_flops() -> FlopCounterMode:
+def _flop_counter() -> Any:
+    """``torch.utils.flop_counter``, imported on first use: it imports Triton when Triton is installed,
+    which would slow ``import omnibal_compile`` and fix Triton's interpreter setting too early."""
+    import torch.utils.flop_counter as fc
+
+    return fc
+
+
+def count_flops() -> Any:
     """A ``FlopCounterMode`` that also counts PyTorch's CPU flash-attention kernel (absent upstream)."""
-    return FlopCounterMode(display=False, custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops})
+    return _flop_counter().FlopCounterMode(
+        display=False, custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops}
+    )
 
 
 def record_ops(

@@ -6,7 +6,7 @@ gives), 1F1B with 16 micro-batches, with and without a memory budget.
 Part 2, the reference VLM with profiled CPU costs: each planner's predicted bottleneck stage time
 divided by the lower bound max(total work / S, largest block).
 
-    python bench/solver.py [--quick]
+    python bench/solver.py [--quick] [--cold]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 
-from omnibal_compile.solver import BASELINES, PartitionProblem, lower_bound, solve, solve_dp
+from omnibal_compile.solver import BASELINES, PartitionProblem, lower_bound, solve, solve_dp, solve_ilp
 
 GiB = 2**30
 
@@ -53,7 +53,7 @@ def internvl_like(budget: float | None, seed: int = 0, stages: int = 8, microbat
     )
 
 
-def part1() -> None:
+def part1(cold: bool = False) -> None:
     print("== 80 blocks x 8 stages, 1F1B, 16 micro-batches (InternVL-like, A100-like costs) ==")
     for budget in (None, 80 * GiB, 60 * GiB):
         P = internvl_like(budget)
@@ -75,6 +75,13 @@ def part1() -> None:
             mark = "" if b.feasible else " (does not fit!)"
             ratios.append(f"{name} {b.iteration_time / ilp.iteration_time:.3f}{mark}")
         print(f"{'':>15}  iteration time / ILP: " + ", ".join(ratios))
+        if cold:
+            t0 = time.perf_counter()
+            alone = solve_ilp(P, time_limit=120)
+            print(
+                f"{'':>15}  ILP alone (no DP bound or start): {time.perf_counter() - t0:.1f} s [{alone.status}], "
+                f"iteration time / DP {alone.iteration_time / dp.iteration_time:.4f}"
+            )
 
 
 def part2(quick: bool) -> None:
@@ -107,8 +114,9 @@ def part2(quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer stage counts in part 2")
+    ap.add_argument("--cold", action="store_true", help="also time the ILP without the DP's bound and start (slow)")
     args = ap.parse_args()
-    part1()
+    part1(args.cold)
     part2(args.quick)
 
 

@@ -3,6 +3,7 @@
 import ast
 import itertools
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnibal_compile import PlanError
-from omnibal_compile.solver import BASELINES, PartitionProblem, evaluate, lower_bound, solve, solve_dp, solve_ilp
+from omnibal_compile.solver import (
+    BASELINES,
+    PartitionProblem,
+    evaluate,
+    least_memory_split,
+    lower_bound,
+    solve,
+    solve_dp,
+    solve_ilp,
+)
 from omnibal_compile.solver.problem import OPTIONS, in_flight
 
 GiB = 2**30
@@ -172,6 +182,32 @@ def test_heterogeneous_vlm_like_instance_beats_uniform():
     )
     ilp, uni = solve(P, "ilp"), solve(P, "uniform")
     assert uni.iteration_time / ilp.iteration_time > 1.3
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ilp_matches_dp_on_a_medium_budgeted_instance(seed):
+    # Large enough that the interval formulation's pruning and path constraints all take part
+    # (24 blocks, 4 stages, a budget that makes most blocks recompute); cold and bounded.
+    rng = random.Random(seed)
+    n = 24
+    time, act = [], []
+    for i in range(n):
+        f = rng.uniform(1, 3) * (2 if i >= 14 else 1)
+        time.append((3 * f, 3.3 * f, 4 * f))
+        a = rng.randint(GiB, 2 * GiB)
+        act.append((a, int(0.45 * a), int(0.06 * a)))
+    base = dict(
+        names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=tuple(time), act=tuple(act),
+        static=(GiB,) * n, cut_time=(0.0,) + (0.05,) * (n - 1) + (0.0,), cut_bytes=(0,) + (GiB // 16,) * (n - 1) + (0,),
+        num_params=(100,) * n, flops=tuple(t[0] for t in time), num_stages=4, num_microbatches=8,
+    )
+    least = least_memory_split(PartitionProblem(**base))[2]
+    tight = PartitionProblem(**base, budget=(1.3 * least,) * 4)
+    dp = solve_dp(tight)
+    assert sum(r != "none" for r in dp.recompute) >= n // 2
+    for ilp in (solve(tight, "ilp"), solve_ilp(tight, time_limit=60, gap=1e-9)):
+        assert ilp.feasible and close(ilp.iteration_time, dp.iteration_time), (ilp, dp)
+        assert all(m <= 1.3 * least * (1 + 1e-9) for m in ilp.stage_memory)
 
 
 def test_bad_problems_are_rejected():

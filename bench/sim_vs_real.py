@@ -5,9 +5,12 @@ the micro-batch shape (one thread, as every rank uses) plus the runtime's own ov
 in the same run on a near-empty model (``omnibal_compile.runtime.measure_overhead``: time per
 forward/backward action beyond compute, and per step), and (2) trained for a few steps on N local
 ranks by the runtime; the median step time (first step dropped) is compared with the simulated
-iteration time. The error without the overhead terms is printed too.
+iteration time. The errors without the overhead terms, and without core sharing, are printed too. With more ranks than cores
+(4 ranks on this 2-core machine) the simulator shares the cores among the ranks that compute at
+once (``simulate(processors=...)``), and the overheads are fitted under the same sharing.
 
     python bench/sim_vs_real.py                  # 2 ranks, 1f1b, 4 micro-batches
+    python bench/sim_vs_real.py --ranks 2 4      # 2 and 4 ranks
     python bench/sim_vs_real.py --schedule gpipe --microbatches 8
 """
 
@@ -28,7 +31,7 @@ from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes.cost import annotate_costs
 from omnibal_compile.passes import partition
 from omnibal_compile.passes.partition import PLANNERS
-from omnibal_compile.runtime import measure_overhead
+from omnibal_compile.runtime import fit_overhead, measure_overhead
 from omnibal_compile.runtime.launch import RunConfig, launch
 from omnibal_compile.sim import simulate
 
@@ -45,12 +48,16 @@ def main() -> int:
     p.add_argument("--mb-samples", type=int, default=2, help="samples per micro-batch")
     p.add_argument("--tiles", type=int, default=2)
     p.add_argument("--text", type=int, default=64)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10, help="steps per run (the first is dropped)")
+    p.add_argument("--rounds", type=int, default=3, help="runs per plan, interleaved with the other plans'")
     p.add_argument("--clock", default="wall", choices=["wall", "thread"],
                    help="profiling clock: wall (contended like the run) or thread (CPU time, ignores contention)")
     p.add_argument("--repeats", type=int, default=15, help="profiling repeats per block (median)")
+    p.add_argument("--processors", type=int, default=os.cpu_count(),
+                   help="cores the ranks share, for the simulator (default: this machine's; 0: one per rank)")
     p.add_argument("--planners", nargs="+", default=[n for n in ("ilp", "uniform", "parameters") if n in NAMES])
     args = p.parse_args()
+    procs = args.processors or None
 
     torch.manual_seed(0)
     cfg = TinyVLMConfig()
@@ -60,42 +67,56 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
             graph = optimize(model, mb, num_stages=ranks, planner="parameters").graph
-            over = measure_overhead(ranks=ranks, schedule=args.schedule)
+            over = measure_overhead(ranks=ranks, schedule=args.schedule, processors=procs, rounds=args.rounds)
+            # The same runs read as if every rank had a core of its own, for comparison.
+            own = fit_overhead(over.samples, ranks=ranks, schedule=args.schedule)
             print(f"ranks {ranks}: runtime overhead {over.op_s * 1e3:.2f} ms per forward/backward action, "
                   f"{over.step_s * 1e3:.2f} ms per step (near-empty model, median steps "
                   f"{', '.join(f'M={m}: {t * 1e3:.1f} ms' for m, t in over.samples)})", flush=True)
             # One profile for every plan: separate profiles differ by their own noise, which would
             # then read as simulation error. More repeats than the default for a stable median.
             costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=args.repeats, clock=args.clock)
+            plans, steps = {}, {}
             for name in args.planners:
                 if plan_with_costs is not None:
-                    plan = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches, planner=name,
-                                           schedule=args.schedule)
+                    plans[name] = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches,
+                                                  planner=name, schedule=args.schedule)
                 else:
-                    plan = dataclasses.replace(PLANNERS[name](graph, ranks), schedule=args.schedule,
-                                               num_microbatches=args.microbatches)
-                raw = simulate(plan, costs)
-                sim = simulate(plan, costs, op_overhead_s=over.op_s, step_overhead_s=over.step_s)
-                path = Path(tmp) / f"plan_{ranks}_{name}.json"
-                path.write_text(plan.to_json())
-                logs = launch(
-                    RunConfig(
-                        plan=str(path), batch_size=args.mb_samples * args.microbatches, tiles_per_sample=args.tiles,
-                        text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, recompute=True,
-                    ),
-                    timeout_s=600, quiet=True,
-                )
-                measured = statistics.median(s.step_time_s for s in logs[1:])
+                    plans[name] = dataclasses.replace(PLANNERS[name](graph, ranks), schedule=args.schedule,
+                                                      num_microbatches=args.microbatches)
+                (Path(tmp) / f"plan_{ranks}_{name}.json").write_text(plans[name].to_json())
+                steps[name] = []
+            # Rounds over the plans in rotating order: the machine's speed drifts (a shared VM), and
+            # drift must not read as a difference between plans or as simulation error.
+            for r in range(args.rounds):
+                for name in args.planners[r % len(args.planners):] + args.planners[: r % len(args.planners)]:
+                    logs = launch(
+                        RunConfig(
+                            plan=str(Path(tmp) / f"plan_{ranks}_{name}.json"),
+                            batch_size=args.mb_samples * args.microbatches, tiles_per_sample=args.tiles,
+                            text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, recompute=True,
+                        ),
+                        timeout_s=600, quiet=True,
+                    )
+                    steps[name] += [s.step_time_s for s in logs[1:]]  # the first step warms up
+            for name, plan in plans.items():
+                raw = simulate(plan, costs, processors=procs)
+                sim = simulate(plan, costs, op_overhead_s=over.op_s, step_overhead_s=over.step_s, processors=procs)
+                unshared = simulate(plan, costs, op_overhead_s=own.op_s, step_overhead_s=own.step_s)
+                measured = statistics.median(steps[name])
                 err = sim.iteration_time_s / measured - 1
                 rows.append((ranks, name, list(plan.boundaries), sim.iteration_time_s, measured, err,
-                             raw.iteration_time_s / measured - 1))
+                             raw.iteration_time_s / measured - 1, unshared.iteration_time_s / measured - 1))
+                q = statistics.quantiles(steps[name], n=4) if len(steps[name]) > 1 else [measured] * 3
                 print(f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
-                      f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms, error {err:+.1%} "
-                      f"(steps: {', '.join(f'{s.step_time_s * 1e3:.0f}' for s in logs)} ms)", flush=True)
+                      f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms (quartiles "
+                      f"{q[0] * 1e3:.0f}-{q[2] * 1e3:.0f} ms over {len(steps[name])} steps), error {err:+.1%}", flush=True)
     print(f"\n{'ranks':>5}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  {'error':>7}  "
-          f"{'without overhead':>16}")
-    for ranks, name, _, s, m, e, e_raw in rows:
-        print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}")
+          f"{'without overhead':>16}  {'core per rank':>13}")
+    for ranks, name, _, s, m, e, e_raw, e_own in rows:
+        print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}  {e_own:>+13.1%}")
+    print(f"(simulated with the ranks sharing {procs or 'one core each of'} cores; 'core per rank': the same "
+          "overhead runs and costs simulated as if every rank had a core of its own)")
     worst = max(abs(r[5]) for r in rows)
     print(f"worst |error| {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
     load = os.getloadavg()[0]

@@ -411,3 +411,18 @@ def _backward_matmuls(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     with _OpCounter() as counter:
         torch.autograd.grad(loss, list(model.parameters()))
     return counter.ops.count("addmm") + counter.ops.count("mm")
+
+
+@pytest.mark.parametrize("processors", [None, 1, 2])
+def test_overhead_fit_recovers_the_model_it_fits(processors):
+    from omnibal_compile.runtime import fit_overhead
+    from omnibal_compile.sim import schedule_time
+
+    h, c, ranks = 0.002, 0.005, 4
+    samples = [(m, h * schedule_time("1f1b", ranks, m, processors=processors) + c) for m in (4, 8)]
+    fit = fit_overhead(samples, ranks=ranks, processors=processors)
+    assert fit.op_s == pytest.approx(h) and fit.step_s == pytest.approx(c) and fit.processors == processors
+    if processors is None:  # closed form: an iteration is 2 (M + S - 1) actions deep
+        assert samples[1][1] - samples[0][1] == pytest.approx(h * 2 * 4)
+    with pytest.raises(InputError, match="M1 < M2"):
+        fit_overhead(samples[::-1], ranks=ranks)

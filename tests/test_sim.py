@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from omnibal_compile.costs import BlockCost, CostTable
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.plan import Plan
-from omnibal_compile.sim import operation_order, simulate, stage_costs, sweep, sweep_table
+from omnibal_compile.sim import operation_order, schedule_time, simulate, stage_costs, sweep, sweep_table
 from omnibal_compile.units import format_size, parse_size
 
 
@@ -223,3 +223,41 @@ def test_runtime_overheads_extend_every_action_and_the_step(schedule):
     assert res.iteration_time_s == pytest.approx((M + S - 1) * (F + B + 2 * h) + c)
     with pytest.raises(InputError, match="overhead"):
         simulate(chain_plan(S, schedule=schedule, M=M), table([block(i) for i in range(S)]), op_overhead_s=-1.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S", [2, 3, 4])
+def test_shared_processors(schedule, S):
+    M, F, B = 5, 1.0, 2.0
+    plan, costs = chain_plan(S, schedule=schedule, M=M), table([block(i, F, B) for i in range(S)])
+    own = simulate(plan, costs)
+    # As many processors as devices (or more) changes nothing.
+    assert simulate(plan, costs, processors=S).iteration_time_s == pytest.approx(own.iteration_time_s)
+    assert simulate(plan, costs, processors=S + 3).iteration_time_s == pytest.approx(own.iteration_time_s)
+    # One processor: some operation can always run (no sends), so it never idles: time = all work.
+    one = simulate(plan, costs, processors=1)
+    assert one.iteration_time_s == pytest.approx(S * M * (F + B))
+    # Busy time is wall time computing, stretched by sharing: at least the work itself.
+    assert 0 <= one.bubble_fraction <= 1 - 1 / S + 1e-9
+    # In between, sharing costs time but never more than serialising everything.
+    if S > 2:
+        two = simulate(plan, costs, processors=2).iteration_time_s
+        assert own.iteration_time_s < two < one.iteration_time_s
+        assert two >= S * M * (F + B) / 2 - 1e-9  # two processors do all the work at best in half the time
+    assert schedule_time(schedule, S, M, forward_s=F, backward_s=B, processors=1) == pytest.approx(S * M * (F + B))
+    assert schedule_time(schedule, S, M, forward_s=F, backward_s=B) == pytest.approx((M + S - 1) * (F + B))
+    with pytest.raises(InputError, match="processors"):
+        simulate(plan, costs, processors=0)
+
+
+def test_shared_processors_by_hand():
+    # GPipe, 2 stages, 1 micro-batch, F = 1, B = 2 on one processor: the pipeline is a chain, only one
+    # device computes at a time: F0 [0,1], F1 [1,2], B1 [2,4], B0 [4,6].
+    res = simulate(chain_plan(2, schedule="gpipe", M=1), table([block(0, 1.0, 2.0), block(1, 1.0, 2.0)]), processors=1)
+    spans = [(e.kind, e.stage, e.start_s, e.end_s) for e in res.events if e.kind in ("forward", "backward")]
+    assert spans == [("forward", 0, 0.0, 1.0), ("forward", 1, 1.0, 2.0), ("backward", 1, 2.0, 4.0), ("backward", 0, 4.0, 6.0)]
+    # 2 micro-batches: F0(m1) and F1(m0) overlap on [1, 3] at half speed each.
+    res = simulate(chain_plan(2, schedule="gpipe", M=2), table([block(0, 1.0, 2.0), block(1, 1.0, 2.0)]), processors=1)
+    f = {(e.stage, e.microbatch): (e.start_s, e.end_s) for e in res.events if e.kind == "forward"}
+    assert f[(0, 0)] == (0.0, 1.0) and f[(0, 1)] == pytest.approx((1.0, 3.0)) and f[(1, 0)] == pytest.approx((1.0, 3.0))
+    assert res.iteration_time_s == pytest.approx(2 * 2 * 3.0)

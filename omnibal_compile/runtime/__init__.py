@@ -1,6 +1,6 @@
 """Run generated stages on ``torch.distributed.pipelining``: stage construction, training, launch."""
 
-from omnibal_compile.runtime.overhead import RuntimeOverhead, measure_overhead
+from omnibal_compile.runtime.overhead import RuntimeOverhead, fit_overhead, measure_overhead
 from omnibal_compile.runtime.pipeline import (
     RankPipeline,
     TiedParameter,
@@ -15,6 +15,7 @@ from omnibal_compile.runtime.pipeline import (
 __all__ = [
     "RuntimeOverhead",
     "measure_overhead",
+    "fit_overhead",
     "RankPipeline",
     "TiedParameter",
     "build_pipeline",

@@ -62,7 +62,7 @@ from omnibal_compile.costs import CostTable
 from omnibal_compile.errors import InputError, OmnibalError, PlanError
 from omnibal_compile.plan import SCHEDULES, Plan
 
-__all__ = ["Event", "StageCost", "SimResult", "simulate", "stage_costs", "operation_order", "SimulationError"]
+__all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 
 EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward"]
 
@@ -289,6 +289,108 @@ def _microbatch_stage_costs(
     return out
 
 
+def _timeline(
+    orders: list[list[Op]],
+    segments,
+    ready_at,
+    processors: int | None,
+    *,
+    f_start: dict[tuple[int, int], float],
+    f_end: dict[tuple[int, int], float],
+    b_end: dict[tuple[int, int], float],
+) -> list[Event]:
+    """Run every device's operations in order; fill the start/end maps and return the compute events.
+
+    An operation starts when its device is free and ``ready_at`` gives its input's arrival. Devices
+    that compute at the same moment share ``processors`` (None: one each) equally: each progresses
+    at ``min(1, processors / computing)`` seconds of work per second. A virtual clock counts work done
+    per computing device, so a segment ends when it has advanced by the segment's work; with one
+    processor per device it is the wall clock and every end is start + work exactly.
+    """
+    D = len(orders)
+    pos = [0] * D
+    # per computing device: [segments left, index, virtual finish, wall start of the segment, op]
+    running: dict[int, list] = {}
+    events: list[Event] = []
+    now = virtual = 0.0
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        # Start every idle device whose next operation's input is here by now.
+        upcoming = []
+        for d in range(D):
+            if d in running or pos[d] >= len(orders[d]):
+                continue
+            kind, s, m = orders[d][pos[d]]
+            ready = ready_at(kind, s, m)
+            if ready is None:
+                continue
+            if ready <= now:
+                segs = segments(kind, s, m)
+                running[d] = [segs, 0, virtual + segs[0][1], now, (kind, s, m)]
+                if kind == "F":
+                    f_start[(s, m)] = now
+            else:
+                upcoming.append(ready)
+        if not running and not upcoming:
+            stuck = {d: orders[d][pos[d]] for d in range(D) if pos[d] < len(orders[d])}
+            raise SimulationError(f"the operation orders deadlock; devices wait on {stuck}")
+        rate = 1.0 if processors is None else min(1.0, processors / max(1, len(running)))
+        finish = min((r[2] for r in running.values()), default=float("inf"))
+        t_finish = now + (finish - virtual) / rate if running else float("inf")
+        t_next = min(t_finish, min(upcoming, default=float("inf")))
+        if t_next < t_finish:  # an input arrives first: advance, then start it
+            virtual += (t_next - now) * rate
+            now = t_next
+            continue
+        virtual, now = finish, t_finish
+        for d in [d for d, r in running.items() if r[2] <= finish]:
+            segs, i, _, seg_start, (kind, s, m) = running[d]
+            events.append(Event(kind=segs[i][0], stage=s, device=d, microbatch=m, start_s=seg_start, end_s=now))
+            if i + 1 < len(segs):
+                running[d] = [segs, i + 1, virtual + segs[i + 1][1], now, (kind, s, m)]
+                continue
+            del running[d]
+            (f_end if kind == "F" else b_end)[(s, m)] = now
+            pos[d] += 1
+            remaining -= 1
+    return events
+
+
+def schedule_time(
+    schedule: str,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    forward_s: float = 1.0,
+    backward_s: float = 1.0,
+    virtual_stages: int = 1,
+    processors: int | None = None,
+) -> float:
+    """Iteration time of equal stages with free sends: ``forward_s``/``backward_s`` per stage and
+    micro-batch (per chunk when interleaved). Without shared processors this is the closed form,
+    e.g. (M + S - 1)(F + B) for 1F1B; ``processors`` as in :func:`simulate`."""
+    orders = operation_order(schedule, num_devices, virtual_stages, num_microbatches)
+    S = num_devices * virtual_stages
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+
+    def ready_at(kind: str, s: int, m: int) -> float | None:
+        if kind == "F":
+            return 0.0 if s == 0 else f_end.get((s - 1, m))
+        return f_end.get((s, m)) if s == S - 1 else (b_end.get((s + 1, m)) if (s, m) in f_end else None)
+
+    _timeline(
+        orders,
+        lambda kind, s, m: [("forward", forward_s)] if kind == "F" else [("backward", backward_s)],
+        ready_at,
+        processors,
+        f_start={},
+        f_end=f_end,
+        b_end=b_end,
+    )
+    return max(b_end.values())
+
+
 def simulate(
     plan: Plan,
     costs: CostTable,
@@ -299,6 +401,7 @@ def simulate(
     link_bandwidth: float | None = None,
     op_overhead_s: float = 0.0,
     step_overhead_s: float = 0.0,
+    processors: int | None = None,
 ) -> SimResult:
     """Simulate one training iteration of ``plan`` with per-block ``costs``.
 
@@ -315,9 +418,14 @@ def simulate(
             schedule's Python, send/receive posting, autograd bookkeeping); measure it on the target
             with :func:`omnibal_compile.runtime.measure_overhead`. Counted as busy time.
         step_overhead_s: fixed cost per iteration (optimizer step, barrier), added at the end.
+        processors: processors the devices share, e.g. the CPU cores under local CPU ranks (None:
+            one per device, as with one GPU per rank). When more devices compute at once than there
+            are processors, each computes at ``processors / computing`` speed (processor sharing).
     """
     if op_overhead_s < 0 or step_overhead_s < 0:
         raise InputError("op_overhead_s and step_overhead_s must be >= 0")
+    if processors is not None and processors < 1:
+        raise InputError(f"processors must be >= 1 (or None for one per device), got {processors}")
     sched = schedule or plan.schedule
     if microbatch_costs is not None and num_microbatches is None:
         M = len(microbatch_costs)
@@ -339,55 +447,37 @@ def simulate(
             return 0.0
         return per_mb[m][s].send_s * bw_scale
 
+    def segments(kind: str, s: int, m: int) -> list[tuple[EventKind, float]]:
+        """Compute work of one operation, in order: (event kind, seconds on a processor of its own)."""
+        c = per_mb[m][s]
+        if kind == "F":
+            return [("forward", c.forward_s + op_overhead_s)]
+        return ([("recompute", c.recompute_s)] if c.recompute_s > 0 else []) + [("backward", c.backward_s + op_overhead_s)]
+
+    def ready_at(kind: str, s: int, m: int) -> float | None:
+        """When an operation's input has arrived, or None while its producer has not finished."""
+        if kind == "F":
+            if s == 0:
+                return 0.0
+            return f_end[(s - 1, m)] + send(s - 1, m) if (s - 1, m) in f_end else None
+        if (s, m) not in f_end:
+            return None
+        if s == S - 1:
+            return f_end[(s, m)]
+        return b_end[(s + 1, m)] + send(s, m) if (s + 1, m) in b_end else None
+
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
     f_start: dict[tuple[int, int], float] = {}
-    events: list[Event] = []
-    free = [0.0] * D
-    pos = [0] * D
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for d in range(D):
-            while pos[d] < len(orders[d]):
-                kind, s, m = orders[d][pos[d]]
-                if kind == "F":
-                    if s > 0 and (s - 1, m) not in f_end:
-                        break
-                    ready = f_end[(s - 1, m)] + send(s - 1, m) if s > 0 else 0.0
-                    start = max(free[d], ready)
-                    end = start + per_mb[m][s].forward_s + op_overhead_s
-                    events.append(Event(kind="forward", stage=s, device=d, microbatch=m, start_s=start, end_s=end))
-                    f_start[(s, m)], f_end[(s, m)] = start, end
-                    if s + 1 < S and send(s, m) > 0:
-                        events.append(Event(
-                            kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m)
-                        ))
-                else:
-                    if (s, m) not in f_end or (s < S - 1 and (s + 1, m) not in b_end):
-                        break
-                    ready = f_end[(s, m)] if s == S - 1 else b_end[(s + 1, m)] + send(s, m)
-                    start = max(free[d], ready)
-                    c = per_mb[m][s]
-                    if c.recompute_s > 0:
-                        events.append(Event(
-                            kind="recompute", stage=s, device=d, microbatch=m, start_s=start, end_s=start + c.recompute_s
-                        ))
-                    b_start = start + c.recompute_s
-                    end = b_start + c.backward_s + op_overhead_s
-                    events.append(Event(kind="backward", stage=s, device=d, microbatch=m, start_s=b_start, end_s=end))
-                    b_end[(s, m)] = end
-                    if s > 0 and send(s - 1, m) > 0:
-                        events.append(Event(
-                            kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m)
-                        ))
-                free[d] = end
-                pos[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {d: orders[d][pos[d]] for d in range(D) if pos[d] < len(orders[d])}
-            raise SimulationError(f"the operation orders deadlock; devices wait on {stuck}")
+    events = _timeline(orders, segments, ready_at, processors, f_start=f_start, f_end=f_end, b_end=b_end)
+    for (s, m), end in f_end.items():
+        if s + 1 < S and send(s, m) > 0:
+            d = s % D
+            events.append(Event(kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m)))
+    for (s, m), end in b_end.items():
+        if s > 0 and send(s - 1, m) > 0:
+            d = s % D
+            events.append(Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m)))
 
     T = max(b_end.values()) + step_overhead_s
     compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]

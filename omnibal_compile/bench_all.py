@@ -42,14 +42,17 @@ KINDS: dict[str, str] = {
 }
 """What kind of figures each script prints, by file name."""
 
-FULL_ARGS: dict[str, tuple[str, ...]] = {"data_balance.py": ("--no-progress",)}
+FULL_ARGS: dict[str, tuple[str, ...]] = {
+    "data_balance.py": ("--no-progress",),
+    "sim_vs_real.py": ("--ranks", "2", "4"),
+}
 """Flags every run passes (e.g. no progress bars in a log)."""
 
 QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "cost_accuracy.py": ("--quick",),
     "data_balance.py": ("--no-progress", "--scale", "300000"),
     "pipeline_cpu.py": ("--steps", "5"),
-    "sim_vs_real.py": ("--steps", "4"),
+    "sim_vs_real.py": ("--steps", "4", "--rounds", "1"),
     "solver.py": ("--quick",),
     "paper_scale.py": ("--quick",),
 }

@@ -205,7 +205,9 @@ def test_ilp_matches_dp_on_a_medium_budgeted_instance(seed):
     tight = PartitionProblem(**base, budget=(1.3 * least,) * 4)
     dp = solve_dp(tight)
     assert sum(r != "none" for r in dp.recompute) >= n // 2
-    for ilp in (solve(tight, "ilp"), solve_ilp(tight, time_limit=60, gap=1e-9)):
+    cbc = solve(tight, "ilp", solver="cbc")
+    assert cbc.extra["solver"] == "PULP_CBC_CMD"
+    for ilp in (solve(tight, "ilp"), solve_ilp(tight, time_limit=60, gap=1e-9), cbc):
         assert ilp.feasible and close(ilp.iteration_time, dp.iteration_time), (ilp, dp)
         assert all(m <= 1.3 * least * (1 + 1e-9) for m in ilp.stage_memory)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths
 from omnibal_compile.models.scale import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B, VLMSpec, type_costs
-from omnibal_compile.paper_scale import PAPER_GPU_DAYS, MicroBatches, Setup, format_table, make_batches, run_ablation
+from omnibal_compile.paper_scale import PAPER_GPU_DAYS, MicroBatches, Setup, format_ablation, make_batches, run_ablation
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 
@@ -136,7 +136,7 @@ def main() -> int:
         chain = [r.gpu_days for r in rows if r.chain]
         monotone = all(b <= a * (1 + 1e-9) for a, b in zip(chain, chain[1:]))
         if show:
-            print(format_table(setup, rows, paper))
+            print(format_ablation(setup, rows, paper))
             ilp = "; ".join(f"{r.plan.status} in {r.plan.solve_seconds:.1f} s" for r in rows
                             if r.plan is not None and r.plan.planner == "ilp")
             print(f"monotone: {'yes' if monotone else 'NO'}; ILP solves: {ilp}; elapsed {time.perf_counter() - start:.0f} s\n")

@@ -76,7 +76,7 @@ __all__ = [
     "plan_steps",
     "vit_first_boundaries",
     "run_ablation",
-    "format_table",
+    "format_ablation",
 ]
 
 PAPER_GPU_DAYS: dict[str, tuple[float, ...]] = {
@@ -428,7 +428,7 @@ def _stage_layout(model: VLMSpec, plan: PlanChoice) -> str:
     return "|".join(parts) + "  " + ",".join(f"{o[:3]}:{c}" for o, c in rec.items())
 
 
-def format_table(setup: Setup, rows: Sequence[Row], paper: Sequence[float] = ()) -> str:
+def format_ablation(setup: Setup, rows: Sequence[Row], paper: Sequence[float] = ()) -> str:
     """The ablation as printed by ``bench/paper_scale.py``; ``paper`` aligns the paper's GPU-days with the chain."""
     base = rows[0].gpu_days
     chain = [r for r in rows if r.chain]

@@ -22,7 +22,7 @@ from omnibal_compile.models.scale import (
     type_costs,
 )
 from omnibal_compile.passes.cost import Precision
-from omnibal_compile.paper_scale import PlanChoice, Setup, make_batches, pipeline_times, run_ablation, stage_times
+from omnibal_compile.paper_scale import PlanChoice, Setup, format_ablation, make_batches, pipeline_times, run_ablation, stage_times
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim import simulate
 from omnibal_compile.solver import problem_from_costs, solve
@@ -130,6 +130,8 @@ def test_ablation_is_monotone_on_a_reduced_configuration():
     assert all(r.fits for r in rows if r.chain)
     assert rows[0].plan.recompute == ("full",) * INTERNVL_6B_20B.num_blocks
     assert time.perf_counter() - start < 60
+    text = format_ablation(setup, rows, paper=(1.0, 0.84, 0.469, 0.345))  # the table the bench prints
+    assert all(r.name in text for r in rows) and "1.000" in text and "0.345" in text
 
 
 def test_bench_all_runs_every_script_and_records_failures(tmp_path):

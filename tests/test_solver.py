@@ -21,6 +21,7 @@ from omnibal_compile.solver import (
     solve_dp,
     solve_ilp,
 )
+from omnibal_compile.solver.dp import interleaved_incumbent
 from omnibal_compile.solver.problem import OPTIONS, in_flight
 
 GiB = 2**30
@@ -115,6 +116,8 @@ def test_interleaved_ilp_matches_brute_force(P, v):
         return
     sol = solve(P, "ilp")
     assert sol.feasible and close(sol.iteration_time, oracle.iteration_time)
+    start = interleaved_incumbent(P)  # the ILP's starting plan: feasible, never better than optimal
+    assert start.feasible and start.iteration_time >= oracle.iteration_time * (1 - 1e-9)
 
 
 def equal_problem(n=8, S=4, M=8, schedule="1f1b", budget=None, v=1):
@@ -210,6 +213,22 @@ def test_ilp_matches_dp_on_a_medium_budgeted_instance(seed):
     for ilp in (solve(tight, "ilp"), solve_ilp(tight, time_limit=60, gap=1e-9), cbc):
         assert ilp.feasible and close(ilp.iteration_time, dp.iteration_time), (ilp, dp)
         assert all(m <= 1.3 * least * (1 + 1e-9) for m in ilp.stage_memory)
+
+
+def test_a_time_limited_ilp_returns_its_plan_and_says_it_stopped():
+    # Interleaved has no exact DP, so the ILP must prove optimality itself; 10 ms is not enough.
+    rng = random.Random(3)
+    n = 40
+    time = [(f, 1.1 * f, 1.3 * f) for f in (rng.uniform(1, 3) for _ in range(n))]
+    P = PartitionProblem(
+        names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=tuple(time),
+        act=((GiB, GiB // 2, GiB // 8),) * n, static=(GiB,) * n, cut_time=(0.0,) * (n + 1), cut_bytes=(0,) * (n + 1),
+        num_params=(100,) * n, flops=tuple(t[0] for t in time), num_stages=8, num_microbatches=8,
+        schedule="interleaved", virtual_stages=2,
+    )
+    sol = solve(P, "ilp", time_limit=0.01)
+    assert sol.feasible and "stopped at the time limit" in sol.status, sol.status
+    assert sol.iteration_time <= interleaved_incumbent(P).iteration_time * (1 + 1e-9)
 
 
 def test_bad_problems_are_rejected():

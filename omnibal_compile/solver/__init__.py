@@ -2,15 +2,16 @@
 
 ``solve(problem, planner)`` runs any planner by name: ``ilp`` (PuLP; HiGHS or CBC, bounded and
 warm-started by the DP when the schedule allows), ``dp`` (exact dynamic program), or a baseline
-(``uniform``, ``parameters``, ``flops``, ``omnibal``). Infeasible budgets raise ``PlanError`` with an
-explanation.
+(``uniform``, ``parameters``, ``flops``, ``omnibal``). Interleaved schedules have no exact DP: the
+ILP starts from the best of the baselines and the DP's interleaved incumbent. Infeasible budgets
+raise ``PlanError`` with an explanation.
 """
 
 from __future__ import annotations
 
 from omnibal_compile.errors import PlanError
 from omnibal_compile.solver.baselines import BASELINES, min_max_partition, uniform_boundaries
-from omnibal_compile.solver.dp import solve_dp
+from omnibal_compile.solver.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.solver.explain import explain_infeasible, least_memory_split
 from omnibal_compile.solver.ilp import solve_ilp
 from omnibal_compile.solver.problem import PartitionProblem, Solution, evaluate, in_flight, lower_bound, problem_from_costs
@@ -72,6 +73,10 @@ def solve(
                 continue
             if candidate.feasible:
                 feasible.append(candidate)
+        try:
+            feasible.append(interleaved_incumbent(problem))
+        except PlanError:
+            pass
         incumbent = min(feasible, key=lambda s: s.iteration_time) if feasible else None
     else:
         incumbent = solve_dp(problem)

@@ -8,11 +8,13 @@ Two facts make it exact:
    Pareto frontier of (activation bytes, time) over the range's option vectors.
 2. Over cut points, the objective is monotone in (sum, max) of stage times, so keeping the Pareto
    set of (sum, max) for every prefix (s stages covering blocks [0, j)) loses no optimum.
-Interleaved schedules couple non-adjacent stages on one device; use the ILP for them.
+Interleaved schedules couple non-adjacent stages on one device, so the DP is not exact for them;
+``interleaved_incumbent`` uses it for a good starting plan and bound, and the ILP proves or improves it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -21,7 +23,7 @@ import numpy as np
 from omnibal_compile.errors import PlanError
 from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight
 
-__all__ = ["solve_dp", "Frontiers"]
+__all__ = ["solve_dp", "interleaved_incumbent", "Frontiers"]
 
 
 class Frontiers:
@@ -90,26 +92,71 @@ def solve_dp(problem: PartitionProblem, *, frontiers: Frontiers | None = None) -
     if problem.schedule == "interleaved":
         raise PlanError("the dynamic program handles gpipe and 1f1b; use the ILP for interleaved schedules")
     start = time.perf_counter()
-    P = problem
-    n, S, M = P.n, P.num_stages, P.num_microbatches
+    P, M = problem, problem.num_microbatches
     if frontiers is None:
-        # A quick incumbent bounds the bottleneck, so ranges slower than that are never built.
-        from omnibal_compile.solver.baselines import BASELINES
+        frontiers = Frontiers(P, max_time=_max_stage_time(P))
+    states = _pareto_states(P, frontiers)
+    final = states[-1][P.n]
+    best = min(range(len(final)), key=lambda q: final[q][0] + (M - 1) * final[q][1])
+    boundaries, opts = _plan_of(P, frontiers, states, best)
+    return evaluate(
+        P, boundaries, [OPTIONS[o] for o in opts], planner="dp", status="optimal",
+        solve_seconds=time.perf_counter() - start, gap=0.0,
+    )
 
-        bound = math.inf
-        for name in ("flops", "parameters"):
-            b = BASELINES[name](P)
-            if b.feasible:
-                bound = min(bound, b.iteration_time)
-        fastest = sum(min(P.time[i][o] for o in P.option_indices()) for i in range(n))
-        max_time = (bound - fastest) / (M - 1) if M > 1 and bound < math.inf else bound
-        frontiers = Frontiers(P, max_time=max_time)
-    F = frontiers
+
+def interleaved_incumbent(problem: PartitionProblem) -> Solution:
+    """A good plan for the interleaved schedule, not proven optimal (a start and bound for the ILP).
+
+    Stages of one device are not adjacent, so the DP's state cannot carry device times. It keeps
+    every plan that is Pareto-optimal in (sum, max) of stage times, with each stage's recompute
+    chosen for its own interleaved in-flight count and budget, and returns the one whose
+    interleaved iteration time is least. Raises PlanError when nothing fits.
+    """
+    start = time.perf_counter()
+    P = problem
+    F = Frontiers(P, max_time=_max_stage_time(P))
+    states = _pareto_states(P, F)
+    best: Solution | None = None
+    for q in range(len(states[-1][P.n])):
+        boundaries, opts = _plan_of(P, F, states, q)
+        sol = evaluate(P, boundaries, [OPTIONS[o] for o in opts], planner="dp-incumbent", status="heuristic")
+        if best is None or sol.iteration_time < best.iteration_time:
+            best = sol
+    assert best is not None  # _pareto_states raised if nothing fits
+    return dataclasses.replace(best, solve_seconds=time.perf_counter() - start)
+
+
+def _max_stage_time(P: PartitionProblem) -> float:
+    """An upper bound on any stage's time in an optimal plan, from a quick baseline (inf if none fits)."""
+    from omnibal_compile.solver.baselines import BASELINES
+
+    bound = math.inf
+    for name in ("flops", "parameters"):
+        b = BASELINES[name](P)
+        if b.feasible:
+            bound = min(bound, b.iteration_time)
+    if bound == math.inf:
+        return bound
+    M = P.num_microbatches
+    fastest = sum(min(P.time[i][o] for o in P.option_indices()) for i in range(P.n))
+    if P.schedule == "interleaved":  # a stage is part of its device's time, M T_d <= bound - c sum T
+        p, v = P.num_devices, P.virtual_stages
+        return (bound - (p - 1) / (p * v) * fastest) / M
+    return (bound - fastest) / (M - 1) if M > 1 else bound
+
+
+State = tuple[float, float, int, int, int]
+"""(sum of stage times, max stage time, start block i of the last stage, parent state, frontier point)."""
+
+
+def _pareto_states(P: PartitionProblem, F: Frontiers) -> list[list[list[State]]]:
+    """states[s][j]: the Pareto set of (sum, max) over plans of blocks [0, j) in s stages."""
+    n, S = P.n, P.num_stages
     prefix_w = [0]
     for w in P.static:
         prefix_w.append(prefix_w[-1] + w)
-    # states[s][j]: Pareto list of (sum, max, i, parent state index, frontier point) for [0, j) in s stages.
-    states: list[list[list[tuple[float, float, int, int, int]]]] = [[[] for _ in range(n + 1)] for _ in range(S + 1)]
+    states: list[list[list[State]]] = [[[] for _ in range(n + 1)] for _ in range(S + 1)]
     states[0][0] = [(0.0, 0.0, -1, -1, -1)]
     for s in range(S):
         k_s = in_flight(P, s)
@@ -139,24 +186,19 @@ def solve_dp(problem: PartitionProblem, *, frontiers: Frontiers | None = None) -
                     front.append(c)
                     best_sum = c[0]
             states[s + 1][j] = front
-    final = states[S][n]
-    if not final:
+    if not states[S][n]:
         raise PlanError("no partition fits the memory budget")  # explained by planner.explain_infeasible
-    best = min(range(len(final)), key=lambda q: final[q][0] + (M - 1) * final[q][1])
-    boundaries = [n]
+    return states
+
+
+def _plan_of(P: PartitionProblem, F: Frontiers, states: list[list[list[State]]], q: int) -> tuple[list[int], list[int]]:
+    """(boundaries, option per block) of final state q."""
+    boundaries = [P.n]
     opts: list[int] = []
-    s, j, q = S, n, best
+    s, j = P.num_stages, P.n
     while s > 0:
         _, _, i, parent, k = states[s][j][q]
         opts = F.options(i, j, k) + opts
         boundaries.append(i)
         s, j, q = s - 1, i, parent
-    return evaluate(
-        P,
-        boundaries[::-1],
-        [OPTIONS[o] for o in opts],
-        planner="dp",
-        status="optimal",
-        solve_seconds=time.perf_counter() - start,
-        gap=0.0,
-    )
+    return boundaries[::-1], opts

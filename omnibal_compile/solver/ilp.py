@@ -272,7 +272,12 @@ def solve_ilp(
     if any(c != 1 for c in chosen):
         raise PlanError(f"the ILP found no plan that fits the memory budget (solver status {status})")
     found_gap = _gap(prob, solver)
-    note = status if found_gap is None or found_gap <= 1e-6 else f"{status}, gap {found_gap:.2%}"
+    if found_gap is None or found_gap <= 1e-6:
+        note = status
+    elif math.isfinite(found_gap):
+        note = f"{status}, gap {found_gap:.2%}"
+    else:
+        note = f"{status}, no lower bound yet"
     boundaries, recompute = _read(w, n, S, opts)
     return evaluate(
         original,
@@ -339,6 +344,9 @@ def _solve(prob, solver: str, time_limit: float | None, warm: bool, gap: float) 
     if warm and isinstance(s, pulp.PULP_CBC_CMD):
         s.optionsDict["warmStart"] = True
     prob.solve(s)
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        # PuLP reports 'Optimal' for a solver stopped by its limits with a plan in hand; say which.
+        return "Feasible (stopped at the time limit)"
     return pulp.LpStatus[prob.status]
 
 

@@ -289,6 +289,22 @@ def _microbatch_stage_costs(
     return out
 
 
+def _ready_at(
+    kind: str, s: int, m: int, S: int, f_end: dict[tuple[int, int], float], b_end: dict[tuple[int, int], float], send
+) -> float | None:
+    """When operation (kind, s, m)'s input has arrived (``send(s, m)``: time from stage s to s + 1 and
+    back), or None while its producer has not finished."""
+    if kind == "F":
+        if s == 0:
+            return 0.0
+        return f_end[(s - 1, m)] + send(s - 1, m) if (s - 1, m) in f_end else None
+    if (s, m) not in f_end:
+        return None
+    if s == S - 1:
+        return f_end[(s, m)]
+    return b_end[(s + 1, m)] + send(s, m) if (s + 1, m) in b_end else None
+
+
 def _timeline(
     orders: list[list[Op]],
     segments,
@@ -373,16 +389,10 @@ def schedule_time(
     S = num_devices * virtual_stages
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
-
-    def ready_at(kind: str, s: int, m: int) -> float | None:
-        if kind == "F":
-            return 0.0 if s == 0 else f_end.get((s - 1, m))
-        return f_end.get((s, m)) if s == S - 1 else (b_end.get((s + 1, m)) if (s, m) in f_end else None)
-
     _timeline(
         orders,
         lambda kind, s, m: [("forward", forward_s)] if kind == "F" else [("backward", backward_s)],
-        ready_at,
+        lambda kind, s, m: _ready_at(kind, s, m, S, f_end, b_end, lambda s, m: 0.0),
         processors,
         f_start={},
         f_end=f_end,
@@ -454,22 +464,13 @@ def simulate(
             return [("forward", c.forward_s + op_overhead_s)]
         return ([("recompute", c.recompute_s)] if c.recompute_s > 0 else []) + [("backward", c.backward_s + op_overhead_s)]
 
-    def ready_at(kind: str, s: int, m: int) -> float | None:
-        """When an operation's input has arrived, or None while its producer has not finished."""
-        if kind == "F":
-            if s == 0:
-                return 0.0
-            return f_end[(s - 1, m)] + send(s - 1, m) if (s - 1, m) in f_end else None
-        if (s, m) not in f_end:
-            return None
-        if s == S - 1:
-            return f_end[(s, m)]
-        return b_end[(s + 1, m)] + send(s, m) if (s + 1, m) in b_end else None
-
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
     f_start: dict[tuple[int, int], float] = {}
-    events = _timeline(orders, segments, ready_at, processors, f_start=f_start, f_end=f_end, b_end=b_end)
+    events = _timeline(
+        orders, segments, lambda kind, s, m: _ready_at(kind, s, m, S, f_end, b_end, send), processors,
+        f_start=f_start, f_end=f_end, b_end=b_end,
+    )
     for (s, m), end in f_end.items():
         if s + 1 < S and send(s, m) > 0:
             d = s % D

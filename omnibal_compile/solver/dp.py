@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from omnibal_compile.errors import PlanError
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, stage_time_bound
 
 __all__ = ["solve_dp", "interleaved_incumbent", "Frontiers"]
 
@@ -36,6 +36,11 @@ class Frontiers:
     def __init__(self, problem: PartitionProblem, *, max_time: float = math.inf) -> None:
         """``max_time``: ranges whose fastest time exceeds it can never be a stage; they are not built."""
         self.problem = problem
+        self.prefix_static = [0.0]
+        for w in problem.static:
+            self.prefix_static.append(self.prefix_static[-1] + w)
+        self.in_flight = [in_flight(problem, s) for s in range(problem.num_stages)]
+        self.budget = [problem.stage_budget(s) for s in range(problem.num_stages)]
         opts = np.array(problem.option_indices())
         n = problem.n
         fastest = [min(problem.time[b][o] for o in opts) for b in range(n)]
@@ -76,6 +81,17 @@ class Frontiers:
         acts = self.acts[i][j - i - 1]
         k = int(np.searchsorted(acts, cap * (1 + 1e-12) + 1e-9, side="right")) - 1
         return k if k >= 0 else None
+
+    def best_stage(self, s: int, i: int, j: int) -> tuple[float, int] | None:
+        """(T_s, frontier point) of stage ``s`` running [i, j) with its fastest option vector that fits
+        its memory (budget - static - receive buffer, shared by k_s micro-batches), or None."""
+        P = self.problem
+        recv = P.cut_bytes[i] if i > 0 else 0
+        cap = (self.budget[s] - (self.prefix_static[j] - self.prefix_static[i]) - recv) / self.in_flight[s]
+        k = self.fastest_within(i, j, cap) if cap >= 0 else None
+        if k is None:
+            return None
+        return float(self.times[i][j - i - 1][k]) + P.cut_time[i] + P.cut_time[j], k
 
     def options(self, i: int, j: int, k: int) -> list[int]:
         """Option index of every block of [i, j) at frontier point k."""
@@ -131,19 +147,8 @@ def _max_stage_time(P: PartitionProblem) -> float:
     """An upper bound on any stage's time in an optimal plan, from a quick baseline (inf if none fits)."""
     from omnibal_compile.solver.baselines import BASELINES
 
-    bound = math.inf
-    for name in ("flops", "parameters"):
-        b = BASELINES[name](P)
-        if b.feasible:
-            bound = min(bound, b.iteration_time)
-    if bound == math.inf:
-        return bound
-    M = P.num_microbatches
-    fastest = sum(min(P.time[i][o] for o in P.option_indices()) for i in range(P.n))
-    if P.schedule == "interleaved":  # a stage is part of its device's time, M T_d <= bound - c sum T
-        p, v = P.num_devices, P.virtual_stages
-        return (bound - (p - 1) / (p * v) * fastest) / M
-    return (bound - fastest) / (M - 1) if M > 1 else bound
+    feasible = [b.iteration_time for b in (BASELINES[name](P) for name in ("flops", "parameters")) if b.feasible]
+    return stage_time_bound(P, min(feasible)) if feasible else math.inf
 
 
 State = tuple[float, float, int, int, int]
@@ -153,28 +158,17 @@ State = tuple[float, float, int, int, int]
 def _pareto_states(P: PartitionProblem, F: Frontiers) -> list[list[list[State]]]:
     """states[s][j]: the Pareto set of (sum, max) over plans of blocks [0, j) in s stages."""
     n, S = P.n, P.num_stages
-    prefix_w = [0]
-    for w in P.static:
-        prefix_w.append(prefix_w[-1] + w)
     states: list[list[list[State]]] = [[[] for _ in range(n + 1)] for _ in range(S + 1)]
     states[0][0] = [(0.0, 0.0, -1, -1, -1)]
     for s in range(S):
-        k_s = in_flight(P, s)
-        budget = P.stage_budget(s)
         for j in range(s + 1, n - (S - s - 1) + 1):
             cands = []
             for i in range(s, j):
                 prev = states[s][i]
-                if not prev:
+                best = F.best_stage(s, i, j) if prev else None
+                if best is None:
                     continue
-                recv = P.cut_bytes[i] if i > 0 else 0
-                cap = (budget - (prefix_w[j] - prefix_w[i]) - recv) / k_s
-                if cap < 0:
-                    continue
-                k = F.fastest_within(i, j, cap)
-                if k is None:
-                    continue
-                T = float(F.times[i][j - i - 1][k]) + P.cut_time[i] + P.cut_time[j]
+                T, k = best
                 for idx, (sm, mx, _, _, _) in enumerate(prev):
                     cands.append((sm + T, max(mx, T), i, idx, k))
             if not cands:

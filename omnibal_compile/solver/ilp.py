@@ -33,7 +33,15 @@ from collections.abc import Sequence
 
 from omnibal_compile.errors import PlanError
 from omnibal_compile.solver.dp import Frontiers
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, lower_bound
+from omnibal_compile.solver.problem import (
+    OPTIONS,
+    PartitionProblem,
+    Solution,
+    evaluate,
+    in_flight,
+    lower_bound,
+    stage_time_bound,
+)
 
 __all__ = ["solve_ilp", "make_solver"]
 
@@ -122,7 +130,7 @@ def solve_ilp(
     fastest = [min(P.time[i][o] for o in opts) for i in range(n)]
     lo = [max(0, S - (n - i)) for i in range(n)]
     hi = [min(S - 1, i) for i in range(n)]
-    tau = _stage_time_bound(P, upper_bound, sum(fastest)) if upper_bound is not None else None
+    tau = stage_time_bound(P, upper_bound * (1 + BOUND_MARGIN)) if upper_bound is not None else None
     if tau is not None and tau > 0:
         prefix = 0.0
         suffix = sum(fastest)
@@ -299,12 +307,8 @@ def _interval_floors(P: PartitionProblem, lo: list[int], hi: list[int], tau: flo
     """
     n, S = P.n, P.num_stages
     frontiers = Frontiers(P, max_time=tau if tau is not None and tau > 0 else math.inf)
-    prefix_static = [0]
-    for b in P.static:
-        prefix_static.append(prefix_static[-1] + b)
     floor: dict[tuple[int, int, int], float] = {}
     for s in range(S):
-        k_s, budget = in_flight(P, s), P.stage_budget(s)
         for i in range(n):
             if (i == 0) != (s == 0) or not lo[i] <= s <= hi[i] or (i > 0 and not lo[i - 1] <= s - 1 <= hi[i - 1]):
                 continue
@@ -313,28 +317,12 @@ def _interval_floors(P: PartitionProblem, lo: list[int], hi: list[int], tau: flo
                     break  # lo is non-decreasing: no longer interval fits on stage s either
                 if (j == n) != (s == S - 1) or (j < n and not lo[j] <= s + 1 <= hi[j]) or s > hi[j - 1]:
                     continue
-                recv = P.cut_bytes[i] if i > 0 else 0
-                k = frontiers.fastest_within(i, j, (budget - (prefix_static[j] - prefix_static[i]) - recv) / k_s)
-                if k is None:
-                    continue
-                t = float(frontiers.times[i][j - i - 1][k]) + P.cut_time[i] + P.cut_time[j]
-                if tau is None or t <= tau * (1 + 1e-9):
-                    floor[i, j, s] = t
+                best = frontiers.best_stage(s, i, j)
+                if best is not None and (tau is None or best[0] <= tau * (1 + 1e-9)):
+                    floor[i, j, s] = best[0]
     if not floor:
         raise PlanError("no stage range fits the memory budget within the bound: the ILP has no plan")
     return floor
-
-
-def _stage_time_bound(P: PartitionProblem, upper_bound: float, min_total: float) -> float:
-    """Largest stage time any plan with objective <= upper_bound can have."""
-    M = P.num_microbatches
-    slack = upper_bound * (1 + BOUND_MARGIN)
-    if P.schedule in ("gpipe", "1f1b"):
-        # sum_s T_s + (M - 1) Tmax <= UB and sum_s T_s >= min_total + Tmax - ... ; bound Tmax by
-        # (UB - (min_total - Tmax)) / M  <=>  Tmax <= (UB - min_total) / (M - 1) + ... use the safe form:
-        return (slack - min_total) / (M - 1) if M > 1 else slack
-    p, v = P.num_devices, P.virtual_stages
-    return (slack - (p - 1) / (p * v) * min_total) / M
 
 
 def _solve(prob, solver: str, time_limit: float | None, warm: bool, gap: float) -> str:

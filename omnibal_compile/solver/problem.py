@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from omnibal_compile.costs import RECOMPUTE_OPTIONS, CostTable
 from omnibal_compile.errors import InputError, PlanError
 
-__all__ = ["PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound"]
+__all__ = ["PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound"]
 
 OPTIONS = RECOMPUTE_OPTIONS
 
@@ -218,6 +218,21 @@ def evaluate(
         binding=binding,
         extra=dict(extra or {}),
     )
+
+
+def stage_time_bound(problem: PartitionProblem, iteration_bound: float) -> float:
+    """Largest stage time any plan with iteration time <= ``iteration_bound`` can have.
+
+    1F1B/GPipe: sum_s T_s + (M - 1) max_s T_s <= bound and sum_s T_s >= the fastest total work W,
+    so max_s T_s <= (bound - W) / (M - 1). Interleaved: a stage is part of its device's time and
+    M T_d <= bound - (p - 1) / (p v) W.
+    """
+    P, M = problem, problem.num_microbatches
+    work = sum(min(P.time[i][o] for o in P.option_indices()) for i in range(P.n))
+    if P.schedule in ("gpipe", "1f1b"):
+        return (iteration_bound - work) / (M - 1) if M > 1 else iteration_bound
+    p, v = P.num_devices, P.virtual_stages
+    return (iteration_bound - (p - 1) / (p * v) * work) / M
 
 
 def lower_bound(problem: PartitionProblem) -> float:

@@ -2,15 +2,32 @@
 
 Capture a model into an FX graph, group it into blocks, plan pipeline cut points, and emit one
 module per stage that together reproduce the original model exactly.
+
+The public names load on first use (PEP 562): ``import omnibal_compile.solver``, ``.sim`` or
+``.costs`` does not import torch, and the command line answers ``--help`` without it.
 """
 
-from omnibal_compile.api import OptimizeResult, ParityReport, PassError, optimize
-from omnibal_compile.errors import CaptureError, InputError, OmnibalError, PlanError
-from omnibal_compile.passes.codegen import StageInfo, stage_info
-from omnibal_compile.plan import Plan, StagePlan
-from omnibal_compile.sim import SimResult, simulate
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from omnibal_compile.errors import CaptureError, InputError, OmnibalError, PassError, PlanError
 
 __version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    "optimize": "omnibal_compile.api",
+    "OptimizeResult": "omnibal_compile.api",
+    "ParityReport": "omnibal_compile.api",
+    "StageInfo": "omnibal_compile.passes.codegen",
+    "stage_info": "omnibal_compile.passes.codegen",
+    "Plan": "omnibal_compile.plan",
+    "StagePlan": "omnibal_compile.plan",
+    "simulate": "omnibal_compile.sim",
+    "SimResult": "omnibal_compile.sim",
+}
+"""Public name -> the module that defines it."""
 
 __all__ = [
     "optimize",
@@ -28,3 +45,23 @@ __all__ = [
     "simulate",
     "SimResult",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omnibal_compile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from omnibal_compile.api import OptimizeResult, ParityReport, optimize
+    from omnibal_compile.passes.codegen import StageInfo, stage_info
+    from omnibal_compile.plan import Plan, StagePlan
+    from omnibal_compile.sim import SimResult, simulate

@@ -6,30 +6,36 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.costs import CostTable
+from omnibal_compile.costs import BF16_ADAM, CostTable, Precision
 from omnibal_compile.data.plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
-from omnibal_compile.errors import InputError, OmnibalError, PlanError
+from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
-from omnibal_compile.passes.capture import CaptureMethod, Captured, capture, normalize_example_inputs
+from omnibal_compile.passes.capture import (
+    CaptureMethod,
+    Captured,
+    capture,
+    normalize_example_inputs,
+    scalar_to_differentiate,
+    split_batch,
+)
 from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
-from omnibal_compile.passes.cost import BF16_ADAM, Precision, annotate_costs
+from omnibal_compile.passes.cost import annotate_costs
 from omnibal_compile.passes.partition import COST_PLANNERS, PLANNERS, Planner, check_num_stages, plan_with_costs
 from omnibal_compile.plan import Plan
 from omnibal_compile.units import parse_size
 
-__all__ = ["optimize", "OptimizeResult", "ParityReport", "PassError"]
+if TYPE_CHECKING:  # the kernel pass imports Triton glue; load it only when kernels= is asked for
+    from omnibal_compile.passes.kernels import KernelReport
 
-
-class PassError(OmnibalError):
-    """A pass failed; the message names it and the passes that ran before it."""
+__all__ = ["optimize", "compile_for_microbatches", "OptimizeResult", "ParityReport", "PassError"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,14 +69,6 @@ class ParityReport:
         )
 
 
-def _scalar_to_differentiate(flat_out: Sequence[Any]) -> torch.Tensor:
-    tensors = [t for t in flat_out if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not tensors:
-        raise InputError("the model's output has no floating-point tensor that requires grad; nothing to differentiate")
-    scalars = [t for t in tensors if t.dim() == 0]
-    return scalars[0] if scalars else sum(t.float().sum() for t in tensors)  # type: ignore[return-value]
-
-
 @dataclass(frozen=True, kw_only=True)
 class OptimizeResult:
     """What :func:`optimize` built: the plan, one module per stage, and the intermediate results."""
@@ -91,6 +89,8 @@ class OptimizeResult:
     """Per-block costs when ``optimize(device=...)`` was given one; None otherwise."""
     data: DataPlan | None = None
     """Balanced micro-batch shape, sampler and collator when ``optimize(lengths=...)`` was given; None otherwise."""
+    kernels: KernelReport | None = None
+    """What the kernel pass rewrote when ``optimize(kernels=...)`` was given; None otherwise."""
 
     def stage_info(self, index: int) -> StageInfo:
         """Inputs, outputs, blocks and parameter names of stage ``index``."""
@@ -115,13 +115,13 @@ class OptimizeResult:
         params = [p for _, p in named]
         ref_out = self.model(*args, **kwargs)
         ref_flat = pytree.tree_leaves(ref_out)
-        ref_loss = _scalar_to_differentiate(ref_flat)
+        ref_loss = scalar_to_differentiate(ref_flat)
         ref_grads = torch.autograd.grad(ref_loss, params, allow_unused=True)
         out = self.run(*args, **kwargs)
         flat = pytree.tree_leaves(out)
         if len(flat) != len(ref_flat):
             raise OmnibalError(f"stages returned {len(flat)} outputs, the model {len(ref_flat)}")
-        loss = _scalar_to_differentiate(flat)
+        loss = scalar_to_differentiate(flat)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         out_diff = max(
             (float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0)
@@ -246,10 +246,13 @@ def optimize(
     if example_inputs is None:
         raise InputError("optimize() needs example_inputs, or lengths=... to build a batch of the balanced shape")
     captured = _run_pass("capture", done, timings, lambda: capture(model, example_inputs, method=capture_method))
+    kernel_report = None
     if kernels is not None:
         from omnibal_compile.passes.kernels import substitute_kernels
 
-        _run_pass("kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels))
+        captured, kernel_report = _run_pass(
+            "kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels)
+        )
     graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
     if plan is None:
         check_num_stages(graph, num_stages)  # before costing: a bad stage count should fail fast
@@ -299,5 +302,18 @@ def optimize(
     stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
         model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=costs,
-        data=data_plan,
+        data=data_plan, kernels=kernel_report,
     )
+
+
+def compile_for_microbatches(model: nn.Module, batch: Any, plan: Plan, **optimize_kwargs: Any) -> OptimizeResult:
+    """Capture ``model`` at the micro-batch shape of ``batch`` under ``plan`` and emit its stages.
+
+    Stage modules are specialised to the shapes they are captured with; the pipeline runs them on
+    micro-batches, so they are captured on the first micro-batch of ``batch``.
+    """
+    args, kwargs = normalize_example_inputs(batch)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    first = split_batch(leaves, plan.num_microbatches)[0]
+    mb_args, mb_kwargs = pytree.tree_unflatten(list(first), spec)
+    return optimize(model, (tuple(mb_args), dict(mb_kwargs)), num_stages=plan.num_stages, plan=plan, **optimize_kwargs)

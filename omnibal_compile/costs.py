@@ -9,6 +9,8 @@ Glossary:
                       keeps only the block's input and reruns the whole block before backward.
     static bytes      weights + gradients + optimizer states held by the device for the block,
                       independent of the number of micro-batches in flight.
+    precision         bytes per parameter for weights, gradients, fp32 master copy and optimizer
+                      states, with optional sharding of the last two over data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from omnibal_compile.errors import InputError
 from omnibal_compile.tables import format_table
 
-__all__ = ["RECOMPUTE_OPTIONS", "BlockCost", "CostTable"]
+__all__ = ["RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM"]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
 
@@ -54,11 +57,11 @@ class BlockCost:
         for what, d in (("activation_bytes", self.activation_bytes), ("recompute_s", self.recompute_s)):
             missing = [o for o in RECOMPUTE_OPTIONS if o not in d]
             if missing:
-                raise ValueError(f"block '{self.name}': {what} lacks recompute options {missing}")
+                raise InputError(f"block '{self.name}': {what} lacks recompute options {missing}")
             if any(v < 0 for v in d.values()):
-                raise ValueError(f"block '{self.name}': {what} has a negative entry {d}")
+                raise InputError(f"block '{self.name}': {what} has a negative entry {d}")
         if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0:
-            raise ValueError(f"block '{self.name}': times and bytes must be non-negative")
+            raise InputError(f"block '{self.name}': times and bytes must be non-negative")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,9 +86,9 @@ class CostTable:
         object.__setattr__(self, "cut_bytes", tuple(int(b) for b in self.cut_bytes))
         object.__setattr__(self, "batch_shape", dict(self.batch_shape))
         if len(self.cut_bytes) != len(self.blocks) + 1:
-            raise ValueError(f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got {len(self.cut_bytes)}")
+            raise InputError(f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got {len(self.cut_bytes)}")
         if self.link_bandwidth <= 0:
-            raise ValueError(f"link_bandwidth must be positive, got {self.link_bandwidth}")
+            raise InputError(f"link_bandwidth must be positive, got {self.link_bandwidth}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -122,3 +125,35 @@ class CostTable:
     @classmethod
     def from_json(cls, text: str) -> CostTable:
         return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per parameter of what training holds for it; the optimizer part may be sharded."""
+
+    weight_bytes: int = 2
+    """Bytes of the working weight (bf16: 2)."""
+    grad_bytes: int = 2
+    """Bytes of its gradient."""
+    master_bytes: int = 4
+    """Bytes of an fp32 master copy (0 when weights are already fp32)."""
+    optimizer_bytes: int = 8
+    """Bytes of optimizer states (Adam: two fp32 moments = 8)."""
+    optimizer_shards: int = 1
+    """Data-parallel ranks the master copy and optimizer states are sharded over (ZeRO-1); 1 = none."""
+
+    def __post_init__(self) -> None:
+        if min(self.weight_bytes, self.grad_bytes, self.master_bytes, self.optimizer_bytes) < 0:
+            raise InputError(f"precision byte counts must be >= 0, got {self}")
+        if self.optimizer_shards < 1:
+            raise InputError(f"optimizer_shards must be >= 1 (data-parallel ranks), got {self.optimizer_shards}")
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.weight_bytes + self.grad_bytes + (self.master_bytes + self.optimizer_bytes) / self.optimizer_shards
+
+
+BF16_ADAM = Precision()
+"""bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes/parameter."""
+FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
+"""fp32 weights, gradients and Adam moments: 16 bytes/parameter."""

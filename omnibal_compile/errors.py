@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["OmnibalError", "CaptureError", "PlanError", "InputError"]
+__all__ = [
+    "OmnibalError",
+    "CaptureError",
+    "PlanError",
+    "InputError",
+    "PassError",
+    "SimulationError",
+    "LaunchError",
+    "MissingBackendError",
+]
 
 
 class OmnibalError(Exception):
@@ -19,3 +28,19 @@ class PlanError(OmnibalError, ValueError):
 
 class InputError(OmnibalError, ValueError):
     """An argument given by the user is malformed."""
+
+
+class PassError(OmnibalError):
+    """A pass failed; the message names it and the passes that ran before it."""
+
+
+class SimulationError(OmnibalError):
+    """The operation orders cannot complete (a dependency cycle): a bug in a custom order."""
+
+
+class LaunchError(OmnibalError):
+    """The distributed run failed or timed out; the message carries the end of its output."""
+
+
+class MissingBackendError(OmnibalError, ImportError):
+    """A kernel backend was asked for by name but its package is not installed."""

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS
+from omnibal_compile.costs import RECOMPUTE_OPTIONS, Precision
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import pack_loads
@@ -57,7 +57,6 @@ from omnibal_compile.data.packing import Packing, random_batches
 from omnibal_compile.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.models.scale import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
-from omnibal_compile.passes.cost import Precision
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim.simulate import operation_order, simulate
 from omnibal_compile.solver import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries

@@ -24,10 +24,8 @@ from omnibal_compile.models import make_example_batch
 from omnibal_compile.passes import cost as cost_mod
 from omnibal_compile.passes.blocks import build_blocks
 from omnibal_compile.passes.capture import capture
+from omnibal_compile.costs import BF16_ADAM, FP32_ADAM, Precision
 from omnibal_compile.passes.cost import (
-    BF16_ADAM,
-    FP32_ADAM,
-    Precision,
     annotate_costs,
     measured_activation_bytes,
     measured_step_time,

@@ -15,7 +15,7 @@ from test_kernels import CUDA, needs_triton, run_triton_cases_in_child, triton_i
 
 import omnibal_compile as oc
 from omnibal_compile.kernels import ops
-from omnibal_compile.passes.kernels import REPORT_KEY, KernelReport
+from omnibal_compile.passes.kernels import KernelReport, substitute_kernels
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "eager"]
 VLM_SITES = {
@@ -28,7 +28,8 @@ VLM_SITES = {
 
 
 def _report(result: oc.OptimizeResult) -> KernelReport:
-    return result.captured.graph_module.meta[REPORT_KEY]
+    assert result.kernels is not None
+    return result.kernels
 
 
 def _code(result: oc.OptimizeResult) -> str:
@@ -64,9 +65,25 @@ def test_reference_vlm_keeps_loss_and_gradients(vlm, backend):
 def test_default_is_no_substitution(vlm):
     model, batch = vlm
     result = oc.optimize(model, batch, num_stages=2)
-    assert REPORT_KEY not in result.captured.graph_module.meta
+    assert result.kernels is None
     assert "omnibal" not in _code(result)
     assert "kernels" not in result.timings
+
+
+def test_pass_returns_a_new_capture_and_leaves_the_given_one_alone(vlm):
+    from omnibal_compile.passes.capture import capture
+
+    model, batch = vlm
+    captured = capture(model, batch)
+    before = captured.graph_module.code
+    rewritten, report = substitute_kernels(captured, model, backend="eager")
+    assert captured.graph_module.code == before  # the input capture is untouched
+    assert "torch.ops.omnibal" not in before and "torch.ops.omnibal" in rewritten.graph_module.code
+    assert report.counts() == VLM_SITES
+    # the new graph module shares the model's parameters (no copy)
+    original = {id(p) for p in model.parameters()}
+    assert {id(p) for p in rewritten.graph_module.parameters()} <= original
+    assert len(rewritten.graph_module.code) < len(before)
 
 
 def test_low_precision_llama_within_dtype_tolerance(tiny_llama):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from omnibal_compile.bench_all import run_all
-from omnibal_compile.costs import RECOMPUTE_OPTIONS
+from omnibal_compile.costs import RECOMPUTE_OPTIONS, Precision
 from omnibal_compile.data import LengthStats, load_lengths
 from omnibal_compile.models.scale import (
     INTERNLM2_20B,
@@ -29,7 +29,6 @@ from omnibal_compile.paper_scale import (
     run_ablation,
     stage_times,
 )
-from omnibal_compile.passes.cost import Precision
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim import simulate
 from omnibal_compile.solver import problem_from_costs, solve

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from omnibal_compile.errors import InputError, OmnibalError
+from omnibal_compile.errors import InputError, MissingBackendError
 from omnibal_compile.kernels import eager
 
 __all__ = [
@@ -36,10 +36,6 @@ Backend = Literal["triton", "eager"]
 BACKENDS: tuple[str, ...] = ("triton", "eager")
 INSTALL_HINT = "pip install 'omnibal-compile[triton]'"
 _TRITON_MODULE = "omnibal_compile.kernels.triton_impl"
-
-
-class MissingBackendError(OmnibalError, ImportError):
-    """A kernel backend was asked for by name but its package is not installed."""
 
 
 def triton_available() -> bool:

@@ -42,10 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from omnibal_compile.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError
-from omnibal_compile.passes.cost import BF16_ADAM, Precision
 
 __all__ = [
     "VisionSpec",

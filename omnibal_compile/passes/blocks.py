@@ -18,9 +18,8 @@ import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch import nn
@@ -29,7 +28,10 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.passes.capture import Captured
 from omnibal_compile.tables import format_table
 
-__all__ = ["Block", "CrossingValue", "BlockGraph", "build_blocks", "find_layer_stacks"]
+if TYPE_CHECKING:
+    import networkx as nx
+
+__all__ = ["Block", "BlockEdge", "CrossingValue", "BlockGraph", "build_blocks", "find_layer_stacks"]
 
 BlockKind = Literal["layer", "module", "glue"]
 INPUT = -1
@@ -73,6 +75,20 @@ class CrossingValue:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BlockEdge:
+    """Values one block sends to a later one."""
+
+    producer: int
+    """Block that produces them."""
+    consumer: int
+    """Later block that reads them."""
+    values: tuple[str, ...]
+    """FX node names of the values."""
+    nbytes: int
+    """Their bytes in total."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockGraph:
     """The chain of blocks of a captured graph, with the values crossing every cut."""
 
@@ -86,8 +102,20 @@ class BlockGraph:
     """Every value used by a later block than the one producing it (or a model input/output)."""
     stacks: tuple[str, ...]
     """Module paths of the layer stacks found (or given)."""
-    dag: nx.DiGraph = field(repr=False)
-    """Block DAG: an edge i -> j for each value produced by block i and read by block j."""
+    edges: tuple[BlockEdge, ...] = field(repr=False)
+    """Block i -> block j for the values produced by i and read by j (i < j), in order of first value."""
+
+    @property
+    def dag(self) -> nx.DiGraph:
+        """The blocks as a networkx DAG (nodes: block indices; edges: :attr:`edges`), built on demand."""
+        import networkx as nx  # only where a graph is drawn or analysed: keeps capture and planning light
+
+        dag = nx.DiGraph()
+        for b in self.blocks:
+            dag.add_node(b.index, name=b.name, kind=b.kind, num_params=b.num_params)
+        for e in self.edges:
+            dag.add_edge(e.producer, e.consumer, values=list(e.values), nbytes=e.nbytes)
+        return dag
 
     @property
     def num_blocks(self) -> int:
@@ -280,9 +308,7 @@ def build_blocks(
     n_blocks = len(blocks)
     examples = dict(zip([n.name for n in graph.nodes if n.op == "placeholder"], captured.example_flat_inputs))
     values: list[CrossingValue] = []
-    dag = nx.DiGraph()
-    for b in blocks:
-        dag.add_node(b.index, name=b.name, kind=b.kind, num_params=b.num_params)
+    edges: dict[tuple[int, int], tuple[list[str], int]] = {}
     for node in graph.nodes:
         if node.op == "placeholder":
             producer = INPUT
@@ -303,19 +329,17 @@ def build_blocks(
         values.append(
             CrossingValue(name=node.name, producer=producer, last_use=max(later), shape=shape, dtype=dtype, nbytes=nbytes)
         )
-        for u in set(later):
+        for u in sorted(set(later)):
             if producer >= 0 and u < n_blocks:
-                edge = dag.get_edge_data(producer, u)
-                if edge is None:
-                    dag.add_edge(producer, u, values=[node.name], nbytes=nbytes)
-                else:
-                    edge["values"].append(node.name)
-                    edge["nbytes"] += nbytes
+                names, total = edges.get((producer, u), ([], 0))
+                edges[(producer, u)] = ([*names, node.name], total + nbytes)
     return BlockGraph(
         captured=captured,
         blocks=tuple(blocks),
         node_block=node_block,
         values=tuple(values),
         stacks=tuple(block_prefixes) if block_prefixes is not None else stacks,
-        dag=dag,
+        edges=tuple(
+            BlockEdge(producer=i, consumer=j, values=tuple(names), nbytes=total) for (i, j), (names, total) in edges.items()
+        ),
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import traceback
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -25,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import CaptureError, InputError
 
-__all__ = ["Captured", "capture", "normalize_example_inputs"]
+__all__ = ["Captured", "capture", "normalize_example_inputs", "scalar_to_differentiate", "split_batch"]
 
 CaptureMethod = Literal["export", "fx"]
 
@@ -83,6 +84,34 @@ def normalize_example_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict
         f"example_inputs must be a tensor, a tuple/list of positional inputs, a dict of keyword inputs or "
         f"(args, kwargs); got {type(example_inputs).__name__}"
     )
+
+
+def split_batch(flat_inputs: Sequence[Any], num_microbatches: int) -> list[tuple[Any, ...]]:
+    """Slice every tensor of a flat batch into ``num_microbatches`` equal parts along dim 0."""
+    parts: list[list[Any]] = [[] for _ in range(num_microbatches)]
+    for i, x in enumerate(flat_inputs):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise InputError(
+                f"batch input #{i} is {type(x).__name__ if not isinstance(x, torch.Tensor) else 'a 0-dim tensor'}: "
+                "pipelined batches must hold only tensors with a batch dimension"
+            )
+        if x.shape[0] % num_microbatches:
+            raise InputError(
+                f"batch input #{i} has {x.shape[0]} rows, not divisible by {num_microbatches} micro-batches; "
+                f"use a batch whose dim 0 is a multiple of {num_microbatches}"
+            )
+        for j, chunk in enumerate(x.chunk(num_microbatches, dim=0)):
+            parts[j].append(chunk)
+    return [tuple(p) for p in parts]
+
+
+def scalar_to_differentiate(flat_out: Sequence[Any]) -> torch.Tensor:
+    """The scalar a training step differentiates: the model's scalar loss, else the sum of its float outputs."""
+    tensors = [t for t in flat_out if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        raise InputError("the model's output has no floating-point tensor that requires grad; nothing to differentiate")
+    scalars = [t for t in tensors if t.dim() == 0]
+    return scalars[0] if scalars else sum(t.float().sum() for t in tensors)  # type: ignore[return-value]
 
 
 def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

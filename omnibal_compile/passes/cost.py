@@ -39,11 +39,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from omnibal_compile.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import PROFILED_DEVICES, DeviceSpec, get_device
 from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
-from omnibal_compile.passes.capture import capture, normalize_example_inputs
+from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
 from omnibal_compile.passes.cost_measure import (
     CLOCKS,
@@ -57,9 +57,6 @@ from omnibal_compile.passes.cost_measure import (
 from omnibal_compile.plan import Plan
 
 __all__ = [
-    "Precision",
-    "BF16_ADAM",
-    "FP32_ADAM",
     "CPU_LINK_BANDWIDTH",
     "CACHE_FORMAT",
     "annotate_costs",
@@ -76,38 +73,6 @@ CPU_LINK_BANDWIDTH = 5e9
 """Bytes/s assumed between pipeline stages on CPU (gloo over shared memory; override per call)."""
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Precision:
-    """Bytes per parameter of what training holds for it; the optimizer part may be sharded."""
-
-    weight_bytes: int = 2
-    """Bytes of the working weight (bf16: 2)."""
-    grad_bytes: int = 2
-    """Bytes of its gradient."""
-    master_bytes: int = 4
-    """Bytes of an fp32 master copy (0 when weights are already fp32)."""
-    optimizer_bytes: int = 8
-    """Bytes of optimizer states (Adam: two fp32 moments = 8)."""
-    optimizer_shards: int = 1
-    """Data-parallel ranks the master copy and optimizer states are sharded over (ZeRO-1); 1 = none."""
-
-    def __post_init__(self) -> None:
-        if min(self.weight_bytes, self.grad_bytes, self.master_bytes, self.optimizer_bytes) < 0:
-            raise InputError(f"precision byte counts must be >= 0, got {self}")
-        if self.optimizer_shards < 1:
-            raise InputError(f"optimizer_shards must be >= 1 (data-parallel ranks), got {self.optimizer_shards}")
-
-    @property
-    def bytes_per_param(self) -> float:
-        return self.weight_bytes + self.grad_bytes + (self.master_bytes + self.optimizer_bytes) / self.optimizer_shards
-
-
-BF16_ADAM = Precision()
-"""bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes/parameter."""
-FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
-"""fp32 weights, gradients and Adam moments: 16 bytes/parameter."""
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -439,15 +404,13 @@ def measured_step_time(
     clock: str = "wall",
 ) -> float:
     """Median seconds of one forward + backward of the unsplit model (gradients of every parameter)."""
-    from omnibal_compile.api import _scalar_to_differentiate  # api imports this module
-
     args, kwargs = normalize_example_inputs(example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]
     cuda = any(p.is_cuda for p in params)
 
     def step(_: Any) -> None:
         with torch.enable_grad():
-            loss = _scalar_to_differentiate(pytree.tree_leaves(model(*args, **kwargs)))
+            loss = scalar_to_differentiate(pytree.tree_leaves(model(*args, **kwargs)))
             torch.autograd.grad(loss, params, allow_unused=True)
 
     with _threads(threads if not cuda else None):

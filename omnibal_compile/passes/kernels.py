@@ -23,6 +23,8 @@ fake implementations.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import operator
 import re
 from collections.abc import Iterable
@@ -38,10 +40,7 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.kernels import ops, reference
 from omnibal_compile.passes.capture import Captured
 
-__all__ = ["Substitution", "KernelReport", "substitute_kernels", "REPORT_KEY"]
-
-REPORT_KEY = "omnibal_kernels"
-"""Key of the :class:`KernelReport` in the rewritten graph module's ``meta``."""
+__all__ = ["Substitution", "KernelReport", "substitute_kernels"]
 
 aten = torch.ops.aten
 _ASSERT = aten._assert_tensor_metadata.default
@@ -422,11 +421,13 @@ def _loss_sites(rw: _Rewriter) -> None:
 # --------------------------------------------------------------------------- the pass
 
 
-def substitute_kernels(captured: Captured, model: nn.Module, *, backend: str) -> KernelReport:
-    """Rewrite ``captured``'s graph in place so every matching site runs one fused op; see the glossary.
+def substitute_kernels(captured: Captured, model: nn.Module, *, backend: str) -> tuple[Captured, KernelReport]:
+    """A new capture in which every matching site runs one fused op, and what was rewritten; see the glossary.
 
-    ``backend`` is ``"triton"`` (Triton kernels where Triton can run, eager elsewhere; raises with
-    the install hint when Triton is not installed) or ``"eager"`` (the ops' eager implementations).
+    ``captured`` is not modified: its graph is copied first, and the new graph module shares the
+    model's parameters. ``backend`` is ``"triton"`` (Triton kernels where Triton can run, eager
+    elsewhere; raises with the install hint when Triton is not installed) or ``"eager"`` (the ops'
+    eager implementations).
     """
     if backend not in ops.BACKENDS:
         raise InputError(f"kernels must be one of {ops.BACKENDS} or None, got {backend!r}")
@@ -434,7 +435,12 @@ def substitute_kernels(captured: Captured, model: nn.Module, *, backend: str) ->
         ops.check_triton_installed()
     if captured.method != "export":
         raise InputError("kernels= needs capture_method='export' (fx graphs keep modules as call_module nodes)")
-    gm = captured.graph_module
+    src = captured.graph_module
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(src.graph._codegen)  # keeps the pytree calling convention of export graphs
+    graph.output(graph.graph_copy(src.graph, {}))
+    gm = fx.GraphModule(src, graph, class_name=type(src).__name__)
+    gm.meta.update(src.meta)
     rw = _Rewriter(gm, backend)
     _rms_norm_sites(rw, model)
     _layer_norm_sites(rw)
@@ -443,6 +449,4 @@ def substitute_kernels(captured: Captured, model: nn.Module, *, backend: str) ->
     _loss_sites(rw)
     gm.graph.lint()
     gm.recompile()
-    report = KernelReport(backend=backend, substitutions=tuple(rw.done))
-    gm.meta[REPORT_KEY] = report
-    return report
+    return dataclasses.replace(captured, graph_module=gm), KernelReport(backend=backend, substitutions=tuple(rw.done))

@@ -6,10 +6,8 @@ from omnibal_compile.runtime.pipeline import (
     TiedParameter,
     build_pipeline,
     check_pipeline,
-    compile_for_microbatches,
     loss_weights,
     rank_stages,
-    split_batch,
 )
 
 __all__ = [
@@ -20,8 +18,6 @@ __all__ = [
     "TiedParameter",
     "build_pipeline",
     "check_pipeline",
-    "compile_for_microbatches",
     "loss_weights",
     "rank_stages",
-    "split_batch",
 ]

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnibal_compile.errors import InputError, OmnibalError
+from omnibal_compile.errors import InputError, LaunchError
 from omnibal_compile.plan import Plan
 
 __all__ = [
@@ -51,10 +51,6 @@ __all__ = [
 ]
 
 BatchSource = Callable[[int], Any]
-
-
-class LaunchError(OmnibalError):
-    """The distributed run failed or timed out; the message carries the end of its output."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +239,8 @@ def precheck(config: RunConfig) -> Plan:
     Checks world size vs stages (and virtual stages), micro-batches vs stages, batch size vs
     micro-batches, and that the plan was made for this model (captures it once, here).
     """
-    from omnibal_compile.runtime.pipeline import check_pipeline, compile_for_microbatches
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.runtime.pipeline import check_pipeline
 
     plan = read_plan(config)
     nproc = config.nproc if config.nproc is not None else plan.num_devices
@@ -274,7 +271,8 @@ def train(config: RunConfig) -> list[StepLog]:
     import torch.distributed as dist
 
     from omnibal_compile.runtime.checkpoint import load_into_pipeline, save_checkpoint
-    from omnibal_compile.runtime.pipeline import build_pipeline, compile_for_microbatches
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.runtime.pipeline import build_pipeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(config.threads)

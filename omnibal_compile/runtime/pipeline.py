@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.api import OptimizeResult, optimize
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.passes.capture import normalize_example_inputs
 from omnibal_compile.passes.recompute import apply_recompute
 from omnibal_compile.plan import Plan
+
+if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
+    from omnibal_compile.api import OptimizeResult
 
 __all__ = [
     "IGNORE_INDEX",
@@ -39,10 +41,8 @@ __all__ = [
     "TiedParameter",
     "build_pipeline",
     "check_pipeline",
-    "compile_for_microbatches",
     "loss_weights",
     "rank_stages",
-    "split_batch",
 ]
 
 IGNORE_INDEX = -100
@@ -87,38 +87,6 @@ def rank_stages(plan: Plan, rank: int) -> tuple[int, ...]:
     if not 0 <= rank < plan.num_devices:
         raise InputError(f"rank {rank} is out of range for a plan on {plan.num_devices} ranks")
     return tuple(range(rank, plan.num_stages, plan.num_devices))
-
-
-def split_batch(flat_inputs: Sequence[Any], num_microbatches: int) -> list[tuple[Any, ...]]:
-    """Slice every tensor of a flat batch into ``num_microbatches`` equal parts along dim 0."""
-    parts: list[list[Any]] = [[] for _ in range(num_microbatches)]
-    for i, x in enumerate(flat_inputs):
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            raise InputError(
-                f"batch input #{i} is {type(x).__name__ if not isinstance(x, torch.Tensor) else 'a 0-dim tensor'}: "
-                "pipelined batches must hold only tensors with a batch dimension"
-            )
-        if x.shape[0] % num_microbatches:
-            raise InputError(
-                f"batch input #{i} has {x.shape[0]} rows, not divisible by {num_microbatches} micro-batches; "
-                f"use a batch whose dim 0 is a multiple of {num_microbatches}"
-            )
-        for j, chunk in enumerate(x.chunk(num_microbatches, dim=0)):
-            parts[j].append(chunk)
-    return [tuple(p) for p in parts]
-
-
-def compile_for_microbatches(model: nn.Module, batch: Any, plan: Plan, **optimize_kwargs: Any) -> OptimizeResult:
-    """Capture ``model`` at the micro-batch shape of ``batch`` under ``plan`` and emit its stages.
-
-    Stage modules are specialised to the shapes they are captured with; the pipeline runs them on
-    micro-batches, so they are captured on the first micro-batch of ``batch``.
-    """
-    args, kwargs = normalize_example_inputs(batch)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    first = split_batch(leaves, plan.num_microbatches)[0]
-    mb_args, mb_kwargs = pytree.tree_unflatten(list(first), spec)
-    return optimize(model, (tuple(mb_args), dict(mb_kwargs)), num_stages=plan.num_stages, plan=plan, **optimize_kwargs)
 
 
 def loss_weights(flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens") -> torch.Tensor:
@@ -307,7 +275,7 @@ def build_pipeline(
     recompute: bool = True,
     weighting: str = "tokens",
 ) -> RankPipeline:
-    """This rank's :class:`RankPipeline` for ``result`` (from :func:`compile_for_microbatches`).
+    """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
     Every rank must call it with the same ``result`` (same model, seed, plan), in the same order
     with respect to other collective calls: it creates process groups for tied parameters.

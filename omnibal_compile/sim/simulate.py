@@ -59,16 +59,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from omnibal_compile.costs import CostTable
-from omnibal_compile.errors import InputError, OmnibalError, PlanError
+from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.plan import SCHEDULES, Plan
 
 __all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 
 EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward"]
-
-
-class SimulationError(OmnibalError):
-    """The operation orders cannot complete (a dependency cycle): a bug in a custom order."""
 
 
 @dataclass(frozen=True, kw_only=True)

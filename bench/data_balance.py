@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from omnibal_compile.commands.data import _progress
 from omnibal_compile.data import ShapeCost, balance_metrics, balance_pack, isf_search, load_lengths
 from omnibal_compile.data.compare import compare_balancers, format_comparison
+from omnibal_compile.progress import Progress
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 
@@ -42,12 +42,9 @@ def main() -> int:
         return 1
     stats = load_lengths(files)
     print(f"statistics: {', '.join(f.name for f in files)} ({len(stats)} samples)\n")
-    say, close = _progress(not args.no_progress, 4)
-    try:
+    with Progress(4, enabled=not args.no_progress, unit="method") as progress:
         result = compare_balancers(stats, dp=args.dp, samples_per_pack=args.samples_per_pack, seed=args.seed,
-                                   progress=say)
-    finally:
-        close()
+                                   progress=progress)
     print(format_comparison(result))
     isf_row = next(r for r in result.rows if r.method == "isf")
     t0 = time.perf_counter()

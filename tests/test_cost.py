@@ -17,14 +17,13 @@ from conftest import SMALL_VLM
 from torch import nn
 
 import omnibal_compile as oc
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from omnibal_compile.costs import BF16_ADAM, FP32_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import A100_80G
 from omnibal_compile.errors import InputError
 from omnibal_compile.models import make_example_batch
 from omnibal_compile.passes import cost as cost_mod
 from omnibal_compile.passes.blocks import build_blocks
 from omnibal_compile.passes.capture import capture
-from omnibal_compile.costs import BF16_ADAM, FP32_ADAM, Precision
 from omnibal_compile.passes.cost import (
     annotate_costs,
     measured_activation_bytes,

@@ -24,11 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import omnibal_compile as oc
 from omnibal_compile import InputError, Plan, PlanError
+from omnibal_compile.api import compile_for_microbatches
+from omnibal_compile.passes.capture import split_batch
 from omnibal_compile.passes.codegen import generate_stages, run_stages
 from omnibal_compile.passes.partition import uniform
 from omnibal_compile.passes.recompute import apply_recompute
-from omnibal_compile.api import compile_for_microbatches
-from omnibal_compile.passes.capture import split_batch
 from omnibal_compile.runtime import check_pipeline, loss_weights, rank_stages
 from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model, launch
 

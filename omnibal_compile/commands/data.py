@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any
 
 NAME = "data"
 HELP = "balance dataset length statistics and print Pad/Dist Ratios of random, length-grouped, ISF and ours"
@@ -21,28 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _progress(enabled: bool, total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
-    """A status callback and a closer: a tqdm bar when available, else plain prints."""
-    if not enabled:
-        return (lambda _m: None), (lambda: None)
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return (lambda m: print(m, flush=True)), (lambda: None)
-    bar: Any = tqdm(total=total, unit="method", leave=False, dynamic_ncols=True)
-
-    def say(msg: str) -> None:
-        bar.set_description_str(msg[:70])
-        if msg.endswith("s") and ": done in " in msg:
-            bar.update(1)
-
-    return say, bar.close
-
-
 def run(args: argparse.Namespace) -> int:
     from omnibal_compile.data.compare import METHODS, compare_balancers, format_comparison
     from omnibal_compile.data.lengths import load_lengths
     from omnibal_compile.errors import InputError
+    from omnibal_compile.progress import Progress
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in METHODS]
@@ -53,12 +34,9 @@ def run(args: argparse.Namespace) -> int:
     stats = load_lengths(list(args.lengths))
     if args.resample:
         stats = stats.resample(args.resample, seed=args.seed)
-    say, close = _progress(not args.no_progress, len(methods))
-    try:
+    with Progress(len(methods), enabled=not args.no_progress, unit="method") as progress:
         result = compare_balancers(stats, dp=args.dp, samples_per_pack=args.samples_per_pack, seed=args.seed,
-                                   iterations=args.iterations, methods=methods, progress=say)
-    finally:
-        close()
+                                   iterations=args.iterations, methods=methods, progress=progress)
     print(f"statistics: {stats.source}")
     print(format_comparison(result))
     return 0

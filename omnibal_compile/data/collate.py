@@ -30,10 +30,10 @@ import torch
 
 from omnibal_compile.data.packing import PackShape
 from omnibal_compile.errors import InputError
+from omnibal_compile.labels import IGNORE_INDEX
 
 __all__ = ["PackingCollator", "MODEL_KEYS", "synthetic_sample"]
 
-IGNORE_INDEX = -100
 MODEL_KEYS: tuple[str, ...] = ("pixel_values", "input_ids", "labels", "position_ids", "segment_ids")
 """The keys of a collated batch that ``TinyVLM.forward`` takes (``cu_seqlens`` is extra)."""
 

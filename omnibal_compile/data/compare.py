@@ -1,14 +1,13 @@
 """Compare the four ways of batching on the same statistics: random, length-grouped, ISF, ours.
 
 Glossary:
-    progress   a callable receiving one-line status messages (the command wires it to a tqdm bar,
-               or to print when tqdm is absent).
+    progress   a :class:`omnibal_compile.progress.Progress`: one step per method, the ISF search's
+               status lines as notes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from omnibal_compile.data.balance import balance_pack
@@ -17,6 +16,7 @@ from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
 from omnibal_compile.data.packing import PackShape, length_grouped_batches, random_batches
 from omnibal_compile.errors import InputError
+from omnibal_compile.progress import Progress
 
 __all__ = ["Comparison", "compare_balancers", "format_comparison", "METHODS"]
 
@@ -39,15 +39,15 @@ class Comparison:
 
 def compare_balancers(
     stats: LengthStats, *, dp: int, samples_per_pack: int, seed: int = 0, iterations: int = 50,
-    methods: tuple[str, ...] = METHODS, cost: CostFn | None = None, progress: Callable[[str], None] | None = None,
+    methods: tuple[str, ...] = METHODS, cost: CostFn | None = None, progress: Progress | None = None,
 ) -> Comparison:
     """Run each method; ours targets the samples per pack ISF reached (when ISF runs)."""
-    say = progress or (lambda _msg: None)
     rows: list[BalanceMetrics] = []
     shapes: dict[str, PackShape] = {}
     isf_spp: float | None = None
     for method in methods:
-        say(f"{method}: balancing {len(stats)} samples")
+        if progress is not None:
+            progress.step(f"{method}: balancing {len(stats):,} samples")
         t0 = time.perf_counter()
         if method == "random":
             packing = random_batches(stats, dp=dp, batch_size=samples_per_pack, seed=seed)
@@ -55,7 +55,7 @@ def compare_balancers(
             packing = length_grouped_batches(stats, dp=dp, batch_size=samples_per_pack, seed=seed)
         elif method == "isf":
             found = isf_search(stats, dp=dp, samples_per_pack=samples_per_pack, iterations=iterations, seed=seed,
-                               progress=say)
+                               progress=progress.note if progress is not None else None)
             packing = found.packing
             isf_spp = packing.samples_per_pack()
         elif method == "ours":
@@ -66,7 +66,6 @@ def compare_balancers(
         if packing.capacity is not None:
             shapes[method] = packing.capacity
         rows.append(balance_metrics(stats, packing, cost=cost, seconds=seconds))
-        say(f"{method}: done in {seconds:.1f}s")
     return Comparison(rows=tuple(rows), shapes=shapes, num_samples=len(stats), dp=dp)
 
 

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from omnibal_compile.errors import InputError, MissingBackendError
 from omnibal_compile.kernels import eager
+from omnibal_compile.labels import IGNORE_INDEX
 
 __all__ = [
     "Backend", "BACKENDS", "INSTALL_HINT", "MissingBackendError", "triton_available", "check_triton_installed",
@@ -346,7 +347,7 @@ def fused_linear_cross_entropy(
     weight: Tensor,
     labels: Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int = 0,
     backend: Backend = "triton",
 ) -> Tensor:

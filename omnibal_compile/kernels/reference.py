@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "layer_norm", "swiglu", "rope", "linear_cross_entropy", "rotate_half", "IGNORE_INDEX"]
+from omnibal_compile.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+__all__ = ["rms_norm", "layer_norm", "swiglu", "rope", "linear_cross_entropy", "rotate_half"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnibal_compile.labels import IGNORE_INDEX
+
 __all__ = ["TinyVLMConfig", "TinyVLM", "make_example_batch"]
 
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,7 @@ from omnibal_compile.passes.cost_measure import (
     with_recompute,
 )
 from omnibal_compile.plan import Plan
+from omnibal_compile.progress import track
 
 __all__ = [
     "CPU_LINK_BANDWIDTH",
@@ -76,20 +77,6 @@ T = TypeVar("T")
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def _progress(items: Sequence[T], desc: str, enabled: bool) -> Iterator[T]:
-    if not enabled:
-        yield from items
-        return
-    try:
-        from tqdm.auto import tqdm  # optional; plain prints otherwise
-    except ImportError:
-        for i, item in enumerate(items):
-            print(f"{desc}: {i + 1}/{len(items)}", flush=True)
-            yield item
-        return
-    yield from tqdm(items, desc=desc, leave=False)
 
 
 @contextmanager
@@ -279,7 +266,7 @@ def annotate_costs(
         cache: JSON file of profiled tables keyed by model structure, inputs, device and settings.
         refresh: ignore (and overwrite) a cached entry.
         batch_shape: recorded in the table (e.g. ``{"tiles": 4, "text_tokens": 256}``).
-        progress: show a progress bar (tqdm when installed, else prints).
+        progress: show progress (:mod:`omnibal_compile.progress`).
     """
     name = device.name if isinstance(device, DeviceSpec) else str(device).strip().lower()
     spec = None if name in PROFILED_DEVICES else get_device(device)
@@ -318,7 +305,7 @@ def annotate_costs(
     blocks: list[BlockCost] = []
     with _threads(threads if not cuda else None):
         all_inputs = _block_inputs(graph, modules)
-        for k in _progress(range(graph.num_blocks), f"costing blocks on {name}", progress):
+        for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
             m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
             info = stage_info(m)
             charged = [

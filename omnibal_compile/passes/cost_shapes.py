@@ -216,13 +216,14 @@ def fit_shape_costs(
     ``annotate_kwargs`` go to :func:`annotate_costs` (device, precision, repeats, cache, ...).
     Returns the model and the measured tables.
     """
-    from omnibal_compile.passes.cost import _progress, profile_costs  # torch lives there
+    from omnibal_compile.passes.cost import profile_costs  # torch lives there
+    from omnibal_compile.progress import track
 
     shapes = tuple(shapes)
     if not callable(make_inputs):
         raise InputError("make_inputs must be a callable BatchShape -> example inputs")
     tables = tuple(
         profile_costs(model, make_inputs(s), block_prefixes=block_prefixes, batch_shape=s.as_dict(), **annotate_kwargs)
-        for s in _progress(shapes, "costing shapes", progress)
+        for s in track(shapes, "costing shapes", enabled=progress)
     )
     return fit_shape_model(tables, shapes, tokens_per_tile=tokens_per_tile), tables

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.labels import IGNORE_INDEX
 from omnibal_compile.passes.capture import normalize_example_inputs
 from omnibal_compile.passes.recompute import apply_recompute
 from omnibal_compile.plan import Plan
@@ -36,7 +37,6 @@ if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls 
     from omnibal_compile.api import OptimizeResult
 
 __all__ = [
-    "IGNORE_INDEX",
     "RankPipeline",
     "TiedParameter",
     "build_pipeline",
@@ -44,10 +44,6 @@ __all__ = [
     "loss_weights",
     "rank_stages",
 ]
-
-IGNORE_INDEX = -100
-"""Label value that the loss ignores (Hugging Face and the reference VLM)."""
-
 
 def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None) -> None:
     """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks with this batch."""

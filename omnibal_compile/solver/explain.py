@@ -10,15 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, in_flight
+from omnibal_compile.units import format_size
 
-__all__ = ["least_memory_split", "explain_infeasible", "format_bytes"]
-
-
-def format_bytes(x: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= size:
-            return f"{x / size:.2f} {unit}"
-    return f"{x:.0f} B"
+__all__ = ["least_memory_split", "explain_infeasible"]
 
 
 def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float], float]:
@@ -65,8 +59,8 @@ def explain_infeasible(problem: PartitionProblem) -> str:
     return (
         f"no plan fits the memory budget: even the least-memory plan "
         f"({'no' if least == 'none' else least} recomputation everywhere, "
-        f"{P.schedule} with {P.num_microbatches} micro-batches) needs {format_bytes(mems[s])} on stage {s} "
-        f"({where}, on {device}) whose budget is {format_bytes(P.stage_budget(s))}: over by {format_bytes(excess)}. "
-        f"The smallest per-device budget that fits is {format_bytes(needed)}; or use more stages or fewer "
+        f"{P.schedule} with {P.num_microbatches} micro-batches) needs {format_size(mems[s])} on stage {s} "
+        f"({where}, on {device}) whose budget is {format_size(P.stage_budget(s))}: over by {format_size(excess)}. "
+        f"The smallest per-device budget that fits is {format_size(needed)}; or use more stages or fewer "
         f"micro-batches in flight.{hint}"
     )

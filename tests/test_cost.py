@@ -30,8 +30,9 @@ from omnibal_compile.passes.cost import (
     measured_step_time,
     profile_costs,
 )
-from omnibal_compile.passes.cost_measure import LiveStorages, count_flops, with_recompute
+from omnibal_compile.passes.cost_measure import LiveStorages, count_flops
 from omnibal_compile.passes.cost_shapes import BatchShape, fit_shape_costs, fit_shape_model
+from omnibal_compile.passes.recompute_policy import with_recompute
 
 
 @pytest.fixture(scope="module")

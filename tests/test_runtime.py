@@ -20,15 +20,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import SMALL_VLM
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import omnibal_compile as oc
 from omnibal_compile import InputError, Plan, PlanError
 from omnibal_compile.api import compile_for_microbatches
 from omnibal_compile.passes.capture import split_batch
-from omnibal_compile.passes.codegen import generate_stages, run_stages
+from omnibal_compile.passes.codegen import generate_stages
 from omnibal_compile.passes.partition import uniform
-from omnibal_compile.passes.recompute import apply_recompute
 from omnibal_compile.runtime import check_pipeline, loss_weights, rank_stages
 from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model, launch
 
@@ -362,57 +360,6 @@ def test_split_batch_and_loss_weights():
     assert loss_weights((x, labels), ("x", "labels"), "rows").tolist() == [0.25] * 4
     with pytest.raises(InputError, match="no labelled token"):
         loss_weights((x, torch.full((4, 3), -100)), ("x", "labels"))
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("option", ["none", "full", "selective"])
-def test_recompute_pass_keeps_parity_and_reruns_what_it_should(vlm, vlm_result2, option):
-    model, batch = vlm
-    result = vlm_result2
-    plan = dataclasses.replace(result.plan, recompute=(option,) * result.plan.num_blocks)
-    stages = [apply_recompute(s, result.graph, plan) for s in generate_stages(result.graph, plan, model)]
-    params = list(model.parameters())
-    ref = model(**batch)
-    ref_grads = torch.autograd.grad(ref, params)
-    (loss,) = run_stages(stages, result.flatten_inputs(**batch))
-    with _OpCounter() as counter:
-        grads = torch.autograd.grad(loss, params)
-    assert float((loss - ref).detach().abs()) <= TOL
-    assert max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads)) <= TOL
-    # what runs during backward: full reruns matmuls and activations, selective only activations
-    matmuls = counter.ops.count("addmm") + counter.ops.count("mm")
-    children = {n for s in stages for n, _ in s.named_children()}
-    if option == "none":
-        assert "gelu" not in counter.ops and "silu" not in counter.ops
-        assert not any(n.startswith("recompute_") for n in children)
-        assert matmuls == _backward_matmuls(model, batch)
-    else:
-        assert "gelu" in counter.ops and "silu" in counter.ops
-        assert "recompute_0" in children
-        info = oc.stage_info(stages[1])  # the parameter map follows the new module's names
-        assert set(info.param_map) == {n for n, _ in stages[1].named_parameters()} | {
-            n for n, _ in stages[1].named_buffers()
-        }
-    if option == "full":
-        assert matmuls > _backward_matmuls(model, batch)
-    if option == "selective":
-        assert matmuls == _backward_matmuls(model, batch)
-
-
-def _backward_matmuls(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
-    loss = model(**batch)
-    with _OpCounter() as counter:
-        torch.autograd.grad(loss, list(model.parameters()))
-    return counter.ops.count("addmm") + counter.ops.count("mm")
 
 
 @pytest.mark.parametrize("processors", [None, 1, 2])

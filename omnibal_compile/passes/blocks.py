@@ -15,7 +15,6 @@ Glossary:
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,6 +25,7 @@ from torch import nn
 
 from omnibal_compile.errors import InputError
 from omnibal_compile.passes.capture import Captured
+from omnibal_compile.passes.subgraph import module_path
 from omnibal_compile.tables import format_table
 
 if TYPE_CHECKING:
@@ -144,19 +144,6 @@ class BlockGraph:
         return format_table(rows, "lllrrr")
 
 
-_CALL_SUFFIX = re.compile(r"@\d+$")
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    path = _CALL_SUFFIX.sub("", str(path))
-    # Strict-mode export spells paths as L['self'].a.b or L__self___a_b; we use non-strict only.
-    return path
-
-
 def find_layer_stacks(model: nn.Module) -> tuple[str, ...]:
     """Module paths of the outermost containers whose >= 2 children are named 0..n-1 with one class."""
     stacks: list[str] = []
@@ -249,13 +236,13 @@ def build_blocks(
         follows = None
         if node.op == "call_function" and node.target is operator.getitem:
             follows = node.args[0]
-        elif len(node.users) == 0 and not _module_path(node):
+        elif len(node.users) == 0 and not module_path(node):
             producers = [a for a in node.all_input_nodes if a in keys]
             follows = producers[-1] if producers else None
         if isinstance(follows, fx.Node) and follows in keys:
             keys[node] = keys[follows]
         else:
-            path = _module_path(node)
+            path = module_path(node)
             if node.op == "call_module" and not path:
                 path = str(node.target)
             keys[node] = _key_for_path(path, stacks, block_prefixes)

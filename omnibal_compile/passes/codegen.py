@@ -23,6 +23,7 @@ from torch import nn
 
 from omnibal_compile.errors import PlanError
 from omnibal_compile.passes.blocks import BlockGraph
+from omnibal_compile.passes.subgraph import SubgraphCopy
 from omnibal_compile.plan import Plan
 
 __all__ = ["StageInfo", "generate_stages", "stage_info", "check_plan_matches", "run_stages"]
@@ -93,47 +94,31 @@ def generate_stages(graph: BlockGraph, plan: Plan, model: nn.Module | None = Non
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in nodes if n.op == "output")
     aliases = _aliases(model) if model is not None else {}
+    by_name = {n.name: n for n in nodes}
     stages = []
     for st in plan.stages:
-        g = fx.Graph()
-        env: dict[str, fx.Node] = {}
-        if st.start == 0:
-            inputs = [p.name for p in placeholders]
-            ph_meta = {p.name: p.meta for p in placeholders}
-        else:
-            inputs = [v.name for v in graph.crossing(st.start)]
-            ph_meta = {n.name: n.meta for n in nodes if n.name in set(inputs)}
+        inputs = [p.name for p in placeholders] if st.start == 0 else [v.name for v in graph.crossing(st.start)]
+        sub = SubgraphCopy(
+            lambda x, i=st.index: PlanError(
+                f"internal error: stage {i} needs value '{x.name}' that it neither receives nor computes"
+            )
+        )
         for name in inputs:
-            ph = g.placeholder(name)
-            ph.meta.update({k: v for k, v in ph_meta.get(name, {}).items() if k in ("val", "tensor_meta")})
-            env[name] = ph
-        attrs: dict[str, fx.Node] = {}
-
-        def lookup(x: fx.Node) -> fx.Node:
-            if x.name in env:
-                return env[x.name]
-            if x.op == "get_attr":
-                if x.target not in attrs:
-                    attrs[x.target] = g.get_attr(x.target)
-                    attrs[x.target].meta.update(x.meta)
-                return attrs[x.target]
-            raise PlanError(f"internal error: stage {st.index} needs value '{x.name}' that it neither receives nor computes")
-
+            sub.input(by_name[name], {k: v for k, v in by_name[name].meta.items() if k in ("val", "tensor_meta")})
         mine = {name for b in st.blocks for name in graph.blocks[plan.block_names.index(b)].nodes}
-        for node in nodes:
-            if node.name in mine:
-                env[node.name] = g.node_copy(node, lookup)
+        sub.copy(n for n in nodes if n.name in mine)
+        g = sub.graph
         if st.stop == plan.num_blocks:
             out_names = tuple(a.name for a in output_node.all_input_nodes)
-            g.output(fx.map_arg(output_node.args[0], lookup))
+            g.output(fx.map_arg(output_node.args[0], sub.read))
         else:
-            out_names = tuple(v.name for v in graph.crossing(st.stop))
+            crossing = graph.crossing(st.stop)
+            out_names = tuple(v.name for v in crossing)
             # Point-to-point sends need contiguous tensors; a cut can fall after a view (expand,
             # transpose). contiguous() is free when the tensor already is, and differentiable.
-            tensors = {v.name for v in graph.crossing(st.stop) if v.shape is not None}
-            g.output(tuple(
-                g.call_method("contiguous", (env[name],)) if name in tensors else env[name] for name in out_names
-            ))
+            tensors = {v.name for v in crossing if v.shape is not None}
+            outs = {name: sub.env[by_name[name]] for name in out_names}
+            g.output(tuple(g.call_method("contiguous", (outs[n],)) if n in tensors else outs[n] for n in out_names))
         g.lint()
         gm = fx.GraphModule(src, g, class_name=f"Stage{st.index}")
         param_map: dict[str, tuple[str, ...]] = {}

@@ -45,15 +45,8 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
-from omnibal_compile.passes.cost_measure import (
-    CLOCKS,
-    FlashOnMeta,
-    LiveStorages,
-    median_time,
-    record_ops,
-    tensor_leaves,
-    with_recompute,
-)
+from omnibal_compile.passes.cost_measure import CLOCKS, kept_bytes, median_time, record_ops, tensor_leaves
+from omnibal_compile.passes.recompute_policy import with_recompute
 from omnibal_compile.plan import Plan
 from omnibal_compile.progress import track
 
@@ -63,6 +56,8 @@ __all__ = [
     "annotate_costs",
     "profile_costs",
     "block_modules",
+    "block_inputs",
+    "charged_inputs",
     "measured_activation_bytes",
     "measured_step_time",
 ]
@@ -108,7 +103,7 @@ def block_modules(graph: BlockGraph, model: nn.Module | None = None) -> tuple[fx
     return generate_stages(graph, plan, model)
 
 
-def _block_inputs(graph: BlockGraph, modules: Sequence[fx.GraphModule]) -> list[tuple[Any, ...]]:
+def block_inputs(graph: BlockGraph, modules: Sequence[fx.GraphModule]) -> list[tuple[Any, ...]]:
     """Each block's example inputs: leaves that require grad exactly where the real chain's values do."""
     ph = [n.name for n in graph.captured.graph_module.graph.nodes if n.op == "placeholder"]
     vals: dict[str, Any] = dict(zip(ph, graph.captured.example_flat_inputs))
@@ -126,27 +121,17 @@ def _block_inputs(graph: BlockGraph, modules: Sequence[fx.GraphModule]) -> list[
     return result
 
 
+def charged_inputs(graph: BlockGraph, k: int, input_names: Sequence[str]) -> list[bool]:
+    """For each input of block ``k``, whether its bytes are charged to the block (see the glossary)."""
+    values = {v.name: v for v in graph.values}
+    return [n in values and values[n].producer >= 0 and values[n].last_use == k for n in input_names]
+
+
 def _backward_args(outs: Any, wrt: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     diff = [t for t in tensor_leaves(outs) if t.requires_grad]
     if not diff or not wrt:
         return None
     return diff, [torch.ones_like(t) for t in diff]
-
-
-def _saved_bytes(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool], option: str) -> int:
-    fn = with_recompute(m, option)
-    with torch.enable_grad(), FlashOnMeta():
-        with LiveStorages() as live:
-            ins = [
-                x.detach().clone().requires_grad_(x.requires_grad) if c and isinstance(x, torch.Tensor) else x
-                for x, c in zip(inputs, charged)
-            ]
-            outs = fn(*ins)
-        keep = [t.grad_fn for t in tensor_leaves(outs) if t.grad_fn is not None]  # keeps the graph, not the outputs
-        del outs, ins
-        nbytes = live.alive_bytes()
-        del keep
-    return nbytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,23 +285,19 @@ def annotate_costs(
             warnings.warn(f"cost cache {path}: entry is malformed ({e}); profiling again", stacklevel=2)
 
     modules = block_modules(graph, model)
-    values = {v.name: v for v in graph.values}
     sync = torch.cuda.synchronize if cuda else None
     blocks: list[BlockCost] = []
     with _threads(threads if not cuda else None):
-        all_inputs = _block_inputs(graph, modules)
+        all_inputs = block_inputs(graph, modules)
         for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
             m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
-            info = stage_info(m)
-            charged = [
-                n in values and values[n].producer >= 0 and values[n].last_use == k for n in info.input_names
-            ]
+            charged = charged_inputs(graph, k, stage_info(m).input_names)
             records, flops = record_ops(m, inputs, sync=sync, clock=clock)
             if spec is None:
                 timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats, clock=clock)
             else:
                 timing = _roofline_times(records, spec)
-            activation = {opt: _saved_bytes(m, inputs, charged, opt) for opt in RECOMPUTE_OPTIONS}
+            activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
             blocks.append(
                 BlockCost(
                     name=block.name,
@@ -369,16 +350,14 @@ def measured_activation_bytes(graph: BlockGraph, model: nn.Module, option: str) 
     if option not in RECOMPUTE_OPTIONS:
         raise InputError(f"unknown recompute option {option!r}; use one of {list(RECOMPUTE_OPTIONS)}")
     fns: list[Callable[..., Any]] = [with_recompute(m, option) for m in block_modules(graph, model)]
-    with torch.enable_grad(), FlashOnMeta():
-        with LiveStorages() as live:
-            values: Any = tuple(graph.captured.example_flat_inputs)
-            for fn in fns:
-                values = fn(*values)
-        keep = [t.grad_fn for t in tensor_leaves(values) if t.grad_fn is not None]
-        del values
-        nbytes = live.alive_bytes()
-        del keep
-    return nbytes
+
+    def chain(*values: Any) -> Any:
+        for fn in fns:
+            values = fn(*values)
+        return values
+
+    inputs = graph.captured.example_flat_inputs
+    return kept_bytes(chain, inputs, [False] * len(inputs))  # model inputs are held by the data loader
 
 
 def measured_step_time(

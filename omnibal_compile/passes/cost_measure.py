@@ -1,4 +1,4 @@
-"""Measuring tools of the cost pass: op recording, live-storage accounting, recompute wrappers, timers.
+"""Measuring tools of the cost pass: op recording, live-storage accounting, timers.
 
 Glossary:
     op record      one ATen op run during a block's forward: its op class, FLOPs (the formulas of
@@ -8,8 +8,9 @@ Glossary:
                    because on a GPU it runs as one flash kernel that never writes the score matrix.
     live storage   a tensor storage allocated inside the tracking mode and not freed yet; what
                    the autograd graph keeps alive after forward is exactly what backward needs.
-    saved ops      ops whose outputs selective recomputation keeps (matmuls, attention); every
-                   other op is rerun before backward.
+    op class       ``matmul``, ``attention`` or ``memory``, from the recompute policy
+                   (:mod:`~omnibal_compile.passes.recompute_policy`): ``memory`` ops are the ones
+                   selective recomputation reruns.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -27,14 +27,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from omnibal_compile.passes.recompute_policy import op_class
 
 __all__ = [
     "OpRecord",
-    "op_class",
     "record_ops",
     "LiveStorages",
-    "with_recompute",
+    "kept_bytes",
     "median_time",
     "count_flops",
     "tensor_leaves",
@@ -47,42 +47,7 @@ CLOCKS: tuple[str, ...] = ("wall", "thread")
 
 aten = torch.ops.aten
 
-_MATMUL = {
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution, aten._slow_conv2d_forward,
-    aten.mkldnn_convolution,
-}
-_ATTENTION = {
-    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
-    aten._flash_attention_forward, aten._efficient_attention_forward,
-}
 _SDPA_TARGETS = {aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention}
-
-
-def op_class(func: Any) -> str:
-    """``matmul``, ``attention`` or ``memory`` for an ATen op overload."""
-    packet = getattr(func, "overloadpacket", func)
-    if packet in _MATMUL:
-        return "matmul"
-    if packet in _ATTENTION:
-        return "attention"
-    return "memory"
-
-
-def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op_class(func) != "memory" else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def with_recompute(fn: Callable[..., Any], option: str) -> Callable[..., Any]:
-    """``fn`` run under recompute ``option``: ``none`` (as is), ``selective`` or ``full`` checkpointing."""
-    if option == "none":
-        return fn
-    if option == "full":
-        return lambda *a: checkpoint(fn, *a, use_reentrant=False)
-    if option == "selective":
-        ctx = partial(create_selective_checkpoint_contexts, _selective_policy)
-        return lambda *a: checkpoint(fn, *a, use_reentrant=False, context_fn=ctx)
-    raise ValueError(f"unknown recompute option {option!r}")
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -249,6 +214,26 @@ class LiveStorages(TorchDispatchMode):
 
     def alive_bytes(self) -> int:
         return sum(n for ref, n in self._refs.values() if not ref.expired())
+
+
+def kept_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[bool]) -> int:
+    """Bytes one forward of ``fn`` on ``inputs`` keeps alive for its backward (live storages).
+
+    An input flagged in ``charged`` is copied inside the accounting, so it counts when kept; the
+    others count only through what ``fn`` allocates.
+    """
+    with torch.enable_grad(), FlashOnMeta():
+        with LiveStorages() as live:
+            ins = [
+                x.detach().clone().requires_grad_(x.requires_grad) if c and isinstance(x, torch.Tensor) else x
+                for x, c in zip(inputs, charged, strict=True)
+            ]
+            outs = fn(*ins)
+        keep = [t.grad_fn for t in tensor_leaves(outs) if t.grad_fn is not None]  # keeps the graph, not the outputs
+        del outs, ins
+        nbytes = live.alive_bytes()
+        del keep
+    return nbytes
 
 
 def median_time(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,7 @@ from torch._guards import detect_fake_mode
 from omnibal_compile.errors import InputError
 from omnibal_compile.kernels import ops, reference
 from omnibal_compile.passes.capture import Captured
+from omnibal_compile.passes.subgraph import module_call, strip_call_suffix
 
 __all__ = ["Substitution", "KernelReport", "substitute_kernels"]
 
@@ -46,7 +46,6 @@ aten = torch.ops.aten
 _ASSERT = aten._assert_tensor_metadata.default
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.contiguous.default, aten.clone.default}
 _RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
-_CALL_SUFFIX = re.compile(r"@\d+$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +165,7 @@ def _module_sites(graph: fx.Graph, paths: dict[str, float]) -> dict[str, list[fx
         if node.op != "call_function":
             continue
         for raw, _cls in (node.meta.get("nn_module_stack") or {}).values():
-            if _CALL_SUFFIX.sub("", str(raw)) in paths:
+            if strip_call_suffix(str(raw)) in paths:
                 sites.setdefault(str(raw), []).append(node)
                 break
     return sites
@@ -191,7 +190,7 @@ def _rms_norm_sites(rw: _Rewriter, model: nn.Module) -> None:
     paths = _rms_candidates(model)
     attrs = {n.target: n for n in rw.graph.nodes if n.op == "get_attr"}
     for site, nodes in _module_sites(rw.graph, paths).items():
-        path = _CALL_SUFFIX.sub("", site)
+        path = strip_call_suffix(site)
         members = set(nodes)
         inputs = {a for n in nodes for a in n.all_input_nodes if a not in members and a.op != "get_attr"}
         weight = attrs.get(f"{path}.weight")
@@ -219,8 +218,8 @@ def _rms_norm_sites(rw: _Rewriter, model: nn.Module) -> None:
 
 
 def _where(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return str(list(stack.values())[-1][0]) if stack else node.name
+    call = module_call(node)
+    return call if call is not None else node.name
 
 
 def _layer_norm_sites(rw: _Rewriter) -> None:

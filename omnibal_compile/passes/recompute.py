@@ -4,57 +4,27 @@ The plan decides (``Plan.recompute``, one option per block); this pass only appl
 
 Glossary:
     region      a maximal run of consecutive blocks of one stage sharing one recompute option other
-                than ``none``. It becomes one submodule, ``recompute_<k>``, of the new stage module.
-    full        the region runs under ``torch.utils.checkpoint`` (non-reentrant): only its inputs
-                are kept for backward, and the whole region runs again before its backward.
-    selective   the same, under a selective-checkpoint policy (:func:`selective_policy`): outputs
-                of matmuls, convolutions and attention are kept, every other op (norms,
-                activations, elementwise) is recomputed.
+                than ``none``. It becomes one submodule, ``recompute_<k>``, of the new stage module,
+                which runs it under :func:`~omnibal_compile.passes.recompute_policy.with_recompute`
+                (``full`` or ``selective``, as defined in :mod:`~omnibal_compile.passes.recompute_policy`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
-from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import fx, nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from omnibal_compile.errors import PlanError
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.passes.codegen import _META_KEY, stage_info
+from omnibal_compile.passes.recompute_policy import with_recompute
+from omnibal_compile.passes.subgraph import SubgraphCopy
 from omnibal_compile.plan import Plan
 
-__all__ = ["SAVED_OPS", "CheckpointedRegion", "apply_recompute", "selective_policy"]
-
-
-def _packets(*names: str) -> frozenset[Any]:
-    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
-
-
-SAVED_OPS: frozenset[Any] = _packets(
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "linear",
-    "convolution",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_mm",
-)
-"""ATen ops whose outputs selective recomputation keeps (the expensive ones); the rest is recomputed."""
-
-
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective-checkpoint policy: save outputs of :data:`SAVED_OPS`, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+__all__ = ["CheckpointedRegion", "apply_recompute"]
 
 
 class CheckpointedRegion(nn.Module):
@@ -68,12 +38,7 @@ class CheckpointedRegion(nn.Module):
         self.option = option
 
     def forward(self, *args: Any) -> Any:
-        context_fn: Callable[[], Any] | None = None
-        if self.option == "selective":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
-        if context_fn is None:
-            return checkpoint(self.region, *args, use_reentrant=False)
-        return checkpoint(self.region, *args, use_reentrant=False, context_fn=context_fn)
+        return with_recompute(self.region, self.option)(*args)
 
 
 def _regions(blocks: tuple[str, ...], options: tuple[str, ...]) -> list[tuple[str, list[str]]]:
@@ -98,22 +63,12 @@ def _attr(module: nn.Module, target: str) -> Any:
 
 def _region_graph(members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
     """A graph of ``members`` taking ``inputs`` and returning the tuple of ``outputs``."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    sub = SubgraphCopy(lambda x: PlanError(f"internal error: recompute region reads '{x.name}', not one of its inputs"))
     for x in inputs:
-        env[x] = graph.placeholder(x.name)
-        env[x].meta.update(x.meta)
-
-    def lookup(x: fx.Node) -> fx.Node:
-        if x not in env:  # every outside value is an input, so anything else read is a parameter
-            env[x] = graph.get_attr(x.target)  # type: ignore[arg-type]
-            env[x].meta.update(x.meta)
-        return env[x]
-
-    for n in members:
-        env[n] = graph.node_copy(n, lookup)
-    graph.output(tuple(env[o] for o in outputs))
-    return graph
+        sub.input(x, x.meta)
+    sub.copy(members)
+    sub.graph.output(tuple(sub.env[o] for o in outputs))
+    return sub.graph
 
 
 def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.GraphModule:
@@ -139,26 +94,17 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
         if node.op not in ("placeholder", "get_attr", "output") and node.name in region_of:
             members[region_of[node.name]].append(node)
 
-    outer = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    outer = SubgraphCopy(
+        lambda x: PlanError(f"internal error: recompute regions of stage {info.index} are not contiguous at '{x.name}'")
+    )
     root: dict[str, Any] = {}
     emitted: set[int] = set()
-
-    def outer_lookup(x: fx.Node) -> fx.Node:
-        if x not in env:
-            if x.op != "get_attr":
-                raise PlanError(f"internal error: recompute regions of stage {info.index} are not contiguous at '{x.name}'")
-            env[x] = outer.get_attr(x.target)  # type: ignore[arg-type]
-            env[x].meta.update(x.meta)
-            root[x.target] = _attr(stage, x.target)  # type: ignore[index,arg-type]
-        return env[x]
-
     for node in nodes:
-        if node.op == "get_attr" or node in env:
+        if node.op == "get_attr" or node in outer.env:
             continue  # created on first use, so parameters used only inside regions stay there
         k = region_of.get(node.name) if node.op not in ("placeholder", "output") else None
         if k is None:
-            env[node] = outer.node_copy(node, outer_lookup)
+            outer.copy([node])
             continue
         if k in emitted:
             continue
@@ -174,12 +120,13 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
         region = _region_graph(members[k], inputs, outputs)
         name = f"recompute_{k}"
         root[name] = CheckpointedRegion(fx.GraphModule(stage, region, class_name=f"Region{k}"), option)
-        call = outer.call_module(name, tuple(outer_lookup(x) for x in inputs))
+        call = outer.graph.call_module(name, tuple(outer.read(x) for x in inputs))
         for j, o in enumerate(outputs):
-            env[o] = outer.call_function(operator.getitem, (call, j))
-            env[o].meta.update(o.meta)
-    outer.lint()
-    new = fx.GraphModule(root, outer, class_name=type(stage).__name__)
+            outer.env[o] = outer.graph.call_function(operator.getitem, (call, j))
+            outer.env[o].meta.update(o.meta)
+    outer.graph.lint()
+    root.update({str(n.target): _attr(stage, str(n.target)) for n in outer.graph.nodes if n.op == "get_attr"})
+    new = fx.GraphModule(root, outer.graph, class_name=type(stage).__name__)
     owner = {id(t): n for n, t in list(stage.named_parameters()) + list(stage.named_buffers())}
     param_map = {
         name: info.param_map[owner[id(t)]]

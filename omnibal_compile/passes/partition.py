@@ -55,9 +55,9 @@ def check_costs(graph: BlockGraph, costs: CostTable, source: str) -> None:
         return
     diff = [f"#{i}: model '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(graph.names, costs.names)) if a != b]
     raise InputError(
-        f"{source} has {len(costs.names)} blocks, not the {graph.num_blocks} blocks of {graph.captured.model_name}"
-        + (f" (first differences: {diff[:3]})" if diff else "")
-        + ": cost this model (device=...) or give its own cost table"
+        f"{source} does not hold the {graph.num_blocks} blocks of {graph.captured.model_name} (it has "
+        f"{len(costs.names)}{'; first differences: ' + str(diff[:3]) if diff else ''}): cost this model "
+        "(device=...) or give its own cost table"
     )
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from omnibal_compile.data.plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
-from omnibal_compile.passes.capture import CaptureMethod, Captured, capture, normalize_example_inputs
+from omnibal_compile.passes.capture import Captured, CaptureMethod, capture, normalize_example_inputs
 from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
 from omnibal_compile.passes.cost import BF16_ADAM, Precision, annotate_costs
 from omnibal_compile.passes.partition import Planner, check_costs, check_num_stages, plan_stages

@@ -22,7 +22,15 @@ from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule
-from omnibal_compile.solver import PartitionProblem, Solution, evaluate, min_max_partition, planner_info, problem_from_costs, solve
+from omnibal_compile.solver import (
+    PartitionProblem,
+    Solution,
+    evaluate,
+    min_max_partition,
+    planner_info,
+    problem_from_costs,
+    solve,
+)
 
 __all__ = [
     "uniform",

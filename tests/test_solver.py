@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile import PlanError
+from omnibal_compile import InputError, PlanError
 from omnibal_compile.schedule import Schedule
 from omnibal_compile.solver import (
     BASELINES,
@@ -244,7 +244,7 @@ def test_a_time_limited_ilp_returns_its_plan_and_says_it_stopped():
 def test_bad_problems_are_rejected():
     with pytest.raises(PlanError, match="num_stages"):
         equal_problem(n=2, S=3)
-    with pytest.raises(PlanError, match="unknown planner"):
+    with pytest.raises(InputError, match="unknown planner"):
         solve(equal_problem(), "magic")
     with pytest.raises(PlanError, match="runs one stage per device but virtual_stages=2"):
         equal_problem(v=2)

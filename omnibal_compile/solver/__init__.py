@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from omnibal_compile.errors import PlanError
+from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.solver.baselines import BASELINES, min_max_partition, uniform_boundaries
 from omnibal_compile.solver.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.solver.explain import explain_infeasible, least_memory_split
@@ -110,9 +110,9 @@ def planner_help(default: str) -> str:
 
 
 def planner_info(name: str) -> PlannerInfo:
-    """The registered planner ``name``; a PlanError lists the names when it is unknown."""
+    """The registered planner ``name``; an InputError lists the names when it is unknown."""
     if name not in PLANNERS:
-        raise PlanError(f"unknown planner {name!r}; choose one of {list(PLANNERS)}")
+        raise InputError(f"unknown planner {name!r}; choose one of {list(PLANNERS)}")
     return PLANNERS[name]
 
 

@@ -7,9 +7,9 @@ image tokens through narrow ViT layers, few text tokens through wide LLM layers)
 (``uniform``) or parameters (``parameters``) then mis-balances the stages.
 
 Planners: ``uniform`` and ``parameters`` (no costs); ``measured`` (the exact min-max split of the
-blocks' profiled forward+backward time on this machine, from the cost pass); ``ilp`` whenever
-``omnibal_compile.passes.partition`` offers it (in ``PLANNERS``, or on the profiled cost table
-through ``plan_with_costs``). The first planner listed is the baseline of the ratios.
+blocks' profiled forward+backward time on this machine, from the cost pass); any other planner of
+``omnibal_compile.solver.PLANNERS`` (``ilp``, ...) on the profiled cost table through
+``plan_with_costs``. The first planner listed is the baseline of the ratios.
 
     python bench/pipeline_cpu.py                      # default: 10 steps per plan
     python bench/pipeline_cpu.py --steps 20 --repeats 2 --planners uniform parameters measured
@@ -34,8 +34,10 @@ from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes import partition
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.passes.cost import annotate_costs
-from omnibal_compile.passes.partition import PLANNERS, min_max_partition
+from omnibal_compile.passes.partition import min_max_partition
 from omnibal_compile.plan import Plan
+from omnibal_compile.schedule import Schedule
+from omnibal_compile.solver import PLANNERS
 from omnibal_compile.runtime.launch import RunConfig, launch
 
 CONFIG = TinyVLMConfig(
@@ -59,11 +61,6 @@ def measured_planner(costs: CostTable, graph: BlockGraph, num_stages: int) -> Pl
     )
 
 
-def cost_planners() -> tuple[str, ...]:
-    """Planners that run on a cost table through ``partition.plan_with_costs``, when it exists."""
-    return tuple(getattr(partition, "COST_PLANNERS", ())) if hasattr(partition, "plan_with_costs") else ()
-
-
 def make_plans(
     names: list[str], model: torch.nn.Module, microbatch: dict[str, torch.Tensor], stages: int, microbatches: int
 ) -> dict[str, Plan]:
@@ -71,12 +68,12 @@ def make_plans(
     costs: CostTable | None = None
     plans: dict[str, Plan] = {}
     for name in names:
-        if name in PLANNERS:
-            plans[name] = PLANNERS[name](graph, stages)
+        if name != "measured" and name not in PLANNERS:
+            raise SystemExit(f"unknown planner {name!r}; available: {', '.join(['measured', *PLANNERS])}")
+        if name in PLANNERS and not PLANNERS[name].needs_costs:
+            schedule = Schedule.for_stages(stages, num_microbatches=microbatches)
+            plans[name] = partition.plan_stages(graph, num_stages=stages, schedule=schedule, planner=name)
             continue
-        if name != "measured" and name not in cost_planners():
-            known = ["measured", *sorted(PLANNERS), *cost_planners()]
-            raise SystemExit(f"unknown planner {name!r}; available: {', '.join(known)}")
         if costs is None:  # profiled once, on this machine, at the micro-batch shape
             costs = annotate_costs(graph, model, device="cpu", threads=1, warmup=1, repeats=5, clock="thread")
         if name == "measured":
@@ -88,8 +85,7 @@ def make_plans(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ilp = ["ilp"] if "ilp" in PLANNERS or "ilp" in cost_planners() else []
-    default = [*ilp, "measured", "uniform", "parameters"]
+    default = ["ilp", "measured", "uniform", "parameters"]
     p.add_argument("--planners", nargs="+", default=default, help=f"default: {' '.join(default)}; the first is the baseline of the ratios")
     p.add_argument("--steps", type=int, default=10, help="training steps per plan (the first 2 are not timed)")
     p.add_argument("--repeats", type=int, default=1, help="run every plan this many times, interleaved")

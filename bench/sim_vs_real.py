@@ -17,7 +17,6 @@ once (``simulate(processors=...)``), and the overheads are fitted under the same
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -29,15 +28,12 @@ import torch
 from omnibal_compile import optimize
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes.cost import annotate_costs
-from omnibal_compile.passes import partition
-from omnibal_compile.passes.partition import PLANNERS
+from omnibal_compile.passes.partition import plan_with_costs
 from omnibal_compile.runtime import fit_overhead, measure_overhead
 from omnibal_compile.runtime.launch import RunConfig, launch
 from omnibal_compile.sim import simulate
+from omnibal_compile.solver import PLANNERS
 
-
-plan_with_costs = getattr(partition, "plan_with_costs", None)
-NAMES = set(PLANNERS) | (set(getattr(partition, "COST_PLANNERS", ())) if plan_with_costs else set())
 
 
 def main() -> int:
@@ -55,7 +51,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=15, help="profiling repeats per block (median)")
     p.add_argument("--processors", type=int, default=os.cpu_count(),
                    help="cores the ranks share, for the simulator (default: this machine's; 0: one per rank)")
-    p.add_argument("--planners", nargs="+", default=[n for n in ("ilp", "uniform", "parameters") if n in NAMES])
+    p.add_argument("--planners", nargs="+", default=["ilp", "uniform", "parameters"],
+                   choices=list(PLANNERS))
     args = p.parse_args()
     procs = args.processors or None
 
@@ -78,12 +75,8 @@ def main() -> int:
             costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=args.repeats, clock=args.clock)
             plans, steps = {}, {}
             for name in args.planners:
-                if plan_with_costs is not None:
-                    plans[name] = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches,
-                                                  planner=name, schedule=args.schedule)
-                else:
-                    plans[name] = dataclasses.replace(PLANNERS[name](graph, ranks), schedule=args.schedule,
-                                                      num_microbatches=args.microbatches)
+                plans[name] = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches,
+                                              planner=name, schedule=args.schedule)
                 (Path(tmp) / f"plan_{ranks}_{name}.json").write_text(plans[name].to_json())
                 steps[name] = []
             # Rounds over the plans in rotating order: the machine's speed drifts (a shared VM), and

@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,8 +29,9 @@ from omnibal_compile.passes.capture import (
 )
 from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
 from omnibal_compile.passes.cost import annotate_costs
-from omnibal_compile.passes.partition import COST_PLANNERS, PLANNERS, Planner, check_num_stages, plan_with_costs
+from omnibal_compile.passes.partition import Planner, check_costs, check_num_stages, plan_stages
 from omnibal_compile.plan import Plan
+from omnibal_compile.schedule import Schedule
 from omnibal_compile.units import parse_size
 
 if TYPE_CHECKING:  # the kernel pass imports Triton glue; load it only when kernels= is asked for
@@ -86,7 +88,7 @@ class OptimizeResult:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each pass."""
     costs: CostTable | None = None
-    """Per-block costs when ``optimize(device=...)`` was given one; None otherwise."""
+    """Per-block costs when ``optimize(device=...)`` or ``optimize(costs=...)`` gave them; None otherwise."""
     data: DataPlan | None = None
     """Balanced micro-batch shape, sampler and collator when ``optimize(lengths=...)`` was given; None otherwise."""
     kernels: KernelReport | None = None
@@ -171,6 +173,22 @@ def _run_pass(name: str, done: list[str], timings: dict[str, float], fn: Callabl
     return result
 
 
+def _load_costs(costs: CostTable | str | os.PathLike[str], graph: BlockGraph) -> CostTable:
+    """``optimize(costs=...)``: a CostTable, or the path of its JSON, checked against the model's blocks."""
+    if isinstance(costs, CostTable):
+        check_costs(graph, costs, "costs=CostTable")
+        return costs
+    path = Path(costs)
+    if not path.is_file():
+        raise InputError(f"costs={str(path)!r}: no such file; write one with CostTable.to_json() or drop costs=")
+    try:
+        table = CostTable.from_json(path.read_text())
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(f"costs={str(path)!r} is not a CostTable JSON ({e})") from None
+    check_costs(graph, table, f"cost table {path}")
+    return table
+
+
 def _parse_budget(budget: Any) -> float | list[float] | None:
     if budget is None:
         return None
@@ -186,7 +204,7 @@ def optimize(
     num_stages: int,
     planner: str | Planner | None = None,
     plan: Plan | None = None,
-    num_microbatches: int = 1,
+    num_microbatches: int | None = None,
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     memory_budget: str | float | Sequence[str | float] | None = None,
@@ -197,6 +215,7 @@ def optimize(
     capture_method: CaptureMethod = "export",
     kernels: str | None = None,
     device: str | DeviceSpec | None = None,
+    costs: CostTable | str | os.PathLike[str] | None = None,
     precision: Precision = BF16_ADAM,
     cost_cache: str | os.PathLike[str] | None = None,
     refresh_costs: bool = False,
@@ -209,14 +228,17 @@ def optimize(
         model: any ``nn.Module``; it is not modified.
         example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``.
         num_stages: pipeline stages to emit.
-        planner: ``"ilp"`` (default when costs are known: cut points and per-block recomputation chosen
-            jointly and optimally), ``"dp"``, ``"uniform"``, ``"parameters"`` (default without costs),
-            ``"flops"``, ``"omnibal"`` (the paper's heuristic), or a callable ``(BlockGraph, S) -> Plan``.
-            All but uniform/parameters need ``device`` to cost the blocks.
+        planner: a name in :data:`omnibal_compile.solver.PLANNERS`: ``"ilp"`` (default when costs are
+            known: cut points and per-block recomputation chosen jointly and optimally), ``"dp"``,
+            ``"uniform"``, ``"parameters"`` (default without costs), ``"flops"``, ``"omnibal"`` (the
+            paper's heuristic); or a callable ``(BlockGraph, S) -> Plan``. All but uniform/parameters
+            need costs (``device`` or ``costs``). With costs every plan carries its predicted figures.
         plan: use this plan instead of planning (it must match the model's blocks).
         num_microbatches, schedule, virtual_stages: the pipeline schedule planned for
-            (``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` with ``virtual_stages`` chunks per device).
-        memory_budget: per device, e.g. ``"40GiB"`` (one value or one per device); needs ``device``.
+            (``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` with ``virtual_stages`` chunks per device);
+            ``num_microbatches=None`` (default) means one per stage. The rules torch sets on them are
+            checked by :class:`omnibal_compile.schedule.Schedule`.
+        memory_budget: per device, e.g. ``"40GiB"`` (one value or one per device); needs costs.
         recompute: ``"auto"`` (the planner chooses per block), ``"none"``, ``"selective"`` or ``"full"``.
         solver, solver_time_limit: ILP backend (``"auto"``: HiGHS if installed, else CBC) and limit (s).
         block_prefixes: module paths that each form one block, overriding the default grouping.
@@ -226,6 +248,8 @@ def optimize(
             None (default: no substitution).
         device: cost the blocks: ``"cpu"``/``"cuda"`` profile here, ``"a100-80gb"``, ``"h100-80gb"``,
             ``"h200"`` (or a DeviceSpec) use the roofline model; None (default) skips costing.
+        costs: reuse block costs instead of costing: a CostTable or the path of its JSON; it must
+            hold the model's blocks. Not together with ``device``.
         precision: bytes per parameter for weights, gradients and optimizer states (costing only).
         cost_cache: JSON file caching profiled costs; ``refresh_costs=True`` ignores cached entries.
         lengths: dataset length statistics (files, a LengthStats or a ``(tiles, tokens)`` pair):
@@ -236,6 +260,8 @@ def optimize(
     """
     timings: dict[str, float] = {}
     done: list[str] = []
+    if device is not None and costs is not None:
+        raise InputError("give device= (cost the blocks) or costs= (reuse a cost table), not both")
     data_plan = None
     if lengths is not None:
         data_plan = _run_pass("data", done, timings, lambda: plan_data(lengths, data, model=model))
@@ -254,11 +280,15 @@ def optimize(
             "kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels)
         )
     graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
-    if plan is None:
-        check_num_stages(graph, num_stages)  # before costing: a bad stage count should fail fast
-    costs = None
+    chosen_schedule = None
+    if plan is None:  # before costing: a bad stage count or schedule should fail fast
+        check_num_stages(graph, num_stages)
+        chosen_schedule = Schedule.for_stages(
+            num_stages, kind=schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages
+        )
+    table = _load_costs(costs, graph) if costs is not None else None
     if device is not None:
-        costs = _run_pass(
+        table = _run_pass(
             "cost", done, timings,
             lambda: annotate_costs(graph, model, device=device, precision=precision, cache=cost_cache, refresh=refresh_costs),
         )
@@ -266,42 +296,19 @@ def optimize(
         if plan.num_stages != num_stages:
             raise PlanError(f"the given plan has {plan.num_stages} stages but num_stages={num_stages}")
         chosen = plan
-    elif costs is not None and (planner is None or (isinstance(planner, str) and planner in COST_PLANNERS)):
+    else:
+        assert chosen_schedule is not None
         budget = _parse_budget(memory_budget)
         chosen = _run_pass(
             "plan", done, timings,
-            lambda: plan_with_costs(
-                costs, num_stages=num_stages, num_microbatches=num_microbatches, planner=planner or "ilp",
-                schedule=schedule, virtual_stages=virtual_stages, memory_budget=budget, recompute=recompute,
-                solver=solver, time_limit=solver_time_limit,
+            lambda: plan_stages(
+                graph, num_stages=num_stages, schedule=chosen_schedule, planner=planner, costs=table,
+                memory_budget=budget, recompute=recompute, solver=solver, time_limit=solver_time_limit,
             ),
         )
-    else:
-        planner = planner or "parameters"
-        if isinstance(planner, str) and planner in COST_PLANNERS and planner not in PLANNERS:
-            raise InputError(
-                f"planner {planner!r} needs block costs: pass device='cpu' to profile here, or a target such as "
-                f"'a100-80gb' for the roofline model"
-            )
-        if memory_budget is not None:
-            raise InputError("memory_budget needs block costs: pass device='cpu' or a target such as 'a100-80gb'")
-        if isinstance(planner, str):
-            if planner not in PLANNERS:
-                raise InputError(
-                    f"unknown planner {planner!r}; choose one of {sorted(set(PLANNERS) | set(COST_PLANNERS))} "
-                    "or pass a callable"
-                )
-            fn = PLANNERS[planner]
-        elif callable(planner):
-            fn = planner
-        else:
-            raise InputError(f"planner must be a name or a callable, got {type(planner).__name__}")
-        chosen = _run_pass("plan", done, timings, lambda: fn(graph, num_stages))
-        if not isinstance(chosen, Plan):
-            raise InputError(f"planner {getattr(fn, '__name__', fn)!r} returned {type(chosen).__name__}, not a Plan")
     stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
-        model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=costs,
+        model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=table,
         data=data_plan, kernels=kernel_report,
     )
 

@@ -13,12 +13,10 @@ from typing import Any
 
 from omnibal_compile.costs import RECOMPUTE_OPTIONS
 from omnibal_compile.errors import PlanError
+from omnibal_compile.schedule import Schedule
 from omnibal_compile.tables import format_table
 
-__all__ = ["Plan", "StagePlan", "PLAN_FORMAT", "SCHEDULES"]
-
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-"""Pipeline schedules a plan can be made for."""
+__all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
 
 PLAN_FORMAT = 1
 """Version of the JSON layout written by :meth:`Plan.to_json`."""
@@ -62,9 +60,9 @@ class Plan:
     recompute: tuple[str, ...] = ()
     """Recompute option per block (``none``/``selective``/``full``); empty means none anywhere."""
     schedule: str = "1f1b"
-    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved``."""
-    num_microbatches: int = 1
-    """Micro-batches per iteration."""
+    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved`` (see :attr:`pipeline_schedule`)."""
+    num_microbatches: int | None = None
+    """Micro-batches per iteration; None (the default) becomes one per stage."""
     virtual_stages: int = 1
     """Stage chunks per device (interleaved schedules); stage s runs on rank ``s % (S / v)``."""
     stage_time_s: tuple[float, ...] = ()
@@ -110,15 +108,10 @@ class Plan:
         bad = sorted({r for r in self.recompute if r not in RECOMPUTE_OPTIONS})
         if bad:
             raise PlanError(f"recompute options {bad} are unknown; use {list(RECOMPUTE_OPTIONS)}")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule {self.schedule!r} is unknown; use one of {list(SCHEDULES)}")
-        if self.num_microbatches < 1 or self.virtual_stages < 1:
-            raise PlanError("num_microbatches and virtual_stages must be >= 1")
-        if self.num_stages % self.virtual_stages:
-            raise PlanError(
-                f"{self.num_stages} stages cannot be spread as {self.virtual_stages} chunks per device; "
-                "num_stages must be a multiple of virtual_stages"
-            )
+        schedule = Schedule.for_stages(
+            self.num_stages, kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages
+        )
+        object.__setattr__(self, "num_microbatches", schedule.num_microbatches)
         for name, values in (
             ("stage_time_s", self.stage_time_s),
             ("stage_memory_bytes", self.stage_memory_bytes),
@@ -186,6 +179,11 @@ class Plan:
     def block_recompute(self) -> tuple[str, ...]:
         """Recompute option of every block (``none`` when the plan sets none)."""
         return self.recompute or ("none",) * self.num_blocks
+
+    @property
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule, micro-batches and chunks per device, as one checked value."""
+        return Schedule(kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages)
 
     @property
     def num_devices(self) -> int:
@@ -262,11 +260,12 @@ class Plan:
         return cls(**data)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str, *, overrides: Mapping[str, Any] | None = None) -> Plan:
+        """Read a plan; ``overrides`` replace fields before it is checked (e.g. another micro-batch count)."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"plan JSON is malformed: {e}") from None
         if not isinstance(data, dict):
             raise PlanError("plan JSON must be an object")
-        return cls.from_dict(data)
+        return cls.from_dict({**data, **(overrides or {})})

@@ -87,14 +87,19 @@ def test_plan_errors_are_reported(tmp_path, capsys):
     assert main(["plan", "hf:NoSuchModel:x.json", "--out", str(tmp_path)]) == 2
     assert "no model class" in capsys.readouterr().err
     assert main(["plan", "tiny-vlm", "--virtual-stages", "2", "--out", str(tmp_path)]) == 2
-    assert "needs --schedule interleaved" in capsys.readouterr().err
+    assert "--virtual-stages 2: schedule '1f1b' runs one stage per device" in capsys.readouterr().err
+    assert main(["plan", "tiny-vlm", "--microbatches", "2", "--out", str(tmp_path)]) == 2
+    assert "2 micro-batches for 4 stages" in capsys.readouterr().err
 
 
-def test_plan_without_cost_pass(tmp_path, capsys, monkeypatch):
-    from omnibal_compile.commands import plan as plan_command
-
-    monkeypatch.setattr(plan_command, "cost_pass_available", lambda: False)
-    assert main(["plan", "tiny-vlm", "--stages", "2", "--out", str(tmp_path)]) == 0
-    assert "no costs" in capsys.readouterr().out
-    assert (tmp_path / "plan.json").is_file() and (tmp_path / "blocks.png").is_file()
-    assert not (tmp_path / "timeline.png").exists()
+def test_plan_rejects_costs_of_other_blocks(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["plan", "tiny-vlm", "--stages", "2", "--device", "a100-80gb", "--no-pictures", "--out", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads((out / "costs.json").read_text())
+    data["blocks"][0]["name"] = "not_a_block"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    assert main(["plan", "tiny-vlm", "--stages", "2", "--costs", str(other), "--no-pictures", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"cost table {other} does not hold the" in err and "not_a_block" in err

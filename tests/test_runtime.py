@@ -88,6 +88,7 @@ def _cases(base: dict[str, Plan], world: int) -> list[tuple[str, str, Plan]]:
             ("vlm-gpipe", "vlm", p("vlm", 2, "gpipe")),
             ("vlm-1f1b", "vlm", p("vlm", 2, "1f1b")),
             ("vlm-interleaved", "vlm", p("vlm", 4, "interleaved")),
+            ("vlm-interleaved-1-per-rank", "vlm", p("vlm", 2, "interleaved")),
             ("vlm-1f1b-full", "vlm", p("vlm", 2, "1f1b", "full")),
             ("vlm-gpipe-selective", "vlm", p("vlm", 2, "gpipe", "selective")),
             ("vlm-interleaved-mixed", "vlm", p("vlm", 4, "interleaved", "mixed")),
@@ -339,12 +340,16 @@ def test_check_pipeline_rules(vlm_plan2):
     check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=2), world_size=2, batch_size=4)
     with pytest.raises(PlanError, match="virtual_stages=2; use schedule 'interleaved'"):
         check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=2, virtual_stages=2), world_size=1)
-    with pytest.raises(PlanError, match="needs virtual_stages >= 2"):
-        check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=2, schedule="interleaved"), world_size=2)
+    # One stage per rank under interleaved 1F1B: torch's ScheduleInterleaved1F1B takes it.
+    check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=2, schedule="interleaved"), world_size=2)
+    # GPipe and interleaved 1F1B take fewer micro-batches than stages; 1F1B does not.
+    check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=1, schedule="gpipe"), world_size=2)
+    with pytest.raises(PlanError, match="1 micro-batches for 2 stages"):
+        check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=1), world_size=2)
     four = Plan(block_names=tuple("abcd"), boundaries=(0, 1, 2, 3, 4), schedule="interleaved", virtual_stages=2,
-                num_microbatches=5)
+                num_microbatches=6)
     with pytest.raises(PlanError, match="multiple of 2"):
-        check_pipeline(four, world_size=2)
+        check_pipeline(dataclasses.replace(four, num_microbatches=5), world_size=2)
     assert rank_stages(four, 0) == (0, 2) and rank_stages(four, 1) == (1, 3)
 
 

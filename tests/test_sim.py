@@ -39,6 +39,8 @@ def chain_plan(S: int, *, schedule: str, M: int, v: int = 1, per_stage: int = 1,
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("S,M,F,B", [(1, 1, 1.0, 2.0), (2, 4, 1.0, 2.0), (4, 8, 0.5, 1.0), (4, 2, 1.0, 3.0), (8, 32, 1.0, 2.0)])
 def test_equal_stages_match_closed_form(schedule, S, M, F, B):
+    if schedule == "1f1b" and M < S:
+        return  # torch's Schedule1F1B needs M >= S (omnibal_compile.schedule); GPipe covers M < S
     res = simulate(chain_plan(S, schedule=schedule, M=M), table([block(i, F, B) for i in range(S)]))
     assert res.iteration_time_s == pytest.approx((M + S - 1) * (F + B))
     assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
@@ -119,7 +121,7 @@ def test_microbatch_scales_and_tables():
 def test_errors_name_the_problem():
     costs = table([block(i) for i in range(4)])
     with pytest.raises(PlanError, match="does not match the plan"):
-        simulate(chain_plan(3, schedule="1f1b", M=2), costs)
+        simulate(chain_plan(3, schedule="1f1b", M=3), costs)
     with pytest.raises(PlanError, match="use schedule 'interleaved'"):
         simulate(chain_plan(4, schedule="1f1b", M=4, v=2), costs)
     with pytest.raises(PlanError, match="multiple of"):
@@ -145,6 +147,7 @@ def test_stage_costs_sum_blocks():
 )
 def test_properties_random_plans(times, M, schedule, scales):
     S = len(times)
+    M = max(M, S) if schedule == "1f1b" else M  # Schedule1F1B needs M >= S
     costs = table([block(i, f, b) for i, (f, b) in enumerate(times)])
     plan = chain_plan(S, schedule=schedule, M=M)
     res = simulate(plan, costs, microbatch_costs=scales[:M])
@@ -173,6 +176,7 @@ def test_properties_random_plans(times, M, schedule, scales):
 @given(D=st.integers(1, 4), v=st.integers(1, 3), rounds=st.integers(1, 3), schedule=st.sampled_from(["gpipe", "interleaved"]))
 def test_orders_cover_every_op_once(D, v, rounds, schedule):
     M = D * rounds
+    v = 1 if schedule == "gpipe" else v  # ScheduleGPipe runs one stage per device
     orders = operation_order(schedule, D, v, M)
     ops = [op for o in orders for op in o]
     assert len(ops) == len(set(ops)) == 2 * D * v * M

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile import PlanError
+from omnibal_compile import InputError, PlanError
+from omnibal_compile.schedule import Schedule
 from omnibal_compile.solver import (
     BASELINES,
     PartitionProblem,
@@ -25,12 +26,21 @@ from omnibal_compile.solver.problem import OPTIONS, in_flight
 GiB = 2**30
 
 
+def runnable(kind, M, v, S):
+    """Whether torch can run this schedule (the one rule in omnibal_compile.schedule)."""
+    try:
+        Schedule.for_stages(S, kind=kind, num_microbatches=M, virtual_stages=v)
+    except PlanError:
+        return False
+    return True
+
+
 @st.composite
 def problems(draw, max_n=5, schedules=("gpipe", "1f1b")):
     n = draw(st.integers(1, max_n))
     S = draw(st.integers(1, min(n, 4)))
     schedule = draw(st.sampled_from(schedules))
-    M = draw(st.integers(1, 6))
+    M = draw(st.integers(1, 6).filter(lambda m: runnable(schedule, m, 1, S)))
     time, act = [], []
     for _ in range(n):
         f = draw(st.floats(0.1, 10))
@@ -104,7 +114,7 @@ def test_dp_is_exact_and_ilp_matches_it(P):
 @given(problems(max_n=5, schedules=("interleaved",)), st.sampled_from([1, 2]))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_interleaved_ilp_matches_brute_force(P, v):
-    if P.num_stages % v:
+    if not runnable("interleaved", P.num_microbatches, v, P.num_stages):
         return
     P = PartitionProblem(**{**P.__dict__, "virtual_stages": v, "budget": P.budget[: P.num_stages // v]})
     oracle = brute_force(P)
@@ -232,10 +242,12 @@ def test_a_time_limited_ilp_returns_its_plan_and_says_it_stopped():
 def test_bad_problems_are_rejected():
     with pytest.raises(PlanError, match="num_stages"):
         equal_problem(n=2, S=3)
-    with pytest.raises(PlanError, match="unknown planner"):
+    with pytest.raises(InputError, match="unknown planner"):
         solve(equal_problem(), "magic")
-    with pytest.raises(Exception, match="virtual_stages > 1 needs"):
+    with pytest.raises(PlanError, match="runs one stage per device but virtual_stages=2"):
         equal_problem(v=2)
+    with pytest.raises(PlanError, match="2 micro-batches for 4 stages"):
+        equal_problem(M=2)
     with pytest.raises(PlanError, match="dynamic program handles"):
         solve_dp(equal_problem(schedule="interleaved", v=2))
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from omnibal_compile.schedule import SCHEDULE_KINDS
+from omnibal_compile.solver import PLANNERS, planner_help
+
 NAME = "demo"
 HELP = "plan the built-in tiny VLM into balanced pipeline stages and check they reproduce it (CPU, ~30 s)"
 
@@ -17,8 +20,8 @@ HELP = "plan the built-in tiny VLM into balanced pipeline stages and check they 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"), help="pipeline schedule")
-    p.add_argument("--planner", default="ilp", help="ilp | dp | omnibal | flops | uniform | parameters (default ilp)")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule")
+    p.add_argument("--planner", default="ilp", choices=list(PLANNERS), help=planner_help("ilp"))
     p.add_argument(
         "--device", default="cpu", help="cost source: 'cpu' profiles here (default), or a roofline target such as a100-80gb"
     )
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     import omnibal_compile as oc
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-    from omnibal_compile.passes.partition import plan_with_costs
+    from omnibal_compile.passes.partition import plan_stages
     from omnibal_compile.units import parse_size
 
     torch.manual_seed(args.seed)
@@ -69,9 +72,9 @@ def run(args: argparse.Namespace) -> int:
     best = oc.simulate(result.plan, result.costs)
     for name in ("uniform", "parameters", "omnibal", args.planner):
         try:
-            other = plan_with_costs(
-                result.costs, num_stages=args.stages, num_microbatches=args.microbatches, planner=name,
-                schedule=args.schedule, virtual_stages=virtual, memory_budget=budget,
+            other = plan_stages(
+                result.graph, num_stages=args.stages, schedule=result.plan.pipeline_schedule, planner=name,
+                costs=result.costs, memory_budget=budget,
             )
         except oc.PlanError as e:
             print(f"  {name:>10}: no plan ({e})")

@@ -6,10 +6,11 @@ MODEL is one of:
                                 file with random weights (``hf:LlavaForConditionalGeneration:cfg.json``);
     module.path:factory         a function returning ``(model, example_batch)``.
 
-Artefacts written to ``--out``: plan.json, plan.txt, blocks.png + blocks.svg (block graph),
-torchtitan.json and megatron.txt (the split in other frameworks' formats), and, when costs are
-known, costs.json, timeline.png, trace.json (chrome://tracing, ui.perfetto.dev), stages.png and,
-with a sweep, sweep.png.
+Planning is ``optimize()``'s (costs from the cost pass, or ``--costs FILE``); the sweeps re-plan
+with the planning pass it uses. Artefacts written to ``--out``: plan.json, plan.txt, costs.json,
+blocks.png + blocks.svg (block graph), torchtitan.json and megatron.txt (the split in other
+frameworks' formats), timeline.png, trace.json (chrome://tracing, ui.perfetto.dev), stages.png
+and, with a sweep, sweep.png.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.schedule import SCHEDULE_KINDS, Schedule
+from omnibal_compile.solver import PLANNERS, planner_help
 
 NAME = "plan"
 HELP = "plan a model's pipeline stages, simulate an iteration, and write the plan, pictures and a trace"
@@ -40,10 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=4, help="pipeline stages, chunks included (default 4)")
     p.add_argument("--virtual-stages", type=int, default=1, help="stage chunks per device, for --schedule interleaved (default 1)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule (default 1f1b)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 40GB (default: unconstrained)")
     p.add_argument("--device", default="cpu", help="device the costs are for: cpu (profile here) or a target such as a100-80gb")
-    p.add_argument("--planner", default="auto", help="auto (best available) | ilp | parameters | uniform")
+    p.add_argument("--planner", default="auto", choices=["auto", *PLANNERS], help="auto = ilp; " + planner_help("auto"))
     p.add_argument("--costs", metavar="FILE", default=None, help="use this CostTable JSON instead of running the cost pass")
     p.add_argument("--lengths", metavar="FILE", nargs="+", default=None,
                    help="dataset length statistics (JSON lists of {vit_num, token_num}) to simulate micro-batches that differ")
@@ -154,80 +157,23 @@ def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed:
     return model, {"pixel_values": pixels, "input_ids": ids, "labels": labels}
 
 
-# -- planning and costs ---------------------------------------------------------------------------
-def available_planners(with_costs: bool) -> list[str]:
-    """Planner names usable here: the cost-free baselines, plus the cost-based ones when costs exist."""
-    from omnibal_compile.passes import partition
-
-    names = set(partition.PLANNERS)
-    if with_costs and hasattr(partition, "plan_with_costs"):
-        names |= set(getattr(partition, "COST_PLANNERS", ()))
-    return sorted(names)
-
-
-def _choose_planner(name: str, with_costs: bool) -> str:
-    names = available_planners(with_costs)
-    if name == "auto":
-        return "ilp" if "ilp" in names else "parameters"
-    if name not in names:
-        hint = "" if with_costs else " (cost-based planners need costs)"
-        raise InputError(f"planner {name!r} is not available here{hint}; choose one of {['auto', *names]}")
-    return name
-
-
+# -- planning -------------------------------------------------------------------------------------
 PlanMaker = Callable[[int, "int | None"], Any]
-"""(number of stages, memory budget per device or None) -> a scheduled Plan."""
+"""(number of stages, memory budget per device or None) -> a Plan with predictions."""
 
 
-def plan_maker(planner: str, args: argparse.Namespace, result: Any, costs: Any) -> PlanMaker:
-    """How to plan: a cost-based planner (ILP, DP, ...) on the cost table, else a baseline on the block graph."""
-    from omnibal_compile.passes import partition
+def plan_maker(args: argparse.Namespace, result: Any, planner: str) -> PlanMaker:
+    """Re-plan ``result``'s model as optimize() does, for another stage count or budget (the sweeps)."""
+    from omnibal_compile.passes.partition import plan_stages
 
-    if costs is not None and hasattr(partition, "plan_with_costs") and planner in getattr(partition, "COST_PLANNERS", ()):
-        def make(stages: int, budget: int | None) -> Any:
-            return partition.plan_with_costs(
-                costs, num_stages=stages, num_microbatches=args.microbatches, planner=planner,
-                schedule=args.schedule, virtual_stages=args.virtual_stages, memory_budget=budget,
-            )
-    else:
-        def make(stages: int, budget: int | None) -> Any:
-            # Baselines ignore costs and budgets; the simulation shows whether the split fits.
-            return _scheduled(partition.PLANNERS[planner](result.graph, stages), args, budget)
-    return make
-
-
-def cost_pass_available() -> bool:
-    return importlib.util.find_spec("omnibal_compile.passes.cost") is not None
-
-
-def load_costs(args: argparse.Namespace, result: Any) -> tuple[Any, str]:
-    """(CostTable or None, a line saying where the costs came from or why there are none)."""
-    from omnibal_compile.costs import CostTable
-
-    if args.costs:
-        path = Path(args.costs)
-        if not path.is_file():
-            raise InputError(f"--costs {path}: no such file")
-        try:
-            costs = CostTable.from_json(path.read_text())
-        except (ValueError, TypeError, KeyError) as e:
-            raise InputError(f"--costs {path}: not a CostTable JSON ({e})") from None
-        if costs.names != result.plan.block_names:
-            raise InputError(f"--costs {path}: its {len(costs.names)} blocks are not the model's {result.plan.num_blocks} blocks")
-        return costs, f"costs from {path} ({costs.device}, {costs.source})"
-    if not cost_pass_available():
-        return None, (
-            "no costs: the cost pass (omnibal_compile.passes.cost) is not installed in this version, so the "
-            "timeline, trace, stage bars and sweeps are skipped; give measured costs with --costs FILE"
+    def make(stages: int, budget: int | None) -> Any:
+        schedule = Schedule.for_stages(
+            stages, kind=args.schedule, num_microbatches=args.microbatches, virtual_stages=args.virtual_stages
         )
-    return _run_cost_pass(args, result)
+        return plan_stages(result.graph, num_stages=stages, schedule=schedule, planner=planner,
+                           costs=result.costs, memory_budget=budget)
 
-
-def _run_cost_pass(args: argparse.Namespace, result: Any) -> tuple[Any, str]:
-    from omnibal_compile.passes.cost import annotate_costs
-
-    costs = annotate_costs(result.graph, result.model, device=args.device, progress=sys.stderr.isatty())
-    return costs, f"costs from the cost pass on {costs.device} ({costs.source})"
+    return make
 
 
 def _parse_list(text: str, item: Callable[[str], Any], flag: str) -> list[Any]:
@@ -240,33 +186,23 @@ def _parse_list(text: str, item: Callable[[str], Any], flag: str) -> list[Any]:
     return values
 
 
-def _scheduled(plan: Any, args: argparse.Namespace, budget: int | None) -> Any:
-    """The plan with the command's schedule, micro-batches, chunks per device and budget."""
-    return dataclasses.replace(
-        plan,
-        schedule=args.schedule,
-        num_microbatches=args.microbatches,
-        virtual_stages=args.virtual_stages,
-        # As the cost-based planners record it: a device's budget shared evenly by its chunks.
-        memory_budget_bytes=(budget // args.virtual_stages,) * plan.num_stages if budget is not None else (),
-    )
-
-
 # -- the command ----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     import omnibal_compile as oc
     from omnibal_compile.interop import megatron_layout, torchtitan_module_names
-    from omnibal_compile.sim import simulate, stage_costs
+    from omnibal_compile.sim import simulate
     from omnibal_compile.units import format_size, parse_size
 
-    if args.stages < 1 or args.microbatches < 1 or args.virtual_stages < 1:
-        raise InputError("--stages, --microbatches and --virtual-stages must be >= 1")
-    if args.schedule != "interleaved" and args.virtual_stages != 1:
-        raise InputError(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved")
-    if args.stages % args.virtual_stages:
-        raise InputError(f"--stages {args.stages} must be a multiple of --virtual-stages {args.virtual_stages}")
+    try:
+        Schedule.for_stages(args.stages, kind=args.schedule, num_microbatches=args.microbatches,
+                            virtual_stages=args.virtual_stages)
+    except PlanError as e:
+        raise InputError(
+            f"--stages {args.stages} --schedule {args.schedule} --microbatches {args.microbatches} "
+            f"--virtual-stages {args.virtual_stages}: {e}"
+        ) from None
     budget = parse_size(args.memory) if args.memory else None
-    _choose_planner(args.planner, with_costs=True)  # fail early on an unknown name
+    planner = "ilp" if args.planner == "auto" else args.planner
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pictures = not args.no_pictures
@@ -276,37 +212,24 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise InputError("pictures need matplotlib: pip install matplotlib (or pass --no-pictures)") from None
 
-    steps = 7 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
+    steps = 5 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
     written: list[Path] = []
     with _progress(steps) as step:
         step("building the model")
         model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed)
-        step("capture + blocks")
-        result = oc.optimize(model, batch, num_stages=args.stages, planner="parameters")
-        step("costs")
-        costs, cost_note = load_costs(args, result)
-        planner = _choose_planner(args.planner, with_costs=costs is not None)
-        step(f"planning ({planner})")
-        make_plan = plan_maker(planner, args, result, costs)
-        plan = make_plan(args.stages, budget)
-        predicted = plan.iteration_time_s
-        sim = None
-        if costs is not None:
-            step("simulating")
-            sim = simulate(plan, costs)
-            plan = dataclasses.replace(
-                plan,
-                stage_time_s=plan.stage_time_s or tuple(
-                    c.forward_s + c.backward_s + c.recompute_s + c.send_s for c in stage_costs(plan, costs)
-                ),
-                iteration_time_s=plan.iteration_time_s if plan.iteration_time_s is not None else sim.iteration_time_s,
-                # One stage per device: the device's simulated peak is the stage's.
-                stage_memory_bytes=plan.stage_memory_bytes or (sim.peak_memory_bytes if plan.virtual_stages == 1 else ()),
-            )
-            (out / "costs.json").write_text(costs.to_json())
-            written.append(out / "costs.json")
-        else:
-            step("simulating (skipped: no costs)")
+        step(f"capture, blocks, costs, planning ({planner})")
+        result = oc.optimize(
+            model, batch, num_stages=args.stages, planner=planner, num_microbatches=args.microbatches,
+            schedule=args.schedule, virtual_stages=args.virtual_stages, memory_budget=budget,
+            device=None if args.costs else args.device, costs=args.costs,
+        )
+        plan, costs = result.plan, result.costs
+        cost_note = (f"costs from {args.costs} ({costs.device}, {costs.source})" if args.costs
+                     else f"costs from the cost pass on {costs.device} ({costs.source})")
+        step("simulating")
+        sim = simulate(plan, costs)
+        (out / "costs.json").write_text(costs.to_json())
+        written.append(out / "costs.json")
         step("writing plan and exports")
         (out / "plan.json").write_text(plan.to_json())
         (out / "plan.txt").write_text(plan.summary() + "\n")
@@ -320,18 +243,16 @@ def run(args: argparse.Namespace) -> int:
         except InputError as e:
             cost_note += f"\nno Megatron layout: {e}"
         step("drawing")
-        if sim is not None:
-            from omnibal_compile.sim.draw import write_chrome_trace
+        from omnibal_compile.sim.draw import write_chrome_trace
 
-            written.append(write_chrome_trace(sim, out / "trace.json"))
+        written.append(write_chrome_trace(sim, out / "trace.json"))
         if pictures:
             from omnibal_compile.sim import draw
 
             written.append(draw.draw_block_graph(plan, out / "blocks.png", dag=result.graph.dag))
             written.append(draw.draw_block_graph(plan, out / "blocks.svg", dag=result.graph.dag))
-            if sim is not None:
-                written.append(draw.draw_timeline(sim, out / "timeline.png"))
-                written.append(draw.draw_stage_bars(plan, costs, out / "stages.png", result=sim))
+            written.append(draw.draw_timeline(sim, out / "timeline.png"))
+            written.append(draw.draw_stage_bars(plan, costs, out / "stages.png", result=sim))
         lengths_report = None
         if args.lengths:
             step("micro-batches from --lengths")
@@ -341,23 +262,20 @@ def run(args: argparse.Namespace) -> int:
             if not flag:
                 continue
             step(f"what-if sweep over {kind}")
-            if costs is None:
-                sweeps.append(f"sweep over {kind} skipped: no costs")
-                continue
-            sweeps.append(_sweep(kind, flag, args, make_plan, budget, costs, out, pictures, written, planner))
+            sweeps.append(_sweep(kind, flag, args, plan_maker(args, result, planner), budget, costs, out, pictures, written, planner))
 
     _print_plan(plan, name)
     print(cost_note)
-    if sim is not None:
-        print()
-        print(sim.summary())
-        if predicted is not None:
-            print(f"planner '{plan.planner}' predicted {predicted * 1e3:.3f} ms per iteration; simulated "
-                  f"{sim.iteration_time_s * 1e3:.3f} ms ({sim.iteration_time_s / predicted - 1:+.1%})")
-        if budget is not None:
-            over = [d for d, m in enumerate(sim.peak_memory_bytes) if m > budget]
-            if over:
-                print(f"devices {over} exceed the {format_size(budget)} budget")
+    print()
+    print(sim.summary())
+    predicted = plan.iteration_time_s
+    if predicted is not None:
+        print(f"planner '{plan.planner}' predicted {predicted * 1e3:.3f} ms per iteration; simulated "
+              f"{sim.iteration_time_s * 1e3:.3f} ms ({sim.iteration_time_s / predicted - 1:+.1%})")
+    if budget is not None:
+        over = [d for d, m in enumerate(sim.peak_memory_bytes) if m > budget]
+        if over:
+            print(f"devices {over} exceed the {format_size(budget)} budget")
     if layout is not None:
         print(f"\nMegatron layout: {layout}")
     if lengths_report:
@@ -405,12 +323,7 @@ def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker,
         label, fmt, xs, xlabel = "budget", format_size, [v / 2**30 for v in values], "memory budget per device (GiB)"
     else:
         values = _parse_list(text, int, "--sweep-stages")
-
-        def make(stages: int) -> Any:
-            if stages % args.virtual_stages:
-                raise PlanError(f"{stages} stages is not a multiple of {args.virtual_stages} chunks per device")
-            return make_plan(stages, budget)
-
+        make = lambda s: make_plan(s, budget)  # noqa: E731
         label, fmt, xs, xlabel = "stages", str, values, "pipeline stages"
     points = sweep(make, values, costs)
     # A plan whose simulated peak exceeds its budget does not fit (baseline planners ignore budgets).
@@ -430,8 +343,6 @@ def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker,
 
 def _lengths_report(args: argparse.Namespace, plan: Any, costs: Any, result: Any) -> str:
     """Simulate micro-batches drawn from real length statistics: random batches vs balanced packs."""
-    if costs is None:
-        return "--lengths: skipped (no costs)"
     from omnibal_compile.data import balance_pack, load_lengths, random_batches
     from omnibal_compile.sim import simulate
     from omnibal_compile.sim.lengths import packing_shapes, shape_costs

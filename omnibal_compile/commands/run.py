@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from omnibal_compile.schedule import SCHEDULE_KINDS
+
 NAME = "run"
 HELP = "train a model from a saved plan on local pipeline ranks launched by torchrun"
 
@@ -25,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and built-in batches")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: what the plan needs)")
-    p.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"], help="override the plan's")
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_KINDS, help="override the plan's")
     p.add_argument("--microbatches", type=int, default=None, help="override the plan's micro-batch count")
     p.add_argument("--virtual-stages", type=int, default=None, help="override the plan's stages per rank")
     p.add_argument("--no-recompute", action="store_true", help="ignore the plan's recompute options")

@@ -1,9 +1,10 @@
-"""Planners over a block graph: cut it into stages, with or without measured costs.
+"""The planning pass: cut a block graph into stages, with or without measured costs.
 
-Every graph-level planner has the signature ``planner(graph: BlockGraph, num_stages: int) -> Plan``.
-Without costs only the baselines ``uniform`` and ``parameters`` apply; with a ``CostTable`` every
-planner of :mod:`omnibal_compile.solver` (``ilp``, ``dp``, ``uniform``, ``parameters``, ``flops``,
-``omnibal``) runs through :func:`plan_with_costs`, which also fills the plan's predictions.
+:func:`plan_stages` is the one planning path (``optimize()``, the demo and the ``plan`` command's
+sweeps use it). Planners are named in :data:`omnibal_compile.solver.PLANNERS`; with a
+``CostTable`` every one runs on the solver's problem through :func:`plan_with_costs`, which also
+fills the plan's predictions; without costs only the planners that need none (``uniform``,
+``parameters``) apply. A callable ``planner(graph: BlockGraph, num_stages: int) -> Plan`` works too.
 
 Glossary:
     uniform      equal numbers of layer blocks per stage (Megatron/torchtitan default).
@@ -13,22 +14,32 @@ Glossary:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from omnibal_compile.costs import CostTable
-from omnibal_compile.errors import PlanError
+from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.plan import Plan
-from omnibal_compile.solver import PLANNER_NAMES, PartitionProblem, Solution, min_max_partition, problem_from_costs, solve, uniform_boundaries
+from omnibal_compile.schedule import Schedule
+from omnibal_compile.solver import (
+    PartitionProblem,
+    Solution,
+    evaluate,
+    min_max_partition,
+    planner_info,
+    problem_from_costs,
+    solve,
+)
 
 __all__ = [
     "uniform",
     "parameters",
-    "PLANNERS",
-    "COST_PLANNERS",
     "Planner",
+    "check_costs",
     "check_num_stages",
     "min_max_partition",
+    "plan_stages",
     "plan_with_costs",
     "plan_from_solution",
 ]
@@ -46,6 +57,18 @@ def check_num_stages(graph: BlockGraph, num_stages: int) -> None:
         )
 
 
+def check_costs(graph: BlockGraph, costs: CostTable, source: str) -> None:
+    """Raise unless ``costs`` (from ``source``, e.g. a file name) holds exactly ``graph``'s blocks, in order."""
+    if tuple(costs.names) == tuple(graph.names):
+        return
+    diff = [f"#{i}: model '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(graph.names, costs.names)) if a != b]
+    raise InputError(
+        f"{source} does not hold the {graph.num_blocks} blocks of {graph.captured.model_name} (it has "
+        f"{len(costs.names)}{'; first differences: ' + str(diff[:3]) if diff else ''}): cost this model "
+        "(device=...) or give its own cost table"
+    )
+
+
 def _plan(graph: BlockGraph, boundaries: Sequence[int], planner: str, **notes: object) -> Plan:
     return Plan(
         block_names=graph.names,
@@ -57,35 +80,44 @@ def _plan(graph: BlockGraph, boundaries: Sequence[int], planner: str, **notes: o
     )
 
 
-def uniform(graph: BlockGraph, num_stages: int) -> Plan:
-    """Equal numbers of layer blocks per stage; the first stages take the remainder."""
+def _cost_free(graph: BlockGraph, num_stages: int, planner: str) -> Plan:
+    """The plan of a registered planner that needs no costs: cut points from block kinds and parameters."""
     check_num_stages(graph, num_stages)
+    cut_points = planner_info(planner).cut_points
+    if cut_points is None:
+        raise InputError(
+            f"planner {planner!r} needs block costs: pass device='cpu' to profile here, a target such as "
+            "'a100-80gb' for the roofline model, or costs=... (a CostTable)"
+        )
+    params = [b.num_params for b in graph.blocks]
     try:
-        boundaries = uniform_boundaries([b.kind for b in graph.blocks], num_stages)
+        b = list(cut_points([blk.kind for blk in graph.blocks], params, num_stages))
     except PlanError as e:
         raise PlanError(f"{graph.captured.model_name}: {e}") from None
-    return _plan(graph, boundaries, "uniform")
+    return _plan(graph, b, planner, max_stage_params=max(sum(params[i:j]) for i, j in zip(b, b[1:])))
+
+
+def uniform(graph: BlockGraph, num_stages: int) -> Plan:
+    """Equal numbers of layer blocks per stage; the first stages take the remainder."""
+    return _cost_free(graph, num_stages, "uniform")
 
 
 def parameters(graph: BlockGraph, num_stages: int) -> Plan:
     """Contiguous stages with the smallest possible largest parameter count."""
-    check_num_stages(graph, num_stages)
-    boundaries, worst = min_max_partition([b.num_params for b in graph.blocks], num_stages)
-    return _plan(graph, boundaries, "parameters", max_stage_params=int(worst))
+    return _cost_free(graph, num_stages, "parameters")
 
 
-PLANNERS: dict[str, Planner] = {"uniform": uniform, "parameters": parameters}
-"""Planners that need no costs, selectable by name in :func:`omnibal_compile.optimize`."""
+def plan_from_solution(
+    sol: Solution, costs: CostTable, problem: PartitionProblem, *, notes: dict[str, object] | None = None
+) -> Plan:
+    """Wrap a solver solution of ``problem`` (built from ``costs``) as a Plan carrying its predicted figures.
 
-COST_PLANNERS: tuple[str, ...] = PLANNER_NAMES
-"""Planners that run on a CostTable (see :func:`plan_with_costs`)."""
-
-
-def plan_from_solution(sol: Solution, costs: CostTable, problem: PartitionProblem) -> Plan:
-    """Wrap a solver solution of ``problem`` (built from ``costs``) as a Plan carrying its predicted figures."""
-    notes: dict[str, object] = {"binding": sol.binding, "status": sol.status, "solve seconds": round(sol.solve_seconds, 3)}
-    if sol.gap is not None:
-        notes["gap"] = sol.gap
+    ``notes`` replace the solver's (binding constraint, status, solve time, gap).
+    """
+    if notes is None:
+        notes = {"binding": sol.binding, "status": sol.status, "solve seconds": round(sol.solve_seconds, 3)}
+        if sol.gap is not None:
+            notes["gap"] = sol.gap
     return Plan(
         block_names=costs.names,
         boundaries=sol.boundaries,
@@ -135,3 +167,57 @@ def plan_with_costs(
     )
     sol = solve(problem, planner, solver=solver, time_limit=time_limit)
     return plan_from_solution(sol, costs, problem)
+
+
+def plan_stages(
+    graph: BlockGraph,
+    *,
+    num_stages: int,
+    schedule: Schedule,
+    planner: str | Planner | None = None,
+    costs: CostTable | None = None,
+    memory_budget: float | Sequence[float] | None = None,
+    recompute: str = "auto",
+    solver: str = "auto",
+    time_limit: float | None = 60.0,
+) -> Plan:
+    """The planning pass: cut ``graph`` into ``num_stages`` stages for ``schedule``.
+
+    ``planner`` is a name in :data:`omnibal_compile.solver.PLANNERS` (default ``ilp`` with costs,
+    ``parameters`` without) or a callable ``(graph, num_stages) -> Plan``. Every plan carries
+    ``schedule``; with ``costs`` (a table of ``graph``'s blocks, see :func:`check_costs`) it also
+    carries its predicted stage times, memory and iteration time by the solver's accounting.
+    ``memory_budget`` is bytes per device and needs costs.
+    """
+    check_num_stages(graph, num_stages)
+    schedule.check(num_stages)
+    if costs is None and memory_budget is not None:
+        raise InputError("memory_budget needs block costs: pass device='cpu', a target such as 'a100-80gb', or costs=...")
+    planner = planner or ("ilp" if costs is not None else "parameters")
+    if isinstance(planner, str) and costs is not None:
+        planner_info(planner)  # an unknown name fails here, before the problem is built
+        return plan_with_costs(
+            costs, num_stages=num_stages, num_microbatches=schedule.num_microbatches, planner=planner,
+            schedule=schedule.kind, virtual_stages=schedule.virtual_stages, memory_budget=memory_budget,
+            recompute=recompute, solver=solver, time_limit=time_limit,
+        )
+    if isinstance(planner, str):
+        plan = _cost_free(graph, num_stages, planner)
+    elif callable(planner):
+        plan = planner(graph, num_stages)
+        if not isinstance(plan, Plan):
+            raise InputError(f"planner {getattr(planner, '__name__', planner)!r} returned {type(plan).__name__}, not a Plan")
+    else:
+        raise InputError(f"planner must be a name or a callable, got {type(planner).__name__}")
+    plan = dataclasses.replace(
+        plan, schedule=schedule.kind, num_microbatches=schedule.num_microbatches, virtual_stages=schedule.virtual_stages
+    )
+    if costs is None:
+        return plan
+    # A callable's plan, predicted by the same accounting as the solvers' plans.
+    problem = problem_from_costs(
+        costs, num_stages=num_stages, num_microbatches=schedule.num_microbatches, schedule=schedule.kind,
+        virtual_stages=schedule.virtual_stages, budget=memory_budget, recompute=recompute,
+    )
+    sol = evaluate(problem, plan.boundaries, plan.block_recompute, planner=plan.planner)
+    return plan_from_solution(sol, costs, problem, notes={**plan.notes, "binding": sol.binding})

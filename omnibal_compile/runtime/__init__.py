@@ -6,6 +6,7 @@ from omnibal_compile.runtime.pipeline import (
     TiedParameter,
     build_pipeline,
     check_pipeline,
+    get_schedule_class,
     loss_weights,
     rank_stages,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "TiedParameter",
     "build_pipeline",
     "check_pipeline",
+    "get_schedule_class",
     "loss_weights",
     "rank_stages",
 ]

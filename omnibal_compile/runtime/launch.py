@@ -135,7 +135,6 @@ def read_plan(config: RunConfig) -> Plan:
     path = Path(config.plan)
     if not path.exists():
         raise InputError(f"plan file {path} does not exist; write one with Plan.to_json() or `omnibal-compile demo --save-plan`")
-    plan = Plan.from_json(path.read_text())
     changes = {
         k: v
         for k, v in (
@@ -145,7 +144,7 @@ def read_plan(config: RunConfig) -> Plan:
         )
         if v is not None
     }
-    return dataclasses.replace(plan, **changes) if changes else plan
+    return Plan.from_json(path.read_text(), overrides=changes)  # a file's schedule may fit only with them
 
 
 def _import(spec: str, what: str) -> Any:

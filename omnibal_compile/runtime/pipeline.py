@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError, PlanError
@@ -41,12 +42,22 @@ __all__ = [
     "TiedParameter",
     "build_pipeline",
     "check_pipeline",
+    "get_schedule_class",
     "loss_weights",
     "rank_stages",
 ]
 
+_SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+}
+"""Schedule kind (:data:`omnibal_compile.schedule.SCHEDULE_KINDS`) -> the torch class that runs it."""
+
+
 def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None) -> None:
     """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks with this batch."""
+    plan.pipeline_schedule.check(plan.num_stages)
     s, v, m = plan.num_stages, plan.virtual_stages, plan.num_microbatches
     if world_size != plan.num_devices:
         extra = f" ({s} stages / {v} virtual stages per rank)" if v > 1 else ""
@@ -54,28 +65,17 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
             f"the plan needs {plan.num_devices} ranks{extra} but world size is {world_size}: "
             f"launch {plan.num_devices} processes, or re-plan for {world_size} ranks"
         )
-    if plan.schedule == "interleaved" and v < 2:
-        raise PlanError("schedule 'interleaved' needs virtual_stages >= 2; use '1f1b' or re-plan with more stages per rank")
-    if plan.schedule != "interleaved" and v > 1:
-        raise PlanError(
-            f"schedule {plan.schedule!r} runs one stage per rank but the plan has virtual_stages={v}; "
-            "use schedule 'interleaved'"
-        )
-    if m < s:
-        raise PlanError(
-            f"{m} micro-batches for {s} stages: the schedule needs at least one micro-batch per stage; "
-            f"set num_microbatches >= {s}"
-        )
-    if plan.schedule == "interleaved":
-        rounds = max(1, m // world_size)
-        if m % rounds:
-            raise PlanError(
-                f"interleaved 1F1B on {world_size} ranks needs num_microbatches to be a multiple of {rounds}; got {m}"
-            )
     if batch_size is not None and batch_size % m:
         raise PlanError(
             f"batch size {batch_size} is not divisible by {m} micro-batches; use a batch size that is a multiple of {m}"
         )
+
+
+def get_schedule_class(kind: str) -> type[_PipelineSchedule]:
+    """The ``torch.distributed.pipelining`` schedule class that runs schedule ``kind``."""
+    if kind not in _SCHEDULE_CLASSES:
+        raise PlanError(f"schedule {kind!r} is unknown; use one of {list(_SCHEDULE_CLASSES)}")
+    return _SCHEDULE_CLASSES[kind]
 
 
 def rank_stages(plan: Plan, rank: int) -> tuple[int, ...]:
@@ -251,9 +251,6 @@ class RankPipeline:
         return float(sum(loss.detach().double() for loss in losses))
 
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-
-
 def _original_names(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -309,11 +306,9 @@ def build_pipeline(
         for s, mod, (ins, outs) in zip(mine, modules, examples)
     )
     loss_fn = _WeightedLoss(loss_index)
-    cls = _SCHEDULES[plan.schedule]
-    if plan.schedule == "interleaved":
-        schedule = cls(list(stages), plan.num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        schedule = cls(stages[0], plan.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = get_schedule_class(plan.schedule)
+    runs = list(stages) if issubclass(cls, PipelineScheduleMulti) else stages[0]  # one stage per rank otherwise
+    schedule = cls(runs, plan.num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return RankPipeline(
         rank=rank,
         world_size=world_size,

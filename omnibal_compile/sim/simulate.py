@@ -25,12 +25,11 @@ Glossary:
                    over the device's recomputed blocks, added on top of the in-flight bytes.
 
 Schedules (the operation order per device; the same orders as torch.distributed.pipelining):
-    gpipe        all forwards (micro-batch 0..M-1), then all backwards (0..M-1). With v > 1, chunk
-                 by chunk (looped): every forward of chunk 0, of chunk 1, ..., then backwards from
-                 the last chunk down. In flight per stage: M.
+    gpipe        all forwards (micro-batch 0..M-1), then all backwards (0..M-1) (``ScheduleGPipe``).
+                 In flight per stage: M.
     1f1b         ``min(M, S - s)`` warm-up forwards, then alternate one backward and one forward,
                  then the remaining backwards (``Schedule1F1B``). In flight per stage: ``min(S - s, M)``.
-                 Needs v = 1.
+    Which (schedule, M, v, S) torch can run is checked by :class:`omnibal_compile.schedule.Schedule`.
     interleaved  Megatron's interleaved 1F1B as in ``ScheduleInterleaved1F1B``: rounds of
                  ``R = M // max(1, M // D)`` micro-batches; the k-th forward of device d runs chunk
                  ``(k // R) % v``, the j-th backward chunk ``v - 1 - (j // R) % v``; warm-up forwards
@@ -60,7 +59,8 @@ from typing import Literal
 
 from omnibal_compile.costs import CostTable
 from omnibal_compile.errors import InputError, PlanError, SimulationError
-from omnibal_compile.plan import SCHEDULES, Plan
+from omnibal_compile.plan import Plan
+from omnibal_compile.schedule import Schedule
 
 __all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 
@@ -197,39 +197,18 @@ Op = tuple[str, int, int]
 """(``F`` or ``B``, stage, micro-batch)."""
 
 
-def _rounds(num_microbatches: int, num_devices: int) -> int:
-    """Micro-batches per round of the interleaved schedule (torch's ``microbatches_per_round``)."""
-    rounds = max(1, num_microbatches // num_devices)
-    if num_microbatches % rounds:
-        raise PlanError(
-            f"the interleaved schedule needs the micro-batch count ({num_microbatches}) to be a multiple of "
-            f"the number of rounds ({rounds} = micro-batches // devices); use a multiple of {num_devices}"
-        )
-    return num_microbatches // rounds
-
-
 def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_microbatches: int) -> list[list[Op]]:
     """The order in which each device runs its forwards (``F``) and backwards (``B``)."""
     D, v, M = num_devices, virtual_stages, num_microbatches
-    if schedule not in SCHEDULES:
-        raise PlanError(f"schedule {schedule!r} is unknown; use one of {list(SCHEDULES)}")
-    if D < 1 or v < 1 or M < 1:
-        raise PlanError("devices, virtual stages and micro-batches must all be >= 1")
+    sched = Schedule(kind=schedule, num_microbatches=M, virtual_stages=v)
+    sched.check(D * v)
     S = D * v
     orders: list[list[Op]] = []
     for d in range(D):
         ops: list[Op] = []
         if schedule == "gpipe":
-            for c in range(v):
-                ops += [("F", c * D + d, m) for m in range(M)]
-            for c in reversed(range(v)):
-                ops += [("B", c * D + d, m) for m in range(M)]
+            ops += [("F", d, m) for m in range(M)] + [("B", d, m) for m in range(M)]
         elif schedule == "1f1b":
-            if v != 1:
-                raise PlanError(
-                    f"schedule '1f1b' runs one stage per device, but the plan has virtual_stages={v}; "
-                    "use schedule 'interleaved' (or 'gpipe') for several chunks per device"
-                )
             warm = min(M, S - d)
             ops += [("F", d, m) for m in range(warm)]
             for m in range(M):
@@ -237,7 +216,7 @@ def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_mi
                 if warm + m < M:
                     ops.append(("F", d, warm + m))
         else:  # interleaved
-            R = _rounds(M, D)
+            R = sched.microbatches_per_round(D)
             total = v * M
             warm = min((v - 1) * R + 2 * (D - 1 - d), total)
             next_mb = [0] * v
@@ -437,15 +416,13 @@ def simulate(
         M = len(microbatch_costs)
     else:
         M = num_microbatches if num_microbatches is not None else plan.num_microbatches
-    if M < 1:
-        raise InputError(f"num_microbatches must be >= 1, got {M}")
     S, v = plan.num_stages, plan.virtual_stages
     D = plan.num_devices
+    orders = operation_order(sched, D, v, M)
     per_mb = _microbatch_stage_costs(plan, costs, microbatch_costs, M)
     bw_scale = 1.0 if link_bandwidth is None else costs.link_bandwidth / link_bandwidth
     if link_bandwidth is not None and link_bandwidth <= 0:
         raise InputError(f"link_bandwidth must be positive, got {link_bandwidth}")
-    orders = operation_order(sched, D, v, M)
 
     def send(s: int, m: int) -> float:
         """Send time from stage s to s+1 (or the gradient back), 0 on one device."""

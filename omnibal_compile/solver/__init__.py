@@ -4,12 +4,16 @@
 warm-started by the DP when the schedule allows), ``dp`` (exact dynamic program), or a baseline
 (``uniform``, ``parameters``, ``flops``, ``omnibal``). Interleaved schedules have no exact DP: the
 ILP starts from the best of the baselines and the DP's interleaved incumbent. Infeasible budgets
-raise ``PlanError`` with an explanation.
+raise ``PlanError`` with an explanation. ``PLANNERS`` is the one table of planners: name, help line,
+and how to call each with costs (``solve``) and, for the baselines that need none, without.
 """
 
 from __future__ import annotations
 
-from omnibal_compile.errors import PlanError
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.solver.baselines import BASELINES, min_max_partition, uniform_boundaries
 from omnibal_compile.solver.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.solver.explain import explain_infeasible, least_memory_split
@@ -27,43 +31,37 @@ __all__ = [
     "solve_dp",
     "solve_ilp",
     "BASELINES",
-    "PLANNER_NAMES",
+    "PLANNERS",
+    "PlannerInfo",
+    "planner_help",
+    "planner_info",
     "explain_infeasible",
     "least_memory_split",
     "min_max_partition",
     "uniform_boundaries",
 ]
 
-PLANNER_NAMES: tuple[str, ...] = ("ilp", "dp", *BASELINES)
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerInfo:
+    """One planner: its name, what it does, and how to call it with and without costs."""
+
+    name: str
+    """Name accepted by ``optimize(planner=...)`` and ``--planner``."""
+    about: str
+    """One line for help text."""
+    solve: Callable[..., Solution]
+    """With costs: ``solve(problem, *, solver, time_limit, gap) -> Solution``."""
+    cut_points: Callable[[Sequence[str], Sequence[int], int], Sequence[int]] | None = None
+    """Without costs: ``(block kinds, parameters per block, stages) -> boundaries``; None when it needs costs."""
+
+    @property
+    def needs_costs(self) -> bool:
+        return self.cut_points is None
 
 
-def solve(
-    problem: PartitionProblem,
-    planner: str = "ilp",
-    *,
-    solver: str = "auto",
-    time_limit: float | None = 60.0,
-    gap: float = 1e-6,
-) -> Solution:
-    """Plan ``problem`` with ``planner``; raise an explained ``PlanError`` when nothing fits."""
-    if planner not in PLANNER_NAMES:
-        raise PlanError(f"unknown planner {planner!r}; choose one of {list(PLANNER_NAMES)}")
-    if problem.budget:
-        _, _, needed = least_memory_split(problem)
-        if any(needed > b * (1 + 1e-9) for b in problem.budget):
-            raise PlanError(explain_infeasible(problem))
-    if planner in BASELINES:
-        sol = BASELINES[planner](problem)
-        if not sol.feasible:
-            over = [s for s, m in enumerate(sol.stage_memory) if m > problem.stage_budget(s)]
-            raise PlanError(
-                f"the {planner} split does not fit the memory budget on stages {over} even with the most "
-                f"recomputation allowed ({problem.allowed[-1]}); a plan that fits exists: use planner='ilp'"
-            )
-        return sol
-    if planner == "dp":
-        return solve_dp(problem)
-    # ILP: bound and warm-start it by an incumbent, the DP optimum where the DP applies.
+def _ilp(problem: PartitionProblem, *, solver: str, time_limit: float | None, gap: float) -> Solution:
+    """The ILP, bounded and warm-started by an incumbent (the DP optimum where the DP applies)."""
     if problem.schedule == "interleaved":
         feasible = []
         for baseline in BASELINES.values():
@@ -82,3 +80,61 @@ def solve(
         incumbent = solve_dp(problem)
     bound = incumbent.iteration_time if incumbent is not None else None
     return solve_ilp(problem, upper_bound=bound, warm=incumbent, solver=solver, time_limit=time_limit, gap=gap)
+
+
+def _baseline(name: str) -> Callable[..., Solution]:
+    return lambda problem, **_: BASELINES[name](problem)
+
+
+PLANNERS: dict[str, PlannerInfo] = {
+    p.name: p
+    for p in (
+        PlannerInfo(name="ilp", about="cut points and per-block recomputation, jointly optimal (PuLP)", solve=_ilp),
+        PlannerInfo(name="dp", about="the same optimum by dynamic programming (gpipe, 1f1b)",
+                    solve=lambda problem, **_: solve_dp(problem)),
+        PlannerInfo(name="uniform", about="equal numbers of layer blocks per stage (Megatron, torchtitan)",
+                    solve=_baseline("uniform"), cut_points=lambda kinds, params, S: uniform_boundaries(kinds, S)),
+        PlannerInfo(name="parameters", about="the smallest largest stage parameter count (DeepSpeed)",
+                    solve=_baseline("parameters"), cut_points=lambda kinds, params, S: min_max_partition(params, S)[0]),
+        PlannerInfo(name="flops", about="the smallest largest stage forward FLOPs", solve=_baseline("flops")),
+        PlannerInfo(name="omnibal", about="OmniBal's anchor-and-search heuristic", solve=_baseline("omnibal")),
+    )
+}
+"""Every planner by name: the one table optimize(), the commands and the benches read."""
+
+
+def planner_help(default: str) -> str:
+    """Help text of a ``--planner`` option: every planner, what it does, whether it needs costs."""
+    lines = [f"{p.name}: {p.about}{'' if p.needs_costs else ' (no costs needed)'}" for p in PLANNERS.values()]
+    return "; ".join(lines) + f" (default {default})"
+
+
+def planner_info(name: str) -> PlannerInfo:
+    """The registered planner ``name``; an InputError lists the names when it is unknown."""
+    if name not in PLANNERS:
+        raise InputError(f"unknown planner {name!r}; choose one of {list(PLANNERS)}")
+    return PLANNERS[name]
+
+
+def solve(
+    problem: PartitionProblem,
+    planner: str = "ilp",
+    *,
+    solver: str = "auto",
+    time_limit: float | None = 60.0,
+    gap: float = 1e-6,
+) -> Solution:
+    """Plan ``problem`` with ``planner``; raise an explained ``PlanError`` when nothing fits."""
+    info = planner_info(planner)
+    if problem.budget:
+        _, _, needed = least_memory_split(problem)
+        if any(needed > b * (1 + 1e-9) for b in problem.budget):
+            raise PlanError(explain_infeasible(problem))
+    sol = info.solve(problem, solver=solver, time_limit=time_limit, gap=gap)
+    if planner in BASELINES and not sol.feasible:  # the exact planners raise when nothing fits
+        over = [s for s, m in enumerate(sol.stage_memory) if m > problem.stage_budget(s)]
+        raise PlanError(
+            f"the {planner} split does not fit the memory budget on stages {over} even with the most "
+            f"recomputation allowed ({problem.allowed[-1]}); a plan that fits exists: use planner='ilp'"
+        )
+    return sol

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from omnibal_compile.costs import RECOMPUTE_OPTIONS, CostTable
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.schedule import Schedule
 
 __all__ = ["PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound"]
 
@@ -60,7 +61,7 @@ class PartitionProblem:
     num_microbatches: int
     """M."""
     schedule: str = "1f1b"
-    """``gpipe``, ``1f1b`` or ``interleaved``."""
+    """``gpipe``, ``1f1b`` or ``interleaved`` (see :attr:`pipeline_schedule`)."""
     virtual_stages: int = 1
     """v, chunks per device (interleaved only)."""
     budget: tuple[float, ...] = ()
@@ -77,18 +78,16 @@ class PartitionProblem:
             raise InputError(f"cut_time and cut_bytes need n + 1 = {n + 1} entries")
         if not 1 <= self.num_stages <= n:
             raise PlanError(f"num_stages={self.num_stages} must lie in [1, {n}] (the number of blocks)")
-        if self.num_microbatches < 1:
-            raise InputError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
-        if self.schedule not in ("gpipe", "1f1b", "interleaved"):
-            raise InputError(f"schedule {self.schedule!r} is unknown; use gpipe, 1f1b or interleaved")
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
-            raise InputError("virtual_stages > 1 needs schedule='interleaved'")
-        if self.num_stages % self.virtual_stages:
-            raise PlanError(f"num_stages={self.num_stages} must be a multiple of virtual_stages={self.virtual_stages}")
+        self.pipeline_schedule.check(self.num_stages)
         if self.budget and len(self.budget) != self.num_devices:
             raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
         if not self.allowed or any(o not in OPTIONS for o in self.allowed):
             raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
+
+    @property
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule, micro-batches and chunks per device, as one value."""
+        return Schedule(kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages)
 
     @property
     def n(self) -> int:

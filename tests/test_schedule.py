@@ -1,0 +1,174 @@
+"""One schedule rule: the planner, the simulator and the runtime accept exactly what torch's schedules run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import logging
+
+import pytest
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+from omnibal_compile import Plan, PlanError
+from omnibal_compile.costs import BlockCost, CostTable
+from omnibal_compile.passes.partition import plan_with_costs
+from omnibal_compile.runtime import check_pipeline, get_schedule_class
+from omnibal_compile.schedule import SCHEDULE_KINDS, Schedule
+from omnibal_compile.sim import simulate
+from omnibal_compile.solver import problem_from_costs, solve
+
+STAGES = range(1, 7)
+VIRTUAL = range(1, 4)
+MICROBATCHES = range(1, 10)
+
+
+class _FakeStage:
+    """What torch's schedule constructors read from a PipelineStage (no process group needed)."""
+
+    def __init__(self, index: int, num_stages: int, num_ranks: int) -> None:
+        self.stage_index, self.num_stages = index, num_stages
+        self.group_size, self.group_rank = num_ranks, index % num_ranks
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
+    """Whether torch 2.13 builds this schedule on every rank (and, multi-stage, its dry run completes)."""
+    if S % v:
+        return False  # stage s runs on rank s % (S / v): every rank needs v stages
+    D = S // v
+    cls = get_schedule_class(kind)
+    multi = issubclass(cls, PipelineScheduleMulti)
+    if not multi and v > 1:
+        return False  # a single-stage schedule takes one stage per rank
+    loss = lambda out, target: out  # noqa: E731
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            if not multi:
+                cls(_FakeStage(0, S, D), M, loss_fn=loss)
+                return True
+            order = None
+            for rank in range(D):
+                order = cls([_FakeStage(rank + c * D, S, D) for c in range(v)], M, loss_fn=loss).pipeline_order_with_comms
+            keep = {torch_schedules.F, torch_schedules.B, torch_schedules.SEND_F, torch_schedules.RECV_F,
+                    torch_schedules.SEND_B, torch_schedules.RECV_B}
+            compute = {r: [a for a in acts if a is not None and a.computation_type in keep] for r, acts in order.items()}
+            torch_schedules._simulate_comms_compute(compute, lambda s: s % D, S)  # raises on a deadlock
+    except (ValueError, RuntimeError, AssertionError):
+        return False
+    return True
+
+
+def _costs(S: int) -> CostTable:
+    blocks = [
+        BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=10, static_bytes=100, forward_s=1.0, backward_s=2.0,
+                  activation_bytes={"none": 1000, "selective": 500, "full": 100},
+                  recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0})
+        for i in range(S)
+    ]
+    return CostTable(blocks=blocks, cut_bytes=[0] * (S + 1), link_bandwidth=1.0, device="test", source="profiled")
+
+
+def _plan(kind: str, M: int, v: int, S: int) -> Plan:
+    return Plan(block_names=[f"b{i}" for i in range(S)], boundaries=range(S + 1), schedule=kind, num_microbatches=M,
+                virtual_stages=v)
+
+
+def _accepts(fn) -> bool:
+    try:
+        fn()
+    except PlanError:
+        return False
+    return True
+
+
+def planner_accepts(kind: str, M: int, v: int, S: int) -> bool:
+    # The solver on its own (its problem and a solution, no Plan), then the planning pass that returns a Plan.
+    kw = dict(num_stages=S, num_microbatches=M, schedule=kind, virtual_stages=v)
+    solver = _accepts(lambda: solve(problem_from_costs(_costs(S), **kw), "parameters"))
+    planner = _accepts(lambda: plan_with_costs(_costs(S), planner="parameters", **kw))
+    assert solver == planner, (kind, M, v, S)
+    return planner
+
+
+def simulator_accepts(kind: str, M: int, v: int, S: int) -> bool:
+    # The simulator's own check: a plan valid for interleaved, simulated under the asked kind and M.
+    base = lambda: _plan("interleaved", S, v, S)  # noqa: E731
+    return _accepts(lambda: simulate(base(), _costs(S), schedule=kind, num_microbatches=M))
+
+
+def runtime_accepts(kind: str, M: int, v: int, S: int) -> bool:
+    return _accepts(lambda: check_pipeline(_plan(kind, M, v, S), world_size=S // v))
+
+
+@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
+def test_planner_simulator_runtime_and_torch_accept_the_same_schedules(kind):
+    logging.disable(logging.INFO)  # torch logs every schedule it builds
+    try:
+        mismatches, accepted = [], 0
+        for S, v, M in itertools.product(STAGES, VIRTUAL, MICROBATCHES):
+            verdicts = {
+                "torch": torch_runs(kind, M, v, S),
+                "schedule": _accepts(lambda: Schedule.for_stages(S, kind=kind, num_microbatches=M, virtual_stages=v)),
+                "planner": planner_accepts(kind, M, v, S),
+                "simulator": simulator_accepts(kind, M, v, S),
+                "runtime": runtime_accepts(kind, M, v, S),
+            }
+            accepted += verdicts["torch"]
+            if len(set(verdicts.values())) > 1:
+                mismatches.append((f"M={M} v={v} S={S}", verdicts))
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not mismatches, mismatches[:5]
+    assert 0 < accepted < len(STAGES) * len(VIRTUAL) * len(MICROBATCHES)  # the table has both verdicts
+
+
+def test_the_rules_in_words():
+    Schedule.for_stages(4, kind="gpipe", num_microbatches=1)  # GPipe: any micro-batch count
+    Schedule.for_stages(4, kind="interleaved", num_microbatches=3, virtual_stages=2)  # 1 round of 3 < 4 stages
+    Schedule.for_stages(2, kind="interleaved", num_microbatches=2)  # one stage per rank is fine for torch
+    with pytest.raises(PlanError, match="3 micro-batches for 4 stages: schedule '1f1b'"):
+        Schedule.for_stages(4, kind="1f1b", num_microbatches=3)
+    with pytest.raises(PlanError, match="runs one stage per device but virtual_stages=2; use schedule 'interleaved'"):
+        Schedule(kind="gpipe", num_microbatches=4, virtual_stages=2)
+    with pytest.raises(PlanError, match="multiple of 2; got 5"):
+        Schedule.for_stages(4, kind="interleaved", num_microbatches=5, virtual_stages=2)
+    with pytest.raises(PlanError, match="multiple of virtual_stages"):
+        Schedule.for_stages(3, kind="interleaved", num_microbatches=6, virtual_stages=2)
+    with pytest.raises(PlanError, match="unknown"):
+        Schedule(kind="zero-bubble", num_microbatches=4)
+    with pytest.raises(PlanError, match="num_microbatches must be an integer >= 1"):
+        Schedule(num_microbatches=0)
+    assert Schedule.for_stages(4).num_microbatches == 4  # default: one micro-batch per stage
+    assert Schedule(kind="interleaved", num_microbatches=10, virtual_stages=2).microbatches_per_round(4) == 5
+
+
+def test_kind_maps_to_one_torch_class():
+    assert get_schedule_class("gpipe") is torch_schedules.ScheduleGPipe
+    assert get_schedule_class("1f1b") is torch_schedules.Schedule1F1B
+    assert get_schedule_class("interleaved") is torch_schedules.ScheduleInterleaved1F1B
+    for kind in SCHEDULE_KINDS:  # several stages per device exactly where the torch class takes several
+        multi = issubclass(get_schedule_class(kind), PipelineScheduleMulti)
+        assert _accepts(lambda: Schedule(kind=kind, num_microbatches=4, virtual_stages=2)) == multi, kind
+    with pytest.raises(PlanError, match="unknown"):
+        get_schedule_class("looped-bfs")
+
+
+def test_plans_keep_flat_schedule_fields_in_json():
+    plan = _plan("interleaved", 6, 2, 4)
+    data = json.loads(plan.to_json())
+    assert (data["schedule"], data["num_microbatches"], data["virtual_stages"]) == ("interleaved", 6, 2)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.pipeline_schedule == Schedule(kind="interleaved", num_microbatches=6, virtual_stages=2)
+    # A plan written before the default changed still reads; one that torch cannot run says why.
+    old = {"format": 1, "block_names": ["a", "b"], "boundaries": [0, 1, 2], "schedule": "1f1b", "num_microbatches": 2,
+           "virtual_stages": 1}
+    assert Plan.from_dict(old).num_microbatches == 2
+    with pytest.raises(PlanError, match="1 micro-batches for 2 stages"):
+        Plan.from_dict({**old, "num_microbatches": 1})
+    assert Plan.from_json(json.dumps({**old, "num_microbatches": 1}), overrides={"num_microbatches": 4}).num_microbatches == 4
+    assert Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).num_microbatches == 3  # one per stage
+    assert "3 micro-batches" in Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).summary()

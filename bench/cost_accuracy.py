@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, CostTable
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, CostTable
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes.blocks import build_blocks
 from omnibal_compile.passes.capture import capture

@@ -3,10 +3,10 @@
     python bench/paper_scale.py                  # 1.2M samples, main table + sensitivity + 6+34B + LLaVA-1.5-13B
     python bench/paper_scale.py --quick          # 200k samples (same configurations)
 
-Nothing here runs a model: block costs are analytic (``omnibal_compile.models.scale``) on the
+Nothing here runs a model: block costs are analytic (``omnibal_compile.models.analytic``) on the
 A100-80GB roofline of ``omnibal_compile.devices``, the data are the shared real length
 statistics resampled with replacement, and every epoch time comes from the vectorised pipeline
-replay of ``omnibal_compile.paper_scale`` (per micro-batch costs, slowest data-parallel rank per
+replay of ``omnibal_compile.studies.paper_scale`` (per micro-batch costs, slowest data-parallel rank per
 step). Ratios are printed next to the paper's Megatron-backend figures (61.8 -> 51.9 -> 29.0 ->
 21.3 GPU-days for 6+20B; 75.4 -> 30.5 for 6+34B). See bench/RESULTS.md for why they differ.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths
-from omnibal_compile.models.scale import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B, VLMSpec, type_costs
-from omnibal_compile.paper_scale import PAPER_GPU_DAYS, MicroBatches, Setup, format_ablation, make_batches, run_ablation
+from omnibal_compile.models.analytic import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B, VLMSpec, type_costs
+from omnibal_compile.studies.paper_scale import PAPER_GPU_DAYS, MicroBatches, Setup, format_ablation, make_batches, run_ablation
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import omnibal_compile as oc
-from omnibal_compile.costs import CostTable
+from omnibal_compile.cost_table import CostTable
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.passes import partition
 from omnibal_compile.passes.blocks import BlockGraph

@@ -14,8 +14,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.costs import BF16_ADAM, CostTable, Precision
-from omnibal_compile.data.plan import DataOptions, DataPlan, plan_data
+from omnibal_compile.cost_table import BF16_ADAM, CostTable, Precision
+from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS
 from omnibal_compile.errors import PlanError
 from omnibal_compile.schedule import Schedule
 from omnibal_compile.tables import format_table

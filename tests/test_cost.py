@@ -17,7 +17,7 @@ from conftest import SMALL_VLM
 from torch import nn
 
 import omnibal_compile as oc
-from omnibal_compile.costs import BF16_ADAM, FP32_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
+from omnibal_compile.cost_table import BF16_ADAM, FP32_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import A100_80G
 from omnibal_compile.errors import InputError
 from omnibal_compile.models import make_example_batch

@@ -22,7 +22,7 @@ def _loaded_after(code: str) -> set[str]:
         "import omnibal_compile",
         "import omnibal_compile.solver",
         "import omnibal_compile.sim",
-        "import omnibal_compile.costs",
+        "import omnibal_compile.cost_table",
         "import omnibal_compile.plan",
         "from omnibal_compile.solver import solve, problem_from_costs",
         "from omnibal_compile.cli import build_parser; build_parser()",  # what `omnibal-compile --help` runs

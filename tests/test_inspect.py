@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from omnibal_compile.costs import BlockCost, CostTable
+from omnibal_compile.cost_table import BlockCost, CostTable
 from omnibal_compile.errors import InputError
 from omnibal_compile.interop import megatron_layout, torchtitan_module_names
 from omnibal_compile.plan import Plan

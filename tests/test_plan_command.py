@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from omnibal_compile.cli import main
-from omnibal_compile.costs import CostTable
+from omnibal_compile.cost_table import CostTable
 from omnibal_compile.plan import Plan
 
 from test_inspect import assert_picture

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import omnibal_compile as oc
 from omnibal_compile import Plan, PlanError
-from omnibal_compile.costs import RECOMPUTE_OPTIONS
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS
 from omnibal_compile.passes.blocks import build_blocks
 from omnibal_compile.passes.capture import capture
 from omnibal_compile.passes.codegen import generate_stages, run_stages, stage_info

@@ -13,7 +13,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from omnibal_compile import Plan, PlanError
-from omnibal_compile.costs import BlockCost, CostTable
+from omnibal_compile.cost_table import BlockCost, CostTable
 from omnibal_compile.passes.partition import plan_with_costs
 from omnibal_compile.runtime import check_pipeline, get_schedule_class
 from omnibal_compile.schedule import SCHEDULE_KINDS, Schedule

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile.costs import BlockCost, CostTable
+from omnibal_compile.cost_table import BlockCost, CostTable
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim import operation_order, schedule_time, simulate, stage_costs, sweep, sweep_table

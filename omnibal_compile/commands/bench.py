@@ -1,5 +1,5 @@
 """``omnibal-compile bench <target>``: benchmarks. Targets: ``kernels`` (the fused Triton kernels), ``all``
-(every script of bench/, results written to bench/RESULTS.md; see :mod:`omnibal_compile.bench_all`).
+(every script of bench/, results written to bench/RESULTS.md; see :mod:`omnibal_compile.studies.bench_all`).
 
 Each target is one entry of :data:`TARGETS` (a function ``(args) -> exit code``), so others
 (``all``, ...) can be added beside it; target-specific options are prefixed with the target name.
@@ -101,7 +101,7 @@ def _kernels(args: argparse.Namespace) -> int:
 
 
 def _all(args: argparse.Namespace) -> int:
-    from omnibal_compile.bench_all import run_all
+    from omnibal_compile.studies.bench_all import run_all
 
     command = "omnibal-compile bench all" + (" --all-quick" if args.all_quick else "")
     results = run_all(args.all_bench_dir, out=args.all_out, quick=args.all_quick, timeout=args.all_timeout,

@@ -19,14 +19,13 @@ import argparse
 import dataclasses
 import importlib
 import json
-import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.labels import IGNORE_INDEX
+from omnibal_compile.progress import Progress
 from omnibal_compile.schedule import SCHEDULE_KINDS, Schedule
 from omnibal_compile.solver import PLANNERS, planner_help
 
@@ -58,38 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
     p.add_argument("--no-pictures", action="store_true", help="write JSON and text only (no matplotlib needed)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
-
-
-# -- progress -------------------------------------------------------------------------------------
-@contextmanager
-def _progress(total: int) -> Iterator[Callable[[str], None]]:
-    """A step counter: a rich progress bar on a terminal, one line per step otherwise."""
-    started = time.perf_counter()
-    try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        Progress = None  # type: ignore[assignment]
-    if Progress is not None and sys.stderr.isatty():
-        with Progress(TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), transient=True) as bar:
-            task = bar.add_task("starting", total=total)
-            started_steps = [0]
-
-            def step(name: str) -> None:
-                # A new step means the one before it is done.
-                bar.update(task, completed=started_steps[0], description=name)
-                started_steps[0] += 1
-
-            yield step
-            bar.update(task, completed=total)
-    else:
-        count = [0]
-
-        def step(name: str) -> None:
-            count[0] += 1
-            print(f"[{count[0]}/{total} {time.perf_counter() - started:5.1f}s] {name}", file=sys.stderr, flush=True)
-
-        yield step
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -152,7 +119,7 @@ def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed:
     ids = torch.randint(0, max(1, high), (batch, n_image + text), generator=g)
     ids[:, :n_image] = int(image_token)
     labels = ids.clone()
-    labels[:, :n_image] = -100
+    labels[:, :n_image] = IGNORE_INDEX
     pixels = torch.randn(batch, int(getattr(vision, "num_channels", 3)), int(vision.image_size), int(vision.image_size), generator=g)
     return model, {"pixel_values": pixels, "input_ids": ids, "labels": labels}
 
@@ -214,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
 
     steps = 5 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
     written: list[Path] = []
-    with _progress(steps) as step:
+    with Progress(steps) as progress:
+        step = progress.step
         step("building the model")
         model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed)
         step(f"capture, blocks, costs, planning ({planner})")
@@ -264,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             step(f"what-if sweep over {kind}")
             sweeps.append(_sweep(kind, flag, args, plan_maker(args, result, planner), budget, costs, out, pictures, written, planner))
 
-    _print_plan(plan, name)
+    print(f"{name}: {plan.summary()}")
     print(cost_note)
     print()
     print(sim.summary())
@@ -284,32 +252,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{text}")
     print(f"\nwrote {', '.join(p.name for p in written)} to {out}/")
     return 0
-
-
-def _print_plan(plan: Any, name: str) -> None:
-    """The plan table: rich when installed, plain text otherwise."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(plan.summary())
-        return
-    table = Table(title=f"{name}: plan by '{plan.planner}', {plan.num_stages} stages, {plan.schedule}, "
-                        f"{plan.num_microbatches} micro-batches")
-    numeric = ("stage", "params", "time ms", "memory MiB", "budget MiB")
-    for col in ("stage", "blocks", "first", "last", "params", "recomputed", "time ms", "memory MiB", "budget MiB"):
-        table.add_column(col, justify="right" if col in numeric else "left")
-    for st in plan.stages:
-        params = f"{sum(plan.block_params[st.start:st.stop]):,}" if plan.block_params else "-"
-        rec = ", ".join(f"{b}:{r}" for b, r in zip(st.blocks, st.recompute) if r != "none") or "-"
-        t = f"{plan.stage_time_s[st.index] * 1e3:.3f}" if plan.stage_time_s else "-"
-        mem = f"{plan.stage_memory_bytes[st.index] / 2**20:,.1f}" if plan.stage_memory_bytes else "-"
-        budget = f"{plan.memory_budget_bytes[st.index] / 2**20:,.0f}" if plan.memory_budget_bytes else "-"
-        table.add_row(str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], params, rec, t, mem, budget)
-    console = Console(width=140)
-    console.print(table)
-    if plan.iteration_time_s is not None:
-        console.print(f"predicted iteration time: {plan.iteration_time_s * 1e3:.3f} ms")
 
 
 def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker, budget: int | None, costs: Any,

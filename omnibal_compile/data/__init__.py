@@ -9,7 +9,7 @@ from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_
 from omnibal_compile.data.isf import IsfSearch, isf_pack, isf_search
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths, scale_lengths
 from omnibal_compile.data.metrics import BalanceMetrics, ShapeCost, balance_metrics, dist_ratio, shape_model_cost
-from omnibal_compile.data.plan import DataOptions, DataPlan, plan_data
+from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.data.sampler import BalancedBatchSampler
 from omnibal_compile.data.packing import (
     OVERSIZED_POLICIES,

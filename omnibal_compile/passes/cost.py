@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
+from omnibal_compile.cost_table import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import PROFILED_DEVICES, DeviceSpec, get_device
 from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, BlockCost, CostTable
 from omnibal_compile.errors import InputError
 
 __all__ = ["BatchShape", "ShapeCostModel", "fit_shape_model", "fit_shape_costs"]

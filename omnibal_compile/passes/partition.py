@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from omnibal_compile.costs import CostTable
+from omnibal_compile.cost_table import CostTable
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.plan import Plan

@@ -206,7 +206,7 @@ def balanced_source(config: RunConfig, model: nn.Module) -> BatchSource:
     import torch
 
     from omnibal_compile.data.collate import MODEL_KEYS
-    from omnibal_compile.data.plan import DataOptions, plan_data
+    from omnibal_compile.data.data_plan import DataOptions, plan_data
 
     data = plan_data(list(config.lengths), DataOptions(samples_per_pack=config.samples_per_pack, seed=config.seed),
                      model=model)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omnibal_compile.costs import CostTable
+from omnibal_compile.cost_table import CostTable
 from omnibal_compile.errors import InputError
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim.simulate import SimResult, stage_costs

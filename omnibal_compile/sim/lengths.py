@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from omnibal_compile.costs import BlockCost, CostTable
+from omnibal_compile.cost_table import BlockCost, CostTable
 from omnibal_compile.errors import InputError
 
 __all__ = ["scale_costs", "shape_costs", "packing_shapes"]

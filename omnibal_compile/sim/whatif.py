@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omnibal_compile.costs import CostTable
+from omnibal_compile.cost_table import CostTable
 from omnibal_compile.errors import PlanError
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim.simulate import SimResult, simulate

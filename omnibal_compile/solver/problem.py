@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, CostTable
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, CostTable
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.schedule import Schedule
 

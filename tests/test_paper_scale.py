@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnibal_compile.bench_all import run_all
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, Precision
+from omnibal_compile.studies.bench_all import run_all
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, Precision
 from omnibal_compile.data import LengthStats, load_lengths
-from omnibal_compile.models.scale import (
+from omnibal_compile.models.analytic import (
     INTERNLM2_20B,
     INTERNVL_6B_20B,
     SCALE_MODELS,
@@ -20,7 +20,7 @@ from omnibal_compile.models.scale import (
     layer_activation_bytes,
     type_costs,
 )
-from omnibal_compile.paper_scale import (
+from omnibal_compile.studies.paper_scale import (
     PlanChoice,
     Setup,
     format_ablation,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal_compile.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
+from omnibal_compile.cost_table import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError
 

@@ -96,7 +96,7 @@ class BenchResult:
 
 def default_bench_dir() -> Path:
     """The repository's bench folder (next to the installed package, for an editable install)."""
-    return Path(__file__).resolve().parents[1] / "bench"
+    return Path(__file__).resolve().parents[2] / "bench"
 
 
 def discover(bench_dir: Path, *, quick: bool = False, include_kernels: bool = False) -> list[BenchScript]:

@@ -1,7 +1,7 @@
 """Paper-scale ablation: simulated epoch time of a VLM on many GPUs, one balance added at a time.
 
 Reproduces the structure of OmniBal's ablation (arXiv 2407.20761, Table 5) with this library's
-pieces: analytic block costs on a roofline GPU (:mod:`omnibal_compile.models.scale`), the data
+pieces: analytic block costs on a roofline GPU (:mod:`omnibal_compile.models.analytic`), the data
 balancer (:func:`omnibal_compile.data.balance_pack`) on real length statistics, the planners of
 :mod:`omnibal_compile.solver`, and the pipeline schedule of :mod:`omnibal_compile.sim`.
 
@@ -15,7 +15,7 @@ How an epoch is simulated (all of it vectorised with numpy):
        backward(+recompute) times per micro-batch; each rank's pipeline iteration is replayed
        exactly as :func:`omnibal_compile.sim.simulate` does (same operation order, same
        dependencies, sends overlapped), for all ranks and steps at once (:func:`pipeline_times`;
-       tests/test_scale.py checks it against ``simulate`` with one CostTable per micro-batch;
+       tests/test_paper_scale.py checks it against ``simulate`` with one CostTable per micro-batch;
        calling ``simulate`` for each of the ~19k rank-steps of every row would take tens of minutes);
     4. a step lasts as long as its slowest data-parallel rank (the gradient all-reduce waits for
        it); the epoch is the sum over steps; GPU-days = epoch seconds x GPUs / 86400.
@@ -49,14 +49,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnibal_compile.costs import RECOMPUTE_OPTIONS, Precision
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, Precision
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import pack_loads
 from omnibal_compile.data.packing import Packing, random_batches
 from omnibal_compile.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.models.scale import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
+from omnibal_compile.models.analytic import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim.simulate import operation_order, simulate
 from omnibal_compile.solver import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries

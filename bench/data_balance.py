@@ -19,13 +19,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from omnibal_compile.data import ShapeCost, balance_metrics, balance_pack, isf_search, load_lengths
+from omnibal_compile.data import (
+    ShapeCost,
+    balance_metrics,
+    balance_pack,
+    bundled_length_files,
+    isf_search,
+    load_lengths,
+)
 from omnibal_compile.data.compare import compare_balancers, format_comparison
 from omnibal_compile.progress import Progress
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 
 
 def main() -> int:
@@ -36,10 +40,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
-    files = sorted(SHARED.glob("*.json"))
-    if not files:
-        print(f"no length statistics under {SHARED.resolve()}; place the shared data beside the repository")
-        return 1
+    files = bundled_length_files()
     stats = load_lengths(files)
     print(f"statistics: {', '.join(f.name for f in files)} ({len(stats)} samples)\n")
     with Progress(4, enabled=not args.no_progress, unit="method") as progress:

@@ -27,15 +27,19 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
-from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths
+from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, bundled_length_files, load_lengths
 from omnibal_compile.models.analytic import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B, VLMSpec, type_costs
-from omnibal_compile.studies.paper_scale import PAPER_GPU_DAYS, MicroBatches, Setup, format_ablation, make_batches, run_ablation
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
+from omnibal_compile.studies.paper_scale import (
+    PAPER_GPU_DAYS,
+    MicroBatches,
+    Setup,
+    format_ablation,
+    make_batches,
+    run_ablation,
+)
 
 
 @contextlib.contextmanager
@@ -113,10 +117,7 @@ def main() -> int:
     ap.add_argument("--no-sensitivity", action="store_true", help="main configurations only")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    files = sorted(SHARED.glob("*.json"))
-    if not files:
-        print(f"skipped: no length statistics under {SHARED.resolve()} (the shared data folder is absent)")
-        return 0
+    files = bundled_length_files()
     start = time.perf_counter()
     n = 200_000 if args.quick else args.samples
     stats = load_lengths(files).resample(n, seed=args.seed)

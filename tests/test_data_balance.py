@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,10 +20,9 @@ from omnibal_compile.data import (
     random_batches,
 )
 from omnibal_compile.data.isf import greedy_groups
+from omnibal_compile.data.lengths import bundled_length_files
 from omnibal_compile.data.packing import make_divisible
 from omnibal_compile.errors import InputError
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 
 
 def _greedy_reference(tiles: list[int], tokens: list[int], q_v: int, q_t: int) -> list[int]:
@@ -148,9 +145,8 @@ def test_make_divisible_splits_largest_groups() -> None:
         make_divisible(np.array([1, 1, 1]), 4)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared length statistics not present")
 def test_targets_on_the_shared_statistics() -> None:
-    s = load_lengths(sorted(SHARED.glob("*.json")))
+    s = load_lengths(bundled_length_files())
     found = isf_search(s, dp=8, samples_per_pack=4)
     ours = balance_metrics(s, balance_pack(s, dp=8, samples_per_pack=found.packing.samples_per_pack()))
     isf = balance_metrics(s, found.packing)

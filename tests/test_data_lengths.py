@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from omnibal_compile.data import LengthStats, load_lengths, scale_lengths
+from omnibal_compile.data.lengths import bundled_length_files
 from omnibal_compile.errors import InputError
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 RECORDS = [{"vit_num": 5, "token_num": 1420, "image_flags": 5}, {"vit_num": 1, "token_num": 300, "image_flags": 0}]
 
 
@@ -83,8 +83,7 @@ def test_scale_lengths_keeps_image_text_ratio() -> None:
         scale_lengths(LengthStats.from_arrays([2], [100]), tokens_per_tile=16)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared length statistics not present")
 def test_shared_files_load() -> None:
-    s = load_lengths(sorted(SHARED.glob("*.json")))
+    s = load_lengths(bundled_length_files())
     assert len(s) == 12_413 + 18_317
     assert s.tiles.max() == 5 and s.tokens.max() == 1_832

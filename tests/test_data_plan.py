@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_VLM
 from torch.utils.data import DataLoader
 
 import omnibal_compile as oc
-from conftest import SMALL_VLM
 from omnibal_compile.data import MODEL_KEYS, DataOptions, PackShape, plan_data, synthetic_sample
+from omnibal_compile.data.lengths import bundled_length_files
 from omnibal_compile.errors import InputError
 from omnibal_compile.models import TinyVLM
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 
 
 def _lengths(n: int = 60) -> tuple[np.ndarray, np.ndarray]:
@@ -68,9 +65,8 @@ def test_isf_method_plan_runs_on_synthetic_lengths() -> None:
     assert sum(len(b) for b in sampler) > 0
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared length statistics not present")
 def test_shared_statistics_scaled_to_the_tiny_model() -> None:
-    plan = plan_data(sorted(SHARED.glob("*.json")), DataOptions(dp=8, samples_per_pack=4), model=TinyVLM(SMALL_VLM))
+    plan = plan_data(bundled_length_files(), DataOptions(dp=8, samples_per_pack=4), model=TinyVLM(SMALL_VLM))
     assert plan.stats.tokens.max() < 1_832  # scaled from 256 to 4 tokens per tile
     assert plan.metrics.dist_vision <= 0.01 and plan.metrics.dist_language <= 0.02
     batch = plan.example_batch()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from omnibal_compile.studies.bench_all import run_all
 from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, Precision
 from omnibal_compile.data import LengthStats, load_lengths
+from omnibal_compile.data.lengths import bundled_length_files
 from omnibal_compile.models.analytic import (
     INTERNLM2_20B,
     INTERNVL_6B_20B,
@@ -20,6 +19,10 @@ from omnibal_compile.models.analytic import (
     layer_activation_bytes,
     type_costs,
 )
+from omnibal_compile.plan import Plan
+from omnibal_compile.sim import simulate
+from omnibal_compile.solver import problem_from_costs, solve
+from omnibal_compile.studies.bench_all import run_all
 from omnibal_compile.studies.paper_scale import (
     PlanChoice,
     Setup,
@@ -29,11 +32,6 @@ from omnibal_compile.studies.paper_scale import (
     run_ablation,
     stage_times,
 )
-from omnibal_compile.plan import Plan
-from omnibal_compile.sim import simulate
-from omnibal_compile.solver import problem_from_costs, solve
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 
 
 def test_internlm2_20b_layer_flops_match_hand_arithmetic():
@@ -116,12 +114,7 @@ def test_pipeline_replay_matches_the_simulator():
 
 
 def _stats(n: int) -> LengthStats:
-    files = sorted(SHARED.glob("*.json"))
-    if files:
-        return load_lengths(files).resample(n, seed=1)
-    rng = np.random.default_rng(1)  # the shared data are absent: a similar synthetic mix
-    tiles = rng.integers(1, 6, n)
-    return LengthStats.from_arrays(tiles, tiles * 256 + rng.integers(20, 400, n))
+    return load_lengths(bundled_length_files()).resample(n, seed=1)
 
 
 def test_ablation_is_monotone_on_a_reduced_configuration():

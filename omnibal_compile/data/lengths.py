@@ -26,7 +26,9 @@ import numpy as np
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["LengthStats", "load_lengths", "scale_lengths", "INTERNVL_TOKENS_PER_TILE"]
+__all__ = ["LengthStats", "load_lengths", "scale_lengths", "bundled_length_files", "INTERNVL_TOKENS_PER_TILE"]
+
+_BUNDLED = Path(__file__).resolve().parent / "stats"
 
 INTERNVL_TOKENS_PER_TILE = 256
 """Image tokens per tile in the published statistics (InternViT 448 px, pixel shuffle 0.5)."""
@@ -248,3 +250,11 @@ def scale_lengths(stats: LengthStats, *, tokens_per_tile: int, source_tokens_per
     new_text = np.maximum(np.ceil(text * scale).astype(np.int64), min_text_tokens)
     return LengthStats(tiles=stats.tiles, tokens=new_text + stats.image_flags * tokens_per_tile,
                        image_flags=stats.image_flags, source=f"{stats.source} (scaled to {tokens_per_tile} tokens/tile)")
+
+
+def bundled_length_files() -> list[Path]:
+    """The real length statistics shipped with the package (ai2d 12k + chartqa 18k; see ``data/stats/README.md``)."""
+    files = sorted(_BUNDLED.glob("*.json"))
+    if not files:
+        raise InputError(f"the bundled length statistics are missing from {_BUNDLED}; reinstall omnibal-compile")
+    return files

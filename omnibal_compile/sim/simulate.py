@@ -483,7 +483,7 @@ def simulate(
     f_start: dict[tuple[int, int], float] = {}
     events += _timeline(orders, segments, ready, processors, f_start=f_start, f_end=f_end, b_end=b_end)
     # Gradient reduction after each stage's last backward, one at a time per device.
-    end = max(b_end.values())
+    finish = max(b_end.values())
     for d in range(D):
         clock = 0.0
         for last, s in sorted((max(b_end[(s, m)] for m in range(M)), s) for s in range(d, S, D)):
@@ -492,7 +492,7 @@ def simulate(
                 events.append(Event(kind="dp_reduce", stage=s, device=d, microbatch=M - 1, start_s=start,
                                     end_s=start + per_mb[0][s].reduce_s * bw_scale))
                 clock = events[-1].end_s
-                end = max(end, clock)
+                finish = max(finish, clock)
     for (s, m), end in f_end.items():
         if s + 1 < S and send(s, m) > 0:
             d = s % D
@@ -502,7 +502,7 @@ def simulate(
             d = s % D
             events.append(Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m)))
 
-    T = end + step_overhead_s
+    T = finish + step_overhead_s
     compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]
     stage_busy = [0.0] * S
     for e in compute:

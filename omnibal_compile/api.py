@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.cost_table import BF16_ADAM, CostTable, Precision
+from omnibal_compile.cost_table import BF16_ADAM, CostTable, DataParallel, Precision
 from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
@@ -221,6 +221,9 @@ def optimize(
     refresh_costs: bool = False,
     lengths: Any = None,
     data: DataOptions | None = None,
+    dp: int = 1,
+    dp_shard: str = "ddp",
+    dp_reshard_after_forward: bool = True,
 ) -> OptimizeResult:
     """Capture ``model`` on ``example_inputs``, cut it into ``num_stages`` pipeline stages, emit them.
 
@@ -257,7 +260,16 @@ def optimize(
             captured, costed and planned on a micro-batch of that shape. ``result.data`` holds the
             shape, the per-rank sampler and the collator.
         data: how to balance (``DataOptions``: data-parallel size, samples per pack, method...).
+        dp, dp_shard, dp_reshard_after_forward: data-parallel replicas of the pipeline and how they
+            hold weights, gradients and optimizer states: ``"ddp"`` (replicated) or ``"fsdp"``
+            (sharded; gathered weights freed after each forward unless ``dp_reshard_after_forward``
+            is False). Planning divides static memory per device accordingly and adds the gradient
+            reduction (and FSDP's all-gathers) to the iteration time; the plan records it.
     """
+    layout = DataParallel(size=dp, shard=dp_shard, reshard_after_forward=dp_reshard_after_forward)
+    precision.bytes_per_param_on(layout)  # raises when ZeRO-1's optimizer_shards disagree with dp
+    if data is not None and dp > 1 and data.dp != dp:
+        raise InputError(f"dp={dp} disagrees with data=DataOptions(dp={data.dp}): give both the same data-parallel size")
     timings: dict[str, float] = {}
     done: list[str] = []
     if device is not None and costs is not None:
@@ -304,6 +316,7 @@ def optimize(
             lambda: plan_stages(
                 graph, num_stages=num_stages, schedule=chosen_schedule, planner=planner, costs=table,
                 memory_budget=budget, recompute=recompute, solver=solver, time_limit=solver_time_limit,
+                data_parallel=layout,
             ),
         )
     stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))

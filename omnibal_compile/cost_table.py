@@ -11,6 +11,9 @@ Glossary:
                       independent of the number of micro-batches in flight.
     precision         bytes per parameter for weights, gradients, fp32 master copy and optimizer
                       states, with optional sharding of the last two over data-parallel ranks.
+    data parallel     dp replicas of the whole pipeline (DDP or FSDP): divides static bytes as the
+                      layout shards them and adds gradient reduction (and FSDP's all-gathers) to
+                      the iteration, over the table's link bandwidth.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from typing import Any
 from omnibal_compile.errors import InputError
 from omnibal_compile.tables import format_table
 
-__all__ = ["RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM"]
+__all__ = [
+    "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
+    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL",
+]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
 
@@ -64,6 +70,150 @@ class BlockCost:
             raise InputError(f"block '{self.name}': times and bytes must be non-negative")
 
 
+DP_SHARDS: tuple[str, ...] = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel:
+    """Data parallelism around the pipeline: how many replicas, and how their training state is laid out.
+
+    ``ddp``: every rank holds whole weights, gradients and optimizer states; gradients are summed by
+    a ring all-reduce after the last micro-batch's backward. ``fsdp`` (FSDP2 / ZeRO-3): weights,
+    gradients, master copy and optimizer states are sharded over the ranks; each block's weights
+    are all-gathered while it computes and its gradients reduce-scattered after the last backward.
+    """
+
+    size: int = 1
+    """Data-parallel replicas of the pipeline (dp); 1 = none, where both layouts are the same."""
+    shard: str = "ddp"
+    """``ddp`` (replicated state) or ``fsdp`` (everything sharded over the ``size`` ranks)."""
+    reshard_after_forward: bool = True
+    """FSDP only: free gathered weights after each forward and gather them again for the backward
+    (FSDP2's default); False keeps every block's weights gathered for the whole iteration."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise InputError(f"data-parallel size (dp) must be a positive integer, got {self.size!r}")
+        if self.shard not in DP_SHARDS:
+            raise InputError(f"data-parallel shard (dp_shard) must be one of {list(DP_SHARDS)}, got {self.shard!r}")
+
+    @property
+    def gathers(self) -> bool:
+        """Weights are sharded and all-gathered before use (FSDP over more than one rank)."""
+        return self.shard == "fsdp" and self.size > 1
+
+    def describe(self) -> str:
+        """One plain phrase, e.g. ``4 data-parallel replicas, FSDP (reshard after forward)``."""
+        if self.size == 1:
+            return "no data parallelism"
+        how = "DDP" if self.shard == "ddp" else "FSDP (" + ("reshard after forward" if self.reshard_after_forward else "weights kept gathered") + ")"
+        return f"{self.size} data-parallel replicas, {how}"
+
+    def block_cost(self, block: BlockCost, precision: Precision, link_bandwidth: float) -> DataParallelCost:
+        """What this layout costs ``block`` on one device; the one place the rules below are written.
+
+        A block's parameters are read from its static bytes, ``P = static_bytes / bytes_per_param``,
+        so a table costed with ``precision`` gives back exactly its ``static_bytes`` at dp = 1.
+        With ``r = (dp - 1) / dp`` and ``bw = link_bandwidth``:
+            static      ``P * precision.bytes_per_param_on(self)``, plus, for FSDP without
+                        resharding, the gathered whole weights ``P * weight_bytes`` kept all iteration
+            gathered    FSDP resharding after forward: ``P * weight_bytes`` alive while the block
+                        computes (a stage holds its largest block's; FSDP's prefetch of the next
+                        block can briefly double this, which is not modelled)
+            gather      FSDP: one all-gather of the weights, ``r * P * weight_bytes / bw``
+            reduce      DDP ring all-reduce ``2 r * P * grad_bytes / bw``; FSDP reduce-scatter
+                        ``r * P * grad_bytes / bw``
+        The model is ZeRO-3's. Under ``torch.distributed.pipelining`` FSDP2 also keeps unsharded
+        gradients (and the weights after a backward) until the last micro-batch's backward, so real
+        peaks can be higher than this predicts.
+        """
+        per_param = precision.bytes_per_param
+        params = block.static_bytes / per_param if per_param > 0 else 0.0
+        weights = params * precision.weight_bytes
+        ratio = (self.size - 1) / self.size
+        kept = weights if self.gathers and not self.reshard_after_forward else 0.0
+        return DataParallelCost(
+            static_bytes=block.static_bytes * (precision.bytes_per_param_on(self) / per_param if per_param > 0 else 1.0) + kept,
+            gathered_bytes=weights if self.gathers and self.reshard_after_forward else 0.0,
+            gather_s=ratio * weights / link_bandwidth if self.gathers else 0.0,
+            reduce_s=(1 if self.shard == "fsdp" else 2) * ratio * params * precision.grad_bytes / link_bandwidth,
+        )
+
+
+NO_DATA_PARALLEL = DataParallel()
+"""One pipeline replica: the layout every cost table's static bytes describe."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelCost:
+    """What data parallelism adds to one block on one device (see :meth:`DataParallel.block_cost`)."""
+
+    static_bytes: float
+    """Weights, gradients and optimizer states held under the layout (gathered weights kept included)."""
+    gathered_bytes: float
+    """Whole weights gathered only while the block computes (FSDP resharding after forward), else 0."""
+    gather_s: float
+    """Seconds of one all-gather of its weights (FSDP), else 0."""
+    reduce_s: float
+    """Seconds of its gradient reduction once per iteration (all-reduce or reduce-scatter)."""
+
+    def op_gather_s(self, dp: DataParallel) -> float:
+        """Gather before every forward and every backward (FSDP resharding after forward), else 0."""
+        return self.gather_s if dp.reshard_after_forward else 0.0
+
+    def step_gather_s(self, dp: DataParallel) -> float:
+        """Gather once before the iteration's first forward (FSDP keeping weights gathered), else 0."""
+        return 0.0 if dp.reshard_after_forward else self.gather_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per parameter of what training holds for it; the optimizer part may be sharded."""
+
+    weight_bytes: int = 2
+    """Bytes of the working weight (bf16: 2)."""
+    grad_bytes: int = 2
+    """Bytes of its gradient."""
+    master_bytes: int = 4
+    """Bytes of an fp32 master copy (0 when weights are already fp32)."""
+    optimizer_bytes: int = 8
+    """Bytes of optimizer states (Adam: two fp32 moments = 8)."""
+    optimizer_shards: int = 1
+    """Data-parallel ranks the master copy and optimizer states are sharded over (ZeRO-1); 1 = none.
+    Under a data-parallel layout of more than one rank it must be 1 or the layout's size."""
+
+    def __post_init__(self) -> None:
+        if min(self.weight_bytes, self.grad_bytes, self.master_bytes, self.optimizer_bytes) < 0:
+            raise InputError(f"precision byte counts must be >= 0, got {self}")
+        if self.optimizer_shards < 1:
+            raise InputError(f"optimizer_shards must be >= 1 (data-parallel ranks), got {self.optimizer_shards}")
+
+    def bytes_per_param_on(self, dp: DataParallel) -> float:
+        """Bytes one device holds per parameter under ``dp``: the one rule for static memory.
+
+        ``(weight + grad) / a + (master + optimizer) / b`` with ``a = dp.size`` under FSDP (else 1)
+        and ``b = max(optimizer_shards, a)``: DDP shards only what ZeRO-1 shards, FSDP everything.
+        """
+        if dp.size > 1 and self.optimizer_shards not in (1, dp.size):
+            raise InputError(
+                f"precision.optimizer_shards={self.optimizer_shards} disagrees with dp={dp.size}: ZeRO-1 shards the "
+                f"optimizer over the data-parallel ranks; set optimizer_shards to 1 or {dp.size}"
+            )
+        a = dp.size if dp.shard == "fsdp" else 1
+        b = max(self.optimizer_shards, a)
+        return (self.weight_bytes + self.grad_bytes) / a + (self.master_bytes + self.optimizer_bytes) / b
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Bytes per parameter of one pipeline replica (no data-parallel layout beyond ``optimizer_shards``)."""
+        return self.bytes_per_param_on(NO_DATA_PARALLEL)
+
+
+BF16_ADAM = Precision()
+"""bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes/parameter."""
+FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
+"""fp32 weights, gradients and Adam moments: 16 bytes/parameter."""
+
 @dataclass(frozen=True, kw_only=True)
 class CostTable:
     """Costs of every block of a model, plus what crosses each cut, for one micro-batch shape."""
@@ -80,6 +230,8 @@ class CostTable:
     """``profiled`` (measured here) or ``roofline`` (modelled for a target device)."""
     batch_shape: Mapping[str, int] = field(default_factory=dict)
     """Micro-batch shape the costs were taken at (e.g. tiles, tokens)."""
+    precision: Precision = BF16_ADAM
+    """Bytes per parameter the static bytes were computed with (one replica; data parallelism applied later)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -120,40 +272,10 @@ class CostTable:
     def from_dict(cls, data: Mapping[str, Any]) -> CostTable:
         data = dict(data)
         data["blocks"] = tuple(BlockCost(**b) for b in data["blocks"])
+        if isinstance(data.get("precision"), Mapping):
+            data["precision"] = Precision(**data["precision"])
         return cls(**data)
 
     @classmethod
     def from_json(cls, text: str) -> CostTable:
         return cls.from_dict(json.loads(text))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Precision:
-    """Bytes per parameter of what training holds for it; the optimizer part may be sharded."""
-
-    weight_bytes: int = 2
-    """Bytes of the working weight (bf16: 2)."""
-    grad_bytes: int = 2
-    """Bytes of its gradient."""
-    master_bytes: int = 4
-    """Bytes of an fp32 master copy (0 when weights are already fp32)."""
-    optimizer_bytes: int = 8
-    """Bytes of optimizer states (Adam: two fp32 moments = 8)."""
-    optimizer_shards: int = 1
-    """Data-parallel ranks the master copy and optimizer states are sharded over (ZeRO-1); 1 = none."""
-
-    def __post_init__(self) -> None:
-        if min(self.weight_bytes, self.grad_bytes, self.master_bytes, self.optimizer_bytes) < 0:
-            raise InputError(f"precision byte counts must be >= 0, got {self}")
-        if self.optimizer_shards < 1:
-            raise InputError(f"optimizer_shards must be >= 1 (data-parallel ranks), got {self.optimizer_shards}")
-
-    @property
-    def bytes_per_param(self) -> float:
-        return self.weight_bytes + self.grad_bytes + (self.master_bytes + self.optimizer_bytes) / self.optimizer_shards
-
-
-BF16_ADAM = Precision()
-"""bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes/parameter."""
-FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
-"""fp32 weights, gradients and Adam moments: 16 bytes/parameter."""

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omnibal_compile.cost_table import RECOMPUTE_OPTIONS
+from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, DataParallel
 from omnibal_compile.errors import PlanError
 from omnibal_compile.schedule import Schedule
 from omnibal_compile.tables import format_table
@@ -72,7 +72,13 @@ class Plan:
     memory_budget_bytes: tuple[int, ...] = ()
     """Memory budget of each stage's device; empty when unconstrained."""
     iteration_time_s: float | None = None
-    """Predicted time of one iteration under the schedule."""
+    """Predicted time of one iteration under the schedule (data-parallel communication included)."""
+    data_parallel: int = 1
+    """Data-parallel replicas of the whole pipeline (devices = pipeline devices x this); 1 = none."""
+    data_parallel_shard: str = "ddp"
+    """How the replicas hold their state: ``ddp`` (replicated) or ``fsdp`` (sharded; see :class:`DataParallel`)."""
+    reshard_after_forward: bool = True
+    """FSDP only: weights are gathered again for the backward (True) or kept gathered all iteration."""
     notes: Mapping[str, Any] = field(default_factory=dict)
     """Free-form planner notes (objective value, solver status, binding constraint, ...), JSON-serialisable."""
 
@@ -112,6 +118,7 @@ class Plan:
             self.num_stages, kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages
         )
         object.__setattr__(self, "num_microbatches", schedule.num_microbatches)
+        _ = self.dp  # validates data_parallel and data_parallel_shard
         for name, values in (
             ("stage_time_s", self.stage_time_s),
             ("stage_memory_bytes", self.stage_memory_bytes),
@@ -190,6 +197,11 @@ class Plan:
         """Pipeline ranks: stages / chunks per device."""
         return self.num_stages // self.virtual_stages
 
+    @property
+    def dp(self) -> DataParallel:
+        """The data-parallel layout the plan was made for, as one checked value."""
+        return DataParallel(size=self.data_parallel, shard=self.data_parallel_shard, reshard_after_forward=self.reshard_after_forward)
+
     def stage_of(self, block: str | int) -> int:
         """Stage that runs ``block`` (a name or an index)."""
         i = self.block_names.index(block) if isinstance(block, str) else block
@@ -230,6 +242,8 @@ class Plan:
             mean = sum(loads) / len(loads)
             if mean:
                 lines.append(f"parameter imbalance (max/mean): {max(loads) / mean:.3f}")
+        if self.data_parallel > 1:
+            lines.append(f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction")
         if self.iteration_time_s is not None:
             lines.append(f"predicted iteration time: {self.iteration_time_s * 1e3:.3f} ms")
         for key, value in self.notes.items():

@@ -62,3 +62,26 @@ def test_summary_shows_stages_and_imbalance():
     plan = Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 3), block_params=(10, 5, 5), block_kinds=("layer",) * 3)
     text = plan.summary()
     assert "2 stages" in text and "imbalance (max/mean): 1.000" in text
+
+
+def test_data_parallel_round_trips_and_old_json_reads_as_one_replica():
+    plan = Plan(block_names=["a", "b", "c"], boundaries=[0, 1, 3], data_parallel=4, data_parallel_shard="fsdp",
+                reshard_after_forward=False)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.dp.size == 4 and again.dp.shard == "fsdp" and not again.dp.reshard_after_forward
+    data = json.loads(plan.to_json())
+    assert data["data_parallel"] == 4 and data["data_parallel_shard"] == "fsdp"  # flat fields
+    for key in ("data_parallel", "data_parallel_shard", "reshard_after_forward"):
+        del data[key]
+    old = Plan.from_json(json.dumps(data))
+    assert old.data_parallel == 1 and old.dp.size == 1 and "data parallel" not in old.summary()
+    assert "4 data-parallel replicas, FSDP (weights kept gathered)" in plan.summary()
+
+
+def test_bad_data_parallel_fields_name_the_input():
+    from omnibal_compile import InputError
+
+    with pytest.raises(InputError, match="dp_shard"):
+        Plan(block_names=["a"], boundaries=[0, 1], data_parallel=2, data_parallel_shard="zero9")
+    with pytest.raises(InputError, match="positive integer"):
+        Plan(block_names=["a"], boundaries=[0, 1], data_parallel=0)

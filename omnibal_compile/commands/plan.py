@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omnibal_compile.cost_table import DP_SHARDS
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.labels import IGNORE_INDEX
 from omnibal_compile.progress import Progress
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule (default 1f1b)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 40GB (default: unconstrained)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (default 1)")
+    p.add_argument("--dp-shard", default="ddp", choices=DP_SHARDS,
+                   help="how the replicas hold weights, gradients and optimizer states: ddp (replicated) or fsdp (sharded); default ddp")
     p.add_argument("--device", default="cpu", help="device the costs are for: cpu (profile here) or a target such as a100-80gb")
     p.add_argument("--planner", default="auto", choices=["auto", *PLANNERS], help="auto = ilp; " + planner_help("auto"))
     p.add_argument("--costs", metavar="FILE", default=None, help="use this CostTable JSON instead of running the cost pass")
@@ -138,7 +142,7 @@ def plan_maker(args: argparse.Namespace, result: Any, planner: str) -> PlanMaker
             stages, kind=args.schedule, num_microbatches=args.microbatches, virtual_stages=args.virtual_stages
         )
         return plan_stages(result.graph, num_stages=stages, schedule=schedule, planner=planner,
-                           costs=result.costs, memory_budget=budget)
+                           costs=result.costs, memory_budget=budget, data_parallel=result.plan.dp)
 
     return make
 
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         result = oc.optimize(
             model, batch, num_stages=args.stages, planner=planner, num_microbatches=args.microbatches,
             schedule=args.schedule, virtual_stages=args.virtual_stages, memory_budget=budget,
-            device=None if args.costs else args.device, costs=args.costs,
+            device=None if args.costs else args.device, costs=args.costs, dp=args.dp, dp_shard=args.dp_shard,
         )
         plan, costs = result.plan, result.costs
         cost_note = (f"costs from {args.costs} ({costs.device}, {costs.source})" if args.costs

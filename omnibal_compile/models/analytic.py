@@ -404,6 +404,7 @@ def _cost_table(model: VLMSpec, shape: MicroBatch, *, device: DeviceSpec, precis
         blocks=tuple(blocks), cut_bytes=tuple(cuts), link_bandwidth=device.link_bandwidth(link), device=device.name,
         source="roofline",
         batch_shape={"tiles": shape.tiles, "tokens": shape.tokens, "attention_pairs": int(shape.attention_pairs)},
+        precision=precision,
     )
 
 

@@ -280,7 +280,7 @@ def annotate_costs(
     entries = _cache_read(path) if path else {}
     if path and not refresh and key in entries:
         try:
-            return CostTable.from_dict(entries[key])
+            return CostTable.from_dict({**entries[key], "precision": asdict(precision)})  # entries predating the field
         except (TypeError, ValueError, KeyError) as e:
             warnings.warn(f"cost cache {path}: entry is malformed ({e}); profiling again", stacklevel=2)
 
@@ -319,6 +319,7 @@ def annotate_costs(
         device=name,
         source="roofline" if spec is not None else "profiled",
         batch_shape=dict(batch_shape or {}),
+        precision=precision,
     )
     if path:
         entries[key] = json.loads(table.to_json())

@@ -137,6 +137,7 @@ class ShapeCostModel:
             device=self.template.device,
             source=self.template.source,
             batch_shape=shape.as_dict(),
+            precision=self.template.precision,
         )
 
     def errors(self, tables: Sequence[CostTable], shapes: Sequence[BatchShape]) -> dict[str, float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from omnibal_compile.cost_table import CostTable
+from omnibal_compile.cost_table import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.plan import Plan
@@ -134,8 +134,14 @@ def plan_from_solution(
             tuple(int(problem.stage_budget(s)) for s in range(problem.num_stages)) if problem.budget else ()
         ),
         iteration_time_s=sol.iteration_time,
+        **_dp_fields(problem.data_parallel),
         notes=notes,
     )
+
+
+def _dp_fields(dp: DataParallel) -> dict[str, object]:
+    """The plan fields that record ``dp``."""
+    return {"data_parallel": dp.size, "data_parallel_shard": dp.shard, "reshard_after_forward": dp.reshard_after_forward}
 
 
 def plan_with_costs(
@@ -150,11 +156,13 @@ def plan_with_costs(
     recompute: str = "auto",
     solver: str = "auto",
     time_limit: float | None = 60.0,
+    data_parallel: DataParallel = NO_DATA_PARALLEL,
 ) -> Plan:
     """Plan from measured or modelled costs with any planner of :mod:`omnibal_compile.solver`.
 
     ``memory_budget`` is bytes per device (one number or one per device); ``recompute`` is
-    ``auto`` (the planner chooses per block) or one option forced everywhere.
+    ``auto`` (the planner chooses per block) or one option forced everywhere; ``data_parallel``
+    replicates the pipeline (memory per device and iteration time follow its layout).
     """
     problem = problem_from_costs(
         costs,
@@ -164,6 +172,7 @@ def plan_with_costs(
         virtual_stages=virtual_stages,
         budget=memory_budget,
         recompute=recompute,
+        data_parallel=data_parallel,
     )
     sol = solve(problem, planner, solver=solver, time_limit=time_limit)
     return plan_from_solution(sol, costs, problem)
@@ -180,8 +189,9 @@ def plan_stages(
     recompute: str = "auto",
     solver: str = "auto",
     time_limit: float | None = 60.0,
+    data_parallel: DataParallel = NO_DATA_PARALLEL,
 ) -> Plan:
-    """The planning pass: cut ``graph`` into ``num_stages`` stages for ``schedule``.
+    """The planning pass: cut ``graph`` into ``num_stages`` stages for ``schedule``, replicated by ``data_parallel``.
 
     ``planner`` is a name in :data:`omnibal_compile.solver.PLANNERS` (default ``ilp`` with costs,
     ``parameters`` without) or a callable ``(graph, num_stages) -> Plan``. Every plan carries
@@ -199,7 +209,7 @@ def plan_stages(
         return plan_with_costs(
             costs, num_stages=num_stages, num_microbatches=schedule.num_microbatches, planner=planner,
             schedule=schedule.kind, virtual_stages=schedule.virtual_stages, memory_budget=memory_budget,
-            recompute=recompute, solver=solver, time_limit=time_limit,
+            recompute=recompute, solver=solver, time_limit=time_limit, data_parallel=data_parallel,
         )
     if isinstance(planner, str):
         plan = _cost_free(graph, num_stages, planner)
@@ -210,14 +220,15 @@ def plan_stages(
     else:
         raise InputError(f"planner must be a name or a callable, got {type(planner).__name__}")
     plan = dataclasses.replace(
-        plan, schedule=schedule.kind, num_microbatches=schedule.num_microbatches, virtual_stages=schedule.virtual_stages
+        plan, schedule=schedule.kind, num_microbatches=schedule.num_microbatches, virtual_stages=schedule.virtual_stages,
+        **_dp_fields(data_parallel),
     )
     if costs is None:
         return plan
     # A callable's plan, predicted by the same accounting as the solvers' plans.
     problem = problem_from_costs(
         costs, num_stages=num_stages, num_microbatches=schedule.num_microbatches, schedule=schedule.kind,
-        virtual_stages=schedule.virtual_stages, budget=memory_budget, recompute=recompute,
+        virtual_stages=schedule.virtual_stages, budget=memory_budget, recompute=recompute, data_parallel=data_parallel,
     )
     sol = evaluate(problem, plan.boundaries, plan.block_recompute, planner=plan.planner)
     return plan_from_solution(sol, costs, problem, notes={**plan.notes, "binding": sol.binding})

@@ -9,7 +9,13 @@ for the model it assumes:
   devices; sends overlap with compute (asynchronous point-to-point, as in torch.distributed.pipelining);
 - backward of stage s on m needs the backward of stage s+1 on m plus the gradient send back (the
   same bytes as the activations sent forward), and for the last stage its own forward;
-- a backward of a stage with recomputed blocks first reruns their forward (a ``recompute`` event).
+- a backward of a stage with recomputed blocks first reruns their forward (a ``recompute`` event);
+- data parallelism (``plan.dp``, rules in :meth:`omnibal_compile.cost_table.DataParallel.block_cost`,
+  over the link bandwidth): each stage reduces its gradients (``dp_reduce``) after its last backward,
+  one reduction at a time per device, and the iteration ends when the last one does; FSDP gathers a
+  stage's weights (``dp_gather``) before every forward and backward when it reshards after forward
+  (the device waits; FSDP's prefetch would hide part of it, so this is an upper bound), else once
+  per stage at the start of the iteration, before the stage's first forward.
 
 Glossary:
     S, D, v, M     stages (virtual stages for interleaved), devices, chunks per device (S = D v),
@@ -38,6 +44,10 @@ Schedules (the operation order per device; the same orders as torch.distributed.
 
 Closed forms with equal stages, no sends and F, B per stage (tested in tests/test_sim.py):
     gpipe, 1f1b       T = (M + S - 1)(F + B),  bubble = (S - 1) / (M + S - 1).
+                      With data parallelism (gather G and reduction R per stage): T + R (DDP),
+                      T + G + R (FSDP keeping weights gathered), (M + S - 1)(F + B + 2G) + R
+                      (FSDP resharding after forward): the first stage finishes last, so its
+                      reduction is exposed in full.
     interleaved       with f, b per chunk (a device holds v chunks, so f = F_device / v) and M a
                       multiple of D: T = (v M + D - 1)(f + b), bubble = (D - 1) / (v M + D - 1).
                       Derivation: every device computes v M (f + b). The last device cannot start
@@ -57,14 +67,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from omnibal_compile.cost_table import CostTable
+from omnibal_compile.cost_table import CostTable, DataParallelCost
 from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule
 
 __all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 
-EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward"]
+EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward", "dp_gather", "dp_reduce"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +94,15 @@ class StageCost:
     workspace_bytes: int
     """Extra bytes alive while a recomputed block runs its backward (largest over the stage's blocks)."""
     static_bytes: int
-    """Weights, gradients and optimizer states of the stage."""
+    """Weights, gradients and optimizer states of the stage (as the plan's data-parallel layout holds them)."""
+    gathered_bytes: int = 0
+    """Whole weights of its largest block while FSDP has them gathered (resharding after forward), else 0."""
+    op_gather_s: float = 0.0
+    """FSDP all-gather before each forward and each backward (resharding after forward), else 0."""
+    step_gather_s: float = 0.0
+    """FSDP all-gather once before the stage's first forward (weights kept gathered), else 0."""
+    reduce_s: float = 0.0
+    """Gradient reduction after the stage's last backward (data parallelism), else 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +110,7 @@ class Event:
     """One interval of the simulated timeline."""
 
     kind: EventKind
-    """``forward``, ``recompute``, ``backward``, ``send_forward`` or ``send_backward``."""
+    """``forward``, ``recompute``, ``backward``, ``send_forward``, ``send_backward``, ``dp_gather`` or ``dp_reduce``."""
     stage: int
     """Stage computing (for sends: the stage sending)."""
     device: int
@@ -122,7 +140,7 @@ class SimResult:
     num_microbatches: int
     """Micro-batches in the iteration."""
     iteration_time_s: float
-    """Time from the first forward to the end of the last backward."""
+    """Time from the start to the end of the last backward or gradient reduction (plus step overhead)."""
     bubble_fraction: float
     """Idle share of device time: ``1 - sum(busy_s) / (num_devices * iteration_time_s)``."""
     busy_s: tuple[float, ...]
@@ -134,7 +152,7 @@ class SimResult:
     peak_activation_bytes: tuple[int, ...]
     """Peak activation bytes of each device: in-flight activations plus recompute workspace."""
     static_bytes: tuple[int, ...]
-    """Weights, gradients and optimizer states of each device."""
+    """Weights, gradients and optimizer states of each device, plus the largest block's gathered weights (FSDP)."""
     peak_memory_bytes: tuple[int, ...]
     """``static_bytes + peak_activation_bytes`` per device."""
     events: tuple[Event, ...]
@@ -171,11 +189,13 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
     if scale < 0:
         raise InputError(f"micro-batch cost scale must be non-negative, got {scale}")
     options = plan.block_recompute
+    dp = plan.dp
     out = []
     for st in plan.stages:
         blocks = costs.blocks[st.start : st.stop]
         opts = options[st.start : st.stop]
         send = costs.send_s(st.stop) if st.stop < plan.num_blocks else 0.0
+        dpc = [dp.block_cost(b, costs.precision, costs.link_bandwidth) for b in blocks]
         out.append(
             StageCost(
                 forward_s=scale * sum(b.forward_s for b in blocks),
@@ -187,7 +207,11 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
                     (b.activation_bytes["none"] - b.activation_bytes[o] for b, o in zip(blocks, opts) if o != "none"),
                     default=0,
                 ))),
-                static_bytes=sum(b.static_bytes for b in blocks),
+                static_bytes=int(round(sum(c.static_bytes for c in dpc))),
+                gathered_bytes=int(round(max(c.gathered_bytes for c in dpc))),
+                op_gather_s=sum(c.op_gather_s(dp) for c in dpc),
+                step_gather_s=sum(c.step_gather_s(dp) for c in dpc),
+                reduce_s=sum(c.reduce_s for c in dpc),
             )
         )
     return tuple(out)
@@ -398,7 +422,8 @@ def simulate(
             pass evaluated at each balanced pack's shape). Its length sets the micro-batch count.
         schedule: override ``plan.schedule``.
         num_microbatches: override ``plan.num_microbatches``.
-        link_bandwidth: override ``costs.link_bandwidth`` (bytes/s); ``float('inf')`` for free sends.
+        link_bandwidth: override ``costs.link_bandwidth`` (bytes/s) for sends and data-parallel
+            communication; ``float('inf')`` makes both free.
         op_overhead_s: runtime cost of every forward and backward action beyond its compute (the
             schedule's Python, send/receive posting, autograd bookkeeping); measure it on the target
             with :func:`omnibal_compile.runtime.measure_overhead`. Counted as busy time.
@@ -431,19 +456,43 @@ def simulate(
         return per_mb[m][s].send_s * bw_scale
 
     def segments(kind: str, s: int, m: int) -> list[tuple[EventKind, float]]:
-        """Compute work of one operation, in order: (event kind, seconds on a processor of its own)."""
+        """Work of one operation, in order: (event kind, seconds on a processor of its own)."""
         c = per_mb[m][s]
+        gather: list[tuple[EventKind, float]] = [("dp_gather", c.op_gather_s * bw_scale)] if c.op_gather_s > 0 else []
         if kind == "F":
-            return [("forward", c.forward_s + op_overhead_s)]
-        return ([("recompute", c.recompute_s)] if c.recompute_s > 0 else []) + [("backward", c.backward_s + op_overhead_s)]
+            return gather + [("forward", c.forward_s + op_overhead_s)]
+        return gather + ([("recompute", c.recompute_s)] if c.recompute_s > 0 else []) + [("backward", c.backward_s + op_overhead_s)]
+
+    # FSDP keeping weights gathered: each device gathers its stages' weights in turn from the start.
+    events: list[Event] = []
+    gathered_at = [0.0] * S
+    for d in range(D):
+        clock = 0.0
+        for s in range(d, S, D):
+            if per_mb[0][s].step_gather_s > 0:
+                events.append(Event(kind="dp_gather", stage=s, device=d, microbatch=0, start_s=clock,
+                                    end_s=clock + per_mb[0][s].step_gather_s * bw_scale))
+                clock = gathered_at[s] = events[-1].end_s
+
+    def ready(kind: str, s: int, m: int) -> float | None:
+        at = _ready_at(kind, s, m, S, f_end, b_end, send)
+        return max(at, gathered_at[s]) if at is not None and kind == "F" and m == 0 else at
 
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
     f_start: dict[tuple[int, int], float] = {}
-    events = _timeline(
-        orders, segments, lambda kind, s, m: _ready_at(kind, s, m, S, f_end, b_end, send), processors,
-        f_start=f_start, f_end=f_end, b_end=b_end,
-    )
+    events += _timeline(orders, segments, ready, processors, f_start=f_start, f_end=f_end, b_end=b_end)
+    # Gradient reduction after each stage's last backward, one at a time per device.
+    finish = max(b_end.values())
+    for d in range(D):
+        clock = 0.0
+        for last, s in sorted((max(b_end[(s, m)] for m in range(M)), s) for s in range(d, S, D)):
+            if per_mb[0][s].reduce_s > 0:
+                start = max(clock, last)
+                events.append(Event(kind="dp_reduce", stage=s, device=d, microbatch=M - 1, start_s=start,
+                                    end_s=start + per_mb[0][s].reduce_s * bw_scale))
+                clock = events[-1].end_s
+                finish = max(finish, clock)
     for (s, m), end in f_end.items():
         if s + 1 < S and send(s, m) > 0:
             d = s % D
@@ -453,7 +502,7 @@ def simulate(
             d = s % D
             events.append(Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m)))
 
-    T = max(b_end.values()) + step_overhead_s
+    T = finish + step_overhead_s
     compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]
     stage_busy = [0.0] * S
     for e in compute:
@@ -481,7 +530,10 @@ def simulate(
             peak_act[d] = max(peak_act[d], live)
         workspace = max((per_mb[m][s].workspace_bytes for s in range(d, S, D) for m in range(M)), default=0)
         peak_act[d] += workspace
-    static = [sum(per_mb[0][s].static_bytes for s in range(d, S, D)) for d in range(D)]
+    static = [
+        sum(per_mb[0][s].static_bytes for s in range(d, S, D)) + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
+        for d in range(D)
+    ]
     events.sort(key=lambda e: (e.start_s, e.device, e.kind))
     return SimResult(
         schedule=sched,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from omnibal_compile.errors import PlanError
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, stage_static
 
 __all__ = [
     "min_max_partition",
@@ -88,7 +88,7 @@ def least_recompute(problem: PartitionProblem, boundaries: Sequence[int], *, per
         i, j = boundaries[s], boundaries[s + 1]
         o = OPTIONS.index(option)
         mem = (
-            sum(problem.static[i:j])
+            stage_static(problem, i, j)
             + in_flight(problem, s) * sum(problem.act[b][o] for b in range(i, j))
             + (problem.cut_bytes[i] if i > 0 else 0)
         )

@@ -7,7 +7,9 @@ Two facts make it exact:
    (budget - static - receive buffer) / k_s: a multiple-choice knapsack, solved exactly from the
    Pareto frontier of (activation bytes, time) over the range's option vectors.
 2. Over cut points, the objective is monotone in (sum, max) of stage times, so keeping the Pareto
-   set of (sum, max) for every prefix (s stages covering blocks [0, j)) loses no optimum.
+   set of (sum, max) for every prefix (s stages covering blocks [0, j)) loses no optimum. With data
+   parallelism the objective adds D, the largest stage's once-per-iteration communication, so the
+   Pareto set is over (sum, max, D); without it D = 0 and the set is the 2-D one.
 Interleaved schedules couple non-adjacent stages on one device, so the DP is not exact for them;
 ``interleaved_incumbent`` uses it for a good starting plan and bound, and the ILP proves or improves it.
 """
@@ -87,7 +89,8 @@ class Frontiers:
         its memory (budget - static - receive buffer, shared by k_s micro-batches), or None."""
         P = self.problem
         recv = P.cut_bytes[i] if i > 0 else 0
-        cap = (self.budget[s] - (self.prefix_static[j] - self.prefix_static[i]) - recv) / self.in_flight[s]
+        gathered = max(self.problem.gathered[i:j], default=0.0)
+        cap = (self.budget[s] - (self.prefix_static[j] - self.prefix_static[i]) - gathered - recv) / self.in_flight[s]
         k = self.fastest_within(i, j, cap) if cap >= 0 else None
         if k is None:
             return None
@@ -113,7 +116,7 @@ def solve_dp(problem: PartitionProblem, *, frontiers: Frontiers | None = None) -
         frontiers = Frontiers(P, max_time=_max_stage_time(P))
     states = _pareto_states(P, frontiers)
     final = states[-1][P.n]
-    best = min(range(len(final)), key=lambda q: final[q][0] + (M - 1) * final[q][1])
+    best = min(range(len(final)), key=lambda q: final[q][0] + (M - 1) * final[q][1] + final[q][2])
     boundaries, opts = _plan_of(P, frontiers, states, best)
     return evaluate(
         P, boundaries, [OPTIONS[o] for o in opts], planner="dp", status="optimal",
@@ -151,15 +154,18 @@ def _max_stage_time(P: PartitionProblem) -> float:
     return stage_time_bound(P, min(feasible)) if feasible else math.inf
 
 
-State = tuple[float, float, int, int, int]
-"""(sum of stage times, max stage time, start block i of the last stage, parent state, frontier point)."""
+State = tuple[float, float, float, int, int, int]
+"""(sum of stage times, max stage time, max stage sync D, start block i of the last stage, parent state, frontier point)."""
 
 
 def _pareto_states(P: PartitionProblem, F: Frontiers) -> list[list[list[State]]]:
-    """states[s][j]: the Pareto set of (sum, max) over plans of blocks [0, j) in s stages."""
+    """states[s][j]: the Pareto set of (sum, max, D) over plans of blocks [0, j) in s stages."""
     n, S = P.n, P.num_stages
+    sync = [0.0]
+    for d in P.sync or (0.0,) * n:
+        sync.append(sync[-1] + d)
     states: list[list[list[State]]] = [[[] for _ in range(n + 1)] for _ in range(S + 1)]
-    states[0][0] = [(0.0, 0.0, -1, -1, -1)]
+    states[0][0] = [(0.0, 0.0, 0.0, -1, -1, -1)]
     for s in range(S):
         for j in range(s + 1, n - (S - s - 1) + 1):
             cands = []
@@ -169,16 +175,21 @@ def _pareto_states(P: PartitionProblem, F: Frontiers) -> list[list[list[State]]]
                 if best is None:
                     continue
                 T, k = best
-                for idx, (sm, mx, _, _, _) in enumerate(prev):
-                    cands.append((sm + T, max(mx, T), i, idx, k))
+                D = sync[j] - sync[i]
+                for idx, (sm, mx, dmx, _, _, _) in enumerate(prev):
+                    cands.append((sm + T, max(mx, T), max(dmx, D), i, idx, k))
             if not cands:
                 continue
-            cands.sort(key=lambda c: (c[1], c[0]))
-            front, best_sum = [], math.inf
-            for c in cands:
-                if c[0] < best_sum - 1e-15 * max(1.0, abs(c[0])):
-                    front.append(c)
-                    best_sum = c[0]
+            cands.sort(key=lambda c: (c[1], c[0], c[2]))
+            front: list[State] = []
+            for c in cands:  # sorted by max: keep c unless a kept state is no worse in sum and D too
+                tol = 1e-15 * max(1.0, abs(c[0]))
+                if not P.sync:  # D = 0 everywhere: kept sums fall, so the last kept one decides
+                    if front and c[0] >= front[-1][0] - tol:
+                        continue
+                elif any(f[0] <= c[0] + tol and f[2] <= c[2] for f in front):
+                    continue
+                front.append(c)
             states[s + 1][j] = front
     if not states[S][n]:
         raise PlanError("no partition fits the memory budget")  # explained by planner.explain_infeasible
@@ -191,7 +202,7 @@ def _plan_of(P: PartitionProblem, F: Frontiers, states: list[list[list[State]]],
     opts: list[int] = []
     s, j = P.num_stages, P.n
     while s > 0:
-        _, _, i, parent, k = states[s][j][q]
+        _, _, _, i, parent, k = states[s][j][q]
         opts = F.options(i, j, k) + opts
         boundaries.append(i)
         s, j, q = s - 1, i, parent

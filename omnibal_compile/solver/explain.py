@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, in_flight
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, in_flight, stage_static
 from omnibal_compile.units import format_size
 
 __all__ = ["least_memory_split", "explain_infeasible"]
@@ -31,7 +31,8 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         k = in_flight(P, s)
         for j in range(s + 1, n - (S - s - 1) + 1):
             i = np.arange(s, j)
-            need = v * (static[j] - static[i] + k * (act[j] - act[i]) + recv[i])
+            gathered = np.maximum.accumulate(np.asarray(P.gathered[s:j] or [0.0] * (j - s), dtype=np.float64)[::-1])[::-1]
+            need = v * (static[j] - static[i] + gathered + k * (act[j] - act[i]) + recv[i])
             cand = np.maximum(best[s, i], need)
             q = int(np.argmin(cand))
             best[s + 1, j], arg[s + 1, j] = cand[q], i[q]
@@ -40,7 +41,7 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         boundaries.append(int(arg[s, boundaries[-1]]))
     boundaries = boundaries[::-1]
     mems = [
-        float(static[boundaries[s + 1]] - static[boundaries[s]] + in_flight(P, s) * (act[boundaries[s + 1]] - act[boundaries[s]]) + recv[boundaries[s]])
+        float(stage_static(P, boundaries[s], boundaries[s + 1]) + in_flight(P, s) * (act[boundaries[s + 1]] - act[boundaries[s]]) + recv[boundaries[s]])
         for s in range(S)
     ]
     return boundaries, mems, float(best[S, n])

@@ -4,6 +4,8 @@ Variables (n blocks i, S stages s, options o):
     w[i, s, o] in {0, 1}   block i runs on stage s with option o; x[i, s] = sum_o w[i, s, o]
     z[i, j, s] in {0, 1}   stage s runs exactly blocks [i, j)   (only under a memory budget)
     T[s] >= 0 stage time;  Tmax >= T[s] (1F1B/GPipe) or >= T_d per device (interleaved)
+    D >= 0 data-parallel time: D >= sum_i x[i, s] d_i per stage (summed per device when interleaved);
+           only with data parallelism, where the objective adds D once (see solver.problem)
 Constraints:
     assignment   sum_{s, o} w[i, s, o] = 1
     stages       with a budget: the z form a path (one interval starts stage 0 at block 0; the
@@ -13,7 +15,7 @@ Constraints:
     cut k ends stage s  e[k, s] = sum_a z[a, k, s]  (or y[k - 1, s] - y[k, s]; linear either way)
     time         T[s] = sum_{i, o} w t_io + sum_k e[k, s] c_k + sum_k e[k, s - 1] c_k
     floor        T[s] >= sum z[i, j, s] * (least time of [i, j) on stage s within its memory)
-    memory       sum_i x w_i + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
+    memory       sum_i x w_i + sum z[i, j, s] max_{[i, j)} u + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
     bound        objective <= DP optimum (when given): prunes variables and the search
 Objective: the schedule's iteration time (see solver.problem), then, lexicographically, the number
 of recomputed blocks (a tie-break weight far below any time difference that matters), so ties
@@ -114,11 +116,12 @@ def solve_ilp(
         problem,
         time=tuple(tuple(t / unit for t in row) for row in problem.time),  # type: ignore[misc]
         cut_time=tuple(c / unit for c in problem.cut_time),
+        sync=tuple(d / unit for d in problem.sync),
     )
     if upper_bound is not None:
         upper_bound /= unit
     if warm is not None:
-        warm = dataclasses.replace(warm, stage_time=tuple(t / unit for t in warm.stage_time))
+        warm = dataclasses.replace(warm, stage_time=tuple(t / unit for t in warm.stage_time), sync_time=warm.sync_time / unit)
     P = problem
     n, S, M = P.n, P.num_stages, P.num_microbatches
     opts = P.option_indices()
@@ -227,6 +230,7 @@ def solve_ilp(
                 pulp.lpSum(x(i, s) * P.static[i] for i in range(n) if lo[i] <= s <= hi[i])
                 + in_flight(P, s) * pulp.lpSum(w[i, s, o] * P.act[i][o] for i in range(n) for o in opts if (i, s, o) in w)
                 + (pulp.lpSum(ends(k, s - 1) * P.cut_bytes[k] for k in cuts) if s > 0 else 0)
+                + pulp.lpSum(var * max(P.gathered[key[0] : key[1]], default=0.0) for key, var in z.items() if key[2] == s)
             )
             # scale bytes to GiB so coefficients stay in a range the solver handles well
             prob += (1 / 2**30) * mem <= budget / 2**30, f"memory_{s}"
@@ -240,6 +244,12 @@ def solve_ilp(
         for d in range(p):
             prob += Tmax >= pulp.lpSum(T[s] for s in range(S) if P.device_of(s) == d), f"max_dev_{d}"
         objective = M * Tmax + (p - 1) / (p * v) * pulp.lpSum(T)
+    D = pulp.LpVariable("D", lowBound=0)
+    if P.sync:
+        for d in range(P.num_devices):
+            on_d = [s for s in range(S) if P.device_of(s) == d]
+            prob += D >= pulp.lpSum(x(i, s) * P.sync[i] for s in on_d for i in range(n) if lo[i] <= s <= hi[i]), f"sync_{d}"
+        objective = objective + D
     # Valid cuts that tighten the LP relaxation: the bottleneck is at least max(work / S, largest block).
     if tau is not None:
         for s in range(S):
@@ -274,6 +284,8 @@ def solve_ilp(
             Tmax.setInitialValue(
                 max(sum(warm.stage_time[s] for s in range(S) if P.device_of(s) == d) for d in range(P.num_devices))
             )
+        if P.sync:
+            D.setInitialValue(warm.sync_time)
 
     status = _solve(prob, solver, time_limit, bool(warm), gap)
     chosen = [sum(1 for (i, _, _), var in w.items() if i == b and (var.value() or 0) > 0.5) for b in range(n)]

@@ -6,10 +6,12 @@ Torch-free. Notation (as in the ILP):
     t_io = f_i + b_i + r_io     time of block i under option o (forward, backward, recompute);
     a_io                        activation bytes block i keeps for backward under option o;
     w_i                         static bytes (weights, gradients, optimizer states);
-    c_k = bytes_k / bandwidth   time to send what crosses cut k (c_0 = c_n = 0).
+    c_k = bytes_k / bandwidth   time to send what crosses cut k (c_0 = c_n = 0);
+    u_i                         bytes of block i's weights gathered while it computes (FSDP), else 0;
+    d_i                         seconds of data-parallel communication block i adds once per iteration.
 Stage s running blocks [i, j):
     T_s = sum t_io + c_j + c_i            (sends forward activations at its end, gradients at its start)
-    Mem_s = sum w_i + k_s * sum a_io + bytes_i     (k_s micro-batches in flight; a receive buffer)
+    Mem_s = sum w_i + max u_i + k_s * sum a_io + bytes_i   (k_s micro-batches in flight; a receive buffer)
 In flight k_s: GPipe M; 1F1B min(S - s, M); interleaved 1F1B with p = S / v devices and v chunks
 per device: device d = s mod p keeps min(2 (p - d - 1) + (v - 1) p + 1, v M) micro-batch chunks at
 its peak (Megatron's warm-up count + 1), shared evenly by its v chunks, each chunk given 1/v of the
@@ -17,6 +19,15 @@ device budget (an approximation that keeps stages independent).
 Iteration time: GPipe and 1F1B  sum_s T_s + (M - 1) max_s T_s;
     interleaved  M max_d T_d + (p - 1) / (p v) sum_s T_s, with T_d the sum over device d's chunks
     For equal stages of time T these give (M + S - 1) T, and (v M + p - 1) T for interleaved.
+Data parallelism (``problem_from_costs(data_parallel=...)``, rules in
+:meth:`omnibal_compile.cost_table.DataParallel.block_cost`): w_i is the per-device static bytes of
+the layout; FSDP's gathers before every forward and backward are part of t_io (2 gathers per
+micro-batch); the once-per-iteration terms (gradient reduction after the last backward, FSDP's one
+gather when weights stay gathered) add D = max over devices of sum d_i to the iteration time. The
+planner charges D in full, an upper bound on what the simulator finds exposed (the first stage
+finishes last, so its reduction is exposed; later stages' overlap the backwards still running
+before them): exact for equal stages and whenever the first device has the largest D. The ILP
+and the DP optimise this same objective (D enters as one more max term, not per stage).
 """
 
 from __future__ import annotations
@@ -25,11 +36,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, CostTable
+from omnibal_compile.cost_table import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.schedule import Schedule
 
-__all__ = ["PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound"]
+__all__ = [
+    "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
+    "stage_static", "sync_time",
+]
 
 OPTIONS = RECOMPUTE_OPTIONS
 
@@ -68,6 +82,12 @@ class PartitionProblem:
     """Memory budget per device (length p = S / v); empty = unconstrained."""
     allowed: tuple[str, ...] = OPTIONS
     """Recompute options the solver may use."""
+    gathered: tuple[float, ...] = ()
+    """u_i: bytes block i gathers while it computes (FSDP resharding after forward); a stage adds its largest. Empty = none."""
+    sync: tuple[float, ...] = ()
+    """d_i: data-parallel seconds block i adds once per iteration; a device adds its blocks' sum. Empty = none."""
+    data_parallel: DataParallel = NO_DATA_PARALLEL
+    """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in plans)."""
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -83,6 +103,9 @@ class PartitionProblem:
             raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
         if not self.allowed or any(o not in OPTIONS for o in self.allowed):
             raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
+        for name in ("gathered", "sync"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
 
     @property
     def pipeline_schedule(self) -> Schedule:
@@ -149,6 +172,8 @@ class Solution:
     """Relative optimality gap reported by the solver, when known."""
     binding: str = ""
     """Constraint that limits the plan (``time of stage k`` or ``memory of stage k``)."""
+    sync_time: float = 0.0
+    """D: data-parallel seconds the iteration time includes (see the module docstring); 0 without dp."""
     extra: dict = field(default_factory=dict)
     """Solver-specific notes."""
 
@@ -162,11 +187,24 @@ def _iteration_time(problem: PartitionProblem, stage_time: Sequence[float]) -> f
     return M * max(per_device) + (p - 1) / (p * v) * sum(stage_time)
 
 
+def stage_static(problem: PartitionProblem, i: int, j: int) -> float:
+    """sum w_i + max u_i over blocks [i, j): memory a stage holds whatever is in flight."""
+    return sum(problem.static[i:j]) + max(problem.gathered[i:j], default=0.0)
+
+
+def sync_time(problem: PartitionProblem, boundaries: Sequence[int]) -> float:
+    """D: the largest device's sum of d_i (0 without data parallelism)."""
+    if not problem.sync:
+        return 0.0
+    per_stage = [sum(problem.sync[i:j]) for i, j in zip(boundaries, boundaries[1:])]
+    return max(sum(per_stage[s] for s in range(problem.num_stages) if problem.device_of(s) == d) for d in range(problem.num_devices))
+
+
 def stage_figures(problem: PartitionProblem, s: int, i: int, j: int, options: Sequence[int]) -> tuple[float, float]:
     """(T_s, Mem_s) of stage ``s`` running blocks [i, j) with option index ``options[b - i]`` each."""
     t = sum(problem.time[b][o] for b, o in zip(range(i, j), options)) + problem.cut_time[i] + problem.cut_time[j]
     a = sum(problem.act[b][o] for b, o in zip(range(i, j), options))
-    mem = sum(problem.static[i:j]) + in_flight(problem, s) * a + (problem.cut_bytes[i] if i > 0 else 0)
+    mem = stage_static(problem, i, j) + in_flight(problem, s) * a + (problem.cut_bytes[i] if i > 0 else 0)
     return t, mem
 
 
@@ -181,7 +219,7 @@ def evaluate(
     gap: float | None = None,
     extra: dict | None = None,
 ) -> Solution:
-    """Predicted stage times, memory and iteration time of a plan, by the shared accounting."""
+    """Predicted stage times, memory and iteration time (pipeline + D) of a plan, by the shared accounting."""
     b = tuple(int(x) for x in boundaries)
     if len(b) != problem.num_stages + 1 or b[0] != 0 or b[-1] != problem.n or any(x >= y for x, y in zip(b, b[1:])):
         raise PlanError(f"boundaries {list(b)} are not {problem.num_stages} contiguous non-empty stages of {problem.n} blocks")
@@ -208,13 +246,14 @@ def evaluate(
         recompute=tuple(recompute),
         stage_time=tuple(times),
         stage_memory=tuple(mems),
-        iteration_time=_iteration_time(problem, times),
+        iteration_time=_iteration_time(problem, times) + sync_time(problem, b),
         feasible=feasible,
         planner=planner,
         status=status,
         solve_seconds=solve_seconds,
         gap=gap,
         binding=binding,
+        sync_time=sync_time(problem, b),
         extra=dict(extra or {}),
     )
 
@@ -249,10 +288,13 @@ def problem_from_costs(
     virtual_stages: int = 1,
     budget: float | Sequence[float] | None = None,
     recompute: str = "auto",
+    data_parallel: DataParallel = NO_DATA_PARALLEL,
 ) -> PartitionProblem:
     """Build the solver's problem from a cost table.
 
     ``recompute``: ``auto`` lets the solver pick per block; ``none``/``selective``/``full`` forces one option.
+    ``data_parallel``: replicas of the pipeline and their layout; its per-block costs come from
+    :meth:`~omnibal_compile.cost_table.DataParallel.block_cost` over ``costs.link_bandwidth``.
     """
     if recompute == "auto":
         allowed = OPTIONS
@@ -270,14 +312,20 @@ def problem_from_costs(
     if any(x <= 0 for x in budgets):
         raise InputError(f"memory budgets must be positive, got {list(budgets)}")
     blocks = costs.blocks
+    dp = data_parallel
+    dpc = [dp.block_cost(b, costs.precision, costs.link_bandwidth) for b in blocks]
     return PartitionProblem(
         names=tuple(b.name for b in blocks),
         kinds=tuple(b.kind for b in blocks),
         time=tuple(
-            tuple(b.forward_s + b.backward_s + b.recompute_s[o] for o in OPTIONS) for b in blocks  # type: ignore[misc]
+            tuple(b.forward_s + b.backward_s + b.recompute_s[o] + 2 * c.op_gather_s(dp) for o in OPTIONS)  # type: ignore[misc]
+            for b, c in zip(blocks, dpc)
         ),
         act=tuple(tuple(int(b.activation_bytes[o]) for o in OPTIONS) for b in blocks),  # type: ignore[misc]
-        static=tuple(b.static_bytes for b in blocks),
+        static=tuple(int(round(c.static_bytes)) for c in dpc),
+        gathered=tuple(c.gathered_bytes for c in dpc) if dp.gathers else (),
+        sync=tuple(c.step_gather_s(dp) + c.reduce_s for c in dpc) if dp.size > 1 else (),
+        data_parallel=dp,
         cut_time=tuple(costs.send_s(k) if 0 < k < len(blocks) else 0.0 for k in range(len(blocks) + 1)),
         cut_bytes=tuple(c if 0 < k < len(blocks) else 0 for k, c in enumerate(costs.cut_bytes)),
         num_params=tuple(b.num_params for b in blocks),

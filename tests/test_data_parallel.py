@@ -1,0 +1,91 @@
+"""The data-parallel layout (cost_table.DataParallel): bytes per device and communication, by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+import omnibal_compile as oc
+from omnibal_compile import InputError
+from omnibal_compile.cost_table import BF16_ADAM, BlockCost, CostTable, DataParallel, Precision
+
+P = 1000
+"""Parameters of the test block: bf16 weights 2000 B, gradients 2000 B, fp32 master 4000 B, Adam 8000 B."""
+
+
+def block(precision: Precision = BF16_ADAM) -> BlockCost:
+    return BlockCost(name="b", kind="layer", flops=0.0, num_params=P, static_bytes=round(P * precision.bytes_per_param),
+                     forward_s=1.0, backward_s=2.0, activation_bytes=dict.fromkeys(("none", "selective", "full"), 0),
+                     recompute_s=dict.fromkeys(("none", "selective", "full"), 0.0))
+
+
+@pytest.mark.parametrize("size,ddp,fsdp,fsdp_kept", [
+    (1, 16_000, 16_000, 16_000),
+    (2, 16_000, 8_000, 8_000 + 2_000),   # FSDP: all 16 B / 2; keeping weights gathered adds the whole 2000 B
+    (4, 16_000, 4_000, 4_000 + 2_000),
+])
+def test_static_bytes_per_device_by_hand(size, ddp, fsdp, fsdp_kept):
+    b = block()
+    assert DataParallel(size=size).block_cost(b, BF16_ADAM, 1000.0).static_bytes == ddp
+    sharded = DataParallel(size=size, shard="fsdp").block_cost(b, BF16_ADAM, 1000.0)
+    assert sharded.static_bytes == fsdp
+    assert sharded.gathered_bytes == (2_000 if size > 1 else 0)  # the block's whole bf16 weights while it computes
+    kept = DataParallel(size=size, shard="fsdp", reshard_after_forward=False).block_cost(b, BF16_ADAM, 1000.0)
+    assert kept.static_bytes == fsdp_kept and kept.gathered_bytes == 0
+
+
+def test_zero1_and_fsdp_share_one_rule():
+    zero1 = Precision(optimizer_shards=4)
+    assert zero1.bytes_per_param == 2 + 2 + 12 / 4  # unchanged meaning without a layout
+    assert zero1.bytes_per_param_on(DataParallel(size=4)) == 2 + 2 + 12 / 4  # DDP + ZeRO-1
+    assert zero1.bytes_per_param_on(DataParallel(size=4, shard="fsdp")) == 16 / 4  # FSDP shards everything
+    assert BF16_ADAM.bytes_per_param_on(DataParallel(size=4, shard="fsdp")) == 4
+    # a table costed with ZeRO-1 over 4 ranks, planned with DDP over 4: its own static bytes
+    assert DataParallel(size=4).block_cost(block(zero1), zero1, 1.0).static_bytes == 7_000
+    with pytest.raises(InputError, match="optimizer_shards=2 disagrees with dp=4"):
+        Precision(optimizer_shards=2).bytes_per_param_on(DataParallel(size=4))
+
+
+def test_communication_seconds_by_hand():
+    b, bw = block(), 1000.0
+    ddp = DataParallel(size=4).block_cost(b, BF16_ADAM, bw)
+    assert ddp.reduce_s == pytest.approx(2 * 3 / 4 * 2000 / bw) and ddp.gather_s == 0
+    fsdp = DataParallel(size=4, shard="fsdp").block_cost(b, BF16_ADAM, bw)
+    assert fsdp.reduce_s == pytest.approx(3 / 4 * 2000 / bw) and fsdp.gather_s == pytest.approx(3 / 4 * 2000 / bw)
+    dp = DataParallel(size=4, shard="fsdp")
+    assert fsdp.op_gather_s(dp) == fsdp.gather_s and fsdp.step_gather_s(dp) == 0
+    one = DataParallel(size=1, shard="fsdp").block_cost(b, BF16_ADAM, bw)
+    assert (one.reduce_s, one.gather_s, one.static_bytes) == (0, 0, 16_000)
+
+
+def test_bad_layouts_name_the_input():
+    with pytest.raises(InputError, match=r"dp\) must be a positive integer"):
+        DataParallel(size=0)
+    with pytest.raises(InputError, match="dp_shard"):
+        DataParallel(size=2, shard="zero3")
+
+
+def test_cost_table_json_keeps_its_precision():
+    t = CostTable(blocks=(block(),), cut_bytes=(0, 0), link_bandwidth=1.0, device="t", source="profiled",
+                  precision=Precision(optimizer_shards=2))
+    assert CostTable.from_json(t.to_json()).precision == Precision(optimizer_shards=2)
+
+
+def test_optimize_threads_dp_into_the_plan_and_the_simulator(vlm):
+    model, batch = vlm
+    base = oc.optimize(model, batch, num_stages=2, device="a100-80gb", planner="dp", num_microbatches=4)
+    fsdp = oc.optimize(model, batch, num_stages=2, planner="dp", num_microbatches=4, costs=base.costs, dp=4, dp_shard="fsdp")
+    assert (fsdp.plan.data_parallel, fsdp.plan.data_parallel_shard) == (4, "fsdp")
+    assert max(fsdp.plan.stage_memory_bytes) < max(base.plan.stage_memory_bytes)
+    sim = oc.simulate(fsdp.plan, fsdp.costs)  # picks the layout up from the plan
+    assert sim.iteration_time_s > oc.simulate(base.plan, base.costs).iteration_time_s
+    assert any(e.kind == "dp_reduce" for e in sim.events)
+    assert "4 data-parallel replicas, FSDP" in fsdp.plan.summary()
+    with pytest.raises(InputError, match="optimizer_shards=2 disagrees with dp=4"):
+        oc.optimize(model, batch, num_stages=2, costs=base.costs, dp=4, precision=Precision(optimizer_shards=2))
+
+
+def test_plan_command_takes_dp_flags():
+    from omnibal_compile.cli import build_parser
+
+    args = build_parser().parse_args(["plan", "tiny-vlm", "--dp", "4", "--dp-shard", "fsdp"])
+    assert (args.dp, args.dp_shard) == (4, "fsdp")

@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from omnibal_compile.cost_table import CostTable, DataParallelCost
+from omnibal_compile.cost_table import CostTable
 from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule

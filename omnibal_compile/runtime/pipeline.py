@@ -317,8 +317,10 @@ class RankPipeline:
                 if t.param.grad is None:
                     t.param.grad = torch.zeros_like(t.param)
                 grad = t.param.grad
-                # Copies on every pipeline rank hold the same dp shard, so their local parts add up.
-                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=t.group)
+                # Copies on every pipeline rank hold the same dp shard, so their local parts add up;
+                # without grad mode, to_local() is the shard itself (not a copy), so this sums in place.
+                with torch.no_grad():
+                    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=t.group)
         if not self.has_last:
             return None
         loss = sum(loss.detach().double() for loss in losses)
@@ -409,7 +411,9 @@ def build_pipeline(
     process groups for tied parameters. ``result.plan`` sets the schedule, micro-batches and
     virtual stages; its recompute options are applied by
     :func:`omnibal_compile.passes.recompute.apply_recompute` unless ``recompute=False``.
-    ``weighting`` says how the model's loss averages (see :func:`loss_terms`).
+    ``weighting`` says how the model's loss averages (see :func:`loss_terms`). With ``dp > 1`` this
+    rank's stage modules of ``result`` become FSDP/replicate modules in place: build from a
+    ``result`` of its own.
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
@@ -446,6 +450,7 @@ def build_pipeline(
         modules.append(mod.to(device))
     original = _original_names(result.model)
     local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not
+    holders = _tied_holders(result, original)
     if dp_size > 1:
         assert mesh is not None
         _check_stage_params_disjoint(modules, mine)
@@ -455,7 +460,7 @@ def build_pipeline(
         for n, t in list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False)):
             for name in names[n]:
                 state[name] = t
-    tied = _tied_parameters(result, rank, original, replicas, dp_rank, state)
+    tied = _tied_parameters(holders, rank, replicas, dp_rank, state)
     stages = tuple(
         PipelineStage(mod, s, plan.num_stages, device, input_args=ins, output_args=outs, group=group)
         for s, mod, (ins, outs) in zip(mine, modules, examples)
@@ -520,36 +525,39 @@ def _stage_examples(
     return [(to_device(found[s][0]), to_device(found[s][1])) for s in wanted]
 
 
-def _tied_parameters(
-    result: OptimizeResult,
-    rank: int,
-    names: dict[int, list[str]],
-    replicas: Sequence[Sequence[int]],
-    replica: int,
-    state: dict[str, torch.Tensor],
-) -> tuple[TiedParameter, ...]:
-    """Tied parameters and, per replica, a process group of the pipeline ranks holding them.
+def _tied_holders(result: OptimizeResult, names: dict[int, list[str]]) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """(original names, pipeline ranks holding it) of every parameter used on several ranks.
 
-    ``replicas[d][r]`` is the global rank of pipeline rank ``r`` in replica ``d``; this rank is
-    pipeline rank ``rank`` of replica ``replica``. Every rank creates every group, in one order.
-    """
-    plan = result.plan
-    w = plan.num_devices
+    Read before data parallelism replaces this rank's parameter objects."""
+    w = result.plan.num_devices
     holders: dict[int, set[int]] = {}
     for s, stage in enumerate(result.stages):
         for p in stage.parameters():
             holders.setdefault(id(p), set()).add(s % w)
+    found = [(tuple(names.get(k, [])), tuple(sorted(ranks))) for k, ranks in holders.items() if len(ranks) > 1]
+    return sorted(found)
+
+
+def _tied_parameters(
+    holders: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
+    rank: int,
+    replicas: Sequence[Sequence[int]],
+    replica: int,
+    state: dict[str, torch.Tensor],
+) -> tuple[TiedParameter, ...]:
+    """Tied parameters with, per replica, a process group of the pipeline ranks holding them.
+
+    ``replicas[d][r]`` is the global rank of pipeline rank ``r`` in replica ``d``; this rank is
+    pipeline rank ``rank`` of replica ``replica``. Every rank creates every group, in one order.
+    """
     tied = []
-    for key in sorted(holders, key=lambda k: names.get(k, [""])[0]):
-        ranks = tuple(sorted(holders[key]))
-        if len(ranks) < 2:
-            continue
+    for names, ranks in holders:
         groups = [dist.new_group([replicas[d][r] for r in ranks]) for d in range(len(replicas))]
         held = rank in ranks
-        param = state[names[key][0]] if held else None
+        param = state[names[0]] if held else None
         tied.append(
             TiedParameter(
-                names=tuple(names.get(key, [])),
+                names=names,
                 ranks=ranks,
                 group=groups[replica] if held else None,
                 param=param if isinstance(param, nn.Parameter) else None,

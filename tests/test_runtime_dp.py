@@ -160,8 +160,8 @@ def test_dp2_pp2_trains_like_the_unsplit_model(vlm, tiny_llava, tiny_llama, tmp_
             assert diff <= TOL, (name, field, worst, diff)
         losses = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
         assert len(losses) == 2, name  # the last stage's rank in each of the 2 replicas
-        for got in losses:  # both replicas report the whole step's loss
-            assert max(abs(a - b) for a, b in zip(got, ref_losses)) <= TOL, (name, got, ref_losses)
+        for replica in losses:  # both replicas report the whole step's loss
+            assert max(abs(a - b) for a, b in zip(replica, ref_losses)) <= TOL, (name, replica, ref_losses)
 
 
 # -- balanced packs per dp rank, launch ----------------------------------------------------------

@@ -7,12 +7,14 @@ every wait with a timeout and kill the ranks on failure. One launch per world si
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
 import time
 import traceback
 from datetime import timedelta
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +107,29 @@ def _cases(base: dict[str, Plan], world: int) -> list[tuple[str, str, Plan]]:
     ]
 
 
-def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
-    """One rank: run every case for one step; save its loss and its parameters' gradients."""
+@contextlib.contextmanager
+def _rank_process(rank: int, world: int, port: int, out: str) -> Iterator[None]:
+    """One spawned rank's gloo process group, one thread; a failure's traceback is left in ``out`` for the parent."""
     import torch.distributed as dist
-
-    from omnibal_compile.runtime import build_pipeline
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
     try:
+        yield
+    except BaseException:
+        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
+    """One rank: run every case for one step; save its loss and its parameters' gradients."""
+    from omnibal_compile.runtime import build_pipeline
+
+    with _rank_process(rank, world, port, out):
         compiled: dict[str, oc.OptimizeResult] = {}
         found: dict[str, Any] = {}
         built = {key: _rebuild(*spec) for key, spec in models.items()}
@@ -143,11 +157,6 @@ def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str,
                 except InputError as e:
                     found["shape-error"] = str(e)
         torch.save(found, Path(out) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _rebuild(cls: type, config: Any, state: dict[str, torch.Tensor], batch: Any) -> tuple[torch.nn.Module, Any]:

@@ -28,12 +28,12 @@ def lengths_file(tmp_path_factory):
     return str(path)
 
 
-def _config(tmp_path, lengths_file, **kw):
+def _config(tmp_path, lengths_file, stages=2, **kw):
     model_config = dataclasses.asdict(SMALL_VLM)
     model = build_model(RunConfig(plan="-", model_config=model_config))
     probe = RunConfig(plan="-", model_config=model_config, lengths=(lengths_file,), batch_size=1)
     micro = batch_source(probe, model)(0)
-    plan = oc.optimize(model, micro, num_stages=2, planner="uniform").plan
+    plan = oc.optimize(model, micro, num_stages=stages, planner="uniform").plan
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(plan.to_json())
     return RunConfig(plan=str(plan_path), model_config=model_config, lengths=(lengths_file,), **kw)

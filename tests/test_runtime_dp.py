@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import SMALL_VLM
-from test_runtime import TOL, _alternating, _free_port, _llama_batch, _llava_batch, _spawn, _vlm_batch
+from test_runtime import TOL, _alternating, _llama_batch, _llava_batch, _rank_process, _spawn, _vlm_batch
+from test_runtime_data import _config, lengths_file  # noqa: F401  (a fixture)
 
 import omnibal_compile as oc
 from omnibal_compile import PlanError
 from omnibal_compile.errors import InputError
 from omnibal_compile.passes.partition import uniform
 from omnibal_compile.runtime.launch import RunConfig, _dp_part, batch_source, build_model, launch
-
-STEPS = 2
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -43,18 +40,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
-    """One rank of dp=2 x pp=world/2: train every case for ``STEPS`` steps; save losses, grads, parameters."""
-    import torch.distributed as dist
+    """One rank of dp=2 x pp=world/2: train every case for its steps; save losses, grads, parameters."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.runtime import build_pipeline
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    try:
+    with _rank_process(rank, world, port, out):
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "pp"))
         d = mesh["dp"].get_local_rank()
         found: dict[str, Any] = {}
@@ -82,11 +74,6 @@ def _dp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
                 "units": sum(type(m).__name__.startswith(("FSDP", "Replicate")) for mod in pipe.modules for m in mod.modules()),
             }
         torch.save(found, Path(out) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -165,38 +152,15 @@ def test_dp2_pp2_trains_like_the_unsplit_model(vlm, tiny_llava, tiny_llama, tmp_
 
 
 # -- balanced packs per dp rank, launch ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def lengths_file(tmp_path_factory):
-    g = torch.Generator().manual_seed(1)
-    records = []
-    for _ in range(48):
-        tiles = int(torch.randint(1, 4, (1,), generator=g))
-        records.append({"vit_num": tiles, "token_num": tiles * 256 + int(torch.randint(64, 700, (1,), generator=g)),
-                        "image_flags": tiles})
-    path = tmp_path_factory.mktemp("lengths") / "lengths.json"
-    path.write_text(json.dumps(records))
-    return str(path)
-
-
-def _packs_config(tmp_path: Path, lengths_file: str, **kw: Any) -> RunConfig:
-    model_config = dataclasses.asdict(SMALL_VLM)
-    model = build_model(RunConfig(plan="-", model_config=model_config))
-    probe = RunConfig(plan="-", model_config=model_config, lengths=(lengths_file,), batch_size=1)
-    plan = oc.optimize(model, batch_source(probe, model)(0), num_stages=1, planner="uniform").plan
-    plan_path = tmp_path / "plan.json"
-    plan_path.write_text(plan.to_json())
-    return RunConfig(plan=str(plan_path), model_config=model_config, lengths=(lengths_file,), **kw)
-
-
 def test_each_dp_rank_gets_its_own_balanced_packs(tmp_path, lengths_file):
-    config = _packs_config(tmp_path, lengths_file, dp=2, batch_size=4)  # 2 packs per dp rank per step
+    config = _config(tmp_path, lengths_file, stages=1, dp=2, batch_size=4)  # 2 packs per dp rank per step
     model = build_model(config)
     whole = batch_source(config, model)
     sources = [batch_source(config, model, r) for r in range(2)]
     data = sources[0].data_plan
     packing, stats, tpt = data.first_packing, data.stats, model.config.tokens_per_tile
     assert packing.dp == 2
-    for k in range(3):
+    for k in range(2):  # within epoch 0
         parts = [src(k) for src in sources]
         for r in range(2):
             want = [packing.pack(int(packing.steps[2 * k + i, r])).tolist() for i in range(2)]
@@ -218,7 +182,7 @@ def test_cli_run_dp2_pp1_on_balanced_packs_trains_like_the_unsplit_model(tmp_pat
     from omnibal_compile.cli import main
     from omnibal_compile.runtime.checkpoint import load_into_model
 
-    config = _packs_config(tmp_path, lengths_file, dp=2, batch_size=4, num_microbatches=2, schedule="1f1b", steps=2,
+    config = _config(tmp_path, lengths_file, stages=1, dp=2, batch_size=4, num_microbatches=2, schedule="1f1b", steps=2,
                            optimizer="sgd", lr=0.5)
     ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     argv = ["run", "--plan", config.plan, "--model-config", json.dumps(dict(config.model_config)), "--lengths",
@@ -250,7 +214,7 @@ def test_dp_pre_launch_checks_name_the_flag(tmp_path, lengths_file, monkeypatch)
         raise AssertionError("a process was started")
 
     monkeypatch.setattr(launch_mod.subprocess, "Popen", no_process)
-    config = _packs_config(tmp_path, lengths_file, batch_size=4, num_microbatches=2, schedule="1f1b")
+    config = _config(tmp_path, lengths_file, stages=1, batch_size=4, num_microbatches=2, schedule="1f1b")
     with pytest.raises(InputError, match=r"dp \(--dp, data-parallel pipelines\) must be an integer >= 1, got 0"):
         launch(dataclasses.replace(config, dp=0))
     with pytest.raises(InputError, match=r"dp_shard \(--dp-shard\) must be one of \['fsdp', 'ddp'\], got 'zero'"):

@@ -15,15 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SMALL_VLM
 from test_runtime import TOL, _alternating, _llama_batch, _llava_batch, _rank_process, _spawn, _vlm_batch
-from test_runtime_data import _config, lengths_file  # noqa: F401  (a fixture)
+from test_runtime_data import _config
 
 import omnibal_compile as oc
 from omnibal_compile import PlanError
 from omnibal_compile.errors import InputError
 from omnibal_compile.passes.partition import uniform
-from omnibal_compile.runtime.launch import RunConfig, _dp_part, batch_source, build_model, launch
+from omnibal_compile.runtime.launch import _dp_part, batch_source, build_model, launch
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -167,7 +166,7 @@ def test_each_dp_rank_gets_its_own_balanced_packs(tmp_path, lengths_file):
             assert sources[r].packs(k, r) == want, (k, r)  # rank r, row i: step 2k + i of the packing, column r
             text = [int((stats.tokens[ids] - stats.tiles[ids] * tpt).sum()) for ids in want]  # images lead each sample
             assert (parts[r]["labels"] != -100).sum(dim=1).tolist() == text, (k, r)
-        assert not set(sum(sources[0].packs(k, 0), [])) & set(sum(sources[1].packs(k, 1), []))
+        assert not {i for ids in sources[0].packs(k, 0) for i in ids} & {i for ids in sources[1].packs(k, 1) for i in ids}
         both = whole(k)
         for key in both:
             assert torch.equal(both[key], torch.cat([parts[0][key], parts[1][key]])), key

@@ -22,7 +22,7 @@ from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_
 from omnibal_compile.data.isf import isf_pack, isf_search
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths, scale_lengths
 from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
-from omnibal_compile.data.packing import OVERSIZED_POLICIES, PackShape, Packing, packing_from_groups
+from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape, packing_from_groups
 from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
 from omnibal_compile.errors import InputError
 

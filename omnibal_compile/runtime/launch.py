@@ -209,14 +209,14 @@ def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None
         return packed_source(config, model, dp_rank)
     if config.data is not None:
         fn = _import(config.data, "data function")
-        whole: BatchSource = lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)  # noqa: E731
+        whole: BatchSource = lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
     elif config.model != "tinyvlm":
         raise InputError(f"model {config.model!r} needs a data function: set data='package.module:fn'")
     else:
         from omnibal_compile.models import make_example_batch
 
         cfg = model.config  # type: ignore[attr-defined]
-        whole = lambda step: make_example_batch(  # noqa: E731
+        whole = lambda step: make_example_batch(
             cfg,
             batch=config.batch_size,
             tiles_per_sample=config.tiles_per_sample,
@@ -325,11 +325,10 @@ _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 def train(config: RunConfig) -> list[StepLog]:
     """The body of every rank (inside an initialised process group): build, train, log, save."""
     import torch.distributed as dist
-
-    from omnibal_compile.runtime.checkpoint import load_into_pipeline, save_checkpoint
-    from omnibal_compile.api import compile_for_microbatches
     from torch.distributed.device_mesh import init_device_mesh
 
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.runtime.checkpoint import load_into_pipeline, save_checkpoint
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -17,8 +17,10 @@ Glossary:
     mesh           a ``DeviceMesh`` with dims ``("dp", "pp")``: each row along ``pp`` is one pipeline
                    (a replica), each column along ``dp`` holds the copies of one set of stages.
     data parallel  each stage module is data-parallel over ``dp``: FSDP2 ``fully_shard`` (``fsdp``,
-                   ZeRO-3: one unit per block that stands alone, plus the stage) or FSDP's
-                   ``replicate`` (``ddp``: DDP-style, whole parameters on every dp rank).
+                   ZeRO-3: one unit per recompute region whose parameters nothing else in the stage
+                   reads, plus the stage for the rest) or FSDP's composable ``replicate`` (``ddp``:
+                   DDP-style, whole parameters on every dp rank). Blocks that are not a called
+                   submodule (codegen inlines them) cannot be units: FSDP gathers on forward hooks.
                    ``PipelineStage`` turns gradient sync off for all but the last micro-batch's
                    backward. Every dp rank weighs its micro-batch losses by its share of the
                    *global* step's loss terms (an all-reduce of the counts over ``dp``), so the
@@ -37,9 +39,9 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError, PlanError
@@ -419,7 +421,8 @@ def build_pipeline(
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
     if dp_shard not in DP_SHARDS:
         raise InputError(f"dp_shard must be one of {list(DP_SHARDS)}, got {dp_shard!r}")
-    if (mesh is None) == (rank is None or world_size is None) or (mesh is not None and (rank, world_size) != (None, None)):
+    one_pipeline = rank is not None and world_size is not None
+    if (mesh is None and not one_pipeline) or (mesh is not None and (rank, world_size) != (None, None)):
         raise InputError("give build_pipeline either rank and world_size (one pipeline) or mesh (dp x pp), not both")
     replicas: list[list[int]]  # global ranks of every replica's pipeline ranks
     if mesh is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -64,3 +65,17 @@ def tiny_llava():
     labels = ids.clone()
     labels[:, :17] = -100
     return model, {"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "input_ids": ids, "labels": labels}
+
+
+@pytest.fixture(scope="session")
+def lengths_file(tmp_path_factory):
+    # OmniBal's format in InternVL units (256 tokens per tile); scaled to the small model on load.
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for _ in range(40):
+        tiles = int(torch.randint(1, 4, (1,), generator=g))
+        records.append({"vit_num": tiles, "token_num": tiles * 256 + int(torch.randint(64, 700, (1,), generator=g)),
+                        "image_flags": tiles})
+    path = tmp_path_factory.mktemp("lengths") / "lengths.json"
+    path.write_text(json.dumps(records))
+    return str(path)

@@ -7,12 +7,14 @@ every wait with a timeout and kill the ranks on failure. One launch per world si
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
 import time
 import traceback
 from datetime import timedelta
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +47,16 @@ def _loss(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def _vlm_batch() -> dict[str, torch.Tensor]:
+def _vlm_batch(seed: int = 3) -> dict[str, torch.Tensor]:
     from omnibal_compile.models import make_example_batch
 
-    batch = make_example_batch(SMALL_VLM, batch=4, tiles_per_sample=1, text_tokens=12, seed=3)
+    batch = make_example_batch(SMALL_VLM, batch=4, tiles_per_sample=1, text_tokens=12, seed=seed)
     batch["labels"][0, -5:] = -100  # micro-batches with different numbers of labelled tokens
     return batch
 
 
-def _llava_batch(rows: int = 4) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
+def _llava_batch(rows: int = 4, seed: int = 5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 90, (rows, 24), generator=g)
     ids[:, :17] = 95  # 16 patches + CLS, as in the conftest fixture
     labels = ids.clone()
@@ -63,8 +65,8 @@ def _llava_batch(rows: int = 4) -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.randn(rows, 3, 16, 16, generator=g), "input_ids": ids, "labels": labels}
 
 
-def _llama_batch(rows: int = 4) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 96, (rows, 12), generator=torch.Generator().manual_seed(7))
+def _llama_batch(rows: int = 4, seed: int = 7) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 96, (rows, 12), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids}
 
 
@@ -105,17 +107,29 @@ def _cases(base: dict[str, Plan], world: int) -> list[tuple[str, str, Plan]]:
     ]
 
 
-def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
-    """One rank: run every case for one step; save its loss and its parameters' gradients."""
+@contextlib.contextmanager
+def _rank_process(rank: int, world: int, port: int, out: str) -> Iterator[None]:
+    """One spawned rank's gloo process group, one thread; a failure's traceback is left in ``out`` for the parent."""
     import torch.distributed as dist
-
-    from omnibal_compile.runtime import build_pipeline
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
     try:
+        yield
+    except BaseException:
+        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
+    """One rank: run every case for one step; save its loss and its parameters' gradients."""
+    from omnibal_compile.runtime import build_pipeline
+
+    with _rank_process(rank, world, port, out):
         compiled: dict[str, oc.OptimizeResult] = {}
         found: dict[str, Any] = {}
         built = {key: _rebuild(*spec) for key, spec in models.items()}
@@ -143,11 +157,6 @@ def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str,
                 except InputError as e:
                     found["shape-error"] = str(e)
         torch.save(found, Path(out) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _rebuild(cls: type, config: Any, state: dict[str, torch.Tensor], batch: Any) -> tuple[torch.nn.Module, Any]:
@@ -156,12 +165,12 @@ def _rebuild(cls: type, config: Any, state: dict[str, torch.Tensor], batch: Any)
     return model, batch
 
 
-def _spawn(world: int, out: Path, models: dict[str, Any], cases: list[Any]) -> list[dict[str, Any]]:
-    """Run :func:`_parity_worker` on ``world`` ranks; models travel as (class, config, weights, batch)."""
+def _spawn(world: int, out: Path, models: dict[str, Any], cases: list[Any], worker: Any = None) -> list[dict[str, Any]]:
+    """Run ``worker`` (default :func:`_parity_worker`) on ``world`` ranks; models travel as (class, config, weights, batch)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     specs = {k: (type(m), m.config, m.state_dict(), b) for k, (m, b) in models.items()}
     ctx = mp.start_processes(
-        _parity_worker, args=(world, _free_port(), str(out), specs, cases), nprocs=world, join=False,
+        worker or _parity_worker, args=(world, _free_port(), str(out), specs, cases), nprocs=world, join=False,
         start_method="spawn",
     )
     deadline = time.monotonic() + SPAWN_TIMEOUT_S

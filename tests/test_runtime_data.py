@@ -1,7 +1,6 @@
 """Training on balanced packs: the runtime fed by the data balancer's sampler and packing collator."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -14,26 +13,12 @@ from tests.conftest import SMALL_VLM
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def lengths_file(tmp_path_factory):
-    # OmniBal's format in InternVL units (256 tokens per tile); scaled to the small model on load.
-    g = torch.Generator().manual_seed(0)
-    records = []
-    for _ in range(40):
-        tiles = int(torch.randint(1, 4, (1,), generator=g))
-        records.append({"vit_num": tiles, "token_num": tiles * 256 + int(torch.randint(64, 700, (1,), generator=g)),
-                        "image_flags": tiles})
-    path = tmp_path_factory.mktemp("lengths") / "lengths.json"
-    path.write_text(json.dumps(records))
-    return str(path)
-
-
-def _config(tmp_path, lengths_file, **kw):
+def _config(tmp_path, lengths_file, stages=2, **kw):
     model_config = dataclasses.asdict(SMALL_VLM)
     model = build_model(RunConfig(plan="-", model_config=model_config))
     probe = RunConfig(plan="-", model_config=model_config, lengths=(lengths_file,), batch_size=1)
     micro = batch_source(probe, model)(0)
-    plan = oc.optimize(model, micro, num_stages=2, planner="uniform").plan
+    plan = oc.optimize(model, micro, num_stages=stages, planner="uniform").plan
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(plan.to_json())
     return RunConfig(plan=str(plan_path), model_config=model_config, lengths=(lengths_file,), **kw)

@@ -8,7 +8,7 @@ import json
 from omnibal_compile.schedule import SCHEDULE_KINDS
 
 NAME = "run"
-HELP = "train a model from a saved plan on local pipeline ranks launched by torchrun"
+HELP = "train a model from a saved plan on local ranks (dp pipelines x plan devices) launched by torchrun"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,9 +16,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tinyvlm", help="tinyvlm (default) or package.module:factory")
     p.add_argument("--model-config", default="{}", metavar="JSON", help="TinyVLMConfig fields or factory kwargs, as JSON")
     p.add_argument("--data", default=None, metavar="MODULE:FN", help="fn(step, *, batch_size, seed) -> batch")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per step (default 8); with --lengths, packs per step")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows per step over all dp ranks (default 8); with --lengths, packs per step")
     p.add_argument("--lengths", nargs="+", default=(), metavar="FILE",
                    help="length statistics (OmniBal JSON, JSONL, CSV): train on balanced packs of their lengths")
+    # --batching and --dp-shard are checked before launch (runtime.launch.precheck), which keeps
+    # this parser free of the torch.distributed import.
+    p.add_argument("--batching", default="balanced",
+                   help="with --lengths: balanced packs per dp rank (default), or random padded samples (baseline)")
     p.add_argument("--samples-per-pack", type=float, default=4.0, help="with --lengths: mean samples per pack")
     p.add_argument("--tiles", type=int, default=1, help="built-in batches: image tiles per sample (default 1)")
     p.add_argument("--text", type=int, default=32, help="built-in batches: text tokens per sample (default 32)")
@@ -26,7 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="default adamw")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and built-in batches")
-    p.add_argument("--nproc", type=int, default=None, help="ranks (default: what the plan needs)")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: dp x the plan's pipeline ranks)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel pipelines (default 1); world = dp x plan devices")
+    p.add_argument("--dp-shard", default="fsdp",
+                   help="with --dp > 1: fsdp (FSDP2 fully_shard, default) or ddp (replicate)")
+    p.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="FSDP2: keep gathered parameters from forward to backward (more memory, fewer all-gathers)")
     p.add_argument("--schedule", default=None, choices=SCHEDULE_KINDS, help="override the plan's")
     p.add_argument("--microbatches", type=int, default=None, help="override the plan's micro-batch count")
     p.add_argument("--virtual-stages", type=int, default=None, help="override the plan's stages per rank")
@@ -57,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         model_config=model_config,
         data=args.data,
         lengths=tuple(str(x) for x in args.lengths),
+        batching=args.batching,
         samples_per_pack=args.samples_per_pack,
         batch_size=args.batch_size,
         tiles_per_sample=args.tiles,
@@ -66,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         seed=args.seed,
         nproc=args.nproc,
+        dp=args.dp,
+        dp_shard=args.dp_shard,
+        reshard_after_forward=not args.no_reshard_after_forward,
         schedule=args.schedule,
         num_microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,

@@ -22,7 +22,7 @@ from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_
 from omnibal_compile.data.isf import isf_pack, isf_search
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths, scale_lengths
 from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
-from omnibal_compile.data.packing import OVERSIZED_POLICIES, PackShape, Packing
+from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape, packing_from_groups
 from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
 from omnibal_compile.errors import InputError
 
@@ -38,7 +38,9 @@ class DataOptions:
     samples_per_pack: float = 4.0
     """Target mean samples per pack (micro-batch)."""
     method: str = "ours"
-    """``ours`` (balanced packing) or ``isf`` (OmniBal's ISF with its parameter search)."""
+    """``ours`` (balanced packing), ``isf`` (OmniBal's ISF with its parameter search) or ``random`` (the
+    baseline: one random sample per pack, padded to the largest sample's shape; steps drop the
+    ``len % dp`` samples left over)."""
     shape: PackShape | None = None
     """Fix the pack shape (Q_v, Q_t) in model units instead of deriving it."""
     source_tokens_per_tile: int | None = INTERNVL_TOKENS_PER_TILE
@@ -59,8 +61,8 @@ class DataOptions:
     """For the synthetic example batch (default: ``model.config.vocab_size``)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ours", "isf"):
-            raise InputError(f"DataOptions.method must be 'ours' or 'isf', got {self.method!r}")
+        if self.method not in ("ours", "isf", "random"):
+            raise InputError(f"DataOptions.method must be 'ours', 'isf' or 'random', got {self.method!r}")
         if self.oversized not in OVERSIZED_POLICIES:
             raise InputError(f"DataOptions.oversized must be one of {list(OVERSIZED_POLICIES)}, got {self.oversized!r}")
         if self.dp < 1 or self.samples_per_pack < 1:
@@ -140,7 +142,19 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
     if o.source_tokens_per_tile is not None and o.source_tokens_per_tile != tpt:
         stats = scale_lengths(stats, tokens_per_tile=tpt, source_tokens_per_tile=o.source_tokens_per_tile)
     first = epoch_seed(o.seed, 0)
-    if o.method == "isf":
+    if o.method == "random":
+        if len(stats) < o.dp:
+            raise InputError(f"{len(stats)} samples cannot fill {o.dp} data-parallel ranks; use fewer ranks")
+        fixed = o.shape or PackShape(tiles=int(stats.tiles.max()), tokens=int(stats.tokens.max()))
+        row = None  # the collator's always-sufficient row
+
+        def packer(seed: int) -> Packing:
+            used = len(stats) - len(stats) % o.dp
+            order = np.random.default_rng(seed).permutation(len(stats))[:used]
+            return packing_from_groups(order, np.ones(used, np.int64), dp=o.dp, capacity=None, layout="padded",
+                                       oversized=np.zeros(0, np.int64), policy="error", method="random", seed=seed,
+                                       in_order=True)
+    elif o.method == "isf":
         # The reference's constants in InternVL units (start at 4096 = 16 tiles' tokens, margin 128
         # = half a tile, lengths binned to 256 = one tile), carried over to model units.
         margin = max(tpt // 2, 1)

@@ -5,6 +5,8 @@ Glossary:
                 parameter and persistent buffer that rank's stages hold. A tied parameter is
                 written under each of its names, by every rank that holds it.
     meta file   ``meta.json``: world size, step and the plan the stages were made from.
+    data parallel  the ``dp`` replicas hold the same values: whole tensors are gathered (FSDP shards)
+                and data-parallel rank 0 writes; ``world_size`` counts pipeline ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnibal_compile.errors import InputError
 from omnibal_compile.runtime.pipeline import RankPipeline
@@ -23,11 +26,17 @@ __all__ = ["load_checkpoint", "load_into_model", "load_into_pipeline", "save_che
 
 
 def save_checkpoint(pipeline: RankPipeline, directory: str | Path, *, step: int) -> Path:
-    """Write this rank's tensors under their original names; rank 0 also writes ``meta.json``."""
+    """Write this rank's tensors under their original names; rank 0 also writes ``meta.json``.
+
+    Every rank calls it (a collective over ``dp``); data-parallel rank 0 writes.
+    """
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{pipeline.rank}.pt"
-    torch.save({name: t.detach().cpu().clone() for name, t in pipeline.state.items()}, path)
+    state = {name: t.cpu().clone() for name, t in pipeline.full_state().items()}
+    if pipeline.dp_rank != 0:
+        return path
+    torch.save(state, path)
     if pipeline.rank == 0:
         meta = {"world_size": pipeline.world_size, "step": step, "plan": pipeline.plan.to_dict()}
         (folder / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -74,4 +83,7 @@ def load_into_pipeline(pipeline: RankPipeline, directory: str | Path) -> None:
         raise InputError(f"checkpoint {directory} lacks {missing[:5]} held by rank {pipeline.rank}")
     with torch.no_grad():
         for name, t in pipeline.state.items():
-            t.copy_(state[name].to(t.device))
+            value = state[name].to(t.device)
+            if isinstance(t, DTensor):  # this rank's shard of the whole tensor, cut locally
+                value = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(value)

@@ -5,14 +5,23 @@ Glossary:
                   written to JSON and read back by every rank.
     model spec    ``tinyvlm`` (the built-in reference VLM, ``model_config`` = TinyVLMConfig
                   fields) or ``package.module:factory`` (``factory(**model_config) -> nn.Module``).
-    batch source  ``source(step) -> batch``, the whole batch of one training step. Built-in
-                  TinyVLM: random fixed-shape batches; otherwise ``data = "package.module:fn"``
-                  with ``fn(step, *, batch_size, seed) -> batch``. With ``lengths`` (dataset length
-                  statistics), every row of a step is one balanced pack from the data balancer's
-                  sampler, collated to the fixed (Q_v tiles, row length) shape; sample contents are
-                  synthetic (random pixels and tokens), the lengths real.
+    batch source  ``source(step) -> batch``: one data-parallel rank's part of a training step
+                  (``batch_size / dp`` rows), or the whole step (every dp rank's rows, in dp order).
+                  Built-in TinyVLM: random fixed-shape batches; otherwise ``data =
+                  "package.module:fn"`` with ``fn(step, *, batch_size, seed) -> batch``; dp rank r
+                  takes the r-th of dp equal slices (dim 0) of each input. With ``lengths`` (dataset
+                  length statistics) and ``batching="balanced"``, every row is one balanced pack
+                  drawn by dp rank r's own sampler (rank r of dp), collated to the fixed (Q_v
+                  tiles, row length) shape, so the ranks of one micro-batch get packs of near-equal
+                  cost; ``batching="random"`` is the baseline: one random sample per row, padded to
+                  the largest sample. Sample contents are synthetic (random pixels and tokens), the
+                  lengths real.
+    data parallel ``dp`` pipelines on ``dp x plan devices`` processes, a ``("dp", "pp")`` device mesh;
+                  each stage is data-parallel by ``dp_shard`` (FSDP2 or replicate, see
+                  :mod:`omnibal_compile.runtime.pipeline`).
     pre-launch checks  :func:`precheck` runs in the launching process, before any rank starts:
-                  world size vs stages, micro-batches vs stages and batch size, plan vs model.
+                  world size vs dp and stages, micro-batches vs stages, batch size vs dp and
+                  micro-batches, dp_shard and batching names, plan vs model.
 """
 
 from __future__ import annotations
@@ -39,12 +48,14 @@ from omnibal_compile.errors import InputError, LaunchError
 from omnibal_compile.plan import Plan
 
 __all__ = [
+    "BATCHINGS",
     "LaunchError",
     "RunConfig",
     "StepLog",
     "batch_source",
     "build_model",
     "launch",
+    "packed_source",
     "precheck",
     "read_plan",
     "train",
@@ -66,11 +77,13 @@ class RunConfig:
     data: str | None = None
     """``package.module:fn`` with ``fn(step, *, batch_size, seed) -> batch``; None: built-in random batches."""
     lengths: tuple[str, ...] = ()
-    """Length-statistics files: feed balanced packs (one per row) instead of random batches."""
+    """Length-statistics files: feed rows made from these lengths (see ``batching``) instead of random batches."""
+    batching: str = "balanced"
+    """With ``lengths``: ``balanced`` (one balanced pack per row) or ``random`` (one random sample per row, padded)."""
     samples_per_pack: float = 4.0
     """With ``lengths``: target mean samples per pack."""
     batch_size: int = 8
-    """Rows per step (whole batch, all micro-batches); with ``lengths``, packs per step."""
+    """Rows per step over all dp ranks and micro-batches; with ``lengths``, packs per step."""
     tiles_per_sample: int = 1
     """Built-in batches: image tiles per sample."""
     text_tokens: int = 32
@@ -84,7 +97,13 @@ class RunConfig:
     seed: int = 0
     """Seed of the weights (same on every rank) and of the built-in batches."""
     nproc: int | None = None
-    """Processes (pipeline ranks); default: what the plan needs."""
+    """Processes; default: ``dp`` x the plan's pipeline ranks."""
+    dp: int = 1
+    """Data-parallel pipelines (replicas)."""
+    dp_shard: str = "fsdp"
+    """With ``dp > 1``: ``fsdp`` (FSDP2 ``fully_shard``) or ``ddp`` (``replicate``)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after each forward (ZeRO-3) instead of keeping them to backward."""
     schedule: str | None = None
     """Override the plan's schedule (``gpipe``, ``1f1b``, ``interleaved``)."""
     num_microbatches: int | None = None
@@ -174,76 +193,114 @@ def build_model(config: RunConfig) -> nn.Module:
     return model
 
 
-def batch_source(config: RunConfig, model: nn.Module) -> BatchSource:
-    """``step -> batch`` for this run (see the module glossary)."""
+BATCHINGS: tuple[str, ...] = ("balanced", "random")
+"""How rows are made from length statistics (``RunConfig.batching``)."""
+
+
+def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None) -> BatchSource:
+    """``step -> batch``: data-parallel rank ``dp_rank``'s rows, or the whole step's (see the module glossary)."""
     if config.data is not None and config.lengths:
         raise InputError("give either data='module:fn' or lengths=..., not both")
+    if config.batching not in BATCHINGS:
+        raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
+    if dp_rank is not None and not 0 <= dp_rank < config.dp:
+        raise InputError(f"dp rank {dp_rank} is out of range for dp={config.dp}")
     if config.lengths:
-        return balanced_source(config, model)
+        return packed_source(config, model, dp_rank)
     if config.data is not None:
         fn = _import(config.data, "data function")
-        return lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
-    if config.model != "tinyvlm":
+        whole: BatchSource = lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
+    elif config.model != "tinyvlm":
         raise InputError(f"model {config.model!r} needs a data function: set data='package.module:fn'")
-    from omnibal_compile.models import make_example_batch
+    else:
+        from omnibal_compile.models import make_example_batch
 
-    cfg = model.config  # type: ignore[attr-defined]
-    return lambda step: make_example_batch(
-        cfg,
-        batch=config.batch_size,
-        tiles_per_sample=config.tiles_per_sample,
-        text_tokens=config.text_tokens,
-        seed=config.seed + 1 + step,
-    )
+        cfg = model.config  # type: ignore[attr-defined]
+        whole = lambda step: make_example_batch(
+            cfg,
+            batch=config.batch_size,
+            tiles_per_sample=config.tiles_per_sample,
+            text_tokens=config.text_tokens,
+            seed=config.seed + 1 + step,
+        )
+    if dp_rank is None or config.dp == 1:
+        return whole
+    return lambda step: _dp_part(whole(step), config.dp, dp_rank)
 
 
-def balanced_source(config: RunConfig, model: nn.Module) -> BatchSource:
-    """Steps of ``batch_size`` balanced packs, each collated to one fixed-shape row.
+def _dp_part(batch: Any, dp: int, dp_rank: int) -> Any:
+    """Data-parallel rank ``dp_rank``'s slice of a whole-step batch: the dp_rank-th of ``dp`` equal parts (dim 0)."""
+    from torch.utils import _pytree as pytree
 
-    Deterministic in (seed, step), so every rank builds the same batch; pack j of the run is pack
-    ``j % P`` of epoch ``j // P`` (P packs per epoch), so each sample is used once per epoch.
+    from omnibal_compile.passes.capture import split_batch
+
+    leaves, spec = pytree.tree_flatten(batch)
+    return pytree.tree_unflatten(list(split_batch(leaves, dp)[dp_rank]), spec)
+
+
+def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None) -> BatchSource:
+    """Steps of packs from the data balancer, ``batch_size / dp`` per data-parallel rank, one per row.
+
+    Data-parallel rank r draws from its own sampler (``rank=r, world_size=dp``): its row i of step k
+    is pack ``j = k * rows + i`` of its sequence, pack ``j % P`` of epoch ``j // P`` (P steps per
+    epoch), so each sample is used once per epoch and the dp packs of one (k, i) are one step of
+    the packing, of near-equal cost. Deterministic in (seed, step): every rank builds the same
+    batches. ``source.packs(step, r)`` gives rank r's sample ids; ``dp_rank=None``: every rank's rows.
     """
-    import torch
-
     from omnibal_compile.data.collate import MODEL_KEYS
     from omnibal_compile.data.data_plan import DataOptions, plan_data
 
-    data = plan_data(list(config.lengths), DataOptions(samples_per_pack=config.samples_per_pack, seed=config.seed),
-                     model=model)
-    sampler = data.sampler(0)
-    per_epoch = len(sampler)
-    epochs: dict[int, list[list[int]]] = {}
+    method = "ours" if config.batching == "balanced" else "random"
+    options = DataOptions(dp=config.dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method)
+    data = plan_data(list(config.lengths), options, model=model)
+    samplers = [data.sampler(r) for r in range(config.dp)]
+    per_epoch = len(samplers[0])
+    rows = config.batch_size // config.dp
+    epochs: dict[tuple[int, int], list[list[int]]] = {}
 
-    def pack(j: int) -> list[int]:
+    def pack(r: int, j: int) -> list[int]:
         epoch = j // per_epoch
-        if epoch not in epochs:
-            sampler.set_epoch(epoch)
-            epochs[epoch] = list(sampler)
-        return epochs[epoch][j % per_epoch]
+        if (r, epoch) not in epochs:
+            samplers[r].set_epoch(epoch)
+            epochs[r, epoch] = list(samplers[r])
+        return epochs[r, epoch][j % per_epoch]
+
+    def packs(step: int, r: int) -> list[list[int]]:
+        return [pack(r, step * rows + i) for i in range(rows)]
 
     def source(step: int) -> dict[str, Any]:
-        rows = []
-        for r in range(config.batch_size):
-            j = step * config.batch_size + r
-            rows.append(data.synthetic_batch(pack(j), generator=torch.Generator().manual_seed(config.seed * 1_000_003 + j)))
-        return {k: torch.cat([row[k] for row in rows]) for k in MODEL_KEYS}
+        out = []
+        for r in range(config.dp) if dp_rank is None else (dp_rank,):
+            for i, ids in enumerate(packs(step, r)):
+                j = step * rows + i
+                g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * config.dp + r)
+                out.append(data.synthetic_batch(ids, generator=g))
+        return {k: torch.cat([row[k] for row in out]) for k in MODEL_KEYS}
 
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
+    source.packs = packs  # type: ignore[attr-defined]
     return source
 
 
 def precheck(config: RunConfig) -> Plan:
     """Every check that can fail before a process starts; returns the plan the ranks will run.
 
-    Checks world size vs stages (and virtual stages), micro-batches vs stages, batch size vs
-    micro-batches, and that the plan was made for this model (captures it once, here).
+    Checks dp and dp_shard, world size vs dp and stages (and virtual stages), micro-batches vs
+    stages, batch size vs dp and micro-batches, and that the plan was made for this model
+    (captures it once, here).
     """
     from omnibal_compile.api import compile_for_microbatches
-    from omnibal_compile.runtime.pipeline import check_pipeline
+    from omnibal_compile.runtime.pipeline import DP_SHARDS, check_pipeline
 
+    if not isinstance(config.dp, int) or isinstance(config.dp, bool) or config.dp < 1:
+        raise InputError(f"dp (--dp, data-parallel pipelines) must be an integer >= 1, got {config.dp!r}")
+    if config.dp_shard not in DP_SHARDS:
+        raise InputError(f"dp_shard (--dp-shard) must be one of {list(DP_SHARDS)}, got {config.dp_shard!r}")
+    if config.batching not in BATCHINGS:
+        raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
     plan = read_plan(config)
-    nproc = config.nproc if config.nproc is not None else plan.num_devices
-    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size)
+    nproc = config.nproc if config.nproc is not None else config.dp * plan.num_devices
+    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=config.dp)
     if config.device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
     if config.device == "cuda" and torch.cuda.device_count() < nproc:
@@ -255,7 +312,7 @@ def precheck(config: RunConfig) -> Plan:
     if config.steps < 1:
         raise InputError(f"steps must be >= 1, got {config.steps}")
     model = build_model(config)
-    compile_for_microbatches(model, batch_source(config, model)(0), plan)  # PlanError when the plan does not fit
+    compile_for_microbatches(model, batch_source(config, model, 0)(0), plan)  # PlanError when the plan does not fit
     return plan
 
 
@@ -268,26 +325,30 @@ _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 def train(config: RunConfig) -> list[StepLog]:
     """The body of every rank (inside an initialised process group): build, train, log, save."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    from omnibal_compile.runtime.checkpoint import load_into_pipeline, save_checkpoint
     from omnibal_compile.api import compile_for_microbatches
-    from omnibal_compile.runtime.pipeline import build_pipeline
+    from omnibal_compile.runtime.checkpoint import load_into_pipeline, save_checkpoint
+    from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(config.threads)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
     plan = read_plan(config)
+    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=config.dp)
+    mesh = init_device_mesh(device.type, (config.dp, plan.num_devices), mesh_dim_names=("dp", "pp"))
     model = build_model(config)
-    source = batch_source(config, model)
+    source = batch_source(config, model, mesh["dp"].get_local_rank())
     result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
-        result, rank=rank, world_size=world, device=device, recompute=config.recompute, weighting=config.weighting
+        result, mesh=mesh, device=device, dp_shard=config.dp_shard, reshard_after_forward=config.reshard_after_forward,
+        recompute=config.recompute, weighting=config.weighting,
     )
     del model, result  # each rank keeps only its stages' parameters
     if config.load:
         load_into_pipeline(pipeline, config.load)
     optimizer = _OPTIMIZERS[config.optimizer](pipeline.parameters(), config.lr)
-    last_rank = (plan.num_stages - 1) % plan.num_devices
+    last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
     logs: list[StepLog] = []
     for step in range(config.steps):
         batch = source(step)
@@ -325,7 +386,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
     killed when the run fails or exceeds ``timeout_s``.
     """
     plan = precheck(config)
-    nproc = config.nproc if config.nproc is not None else plan.num_devices
+    nproc = config.nproc if config.nproc is not None else config.dp * plan.num_devices
     with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp:
         log = config.log or str(Path(tmp) / "steps.jsonl")
         Path(log).unlink(missing_ok=True)

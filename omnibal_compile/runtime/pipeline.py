@@ -12,7 +12,19 @@ Glossary:
                    batch has no ``labels``), passed as ``target``; with ``scale_grads=False`` the
                    summed gradients then equal those of the unsplit model's loss on the whole batch.
     tied parameter one parameter object under several names (tied embedding and head). Every rank
-                   whose stages use it holds a copy; their gradients are summed after backward.
+                   whose stages use it holds a copy; their gradients are summed after backward over
+                   the pipeline ranks of one data-parallel replica (those sharing a dp index).
+    mesh           a ``DeviceMesh`` with dims ``("dp", "pp")``: each row along ``pp`` is one pipeline
+                   (a replica), each column along ``dp`` holds the copies of one set of stages.
+    data parallel  each stage module is data-parallel over ``dp``: FSDP2 ``fully_shard`` (``fsdp``,
+                   ZeRO-3: one unit per recompute region whose parameters nothing else in the stage
+                   reads, plus the stage for the rest) or FSDP's composable ``replicate`` (``ddp``:
+                   DDP-style, whole parameters on every dp rank). Blocks that are not a called
+                   submodule (codegen inlines them) cannot be units: FSDP gathers on forward hooks.
+                   ``PipelineStage`` turns gradient sync off for all but the last micro-batch's
+                   backward. Every dp rank weighs its micro-batch losses by its share of the
+                   *global* step's loss terms (an all-reduce of the counts over ``dp``), so the
+                   gradients are summed over ``dp`` (divide factor 1), never averaged again.
 """
 
 from __future__ import annotations
@@ -24,25 +36,31 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.labels import IGNORE_INDEX
 from omnibal_compile.passes.capture import normalize_example_inputs
-from omnibal_compile.passes.recompute import apply_recompute
+from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
 from omnibal_compile.plan import Plan
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
     from omnibal_compile.api import OptimizeResult
 
 __all__ = [
+    "DP_SHARDS",
     "RankPipeline",
     "TiedParameter",
     "build_pipeline",
     "check_pipeline",
     "get_schedule_class",
+    "loss_terms",
     "loss_weights",
     "rank_stages",
 ]
@@ -55,19 +73,38 @@ _SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
 """Schedule kind (:data:`omnibal_compile.schedule.SCHEDULE_KINDS`) -> the torch class that runs it."""
 
 
-def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None) -> None:
-    """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks with this batch."""
+DP_SHARDS: tuple[str, ...] = ("fsdp", "ddp")
+"""How a stage is data-parallel over ``dp``: FSDP2 ``fully_shard`` or ``replicate`` (see the module glossary)."""
+
+
+def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1) -> None:
+    """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks (``dp`` pipelines) with this batch.
+
+    ``batch_size`` is the whole step's rows over all ``dp`` pipelines.
+    """
     plan.pipeline_schedule.check(plan.num_stages)
     s, v, m = plan.num_stages, plan.virtual_stages, plan.num_microbatches
-    if world_size != plan.num_devices:
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise PlanError(f"dp (data-parallel pipelines, --dp) must be an integer >= 1, got {dp!r}")
+    if world_size != dp * plan.num_devices:
         extra = f" ({s} stages / {v} virtual stages per rank)" if v > 1 else ""
+        if dp == 1:
+            raise PlanError(
+                f"the plan needs {plan.num_devices} ranks{extra} but world size is {world_size}: "
+                f"launch {plan.num_devices} processes, or re-plan for {world_size} ranks"
+            )
         raise PlanError(
-            f"the plan needs {plan.num_devices} ranks{extra} but world size is {world_size}: "
-            f"launch {plan.num_devices} processes, or re-plan for {world_size} ranks"
+            f"dp={dp} pipelines of {plan.num_devices} ranks{extra} need {dp * plan.num_devices} processes but world "
+            f"size is {world_size}: launch {dp * plan.num_devices} processes (--nproc), or change --dp"
         )
-    if batch_size is not None and batch_size % m:
+    if batch_size is not None and batch_size % (dp * m):
+        if dp == 1:
+            raise PlanError(
+                f"batch size {batch_size} is not divisible by {m} micro-batches; use a batch size that is a multiple of {m}"
+            )
         raise PlanError(
-            f"batch size {batch_size} is not divisible by {m} micro-batches; use a batch size that is a multiple of {m}"
+            f"batch size {batch_size} is not divisible by dp={dp} x {m} micro-batches = {dp * m}: each "
+            f"data-parallel rank runs batch_size / dp rows in {m} micro-batches; use --batch-size a multiple of {dp * m}"
         )
 
 
@@ -85,13 +122,12 @@ def rank_stages(plan: Plan, rank: int) -> tuple[int, ...]:
     return tuple(range(rank, plan.num_stages, plan.num_devices))
 
 
-def loss_weights(flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens") -> torch.Tensor:
-    """Per-row share of the batch's loss terms, summing to 1 (see the module glossary).
+def loss_terms(flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens") -> torch.Tensor:
+    """Per-row count of the loss terms the model's loss averages over (float64).
 
-    ``tokens``: rows weigh by their labelled tokens (``labels[:, 1:] != -100``), right for a loss
-    that is the mean over labelled next-token positions (Hugging Face causal LMs, the reference
-    VLM); rows weigh equally when there is no ``labels`` input. ``rows``: always equally, right for
-    a loss that is a mean over rows.
+    ``tokens``: a row's labelled tokens (``labels[:, 1:] != -100``), right for a loss that is the
+    mean over labelled next-token positions (Hugging Face causal LMs, the reference VLM); 1 per row
+    when there is no ``labels`` input. ``rows``: 1 per row, right for a loss that is a mean over rows.
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"loss weighting must be 'tokens' or 'rows', got {weighting!r}")
@@ -99,12 +135,23 @@ def loss_weights(flat_inputs: Sequence[Any], input_names: Sequence[str], weighti
     if weighting == "tokens" and "labels" in input_names:
         labels = flat_inputs[list(input_names).index("labels")]
         if isinstance(labels, torch.Tensor) and labels.dim() == 2:
-            counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).double()
-            total = counts.sum()
-            if total == 0:
-                raise InputError("the batch has no labelled token (every label is -100): nothing to train on")
-            return counts / total
-    return torch.full((rows,), 1.0 / rows, dtype=torch.float64)
+            return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).double()
+    return torch.ones(rows, dtype=torch.float64)
+
+
+def loss_weights(
+    flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens", *, total: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row share of the step's loss terms (:func:`loss_terms`); sums to 1 over the batch.
+
+    ``total``: the loss terms of the whole step when the batch is one data-parallel rank's part of
+    it (default: this batch's own).
+    """
+    counts = loss_terms(flat_inputs, input_names, weighting)
+    total = counts.sum() if total is None else total.to(counts)
+    if total == 0:
+        raise InputError("the batch has no labelled token (every label is -100): nothing to train on")
+    return counts / total
 
 
 def _loss_index(result: OptimizeResult) -> int:
@@ -117,6 +164,10 @@ def _loss_index(result: OptimizeResult) -> int:
         f"{result.captured.model_name} returns no scalar loss for this batch; pipelined training needs the model "
         "to compute its loss (pass labels in the batch)"
     )
+
+
+_UNIT_TYPES: tuple[type[nn.Module], ...] = (CheckpointedRegion,)
+"""Submodules a stage calls (so FSDP's forward hooks fire) that become FSDP units of their own."""
 
 
 @dataclass(frozen=True)
@@ -146,16 +197,16 @@ class _TensorOutputs(nn.Module):
 
 @dataclass(frozen=True, kw_only=True)
 class TiedParameter:
-    """A parameter used by stages on several ranks."""
+    """A parameter used by stages on several pipeline ranks of one replica."""
 
     names: tuple[str, ...]
     """Its names in the original model."""
     ranks: tuple[int, ...]
-    """Ranks whose stages use it."""
+    """Pipeline ranks whose stages use it."""
     group: Any = field(repr=False)
-    """Process group of those ranks (None on ranks outside it)."""
+    """Process group of those ranks in this rank's replica (None on ranks outside it)."""
     param: nn.Parameter | None = field(repr=False)
-    """The local copy (None on ranks that do not hold it)."""
+    """The local copy (None on ranks that do not hold it); a ``DTensor`` under data parallelism."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,15 +214,15 @@ class RankPipeline:
     """One rank's stages, schedule and parameters; :meth:`step` runs one training iteration."""
 
     rank: int
-    """This rank."""
+    """This rank's pipeline rank (its index along ``pp``)."""
     world_size: int
-    """Pipeline ranks."""
+    """Pipeline ranks of one replica."""
     plan: Plan
     """The plan the stages were made from (micro-batches, schedule)."""
     stage_indices: tuple[int, ...]
     """Stages this rank runs."""
     modules: tuple[nn.Module, ...] = field(repr=False)
-    """The stage modules (recompute applied), in ``stage_indices`` order."""
+    """The stage modules (recompute and data parallelism applied), in ``stage_indices`` order."""
     stages: tuple[PipelineStage, ...] = field(repr=False)
     """pipelining stages wrapping ``modules``."""
     schedule: Any = field(repr=False)
@@ -183,13 +234,21 @@ class RankPipeline:
     microbatch_shapes: tuple[tuple[int, ...], ...]
     """Shape of every flat input of one micro-batch, as captured."""
     weighting: str
-    """How micro-batch losses are weighted: ``tokens`` or ``rows`` (see :func:`loss_weights`)."""
+    """How micro-batch losses are weighted: ``tokens`` or ``rows`` (see :func:`loss_terms`)."""
     state: dict[str, torch.Tensor] = field(repr=False)
     """Original model name -> tensor, for every parameter and persistent buffer this rank holds."""
     tied: tuple[TiedParameter, ...] = field(repr=False)
-    """Parameters shared with stages on other ranks."""
+    """Parameters shared with stages on other pipeline ranks of this replica."""
     device: torch.device
     """Device the stages run on."""
+    dp_rank: int = 0
+    """This rank's data-parallel index (which replica it belongs to)."""
+    dp_size: int = 1
+    """Data-parallel replicas."""
+    dp_group: Any = field(default=None, repr=False)
+    """Process group along ``dp`` (the ranks holding copies of these stages); None when ``dp_size`` is 1."""
+    dp_shard: str | None = None
+    """``fsdp`` or ``ddp`` (:data:`DP_SHARDS`); None when ``dp_size`` is 1."""
 
     @property
     def has_first(self) -> bool:
@@ -200,7 +259,7 @@ class RankPipeline:
         return self.plan.num_stages - 1 in self.stage_indices
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's trainable parameters, each once."""
+        """This rank's trainable parameters, each once (``DTensor`` shards or replicas under data parallelism)."""
         seen: dict[int, nn.Parameter] = {}
         for m in self.modules:
             for p in m.parameters():
@@ -209,8 +268,15 @@ class RankPipeline:
         return list(seen.values())
 
     def named_grads(self) -> dict[str, torch.Tensor | None]:
-        """Original parameter name -> its gradient, for the parameters this rank holds."""
+        """Original parameter name -> its gradient, for the parameters this rank holds (local, as held)."""
         return {n: t.grad for n, t in self.state.items() if isinstance(t, nn.Parameter)}
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Original name -> whole tensor, detached, for every tensor this rank holds.
+
+        A collective over ``dp`` under data parallelism (FSDP shards are gathered): every rank calls it.
+        """
+        return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for n, t in self.state.items()}
 
     def flatten(self, batch: Any) -> tuple[torch.Tensor, ...]:
         """A batch (dict, tuple or ``(args, kwargs)``) -> the model's flat inputs, shape-checked."""
@@ -231,13 +297,20 @@ class RankPipeline:
         return tuple(x.to(self.device) for x in leaves)
 
     def step(self, batch: Any) -> float | None:
-        """Forward and backward on one batch; returns the batch loss on the rank with the last stage.
+        """Forward and backward on this rank's batch; returns the whole step's loss on ranks with the last stage.
 
-        Gradients accumulate into ``.grad`` (zero them before); tied parameters' gradients are summed
-        across the ranks holding them. The caller runs the optimizer.
+        ``batch`` is this data-parallel rank's part of the step. Gradients accumulate into ``.grad``
+        (zero them before); they are summed over ``dp`` and, for tied parameters, over the pipeline
+        ranks holding them. The caller runs the optimizer.
         """
         flat = self.flatten(batch)
-        target = loss_weights(flat, self.input_names, self.weighting).to(self.device) if self.has_last else None
+        target = None
+        if self.has_last:
+            total = loss_terms(flat, self.input_names, self.weighting).sum()
+            if self.dp_group is not None:  # weights are shares of the global step, across dp ranks too
+                total = total.to(self.device)
+                dist.all_reduce(total, group=self.dp_group)
+            target = loss_weights(flat, self.input_names, self.weighting, total=total).to(self.device)
         losses: list[torch.Tensor] = []
         args = flat if self.has_first else ()
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
@@ -245,10 +318,24 @@ class RankPipeline:
             if t.group is not None and t.param is not None:
                 if t.param.grad is None:
                     t.param.grad = torch.zeros_like(t.param)
-                dist.all_reduce(t.param.grad, group=t.group)
+                grad = t.param.grad
+                # Copies on every pipeline rank hold the same dp shard, so their local parts add up;
+                # without grad mode, to_local() is the shard itself (not a copy), so this sums in place.
+                with torch.no_grad():
+                    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=t.group)
         if not self.has_last:
             return None
-        return float(sum(loss.detach().double() for loss in losses))
+        loss = sum(loss.detach().double() for loss in losses)
+        assert isinstance(loss, torch.Tensor)
+        if self.dp_group is not None:
+            dist.all_reduce(loss, group=self.dp_group)
+        return float(loss)
+
+
+def _local_names(module: nn.Module, original: dict[int, list[str]]) -> dict[str, list[str]]:
+    """Module-local name -> original model names, for every parameter and buffer of ``module``."""
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return {n: original.get(id(t), []) for n, t in named}
 
 
 def _original_names(model: nn.Module) -> dict[int, list[str]]:
@@ -258,26 +345,96 @@ def _original_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def _check_stage_params_disjoint(modules: Sequence[nn.Module], stages: Sequence[int]) -> None:
+    owner: dict[int, int] = {}
+    for s, mod in zip(stages, modules):
+        for p in mod.parameters():
+            if owner.setdefault(id(p), s) != s:
+                raise InputError(
+                    f"stages {owner[id(p)]} and {s} on one rank share a parameter (tied weights); data parallelism "
+                    "shards each stage on its own: use dp=1, or a plan that puts them on different ranks"
+                )
+
+
+def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, dp_shard: str, reshard_after_forward: bool) -> nn.Module:
+    """``module`` made data-parallel over the 1-D ``mesh`` in place (see the module glossary); returns it.
+
+    FSDP2 units: every called submodule (a recompute region) whose parameters no other part of the
+    stage reads, then the stage for the rest. Gradients are summed over ``dp``, not averaged: the
+    loss weights already divide by the global step's loss terms.
+    """
+    counts: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    units: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if name and isinstance(sub, _UNIT_TYPES) and not any(name.startswith(n + ".") for n, _ in units):
+            inside: dict[int, int] = {}
+            for _, p in sub.named_parameters(remove_duplicate=False):
+                inside[id(p)] = inside.get(id(p), 0) + 1
+            if inside and all(counts[k] == c for k, c in inside.items()):  # read nowhere else in the stage
+                units.append((name, sub))
+    if dp_shard == "fsdp":
+        for _, sub in units:
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    elif dp_shard == "ddp":
+        for _, sub in units:
+            replicate(sub, mesh=mesh)
+        replicate(module, mesh=mesh)
+    else:
+        raise InputError(f"dp_shard must be one of {list(DP_SHARDS)}, got {dp_shard!r}")
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM, and 1.0 needs no scaling
+    return module
+
+
 def build_pipeline(
     result: OptimizeResult,
     *,
-    rank: int,
-    world_size: int,
+    rank: int | None = None,
+    world_size: int | None = None,
+    mesh: DeviceMesh | None = None,
     device: torch.device | str = "cpu",
-    group: Any = None,
+    dp_shard: str = "fsdp",
+    reshard_after_forward: bool = True,
     recompute: bool = True,
     weighting: str = "tokens",
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
-    Every rank must call it with the same ``result`` (same model, seed, plan), in the same order
-    with respect to other collective calls: it creates process groups for tied parameters.
-    ``result.plan`` sets the schedule, micro-batches and virtual stages; its recompute options are
-    applied by :func:`omnibal_compile.passes.recompute.apply_recompute` unless ``recompute=False``.
-    ``weighting`` says how the model's loss averages (see :func:`loss_weights`).
+    Give ``rank`` and ``world_size`` for one pipeline on the default process group, or a ``mesh``
+    with dims ``("dp", "pp")`` (``init_device_mesh``) for ``dp`` pipelines whose stages are
+    data-parallel by ``dp_shard`` (:data:`DP_SHARDS`; FSDP2 reshards after forward unless
+    ``reshard_after_forward=False``). Every rank must call it with the same ``result`` (same
+    model, seed, plan), in the same order with respect to other collective calls: it creates
+    process groups for tied parameters. ``result.plan`` sets the schedule, micro-batches and
+    virtual stages; its recompute options are applied by
+    :func:`omnibal_compile.passes.recompute.apply_recompute` unless ``recompute=False``.
+    ``weighting`` says how the model's loss averages (see :func:`loss_terms`). With ``dp > 1`` this
+    rank's stage modules of ``result`` become FSDP/replicate modules in place: build from a
+    ``result`` of its own.
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
+    if dp_shard not in DP_SHARDS:
+        raise InputError(f"dp_shard must be one of {list(DP_SHARDS)}, got {dp_shard!r}")
+    one_pipeline = rank is not None and world_size is not None
+    if (mesh is None and not one_pipeline) or (mesh is not None and (rank, world_size) != (None, None)):
+        raise InputError("give build_pipeline either rank and world_size (one pipeline) or mesh (dp x pp), not both")
+    replicas: list[list[int]]  # global ranks of every replica's pipeline ranks
+    if mesh is not None:
+        if mesh.mesh_dim_names != ("dp", "pp"):
+            raise InputError(f"the mesh must have dims ('dp', 'pp'), got {mesh.mesh_dim_names}")
+        rank, world_size = mesh["pp"].get_local_rank(), mesh["pp"].size()
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        group = mesh["pp"].get_group()
+        replicas = mesh.mesh.tolist()
+    else:
+        assert rank is not None and world_size is not None
+        dp_rank, dp_size, group, replicas = 0, 1, None, [list(range(world_size))]
     plan = result.plan
     check_pipeline(plan, world_size=world_size)
     device = torch.device(device)
@@ -294,13 +451,19 @@ def build_pipeline(
             examples[i] = (ins, tuple(outs[j] for j in keep))
             loss_index = keep.index(loss_index)
         modules.append(mod.to(device))
-    names = _original_names(result.model)
+    original = _original_names(result.model)
+    local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not
+    holders = _tied_holders(result, original)
+    if dp_size > 1:
+        assert mesh is not None
+        _check_stage_params_disjoint(modules, mine)
+        modules = [_make_data_parallel(mod, mesh["dp"], dp_shard, reshard_after_forward) for mod in modules]
     state: dict[str, torch.Tensor] = {}
-    for mod in modules:
-        for t in list(mod.parameters()) + list(mod.buffers()):
-            for name in names.get(id(t), []):
+    for mod, names in zip(modules, local):
+        for n, t in list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False)):
+            for name in names[n]:
                 state[name] = t
-    tied = _tied_parameters(result, rank, names, group)
+    tied = _tied_parameters(holders, rank, replicas, dp_rank, state)
     stages = tuple(
         PipelineStage(mod, s, plan.num_stages, device, input_args=ins, output_args=outs, group=group)
         for s, mod, (ins, outs) in zip(mine, modules, examples)
@@ -324,6 +487,10 @@ def build_pipeline(
         state=state,
         tied=tied,
         device=device,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        dp_group=mesh["dp"].get_group() if mesh is not None and dp_size > 1 else None,
+        dp_shard=dp_shard if dp_size > 1 else None,
     )
 
 
@@ -361,31 +528,42 @@ def _stage_examples(
     return [(to_device(found[s][0]), to_device(found[s][1])) for s in wanted]
 
 
-def _tied_parameters(
-    result: OptimizeResult, rank: int, names: dict[int, list[str]], group: Any
-) -> tuple[TiedParameter, ...]:
-    plan = result.plan
-    w = plan.num_devices
+def _tied_holders(result: OptimizeResult, names: dict[int, list[str]]) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """(original names, pipeline ranks holding it) of every parameter used on several ranks.
+
+    Read before data parallelism replaces this rank's parameter objects."""
+    w = result.plan.num_devices
     holders: dict[int, set[int]] = {}
-    params: dict[int, nn.Parameter] = {}
     for s, stage in enumerate(result.stages):
         for p in stage.parameters():
             holders.setdefault(id(p), set()).add(s % w)
-            params[id(p)] = p
+    found = [(tuple(names.get(k, [])), tuple(sorted(ranks))) for k, ranks in holders.items() if len(ranks) > 1]
+    return sorted(found)
+
+
+def _tied_parameters(
+    holders: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
+    rank: int,
+    replicas: Sequence[Sequence[int]],
+    replica: int,
+    state: dict[str, torch.Tensor],
+) -> tuple[TiedParameter, ...]:
+    """Tied parameters with, per replica, a process group of the pipeline ranks holding them.
+
+    ``replicas[d][r]`` is the global rank of pipeline rank ``r`` in replica ``d``; this rank is
+    pipeline rank ``rank`` of replica ``replica``. Every rank creates every group, in one order.
+    """
     tied = []
-    for key in sorted(holders, key=lambda k: names.get(k, [""])[0]):
-        ranks = tuple(sorted(holders[key]))
-        if len(ranks) < 2:
-            continue
-        if group is not None:
-            raise InputError("tied parameters across ranks are only supported on the default process group")
-        pg = dist.new_group(list(ranks))  # every rank calls new_group, in the same order
+    for names, ranks in holders:
+        groups = [dist.new_group([replicas[d][r] for r in ranks]) for d in range(len(replicas))]
+        held = rank in ranks
+        param = state[names[0]] if held else None
         tied.append(
             TiedParameter(
-                names=tuple(names.get(key, [])),
+                names=names,
                 ranks=ranks,
-                group=pg if rank in ranks else None,
-                param=params[key] if rank in ranks else None,
+                group=groups[replica] if held else None,
+                param=param if isinstance(param, nn.Parameter) else None,
             )
         )
     return tuple(tied)

@@ -314,10 +314,11 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
         batch.pop("labels")
         assert float((loaded(**batch) - model(**batch)).abs().max()) <= TOL
 
-    # resuming from the checkpoint: the first loss is the trained model's loss on batch 0
-    resumed = launch(dataclasses.replace(config, load=str(ckpt), steps=1), timeout_s=200, quiet=True)
+    # resuming from the checkpoint: --steps counts all steps, so one more step is step 2, on batch 2
+    resumed = launch(dataclasses.replace(config, resume=str(ckpt), steps=3), timeout_s=200, quiet=True)
+    assert [e.step for e in resumed] == [2]
     with torch.no_grad():
-        assert abs(resumed[0].loss - float(model(**source(0)))) <= TOL
+        assert abs(resumed[0].loss - float(model(**source(2)))) <= TOL
 
 
 def test_pre_launch_checks_fail_before_any_process_starts(tmp_path, vlm_plan2, monkeypatch, capsys):

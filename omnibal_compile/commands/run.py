@@ -47,8 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--save", default=None, metavar="DIR", help="write a stage checkpoint (original names) here")
-    p.add_argument("--load", default=None, metavar="DIR", help="start from this checkpoint")
+    p.add_argument("--save", default=None, metavar="DIR", help="write checkpoints (DIR/step-<K>) here, at the end")
+    p.add_argument("--save-every", type=int, default=0, metavar="K", help="also save every K steps")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from the newest complete checkpoint in DIR (--steps counts all steps)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default 0)")
     p.add_argument("--log", default=None, metavar="PATH", help="append per-step JSON lines here")
     p.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
 
@@ -88,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         save=args.save,
-        load=args.load,
+        save_every=args.save_every,
+        resume=args.resume,
+        warmup_steps=args.warmup_steps,
         log=args.log,
     )
     logs = launch(config, timeout_s=args.timeout)

@@ -1,89 +1,243 @@
-"""Stage checkpoints keyed by the original model's names, so they load back into the unsplit model.
+"""Checkpoints on ``torch.distributed.checkpoint`` (DCP) from which training continues exactly.
 
 Glossary:
-    rank file   ``rank<r>.pt`` in the checkpoint folder: ``{original name: tensor}`` for every
-                parameter and persistent buffer that rank's stages hold. A tied parameter is
-                written under each of its names, by every rank that holds it.
-    meta file   ``meta.json``: world size, step and the plan the stages were made from.
-    data parallel  the ``dp`` replicas hold the same values: whole tensors are gathered (FSDP shards)
-                and data-parallel rank 0 writes; ``world_size`` counts pipeline ranks.
+    root            the folder given to ``--save`` / ``--resume``; it holds one folder per saved step.
+    step folder     ``root/step-<K>``: the state after K training steps. It is written as
+                    ``root/.partial-step-<K>`` and renamed by rank 0 only after every rank has
+                    finished writing (a barrier), so a kill at any moment leaves the previous step
+                    folder complete; partial folders are never read and are removed by the next save.
+    model state     every parameter and persistent buffer under the original model's names. FSDP2
+                    shards are DTensors and DCP stores their full logical tensors, so a checkpoint
+                    loads into another (dp, pp) layout (DCP reshards) and into the unsplit model.
+    optimizer state per parameter (its first original name) the optimizer's tensors (AdamW:
+                    ``step``, ``exp_avg``, ``exp_avg_sq``); hyper-parameters and the LR scheduler go
+                    to the trainer state.
+    trainer state   ``meta.json``: step, layout, the run settings the data order depends on (the
+                    batches of step k are a function of the seed, the data settings and k, so the
+                    step is the sampler position), LR scheduler state; ``rng-rank<r>.pt``: each
+                    rank's RNG state (restored when the layout is the same).
+    complete        a step folder with ``meta.json`` (written last), DCP's ``.metadata`` and every
+                    data file the metadata points into, each as long as the metadata says.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnibal_compile.errors import InputError
-from omnibal_compile.runtime.pipeline import RankPipeline
 
-__all__ = ["load_checkpoint", "load_into_model", "load_into_pipeline", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "checkpoint_meta",
+    "latest_checkpoint",
+    "load_into_model",
+    "load_training_state",
+    "save_training_state",
+]
+
+CHECKPOINT_FORMAT = 2
+"""Version of the step-folder layout (1 was one ``rank<r>.pt`` per rank, weights only)."""
+
+_STEP = re.compile(r"^step-(\d+)$")
+_FAULT = "_OMNIBAL_KILL_IN_SAVE"
+"""Testing hook: ``"<rank>:<step>"`` makes that rank die right after writing its part of that step's
+save, before the save completes (a kill in the middle of a save)."""
+_META = "meta.json"
 
 
-def save_checkpoint(pipeline: RankPipeline, directory: str | Path, *, step: int) -> Path:
-    """Write this rank's tensors under their original names; rank 0 also writes ``meta.json``.
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name))]
+    return sorted(found)
 
-    Every rank calls it (a collective over ``dp``); data-parallel rank 0 writes.
+
+def checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The trainer state of a complete step folder; raises :class:`InputError` saying what is missing."""
+    folder = Path(path)
+    meta_path = folder / _META
+    if not meta_path.is_file():
+        raise InputError(f"checkpoint {folder} is incomplete (no {_META}): it was not finished; resume from an earlier step")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"checkpoint {folder}: {_META} is corrupt ({e})") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise InputError(
+            f"checkpoint {folder} has format {meta.get('format')!r}; this version reads format {CHECKPOINT_FORMAT}"
+        )
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata means the same to the user
+        raise InputError(f"checkpoint {folder}: DCP metadata is missing or unreadable ({type(e).__name__}: {e})") from None
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = folder / name
+        have = f.stat().st_size if f.is_file() else -1
+        if have < size:
+            what = "is missing" if have < 0 else f"has {have:,} bytes of {size:,}"
+            raise InputError(f"checkpoint {folder} is truncated: data file {name} {what}; resume from an earlier step")
+    return meta
+
+
+def latest_checkpoint(root: str | Path) -> Path:
+    """The newest step folder under ``root`` (or ``root`` itself when it is a step folder), checked complete."""
+    folder = Path(root)
+    if (folder / _META).is_file() or _STEP.match(folder.name):
+        checkpoint_meta(folder)
+        return folder
+    steps = _step_folders(folder)
+    if not steps:
+        raise InputError(f"no checkpoint under {folder}: expected step-<K> folders written by --save")
+    latest = steps[-1][1]
+    checkpoint_meta(latest)
+    return latest
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, dict[str, Any]]:
+    """Optimizer tensors keyed by parameter name (the same objects: DCP loads into them in place)."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state:
+                out[names[id(p)]] = dict(optimizer.state[p])
+    return out
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (a step with zero gradients and zero learning rate)."""
+    if optimizer.state:
+        return
+    lrs = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        lrs.append(group["lr"])
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _param_names(state: Mapping[str, torch.Tensor]) -> dict[int, str]:
+    """Tensor -> its first original name (tied parameters have several)."""
+    names: dict[int, str] = {}
+    for name in sorted(state):
+        names.setdefault(id(state[name]), name)
+    return names
+
+
+def save_training_state(
+    root: str | Path,
+    *,
+    step: int,
+    state: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    trainer: Mapping[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Collectively write ``root/step-<step>`` (every rank calls it); returns the step folder.
+
+    ``state`` maps original names to this rank's parameters and buffers (DTensors under FSDP2);
+    ``trainer`` is JSON data saved as the trainer state (layout, data settings, LR scheduler).
+    Older step folders beyond the ``keep`` newest are removed after the new one is in place.
     """
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"rank{pipeline.rank}.pt"
-    state = {name: t.cpu().clone() for name, t in pipeline.full_state().items()}
-    if pipeline.dp_rank != 0:
-        return path
-    torch.save(state, path)
-    if pipeline.rank == 0:
-        meta = {"world_size": pipeline.world_size, "step": step, "plan": pipeline.plan.to_dict()}
-        (folder / "meta.json").write_text(json.dumps(meta, indent=2))
-    return path
+    rank = dist.get_rank()
+    root = Path(root)
+    final, partial = root / f"step-{step:06d}", root / f".partial-step-{step:06d}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for old in root.glob(".partial-step-*"):
+            shutil.rmtree(old, ignore_errors=True)  # left by a save that was killed
+    dist.barrier()
+    names = _param_names(state)
+    dcp.save({"model": dict(state), "optim": _optimizer_state(optimizer, names)}, checkpoint_id=str(partial))
+    torch.save({"cpu": torch.get_rng_state()}, partial / f"rng-rank{rank}.pt")
+    if os.environ.get(_FAULT) == f"{rank}:{step}":
+        os._exit(17)
+    dist.barrier()  # every rank's part is on disk before the folder counts as complete
+    if rank == 0:
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist.get_world_size(),
+                "param_groups": hyper, **trainer}
+        (partial / _META).write_text(json.dumps(meta, indent=2, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)  # atomic: the step folder appears complete or not at all
+        for _, old in _step_folders(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
 
 
-def load_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Merge every rank file of a checkpoint into one state dict with the original model's names."""
-    folder = Path(directory)
-    meta_path = folder / "meta.json"
-    if not meta_path.exists():
-        raise InputError(f"{folder} is not a pipeline checkpoint (no meta.json); pass the folder given to --save")
-    meta: dict[str, Any] = json.loads(meta_path.read_text())
-    merged: dict[str, torch.Tensor] = {}
-    for r in range(int(meta["world_size"])):
-        path = folder / f"rank{r}.pt"
-        if not path.exists():
-            raise InputError(f"checkpoint {folder} is missing {path.name}; every rank must have saved")
-        for name, t in torch.load(path, map_location="cpu", weights_only=True).items():
-            if name in merged and not torch.equal(merged[name], t):
-                raise InputError(f"checkpoint {folder}: ranks disagree on tied tensor '{name}'")
-            merged[name] = t
-    return merged
+def load_training_state(
+    path: str | Path, *, state: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Collectively load a step folder into this rank's tensors and optimizer; returns the trainer state.
+
+    Works across layouts: each rank reads the names it holds, DCP reshards. RNG states are restored
+    only when the world size is the one that saved.
+    """
+    folder = Path(path)
+    meta = checkpoint_meta(folder)
+    names = _param_names(state)
+    _init_optimizer_state(optimizer)
+    target = {"model": dict(state), "optim": _optimizer_state(optimizer, names)}
+    dcp.load(target, checkpoint_id=str(folder))
+    with torch.no_grad():  # DCP may return new objects for non-tensor-backed entries: copy back
+        for name, t in target["model"].items():
+            if t is not state[name]:
+                state[name].copy_(t)
+    opt_state = _optimizer_state(optimizer, names)
+    for name, values in target["optim"].items():
+        for key, v in values.items():
+            cur = opt_state[name][key]
+            if isinstance(cur, torch.Tensor) and v is not cur:
+                cur.copy_(v)
+    for group, saved in zip(optimizer.param_groups, meta.get("param_groups", [])):
+        group.update({k: v for k, v in saved.items() if k in group and not isinstance(group[k], torch.Tensor)})
+    if meta.get("world_size") == dist.get_world_size():
+        rng = folder / f"rng-rank{dist.get_rank()}.pt"
+        if rng.is_file():
+            torch.set_rng_state(torch.load(rng, weights_only=True)["cpu"])
+    return meta
 
 
-def load_into_model(model: nn.Module, directory: str | Path) -> None:
-    """Load a pipeline checkpoint into the unsplit ``model`` (every name must match)."""
-    state = load_checkpoint(directory)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+def load_into_model(model: nn.Module, path: str | Path) -> int:
+    """Load a checkpoint's weights into the unsplit ``model`` (no process group needed); returns its step."""
+    folder = latest_checkpoint(path)
+    meta = checkpoint_meta(folder)
+    state = model.state_dict()
+    saved = set(_saved_model_names(folder))
+    missing, unexpected = sorted(set(state) - saved), sorted(saved - set(state))
     if missing or unexpected:
         raise InputError(
-            f"checkpoint {directory} does not fit {type(model).__name__}: missing {missing[:5]}, "
+            f"checkpoint {folder} does not fit {type(model).__name__}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; was it saved from a pipeline of this model?"
         )
+    with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state)
+    return int(meta["step"])
 
 
-def load_into_pipeline(pipeline: RankPipeline, directory: str | Path) -> None:
-    """Copy a checkpoint's values into this rank's parameters and buffers (resume training)."""
-    state = load_checkpoint(directory)
-    missing = sorted(set(pipeline.state) - set(state))
-    if missing:
-        raise InputError(f"checkpoint {directory} lacks {missing[:5]} held by rank {pipeline.rank}")
-    with torch.no_grad():
-        for name, t in pipeline.state.items():
-            value = state[name].to(t.device)
-            if isinstance(t, DTensor):  # this rank's shard of the whole tensor, cut locally
-                value = distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None)
-            t.copy_(value)
+def _saved_model_names(folder: Path) -> list[str]:
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    return [k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")]

@@ -119,9 +119,14 @@ class RunConfig:
     threads: int = 1
     """torch threads per rank."""
     save: str | None = None
-    """Folder to write the stage checkpoint to after the last step."""
-    load: str | None = None
-    """Checkpoint folder to start from."""
+    """Checkpoint root: ``step-<K>`` folders are written here after the last step (and every ``save_every``)."""
+    save_every: int = 0
+    """Also save every this many steps (0: only at the end)."""
+    resume: str | None = None
+    """Checkpoint root (its newest complete step folder) or step folder to continue from: model,
+    optimizer, LR schedule, step and RNG; ``steps`` counts all steps, the resumed run does the rest."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many steps (0: constant learning rate)."""
     log: str | None = None
     """JSON-lines file for per-step loss and time (written by the rank holding the last stage)."""
 
@@ -311,9 +316,49 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError(f"weighting must be 'tokens' or 'rows', got {config.weighting!r}")
     if config.steps < 1:
         raise InputError(f"steps must be >= 1, got {config.steps}")
+    if config.save_every < 0 or config.warmup_steps < 0:
+        raise InputError("save_every (--save-every) and warmup_steps (--warmup-steps) must be >= 0")
+    if config.save_every and not config.save:
+        raise InputError("--save-every needs --save DIR (where to write the checkpoints)")
+    if config.resume:
+        _check_resume(config)
     model = build_model(config)
     compile_for_microbatches(model, batch_source(config, model, 0)(0), plan)  # PlanError when the plan does not fit
     return plan
+
+
+_DATA_SETTINGS = ("model", "model_config", "data", "lengths", "batching", "samples_per_pack", "batch_size",
+                  "tiles_per_sample", "text_tokens", "seed")
+"""RunConfig fields the batches of a step depend on (with the step and dp): a resumed run must keep them."""
+
+
+def _data_settings(config: RunConfig) -> dict[str, Any]:
+    return {k: json.loads(json.dumps(getattr(config, k))) for k in _DATA_SETTINGS}
+
+
+def _warmup(steps: int) -> Callable[[int], float]:
+    return lambda step: min(1.0, (step + 1) / steps) if steps > 0 else 1.0
+
+
+def _check_resume(config: RunConfig) -> None:
+    """The checkpoint is complete, is behind ``steps`` and was saved with this run's data settings."""
+    from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint
+
+    folder = latest_checkpoint(config.resume)  # type: ignore[arg-type]  # InputError when incomplete or truncated
+    meta = checkpoint_meta(folder)
+    if int(meta["step"]) >= config.steps:
+        raise InputError(
+            f"checkpoint {folder} is at step {meta['step']} and --steps is {config.steps}: nothing left to run; "
+            "--steps counts all steps, so raise it to continue"
+        )
+    saved, now = meta.get("data", {}), _data_settings(config)
+    differ = sorted(k for k in _DATA_SETTINGS if saved.get(k) != now[k])
+    if differ:
+        detail = ", ".join(f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in differ)
+        raise InputError(
+            f"resuming from {folder} with other data settings would change what the model sees ({detail}); "
+            "use the settings of the saved run"
+        )
 
 
 _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -328,7 +373,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from omnibal_compile.api import compile_for_microbatches
-    from omnibal_compile.runtime.checkpoint import load_into_pipeline, save_checkpoint
+    from omnibal_compile.runtime.checkpoint import latest_checkpoint, load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -345,18 +390,31 @@ def train(config: RunConfig) -> list[StepLog]:
         recompute=config.recompute, weighting=config.weighting,
     )
     del model, result  # each rank keeps only its stages' parameters
-    if config.load:
-        load_into_pipeline(pipeline, config.load)
     optimizer = _OPTIMIZERS[config.optimizer](pipeline.parameters(), config.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(config.warmup_steps))
+    first = 0
+    if config.resume:
+        meta = load_training_state(latest_checkpoint(config.resume), state=pipeline.state, optimizer=optimizer)
+        scheduler.load_state_dict(meta["scheduler"])
+        first = int(meta["step"])
+
+    def save(step: int) -> None:
+        trainer = {"plan": plan.to_dict(), "layout": {"dp": config.dp, "pp": plan.num_devices},
+                   "data": _data_settings(config), "scheduler": scheduler.state_dict()}
+        path = save_training_state(config.save, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
+        if rank == 0:
+            print(f"[omnibal run] checkpoint written: {path}", flush=True)
+
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
     logs: list[StepLog] = []
-    for step in range(config.steps):
+    for step in range(first, config.steps):
         batch = source(step)
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
         loss = pipeline.step(batch)
         optimizer.step()
+        scheduler.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
@@ -373,8 +431,10 @@ def train(config: RunConfig) -> list[StepLog]:
             if config.log:
                 with open(config.log, "a") as f:
                     f.write(line + "\n")
+        if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+            save(step + 1)
     if config.save:
-        save_checkpoint(pipeline, config.save, step=config.steps)
+        save(config.steps)
     dist.barrier()
     return logs
 

@@ -1,0 +1,117 @@
+"""Checkpoints on DCP: exact resume, atomic saves, other layouts, clear errors before any rank starts.
+
+Runs are dp=2 x pp=1 (FSDP2) on balanced packs with AdamW and a warm-up schedule, so the model,
+the optimizer state, the LR schedule and the data position all have to come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_runtime_data import _config
+
+from omnibal_compile.errors import InputError, LaunchError
+from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint, load_into_model
+from omnibal_compile.runtime.launch import batch_source, build_model, launch
+
+STEPS = 6
+EXACT = 1e-6
+
+
+def _base(tmp_path: Path, lengths_file: str, **kw: Any):
+    return _config(tmp_path, lengths_file, stages=1, dp=2, batch_size=4, num_microbatches=2, schedule="1f1b",
+                   steps=STEPS, optimizer="adamw", lr=2e-3, warmup_steps=3, **kw)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, lengths_file):
+    tmp = tmp_path_factory.mktemp("full")
+    config = _base(tmp, lengths_file, save=str(tmp / "ckpt"))
+    return config, launch(config, timeout_s=300, quiet=True)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_kill_in_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path, lengths_file, uninterrupted,
+                                                                          monkeypatch):
+    _, full = uninterrupted
+    assert [e.step for e in full] == list(range(STEPS))
+    root = tmp_path / "ckpt"
+    config = _base(tmp_path, lengths_file, save=str(root), save_every=1)
+    monkeypatch.setenv("_OMNIBAL_KILL_IN_SAVE", "1:4")  # rank 1 dies inside the save after step 4
+    with pytest.raises(LaunchError):
+        launch(config, timeout_s=300, quiet=True)
+    monkeypatch.delenv("_OMNIBAL_KILL_IN_SAVE")
+    names = sorted(p.name for p in root.iterdir())
+    assert names == [".partial-step-000004", "step-000002", "step-000003"], names  # keep=2; step 4 never completed
+    assert latest_checkpoint(root).name == "step-000003"
+    assert checkpoint_meta(root / "step-000003")["step"] == 3
+
+    resumed = launch(dataclasses.replace(config, resume=str(root), save_every=0), timeout_s=300, quiet=True)
+    assert [e.step for e in resumed] == [3, 4, 5]  # --steps counts all steps
+    for a, b in zip(resumed, full[3:]):
+        assert abs(a.loss - b.loss) <= EXACT, (a, b)
+    assert not (root / ".partial-step-000004").exists()  # cleared by the next save
+    # the resumed run's final weights are the uninterrupted run's
+    ref, got = build_model(config), build_model(dataclasses.replace(config, seed=7))
+    assert load_into_model(ref, Path(uninterrupted[0].save)) == STEPS
+    assert load_into_model(got, root) == STEPS
+    for (n, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
+        assert float((a - b).abs().max()) <= EXACT, n
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_checkpoint_loads_into_another_layout_and_the_unsplit_model(tmp_path, lengths_file, uninterrupted):
+    config, full = uninterrupted
+    ckpt = Path(config.save)
+    # the unsplit model, loaded from the dp=2 x pp=1 checkpoint, computes the loss a pipeline computes next
+    model = build_model(dataclasses.replace(config, seed=11))
+    assert load_into_model(model, ckpt) == STEPS
+    # dp=1 x pp=2 resumes from it (DCP reshards the FSDP shards into whole stage tensors)
+    plan2 = _config(tmp_path, lengths_file, stages=2).plan
+    moved = dataclasses.replace(config, plan=plan2, dp=1, resume=str(ckpt), steps=STEPS + 1, save=None)
+    logged = launch(moved, timeout_s=300, quiet=True)
+    assert [e.step for e in logged] == [STEPS]
+    with torch.no_grad():
+        expected = float(model(**batch_source(moved, model)(STEPS)))
+    assert abs(logged[0].loss - expected) <= 1e-5
+
+
+def test_resume_checks_fail_before_any_process_starts(tmp_path, lengths_file, uninterrupted, monkeypatch):
+    import shutil
+
+    import omnibal_compile.runtime.launch as launch_mod
+
+    def no_process(*a: Any, **k: Any) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch_mod.subprocess, "Popen", no_process)
+    config, _ = uninterrupted
+    step = latest_checkpoint(config.save)
+    with pytest.raises(InputError, match="at step 6 and --steps is 6: nothing left to run"):
+        launch(dataclasses.replace(config, resume=config.save, save=None))
+    with pytest.raises(InputError, match=r"other data settings.*seed: saved 0, now 1"):
+        launch(dataclasses.replace(config, resume=config.save, steps=8, seed=1, save=None))
+    with pytest.raises(InputError, match="no checkpoint under"):
+        launch(dataclasses.replace(config, resume=str(tmp_path), steps=8, save=None))
+    with pytest.raises(InputError, match="--save-every needs --save"):
+        launch(dataclasses.replace(config, save=None, save_every=2))
+
+    broken = tmp_path / "broken" / step.name
+    shutil.copytree(step, broken)
+    data = sorted(broken.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:10])  # a truncated data file
+    with pytest.raises(InputError, match=rf"truncated: data file {data.name} has 10 bytes of"):
+        launch(dataclasses.replace(config, resume=str(broken.parent), steps=8, save=None))
+    (broken / "meta.json").unlink()  # meta.json is written last: its absence means unfinished
+    with pytest.raises(InputError, match="incomplete"):
+        launch(dataclasses.replace(config, resume=str(broken), steps=8, save=None))
+    (broken / "meta.json").write_text(json.dumps({"format": 1}))
+    with pytest.raises(InputError, match="format 1"):
+        checkpoint_meta(broken)

@@ -224,3 +224,17 @@ def test_dp_pre_launch_checks_name_the_flag(tmp_path, lengths_file, monkeypatch)
         launch(dataclasses.replace(config, dp=2, batch_size=6))
     with pytest.raises(PlanError, match=r"dp=2 pipelines of 1 ranks need 2 processes but world size is 3.*--nproc"):
         launch(dataclasses.replace(config, dp=2, nproc=3))
+
+
+def test_the_run_takes_its_data_parallel_layout_from_the_plan(tmp_path, lengths_file):
+    from omnibal_compile.runtime.launch import with_plan_layout
+
+    config = _config(tmp_path, lengths_file, stages=1, batch_size=4, num_microbatches=2, schedule="1f1b")
+    assert (with_plan_layout(config).dp, with_plan_layout(config).dp_shard) == (1, "fsdp")  # a plan without dp
+    plan = oc.Plan.from_json(Path(config.plan).read_text())
+    planned = dataclasses.replace(plan, data_parallel=2, data_parallel_shard="ddp", reshard_after_forward=False)
+    Path(config.plan).write_text(planned.to_json())
+    got = with_plan_layout(config)
+    assert (got.dp, got.dp_shard, got.reshard_after_forward) == (2, "ddp", False)
+    assert with_plan_layout(dataclasses.replace(config, dp=4, dp_shard="fsdp")).dp == 4  # --dp wins
+    assert batch_source(config, build_model(config), 1)(0)["input_ids"].shape[0] == 2  # rank 1 of dp=2

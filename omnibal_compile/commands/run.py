@@ -32,9 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and built-in batches")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: dp x the plan's pipeline ranks)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel pipelines (default 1); world = dp x plan devices")
-    p.add_argument("--dp-shard", default="fsdp",
-                   help="with --dp > 1: fsdp (FSDP2 fully_shard, default) or ddp (replicate)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel pipelines (default: the plan's, 1 unless planned with --dp); world = dp x plan devices")
+    p.add_argument("--dp-shard", default=None,
+                   help="with --dp > 1: fsdp (FSDP2 fully_shard) or ddp (replicate); default: the plan's, else fsdp")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP2: keep gathered parameters from forward to backward (more memory, fewer all-gathers)")
     p.add_argument("--schedule", default=None, choices=SCHEDULE_KINDS, help="override the plan's")
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         dp=args.dp,
         dp_shard=args.dp_shard,
-        reshard_after_forward=not args.no_reshard_after_forward,
+        reshard_after_forward=False if args.no_reshard_after_forward else None,
         schedule=args.schedule,
         num_microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,

@@ -98,12 +98,13 @@ class RunConfig:
     """Seed of the weights (same on every rank) and of the built-in batches."""
     nproc: int | None = None
     """Processes; default: ``dp`` x the plan's pipeline ranks."""
-    dp: int = 1
-    """Data-parallel pipelines (replicas)."""
-    dp_shard: str = "fsdp"
-    """With ``dp > 1``: ``fsdp`` (FSDP2 ``fully_shard``) or ``ddp`` (``replicate``)."""
-    reshard_after_forward: bool = True
-    """FSDP2: free the gathered parameters after each forward (ZeRO-3) instead of keeping them to backward."""
+    dp: int | None = None
+    """Data-parallel pipelines (replicas); None: the plan's (``Plan.data_parallel``, 1 unless planned with dp)."""
+    dp_shard: str | None = None
+    """With ``dp > 1``: ``fsdp`` (FSDP2 ``fully_shard``) or ``ddp`` (``replicate``); None: the plan's."""
+    reshard_after_forward: bool | None = None
+    """FSDP2: free the gathered parameters after each forward (ZeRO-3) instead of keeping them to
+    backward; None: the plan's."""
     schedule: str | None = None
     """Override the plan's schedule (``gpipe``, ``1f1b``, ``interleaved``)."""
     num_microbatches: int | None = None
@@ -152,6 +153,29 @@ class StepLog:
     """Slowest rank's wall time for forward, backward and optimizer."""
     rank_cpu_s: tuple[float, ...] = ()
     """CPU time of each rank's thread in the step: its own compute, not its waits (gloo sleeps)."""
+
+
+def with_plan_layout(config: RunConfig) -> RunConfig:
+    """``config`` with the data-parallel settings it leaves open (None) taken from its plan file.
+
+    The plan records the layout it was made for (``optimize(dp=..., dp_shard=...)``); a run uses it
+    unless ``--dp`` / ``--dp-shard`` say otherwise.
+    """
+    if config.dp is not None and config.dp_shard is not None and config.reshard_after_forward is not None:
+        return config
+    path = Path(config.plan)
+    planned = Plan.from_json(path.read_text()).dp if path.is_file() else None
+    if planned is not None and planned.size == 1:
+        planned = None  # made without data parallelism: nothing to inherit, the runtime's defaults apply
+    return dataclasses.replace(
+        config,
+        dp=config.dp if config.dp is not None else (planned.size if planned else 1),
+        dp_shard=config.dp_shard if config.dp_shard is not None else (planned.shard if planned else "fsdp"),
+        reshard_after_forward=(
+            config.reshard_after_forward if config.reshard_after_forward is not None
+            else (planned.reshard_after_forward if planned else True)
+        ),
+    )
 
 
 def read_plan(config: RunConfig) -> Plan:
@@ -204,6 +228,7 @@ BATCHINGS: tuple[str, ...] = ("balanced", "random")
 
 def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None) -> BatchSource:
     """``step -> batch``: data-parallel rank ``dp_rank``'s rows, or the whole step's (see the module glossary)."""
+    config = with_plan_layout(config)
     if config.data is not None and config.lengths:
         raise InputError("give either data='module:fn' or lengths=..., not both")
     if config.batching not in BATCHINGS:
@@ -297,6 +322,7 @@ def precheck(config: RunConfig) -> Plan:
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.runtime.pipeline import DP_SHARDS, check_pipeline
 
+    config = with_plan_layout(config)
     if not isinstance(config.dp, int) or isinstance(config.dp, bool) or config.dp < 1:
         raise InputError(f"dp (--dp, data-parallel pipelines) must be an integer >= 1, got {config.dp!r}")
     if config.dp_shard not in DP_SHARDS:
@@ -376,6 +402,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from omnibal_compile.runtime.checkpoint import latest_checkpoint, load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
+    config = with_plan_layout(config)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(config.threads)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
@@ -445,6 +472,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
     The ranks talk over loopback only (gloo on CPU, NCCL on GPU). The whole process group is
     killed when the run fails or exceeds ``timeout_s``.
     """
+    config = with_plan_layout(config)
     plan = precheck(config)
     nproc = config.nproc if config.nproc is not None else config.dp * plan.num_devices
     with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp:

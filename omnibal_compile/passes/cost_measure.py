@@ -34,6 +34,7 @@ __all__ = [
     "OpRecord",
     "record_ops",
     "LiveStorages",
+    "PeakLiveStorages",
     "kept_bytes",
     "median_time",
     "count_flops",
@@ -214,6 +215,47 @@ class LiveStorages(TorchDispatchMode):
 
     def alive_bytes(self) -> int:
         return sum(n for ref, n in self._refs.values() if not ref.expired())
+
+
+class PeakLiveStorages(LiveStorages):
+    """:class:`LiveStorages` that also records the peak of ``alive_bytes()`` over its ops (``peak_bytes``).
+
+    Freed storages are dropped before every op, so each op costs O(live storages) of Python: for
+    measurement runs only. ``track(tensors)`` counts storages made before the mode (weights,
+    optimizer states) until they are freed. DTensors count their local shard.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._alive = 0
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for k in [k for k, (ref, _) in self._refs.items() if ref.expired()]:  # freed since the last op
+            self._alive -= self._refs.pop(k)[1]
+        out = func(*args, **(kwargs or {}))
+        in_storages = {StorageWeakRef(_local(t).untyped_storage()).cdata for t in tensor_leaves((args, kwargs or {}))}
+        self._add(t for t in tensor_leaves(out) if StorageWeakRef(_local(t).untyped_storage()).cdata not in in_storages)
+        self.peak_bytes = max(self.peak_bytes, self._alive)
+        return out
+
+    def track(self, tensors: Any) -> None:
+        """Count the storages of ``tensors`` (any nesting), made outside the mode, while they live."""
+        self._add(tensor_leaves(tensors))
+        self.peak_bytes = max(self.peak_bytes, self._alive)
+
+    def _add(self, tensors: Any) -> None:
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref.cdata not in self._refs:
+                self._refs[ref.cdata] = (ref, storage.nbytes())
+                self._alive += storage.nbytes()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s own storage: a DTensor's local shard, else ``t``."""
+    return getattr(t, "_local_tensor", t)
 
 
 def kept_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[bool]) -> int:

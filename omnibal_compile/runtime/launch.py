@@ -26,6 +26,7 @@ Glossary:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -128,6 +129,9 @@ class RunConfig:
     optimizer, LR schedule, step and RNG; ``steps`` counts all steps, the resumed run does the rest."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up over this many steps (0: constant learning rate)."""
+    memory_steps: tuple[int, ...] = ()
+    """Steps in which every rank measures its peak live tensor bytes (``StepLog.rank_peak_bytes``);
+    empty (default): no accounting, which costs Python work on every op."""
     log: str | None = None
     """JSON-lines file for per-step loss and time (written by the rank holding the last stage)."""
 
@@ -138,6 +142,7 @@ class RunConfig:
     def from_json(cls, text: str) -> RunConfig:
         data = json.loads(text)
         data["lengths"] = tuple(data.get("lengths", ()))
+        data["memory_steps"] = tuple(data.get("memory_steps", ()))
         return cls(**data)
 
 
@@ -153,6 +158,9 @@ class StepLog:
     """Slowest rank's wall time for forward, backward and optimizer."""
     rank_cpu_s: tuple[float, ...] = ()
     """CPU time of each rank's thread in the step: its own compute, not its waits (gloo sleeps)."""
+    rank_peak_bytes: tuple[int, ...] = ()
+    """With ``RunConfig.memory_steps``: each rank's peak live tensor bytes in the step (weights,
+    gradients, optimizer states and every tensor the step makes; ``PeakLiveStorages``)."""
 
 
 def with_plan_layout(config: RunConfig) -> RunConfig:
@@ -399,6 +407,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.passes.cost_measure import PeakLiveStorages
     from omnibal_compile.runtime.checkpoint import latest_checkpoint, load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
@@ -439,8 +448,12 @@ def train(config: RunConfig) -> list[StepLog]:
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
-        loss = pipeline.step(batch)
-        optimizer.step()
+        live = PeakLiveStorages() if step in config.memory_steps else contextlib.nullcontext()
+        with live:
+            if isinstance(live, PeakLiveStorages):
+                live.track([list(pipeline.parameters()), list(optimizer.state.values())])
+            loss = pipeline.step(batch)
+            optimizer.step()
         scheduler.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -448,9 +461,14 @@ def train(config: RunConfig) -> list[StepLog]:
         cpu = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(cpu, torch.tensor([time.thread_time() - cpu_start], dtype=torch.float64, device=device))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        peaks: list[torch.Tensor] = []
+        if isinstance(live, PeakLiveStorages):
+            peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+            dist.all_gather(peaks, torch.tensor([live.peak_bytes], dtype=torch.int64, device=device))
         if rank == last_rank:
             entry = StepLog(
-                step=step, loss=float(loss or 0.0), step_time_s=float(elapsed), rank_cpu_s=tuple(float(c) for c in cpu)
+                step=step, loss=float(loss or 0.0), step_time_s=float(elapsed), rank_cpu_s=tuple(float(c) for c in cpu),
+                rank_peak_bytes=tuple(int(b) for b in peaks),
             )
             logs.append(entry)
             line = json.dumps(dataclasses.asdict(entry))
@@ -519,7 +537,8 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
 
 
 def _step_log(data: dict[str, Any]) -> StepLog:
-    return StepLog(**{**data, "rank_cpu_s": tuple(data.get("rank_cpu_s", ()))})
+    return StepLog(**{**data, "rank_cpu_s": tuple(data.get("rank_cpu_s", ())),
+                      "rank_peak_bytes": tuple(data.get("rank_peak_bytes", ()))})
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:

@@ -31,8 +31,9 @@ optimizer states exist) measures each rank's peak live tensor bytes (``RunConfig
 the cost pass's storage accounting), compared with the plan's predicted memory of that rank's
 stage; that step is not timed.
 
-    python bench/ablation_cpu.py            # ~7 minutes on 2 cores
-    python bench/ablation_cpu.py --quick    # fewer rounds and steps
+    python bench/ablation_cpu.py              # one round, 2 timed steps per configuration (~9 minutes here)
+    python bench/ablation_cpu.py --quick      # 1 timed step per configuration
+    python bench/ablation_cpu.py --rounds 2   # rotating rounds (the order shifts each round)
 """
 
 from __future__ import annotations
@@ -50,16 +51,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_cpu import CONFIG  # noqa: E402
+from pipeline_cpu import CONFIG
 
-import omnibal_compile as oc  # noqa: E402
-from omnibal_compile.cost_table import DataParallel, Precision  # noqa: E402
-from omnibal_compile.data import bundled_length_files  # noqa: E402
-from omnibal_compile.models import TinyVLM  # noqa: E402
-from omnibal_compile.passes.cost import annotate_costs  # noqa: E402
-from omnibal_compile.passes.partition import plan_with_costs  # noqa: E402
-from omnibal_compile.runtime import measure_overhead  # noqa: E402
-from omnibal_compile.runtime.launch import RunConfig, launch, packed_source  # noqa: E402
+import omnibal_compile as oc
+from omnibal_compile.cost_table import DataParallel, Precision
+from omnibal_compile.data import bundled_length_files
+from omnibal_compile.models import TinyVLM
+from omnibal_compile.passes.cost import annotate_costs
+from omnibal_compile.passes.partition import plan_with_costs
+from omnibal_compile.runtime import measure_overhead
+from omnibal_compile.runtime.launch import RunConfig, launch, packed_source
 
 LAYOUTS = ((2, 1), (1, 2), (2, 2))
 """(dp, pp) rows of the table."""
@@ -74,15 +75,16 @@ def steps_for(pp: int) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="1 round of 4 steps, fewer profiling repeats")
-    p.add_argument("--rounds", type=int, default=None, help="runs per configuration, in rotating order (default 2)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run; the first 2 are not timed (default 5)")
+    p.add_argument("--quick", action="store_true", help="3 steps per run (1 timed)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs per configuration, in rotating order (default 1: a round takes ~8 minutes here)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run; the first 2 are not timed (default 4)")
     p.add_argument("--packs", type=int, default=2, help="packs per dp rank per step (= micro-batches, one pack each)")
     p.add_argument("--samples-per-pack", type=int, default=4)
     args = p.parse_args(argv)
-    rounds = args.rounds or (1 if args.quick else 2)
-    nsteps = args.steps or (4 if args.quick else 5)
-    repeats = 3 if args.quick else 5
+    rounds = args.rounds
+    nsteps = args.steps or (3 if args.quick else 4)
+    repeats = 3
     if nsteps < 3:
         raise SystemExit("--steps must be >= 3 (step 0 warms up, step 1 measures memory)")
     cores = os.cpu_count() or 1
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     budgets = {}
     for dp, pp in LAYOUTS:
         layout = DataParallel(size=dp, shard="fsdp") if dp > 1 else DataParallel(size=1)
-        kw = dict(num_stages=pp, num_microbatches=micro, schedule="1f1b", data_parallel=layout)
+        kw = {"num_stages": pp, "num_microbatches": micro, "schedule": "1f1b", "data_parallel": layout}
         base = plan_with_costs(profiles["random"], planner="uniform", recompute="full", **kw)
         budget = max(base.stage_memory_bytes)
         budgets[dp, pp] = budget
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for pp in sorted({pp for _, pp in LAYOUTS}):
         procs = cores if pp > cores else None
         overheads[pp] = measure_overhead(ranks=pp, schedule="1f1b", microbatches=(max(pp, 2), max(pp, 2) + 4),
-                                         steps=6 if args.quick else 8, processors=procs)
+                                         steps=6, processors=procs)
         print(f"pp={pp}: runtime overhead {overheads[pp].op_s * 1e3:.2f} ms per action, "
               f"{overheads[pp].step_s * 1e3:.2f} ms per step", flush=True)
 

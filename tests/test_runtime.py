@@ -315,8 +315,11 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
         assert float((loaded(**batch) - model(**batch)).abs().max()) <= TOL
 
     # resuming from the checkpoint: --steps counts all steps, so one more step is step 2, on batch 2
-    resumed = launch(dataclasses.replace(config, resume=str(ckpt), steps=3), timeout_s=200, quiet=True)
+    # (with the peak-memory accounting on: it reports every rank's bytes and changes no result)
+    resumed = launch(dataclasses.replace(config, resume=str(ckpt), steps=3, memory_steps=(2,)), timeout_s=200, quiet=True)
     assert [e.step for e in resumed] == [2]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(resumed[0].rank_peak_bytes) == 2 and sum(resumed[0].rank_peak_bytes) > weights
     with torch.no_grad():
         assert abs(resumed[0].loss - float(model(**source(2)))) <= TOL
 
@@ -390,3 +393,21 @@ def test_overhead_fit_recovers_the_model_it_fits(processors):
         assert samples[1][1] - samples[0][1] == pytest.approx(h * 2 * 4)
     with pytest.raises(InputError, match="M1 < M2"):
         fit_overhead(samples[::-1], ranks=ranks)
+
+
+def test_peak_live_storages_counts_tracked_and_new_storages_until_freed():
+    from omnibal_compile.passes.cost_measure import PeakLiveStorages
+
+    w = torch.ones(1000)  # 4000 bytes made before the mode
+    with PeakLiveStorages() as live:
+        live.track([w])
+        a = w * 2  # +4000
+        b = a + 1  # +4000: peak 12000
+        del a
+        c = b.view(10, 100) * 3  # a's 4000 freed before this op; the view adds nothing, c +4000
+        assert live.peak_bytes == 12000
+        del b, c
+        d = torch.zeros(3000)  # b, c freed: 4000 + 12000 = 16000
+    assert live.peak_bytes == 16000 and d.numel() == 3000
+    config = RunConfig(plan="p.json", memory_steps=(1, 3))
+    assert RunConfig.from_json(config.to_json()) == config and RunConfig(plan="p.json").memory_steps == ()

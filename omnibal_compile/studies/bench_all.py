@@ -31,6 +31,7 @@ __all__ = ["BenchScript", "BenchResult", "KINDS", "QUICK_ARGS", "FULL_ARGS", "di
            "write_results", "default_bench_dir"]
 
 KINDS: dict[str, str] = {
+    "ablation_cpu.py": "measured and simulated (the data/partition/memory ablation on local CPU ranks vs the simulator)",
     "cost_accuracy.py": "measured on this CPU (profiled block costs vs whole-model runs)",
     "data_balance.py": "measured (balance metrics on the real length statistics; balancer run times on this CPU)",
     "pipeline_cpu.py": "measured (real pipeline runs on local CPU ranks)",
@@ -49,6 +50,7 @@ FULL_ARGS: dict[str, tuple[str, ...]] = {
 """Flags every run passes (e.g. no progress bars in a log)."""
 
 QUICK_ARGS: dict[str, tuple[str, ...]] = {
+    "ablation_cpu.py": ("--quick",),
     "cost_accuracy.py": ("--quick",),
     "data_balance.py": ("--no-progress", "--scale", "300000"),
     "pipeline_cpu.py": ("--steps", "5"),

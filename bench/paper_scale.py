@@ -22,11 +22,8 @@ pipelines longer than a node send over InfiniBand).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 import time
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -40,20 +37,6 @@ from omnibal_compile.studies.paper_scale import (
     make_batches,
     run_ablation,
 )
-
-
-@contextlib.contextmanager
-def stdout_silenced() -> Iterator[None]:
-    """Send file descriptor 1 to /dev/null (output written by C libraries included)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 1)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
 
 
 def step_cost(model: VLMSpec):
@@ -132,8 +115,7 @@ def main() -> int:
         if key not in cache:
             cache[key] = make_batches(stats, per_step=key[1], samples_per_microbatch=key[2], cost=step_cost(setup.model),
                                       seed=args.seed)
-        with stdout_silenced():  # HiGHS prints a banner from C on every solve
-            rows = run_ablation(setup, cache[key])
+        rows = run_ablation(setup, cache[key])
         chain = [r.gpu_days for r in rows if r.chain]
         monotone = all(b <= a * (1 + 1e-9) for a, b in zip(chain, chain[1:]))
         if show:

@@ -367,3 +367,10 @@ def test_fsdp_lowers_memory_and_fits_a_tighter_budget():
     assert fits.feasible and max(fits.stage_memory) <= budget
     ddp = problem_from_costs(costs, num_stages=4, num_microbatches=8, data_parallel=DataParallel(size=4))
     assert least_memory_split(ddp)[2] == need[1]  # DDP replicates everything
+
+
+def test_highs_prints_nothing_unless_asked(capfd):
+    pytest.importorskip("highspy")
+    solve_ilp(equal_problem(), solver="highs", time_limit=30)
+    out, _ = capfd.readouterr()
+    assert "HiGHS" not in out and "THIRD_PARTY" not in out  # the C library's banner is kept out

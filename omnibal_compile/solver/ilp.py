@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from omnibal_compile.errors import PlanError
 from omnibal_compile.solver.dp import Frontiers
@@ -52,6 +55,20 @@ BOUND_MARGIN = 1e-5
 solver's feasibility tolerances (a bound equal to the optimum made HiGHS report infeasible)."""
 
 
+@contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """Send file descriptor 1 to /dev/null for a while (what C libraries print included)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def make_solver(name: str = "auto", *, time_limit: float | None = None, gap: float = 1e-4, msg: bool = False):
     """A PuLP solver: HiGHS when highspy is installed (or asked for), CBC otherwise."""
     import pulp
@@ -64,6 +81,14 @@ def make_solver(name: str = "auto", *, time_limit: float | None = None, gap: flo
 
             class WarmHiGHS(pulp.HiGHS):
                 """HiGHS that starts from the variables' initial values when all are set."""
+
+                def actualSolve(self, lp, **kwargs):  # noqa: N802 - PuLP's name
+                    # highspy prints a copyright banner from C whenever a model is made, whatever
+                    # the options say: keep it out of the user's output unless msg asks for the log.
+                    if self.msg:
+                        return super().actualSolve(lp, **kwargs)
+                    with _stdout_silenced():
+                        return super().actualSolve(lp, **kwargs)
 
                 def callSolver(self, lp):  # noqa: N802 - PuLP's name
                     values = [v.varValue for v in lp.variables()]

@@ -41,6 +41,7 @@ from omnibal_compile.errors import InputError
 __all__ = [
     "CHECKPOINT_FORMAT",
     "checkpoint_meta",
+    "find_checkpoint",
     "latest_checkpoint",
     "load_into_model",
     "load_training_state",
@@ -94,18 +95,21 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def latest_checkpoint(root: str | Path) -> Path:
-    """The newest step folder under ``root`` (or ``root`` itself when it is a step folder), checked complete."""
+def find_checkpoint(root: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The newest step folder under ``root`` (or ``root`` itself when it is a step folder), checked
+    complete, and its trainer state."""
     folder = Path(root)
-    if (folder / _META).is_file() or _STEP.match(folder.name):
-        checkpoint_meta(folder)
-        return folder
-    steps = _step_folders(folder)
-    if not steps:
-        raise InputError(f"no checkpoint under {folder}: expected step-<K> folders written by --save")
-    latest = steps[-1][1]
-    checkpoint_meta(latest)
-    return latest
+    if not ((folder / _META).is_file() or _STEP.match(folder.name)):
+        steps = _step_folders(folder)
+        if not steps:
+            raise InputError(f"no checkpoint under {folder}: expected step-<K> folders written by --save")
+        folder = steps[-1][1]
+    return folder, checkpoint_meta(folder)
+
+
+def latest_checkpoint(root: str | Path) -> Path:
+    """The newest complete step folder under ``root`` (see :func:`find_checkpoint`)."""
+    return find_checkpoint(root)[0]
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, dict[str, Any]]:
@@ -189,27 +193,17 @@ def save_training_state(
 def load_training_state(
     path: str | Path, *, state: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """Collectively load a step folder into this rank's tensors and optimizer; returns the trainer state.
+    """Collectively load the newest step folder of ``path`` (see :func:`find_checkpoint`) into this
+    rank's tensors and optimizer, in place; returns the trainer state.
 
     Works across layouts: each rank reads the names it holds, DCP reshards. RNG states are restored
     only when the world size is the one that saved.
     """
-    folder = Path(path)
-    meta = checkpoint_meta(folder)
-    names = _param_names(state)
+    folder, meta = find_checkpoint(path)
     _init_optimizer_state(optimizer)
-    target = {"model": dict(state), "optim": _optimizer_state(optimizer, names)}
-    dcp.load(target, checkpoint_id=str(folder))
-    with torch.no_grad():  # DCP may return new objects for non-tensor-backed entries: copy back
-        for name, t in target["model"].items():
-            if t is not state[name]:
-                state[name].copy_(t)
-    opt_state = _optimizer_state(optimizer, names)
-    for name, values in target["optim"].items():
-        for key, v in values.items():
-            cur = opt_state[name][key]
-            if isinstance(cur, torch.Tensor) and v is not cur:
-                cur.copy_(v)
+    # DCP loads into the given tensors (DTensor shards included), so the parameters and the
+    # optimizer's own state tensors are filled where they are.
+    dcp.load({"model": dict(state), "optim": _optimizer_state(optimizer, _param_names(state))}, checkpoint_id=str(folder))
     for group, saved in zip(optimizer.param_groups, meta.get("param_groups", [])):
         group.update({k: v for k, v in saved.items() if k in group and not isinstance(group[k], torch.Tensor)})
     if meta.get("world_size") == dist.get_world_size():
@@ -221,8 +215,7 @@ def load_training_state(
 
 def load_into_model(model: nn.Module, path: str | Path) -> int:
     """Load a checkpoint's weights into the unsplit ``model`` (no process group needed); returns its step."""
-    folder = latest_checkpoint(path)
-    meta = checkpoint_meta(folder)
+    folder, meta = find_checkpoint(path)
     state = model.state_dict()
     saved = set(_saved_model_names(folder))
     missing, unexpected = sorted(set(state) - saved), sorted(saved - set(state))

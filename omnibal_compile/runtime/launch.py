@@ -376,10 +376,9 @@ def _warmup(steps: int) -> Callable[[int], float]:
 
 def _check_resume(config: RunConfig) -> None:
     """The checkpoint is complete, is behind ``steps`` and was saved with this run's data settings."""
-    from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint
+    from omnibal_compile.runtime.checkpoint import find_checkpoint
 
-    folder = latest_checkpoint(config.resume)  # type: ignore[arg-type]  # InputError when incomplete or truncated
-    meta = checkpoint_meta(folder)
+    folder, meta = find_checkpoint(config.resume)  # type: ignore[arg-type]  # InputError when incomplete or truncated
     if int(meta["step"]) >= config.steps:
         raise InputError(
             f"checkpoint {folder} is at step {meta['step']} and --steps is {config.steps}: nothing left to run; "
@@ -408,7 +407,7 @@ def train(config: RunConfig) -> list[StepLog]:
 
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.passes.cost_measure import PeakLiveStorages
-    from omnibal_compile.runtime.checkpoint import latest_checkpoint, load_training_state, save_training_state
+    from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
     config = with_plan_layout(config)
@@ -430,7 +429,7 @@ def train(config: RunConfig) -> list[StepLog]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(config.warmup_steps))
     first = 0
     if config.resume:
-        meta = load_training_state(latest_checkpoint(config.resume), state=pipeline.state, optimizer=optimizer)
+        meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)
         scheduler.load_state_dict(meta["scheduler"])
         first = int(meta["step"])
 

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.cost_table import BF16_ADAM, CostTable, DataParallel, Precision
+from omnibal_compile.cost_table import BF16_ADAM, DEFAULT_DP_SHARD, CostTable, DataParallel, Precision
 from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
@@ -222,7 +222,7 @@ def optimize(
     lengths: Any = None,
     data: DataOptions | None = None,
     dp: int = 1,
-    dp_shard: str = "ddp",
+    dp_shard: str = DEFAULT_DP_SHARD,
     dp_reshard_after_forward: bool = True,
 ) -> OptimizeResult:
     """Capture ``model`` on ``example_inputs``, cut it into ``num_stages`` pipeline stages, emit them.
@@ -261,9 +261,9 @@ def optimize(
             shape, the per-rank sampler and the collator.
         data: how to balance (``DataOptions``: data-parallel size, samples per pack, method...).
         dp, dp_shard, dp_reshard_after_forward: data-parallel replicas of the pipeline and how they
-            hold weights, gradients and optimizer states: ``"ddp"`` (replicated) or ``"fsdp"``
-            (sharded; gathered weights freed after each forward unless ``dp_reshard_after_forward``
-            is False). Planning divides static memory per device accordingly and adds the gradient
+            hold weights, gradients and optimizer states: ``"fsdp"`` (default; sharded, gathered weights
+            freed after each forward unless ``dp_reshard_after_forward`` is False) or ``"ddp"``
+            (replicated). Planning divides static memory per device accordingly and adds the gradient
             reduction (and FSDP's all-gathers) to the iteration time; the plan records it.
     """
     layout = DataParallel(size=dp, shard=dp_shard, reshard_after_forward=dp_reshard_after_forward)

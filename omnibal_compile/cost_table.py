@@ -70,7 +70,10 @@ class BlockCost:
             raise InputError(f"block '{self.name}': times and bytes must be non-negative")
 
 
-DP_SHARDS: tuple[str, ...] = ("ddp", "fsdp")
+DP_SHARDS: tuple[str, ...] = ("fsdp", "ddp")
+"""How a pipeline stage is data-parallel: FSDP2 ``fully_shard`` (ZeRO-3) or DDP-style replication."""
+DEFAULT_DP_SHARD = "fsdp"
+"""The data-parallel engine planned for and run when none is named (FSDP2, as the runtime does)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +88,7 @@ class DataParallel:
 
     size: int = 1
     """Data-parallel replicas of the pipeline (dp); 1 = none, where both layouts are the same."""
-    shard: str = "ddp"
+    shard: str = DEFAULT_DP_SHARD
     """``ddp`` (replicated state) or ``fsdp`` (everything sharded over the ``size`` ranks)."""
     reshard_after_forward: bool = True
     """FSDP only: free gathered weights after each forward and gather them again for the backward

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, DataParallel
+from omnibal_compile.cost_table import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, DataParallel
 from omnibal_compile.errors import PlanError
 from omnibal_compile.schedule import Schedule
 from omnibal_compile.tables import format_table
@@ -75,7 +75,7 @@ class Plan:
     """Predicted time of one iteration under the schedule (data-parallel communication included)."""
     data_parallel: int = 1
     """Data-parallel replicas of the whole pipeline (devices = pipeline devices x this); 1 = none."""
-    data_parallel_shard: str = "ddp"
+    data_parallel_shard: str = DEFAULT_DP_SHARD
     """How the replicas hold their state: ``ddp`` (replicated) or ``fsdp`` (sharded; see :class:`DataParallel`)."""
     reshard_after_forward: bool = True
     """FSDP only: weights are gathered again for the backward (True) or kept gathered all iteration."""

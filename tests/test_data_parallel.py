@@ -25,7 +25,7 @@ def block(precision: Precision = BF16_ADAM) -> BlockCost:
 ])
 def test_static_bytes_per_device_by_hand(size, ddp, fsdp, fsdp_kept):
     b = block()
-    assert DataParallel(size=size).block_cost(b, BF16_ADAM, 1000.0).static_bytes == ddp
+    assert DataParallel(size=size, shard="ddp").block_cost(b, BF16_ADAM, 1000.0).static_bytes == ddp
     sharded = DataParallel(size=size, shard="fsdp").block_cost(b, BF16_ADAM, 1000.0)
     assert sharded.static_bytes == fsdp
     assert sharded.gathered_bytes == (2_000 if size > 1 else 0)  # the block's whole bf16 weights while it computes
@@ -36,18 +36,18 @@ def test_static_bytes_per_device_by_hand(size, ddp, fsdp, fsdp_kept):
 def test_zero1_and_fsdp_share_one_rule():
     zero1 = Precision(optimizer_shards=4)
     assert zero1.bytes_per_param == 2 + 2 + 12 / 4  # unchanged meaning without a layout
-    assert zero1.bytes_per_param_on(DataParallel(size=4)) == 2 + 2 + 12 / 4  # DDP + ZeRO-1
+    assert zero1.bytes_per_param_on(DataParallel(size=4, shard="ddp")) == 2 + 2 + 12 / 4  # DDP + ZeRO-1
     assert zero1.bytes_per_param_on(DataParallel(size=4, shard="fsdp")) == 16 / 4  # FSDP shards everything
     assert BF16_ADAM.bytes_per_param_on(DataParallel(size=4, shard="fsdp")) == 4
     # a table costed with ZeRO-1 over 4 ranks, planned with DDP over 4: its own static bytes
-    assert DataParallel(size=4).block_cost(block(zero1), zero1, 1.0).static_bytes == 7_000
+    assert DataParallel(size=4, shard="ddp").block_cost(block(zero1), zero1, 1.0).static_bytes == 7_000
     with pytest.raises(InputError, match="optimizer_shards=2 disagrees with dp=4"):
-        Precision(optimizer_shards=2).bytes_per_param_on(DataParallel(size=4))
+        Precision(optimizer_shards=2).bytes_per_param_on(DataParallel(size=4, shard="ddp"))
 
 
 def test_communication_seconds_by_hand():
     b, bw = block(), 1000.0
-    ddp = DataParallel(size=4).block_cost(b, BF16_ADAM, bw)
+    ddp = DataParallel(size=4, shard="ddp").block_cost(b, BF16_ADAM, bw)
     assert ddp.reduce_s == pytest.approx(2 * 3 / 4 * 2000 / bw) and ddp.gather_s == 0
     fsdp = DataParallel(size=4, shard="fsdp").block_cost(b, BF16_ADAM, bw)
     assert fsdp.reduce_s == pytest.approx(3 / 4 * 2000 / bw) and fsdp.gather_s == pytest.approx(3 / 4 * 2000 / bw)
@@ -59,7 +59,7 @@ def test_communication_seconds_by_hand():
 
 def test_bad_layouts_name_the_input():
     with pytest.raises(InputError, match=r"dp\) must be a positive integer"):
-        DataParallel(size=0)
+        DataParallel(size=0, shard="ddp")
     with pytest.raises(InputError, match="dp_shard"):
         DataParallel(size=2, shard="zero3")
 

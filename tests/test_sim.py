@@ -305,7 +305,7 @@ def test_planner_predicts_the_simulated_data_parallel_iteration_on_equal_stages(
     from omnibal_compile.solver import evaluate, problem_from_costs
 
     costs = table([block(i, 1.0, 2.0, static=16_000) for i in range(4)], bw=1000.0)
-    for layout in (DataParallel(size=4), DataParallel(size=4, shard="fsdp"), DataParallel(size=4, shard="fsdp", reshard_after_forward=False)):
+    for layout in (DataParallel(size=4, shard="ddp"), DataParallel(size=4, shard="fsdp"), DataParallel(size=4, shard="fsdp", reshard_after_forward=False)):
         P = problem_from_costs(costs, num_stages=4, num_microbatches=8, data_parallel=layout)
         sol = evaluate(P, (0, 1, 2, 3, 4), ["none"] * 4)
         plan = dp_plan(4, 8, "1f1b", layout.size, layout.shard, layout.reshard_after_forward)
@@ -323,5 +323,5 @@ def test_data_parallel_reduction_hides_behind_later_backwards_on_unequal_stages(
     from omnibal_compile.cost_table import DataParallel
     from omnibal_compile.solver import evaluate, problem_from_costs
 
-    P = problem_from_costs(costs, num_stages=2, num_microbatches=4, data_parallel=DataParallel(size=2))
+    P = problem_from_costs(costs, num_stages=2, num_microbatches=4, data_parallel=DataParallel(size=2, shard="ddp"))
     assert evaluate(P, (0, 1, 2), ["none"] * 2).iteration_time == pytest.approx(pipeline + R1)  # an upper bound

@@ -365,7 +365,7 @@ def test_fsdp_lowers_memory_and_fits_a_tighter_budget():
     fits = solve(problem_from_costs(costs, num_stages=4, num_microbatches=8, budget=budget,
                                     data_parallel=DataParallel(size=4, shard="fsdp")), "ilp")
     assert fits.feasible and max(fits.stage_memory) <= budget
-    ddp = problem_from_costs(costs, num_stages=4, num_microbatches=8, data_parallel=DataParallel(size=4))
+    ddp = problem_from_costs(costs, num_stages=4, num_microbatches=8, data_parallel=DataParallel(size=4, shard="ddp"))
     assert least_memory_split(ddp)[2] == need[1]  # DDP replicates everything
 
 

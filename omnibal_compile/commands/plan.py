@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omnibal_compile.cost_table import DP_SHARDS
+from omnibal_compile.cost_table import DEFAULT_DP_SHARD, DP_SHARDS
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.labels import IGNORE_INDEX
 from omnibal_compile.progress import Progress
@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule (default 1f1b)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 40GB (default: unconstrained)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (default 1)")
-    p.add_argument("--dp-shard", default="ddp", choices=DP_SHARDS,
-                   help="how the replicas hold weights, gradients and optimizer states: ddp (replicated) or fsdp (sharded); default ddp")
+    p.add_argument("--dp-shard", default=DEFAULT_DP_SHARD, choices=DP_SHARDS,
+                   help="how the replicas hold weights, gradients and optimizer states: fsdp (sharded, default) or ddp (replicated)")
     p.add_argument("--device", default="cpu", help="device the costs are for: cpu (profile here) or a target such as a100-80gb")
     p.add_argument("--planner", default="auto", choices=["auto", *PLANNERS], help="auto = ilp; " + planner_help("auto"))
     p.add_argument("--costs", metavar="FILE", default=None, help="use this CostTable JSON instead of running the cost pass")

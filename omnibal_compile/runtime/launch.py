@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from omnibal_compile.cost_table import DEFAULT_DP_SHARD
 from omnibal_compile.errors import InputError, LaunchError
 from omnibal_compile.plan import Plan
 
@@ -178,7 +179,7 @@ def with_plan_layout(config: RunConfig) -> RunConfig:
     return dataclasses.replace(
         config,
         dp=config.dp if config.dp is not None else (planned.size if planned else 1),
-        dp_shard=config.dp_shard if config.dp_shard is not None else (planned.shard if planned else "fsdp"),
+        dp_shard=config.dp_shard if config.dp_shard is not None else (planned.shard if planned else DEFAULT_DP_SHARD),
         reshard_after_forward=(
             config.reshard_after_forward if config.reshard_after_forward is not None
             else (planned.reshard_after_forward if planned else True)
@@ -328,7 +329,8 @@ def precheck(config: RunConfig) -> Plan:
     (captures it once, here).
     """
     from omnibal_compile.api import compile_for_microbatches
-    from omnibal_compile.runtime.pipeline import DP_SHARDS, check_pipeline
+    from omnibal_compile.cost_table import DP_SHARDS
+    from omnibal_compile.runtime.pipeline import check_pipeline
 
     config = with_plan_layout(config)
     if not isinstance(config.dp, int) or isinstance(config.dp, bool) or config.dp < 1:

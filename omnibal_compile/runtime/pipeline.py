@@ -44,6 +44,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Pipel
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from omnibal_compile.cost_table import DP_SHARDS
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.labels import IGNORE_INDEX
 from omnibal_compile.passes.capture import normalize_example_inputs
@@ -54,7 +55,6 @@ if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls 
     from omnibal_compile.api import OptimizeResult
 
 __all__ = [
-    "DP_SHARDS",
     "RankPipeline",
     "TiedParameter",
     "build_pipeline",
@@ -73,8 +73,6 @@ _SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
 """Schedule kind (:data:`omnibal_compile.schedule.SCHEDULE_KINDS`) -> the torch class that runs it."""
 
 
-DP_SHARDS: tuple[str, ...] = ("fsdp", "ddp")
-"""How a stage is data-parallel over ``dp``: FSDP2 ``fully_shard`` or ``replicate`` (see the module glossary)."""
 
 
 def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1) -> None:

@@ -191,13 +191,14 @@ def solve_ilp(
     for i in range(n):
         prob += pulp.lpSum(w[i, s, o] for s in range(lo[i], hi[i] + 1) for o in useful[i]) == 1, f"assign_{i}"
     z: dict[tuple[int, int, int], pulp.LpVariable] = {}
+    frontiers: Frontiers | None = None
     if P.budget:
         # Interval variables z[i, j, s] (stage s runs exactly blocks [i, j)) make this an extended
         # formulation with a far tighter LP relaxation under a memory budget: the stages form a
         # path of intervals, and a stage's time is at least the exact multiple-choice knapsack
         # optimum of its interval, which the block-level relaxation undercuts with fractional
         # recompute options (a ~5% root gap and thousands of nodes on the bench instance).
-        floor = _interval_floors(P, lo, hi, tau)
+        floor, frontiers = _interval_floors(P, lo, hi, tau)
         z = {key: pulp.LpVariable("z_{}_{}_{}".format(*key), cat="Binary") for key in floor}
         starts: dict[tuple[int, int], list] = {}
         finishes: dict[tuple[int, int], list] = {}
@@ -324,6 +325,8 @@ def solve_ilp(
     else:
         note = f"{status}, no lower bound yet"
     boundaries, recompute = _read(w, n, S, opts)
+    if frontiers is not None:
+        recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
     return evaluate(
         original,
         boundaries,
@@ -336,8 +339,11 @@ def solve_ilp(
     )
 
 
-def _interval_floors(P: PartitionProblem, lo: list[int], hi: list[int], tau: float | None) -> dict[tuple[int, int, int], float]:
-    """Least time of stage s on blocks [i, j) under its memory, for every interval it can run.
+def _interval_floors(
+    P: PartitionProblem, lo: list[int], hi: list[int], tau: float | None
+) -> tuple[dict[tuple[int, int, int], float], Frontiers]:
+    """Least time of stage s on blocks [i, j) under its memory, for every interval it can run (and
+    the frontiers that found them).
 
     Block b can lie on stages lo[b]..hi[b]; an interval slower than ``tau`` (when given) or whose
     fastest fitting option vector does not exist is left out.
@@ -359,7 +365,28 @@ def _interval_floors(P: PartitionProblem, lo: list[int], hi: list[int], tau: flo
                     floor[i, j, s] = best[0]
     if not floor:
         raise PlanError("no stage range fits the memory budget within the bound: the ILP has no plan")
-    return floor
+    return floor, frontiers
+
+
+def _fastest_fitting(P: PartitionProblem, frontiers: Frontiers, boundaries: Sequence[int], recompute: Sequence[str]) -> list[str]:
+    """Each stage's options, replaced by its interval's fastest option vector that fits exactly where
+    that one is faster.
+
+    The solver decides the memory rows within its feasibility tolerance, far coarser than a byte
+    at these scales, so it may turn down a vector that fits to the byte (a plan exactly at the
+    budget); the frontiers decide fitting exactly. Equal times keep the solver's choice, which
+    also minimised recomputation.
+    """
+    out = list(recompute)
+    for s in range(P.num_stages):
+        i, j = boundaries[s], boundaries[s + 1]
+        best = frontiers.best_stage(s, i, j)
+        if best is None:
+            continue
+        mine = sum(P.time[b][OPTIONS.index(out[b])] for b in range(i, j))
+        if best[0] - P.cut_time[i] - P.cut_time[j] < mine * (1 - 1e-9):
+            out[i:j] = [OPTIONS[o] for o in frontiers.options(i, j, best[1])]
+    return out
 
 
 def _solve(prob, solver: str, time_limit: float | None, warm: bool, gap: float) -> str:

@@ -128,11 +128,11 @@ def solve(
     info = planner_info(planner)
     if problem.budget:
         _, _, needed = least_memory_split(problem)
-        if any(needed > b * (1 + 1e-9) for b in problem.budget):
+        if any(needed / problem.virtual_stages > problem.memory_limit(s) for s in range(problem.num_stages)):
             raise PlanError(explain_infeasible(problem))
     sol = info.solve(problem, solver=solver, time_limit=time_limit, gap=gap)
     if planner in BASELINES and not sol.feasible:  # the exact planners raise when nothing fits
-        over = [s for s, m in enumerate(sol.stage_memory) if m > problem.stage_budget(s)]
+        over = [s for s, m in enumerate(sol.stage_memory) if m > problem.memory_limit(s)]
         raise PlanError(
             f"the {planner} split does not fit the memory budget on stages {over} even with the most "
             f"recomputation allowed ({problem.allowed[-1]}); a plan that fits exists: use planner='ilp'"

@@ -92,7 +92,7 @@ def least_recompute(problem: PartitionProblem, boundaries: Sequence[int], *, per
             + in_flight(problem, s) * sum(problem.act[b][o] for b in range(i, j))
             + (problem.cut_bytes[i] if i > 0 else 0)
         )
-        return mem <= problem.stage_budget(s) * (1 + 1e-9) + 1e-6
+        return mem <= problem.memory_limit(s)
 
     S = problem.num_stages
     if per_stage:

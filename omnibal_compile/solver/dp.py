@@ -42,7 +42,7 @@ class Frontiers:
         for w in problem.static:
             self.prefix_static.append(self.prefix_static[-1] + w)
         self.in_flight = [in_flight(problem, s) for s in range(problem.num_stages)]
-        self.budget = [problem.stage_budget(s) for s in range(problem.num_stages)]
+        self.budget = [problem.memory_limit(s) for s in range(problem.num_stages)]
         opts = np.array(problem.option_indices())
         n = problem.n
         fastest = [min(problem.time[b][o] for o in opts) for b in range(n)]

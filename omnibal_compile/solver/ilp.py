@@ -250,7 +250,7 @@ def solve_ilp(
         prob += T[s] == compute + send_fwd + send_bwd, f"time_{s}"
         if z:
             prob += T[s] >= pulp.lpSum(var * floor[key] for key, var in z.items() if key[2] == s), f"floor_{s}"
-        budget = P.stage_budget(s)
+        budget = P.memory_limit(s)
         if budget != float("inf"):
             mem = (
                 pulp.lpSum(x(i, s) * P.static[i] for i in range(n) if lo[i] <= s <= hi[i])

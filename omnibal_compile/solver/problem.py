@@ -129,6 +129,11 @@ class PartitionProblem:
             return math.inf
         return self.budget[self.device_of(s)] / self.virtual_stages
 
+    def memory_limit(self, s: int) -> float:
+        """The most memory stage ``s`` may be predicted to use and still fit: its budget plus a
+        rounding allowance of one part in 1e9. The one fitting rule of every planner and check."""
+        return self.stage_budget(s) * (1 + 1e-9) + 1e-6
+
     def option_indices(self) -> tuple[int, ...]:
         return tuple(OPTIONS.index(o) for o in self.allowed)
 
@@ -231,7 +236,7 @@ def evaluate(
         t, m = stage_figures(problem, s, b[s], b[s + 1], opts[b[s] : b[s + 1]])
         times.append(t)
         mems.append(m)
-    feasible = all(m <= problem.stage_budget(s) * (1 + 1e-9) + 1e-6 for s, m in enumerate(mems))
+    feasible = all(m <= problem.memory_limit(s) for s, m in enumerate(mems))
     slow = max(range(len(times)), key=times.__getitem__)
     binding = f"time of stage {slow}"
     if problem.budget:

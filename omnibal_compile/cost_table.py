@@ -265,7 +265,8 @@ class CostTable:
                 f"{a['none'] * mib:.2f}/{a['selective'] * mib:.2f}/{a['full'] * mib:.2f}",
                 f"{r['selective'] * 1e3:.3f}/{r['full'] * 1e3:.3f}",
             ))
-        title = f"costs on {self.device} ({self.source}), micro-batch {dict(self.batch_shape)}"
+        shape = ", ".join(f"{k} {v}" for k, v in dict(self.batch_shape).items())
+        title = f"Costs on {self.device} ({self.source})" + (f", micro-batch of {shape}" if shape else "") + ":"
         return title + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2))
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -325,3 +325,11 @@ def test_data_parallel_reduction_hides_behind_later_backwards_on_unequal_stages(
 
     P = problem_from_costs(costs, num_stages=2, num_microbatches=4, data_parallel=DataParallel(size=2, shard="ddp"))
     assert evaluate(P, (0, 1, 2), ["none"] * 2).iteration_time == pytest.approx(pipeline + R1)  # an upper bound
+
+
+def test_printing_a_simulation_shows_its_summary_not_every_event():
+    plan = chain_plan(2, schedule="1f1b", M=4)
+    sim = simulate(plan, table([block(0), block(1)]))
+    assert len(sim.events) > 8
+    assert str(sim) == sim.summary() and "4 micro-batches" in str(sim)
+    assert "Event(" not in repr(sim) and len(repr(sim)) < 1000

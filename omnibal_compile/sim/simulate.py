@@ -64,13 +64,14 @@ Closed forms with equal stages, no sends and F, B per stage (tested in tests/tes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from omnibal_compile.cost_table import CostTable
 from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule
+from omnibal_compile.tables import counted
 
 __all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 
@@ -155,15 +156,18 @@ class SimResult:
     """Weights, gradients and optimizer states of each device, plus the largest block's gathered weights (FSDP)."""
     peak_memory_bytes: tuple[int, ...]
     """``static_bytes + peak_activation_bytes`` per device."""
-    events: tuple[Event, ...]
-    """Every compute and send interval, sorted by start time."""
+    events: tuple[Event, ...] = field(repr=False)
+    """Every compute and send interval, sorted by start time (left out of the repr: there are many)."""
+
+    def __str__(self) -> str:
+        return self.summary()
 
     def summary(self) -> str:
         """A short table: per device busy ms, utilisation, peak in flight and memory."""
         mib = 1 / 2**20
         lines = [
             f"simulated {self.schedule}: {self.num_stages} stages on {self.num_devices} devices, "
-            f"{self.num_microbatches} micro-batches: iteration {self.iteration_time_s * 1e3:.3f} ms, "
+            f"{counted(self.num_microbatches, 'micro-batch')}: iteration {self.iteration_time_s * 1e3:.3f} ms, "
             f"bubble {self.bubble_fraction:.1%}",
             f"{'device':>6}  {'busy ms':>10}  {'util':>6}  {'in flight':>9}  {'peak MiB':>10}",
         ]

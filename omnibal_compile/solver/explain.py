@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, in_flight, stage_static
+from omnibal_compile.tables import counted
 from omnibal_compile.units import format_size
 
 __all__ = ["least_memory_split", "explain_infeasible"]
@@ -60,7 +61,7 @@ def explain_infeasible(problem: PartitionProblem) -> str:
     return (
         f"no plan fits the memory budget: even the least-memory plan "
         f"({'no' if least == 'none' else least} recomputation everywhere, "
-        f"{P.schedule} with {P.num_microbatches} micro-batches) needs {format_size(mems[s])} on stage {s} "
+        f"{P.schedule} with {counted(P.num_microbatches, 'micro-batch')}) needs {format_size(mems[s])} on stage {s} "
         f"({where}, on {device}) whose budget is {format_size(P.stage_budget(s))}: over by {format_size(excess)}. "
         f"The smallest per-device budget that fits is {format_size(needed)}; or use more stages or fewer "
         f"micro-batches in flight.{hint}"

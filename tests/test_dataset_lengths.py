@@ -154,7 +154,8 @@ def test_image_root_and_record_errors(tmp_path: Path, tokenizers: dict[str, Path
     _image(tmp_path / "pics/a.png", 448, 448)
     (tmp_path / "meta").mkdir()
     data = _dataset(tmp_path / "meta", [{"image": "a.png", "conversations": QA}])
-    assert dataset_lengths(data, tokenizer=tokenizers["plain"], image_root=tmp_path / "pics").stats.tiles.tolist() == [1]
+    r = dataset_lengths(data, tokenizer=tokenizers["plain"], image_root=tmp_path / "pics")
+    assert r.stats.tiles.tolist() == [1]
     with pytest.raises(InputError, match="every record was left out"):
         dataset_lengths(data, tokenizer=tokenizers["plain"])  # default root: the data file's folder
     bad = _dataset(tmp_path, [{"conversations": QA}, {"image": "x.png"}], "bad.json")
@@ -198,3 +199,25 @@ def test_lengths_command(tmp_path: Path, tokenizers: dict[str, Path], capsys: py
     assert main([*argv, "--max-tiles", "1", "--thumbnail", "off"]) == 0
     assert load_lengths(out).tiles.tolist() == [1, 0]
     assert np.array_equal(load_lengths(out).image_flags, [1, 0])
+
+
+def test_worker_processes_give_the_same_lengths(tmp_path: Path, tokenizers: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import omnibal_compile.data.dataset_lengths as dl
+
+    monkeypatch.setattr(dl, "_CHUNK", 3)  # 4 chunks of 3 records
+    sizes = [(448, 448), (896, 448), (600, 400), (1000, 100), (100, 1000)]
+    names = [_image(tmp_path / f"images/{i}.png", w, h) for i, (w, h) in enumerate(sizes)]
+    records = [{"image": f"images/{names[i % 5]}", "conversations": QA[: 1 + i % 2]} if i % 4 else {"conversations": QA}
+               for i in range(11)]
+    records[7]["image"] = "images/missing.png"
+    data = _dataset(tmp_path, records)
+    one = dataset_lengths(data, tokenizer=tokenizers["chat"], workers=1)
+    two = dataset_lengths(data, tokenizer=tokenizers["chat"], workers=2)
+    for f in ("tiles", "tokens", "image_flags"):
+        assert getattr(two.stats, f).tolist() == getattr(one.stats, f).tolist()
+    assert two.record_ids.tolist() == one.record_ids.tolist() == [i for i in range(11) if i != 7]
+    assert two.skipped == one.skipped and two.images == one.images == 7
+    assert one.stats.tiles.tolist()[:4] == [0, 3, 7, 11]
+    with pytest.raises(InputError, match="record 7: image"):
+        dataset_lengths(data, tokenizer=tokenizers["chat"], workers=2, on_error="fail")

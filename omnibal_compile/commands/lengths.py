@@ -49,11 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a record whose image is missing or unreadable: leave it out and report it (default), or stop")
     p.add_argument("--skipped-out", default=None, metavar="PATH",
                    help="also write the left-out records as JSON Lines (record index, image, reason)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes measuring records in parallel (default: the CPUs available, at most 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnibal_compile.data.dataset_lengths import TilingOptions, dataset_lengths
+    from omnibal_compile.data.dataset_lengths import TilingOptions, dataset_lengths, default_workers
     from omnibal_compile.data.lengths import save_lengths
 
     started = time.perf_counter()
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
                            thumbnail=args.thumbnail)
     result = dataset_lengths(args.data, tokenizer=args.tokenizer, image_root=args.image_root, tiling=tiling,
                              tokens_per_tile=args.tokens_per_tile, image_marker_tokens=args.image_marker_tokens,
-                             dummy_tile=args.dummy_tile, on_error=args.on_error, progress=not args.no_progress)
+                             dummy_tile=args.dummy_tile, on_error=args.on_error,
+                             workers=default_workers() if args.workers is None else args.workers, progress=not args.no_progress)
     out = save_lengths(result.stats, args.out)
     if args.skipped_out:
         with open(args.skipped_out, "w") as f:

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -42,7 +45,7 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.progress import Progress
 
 __all__ = ["TilingOptions", "SkippedRecord", "DatasetLengths", "tile_grid", "count_tiles", "read_image_size",
-           "read_records", "load_tokenizer", "dataset_lengths", "ON_ERROR"]
+           "read_records", "load_tokenizer", "dataset_lengths", "default_workers", "ON_ERROR"]
 
 ON_ERROR = ("skip", "fail")
 """What to do with a record whose image is missing or unreadable."""
@@ -272,6 +275,98 @@ class _TextCounter:
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Chunk:
+    """What one chunk of consecutive records measured (arrays over the chunk's records)."""
+
+    tiles: np.ndarray
+    flags: np.ndarray
+    tokens: np.ndarray
+    keep: np.ndarray
+    skipped: list[SkippedRecord]
+    images: int
+
+
+class _Measurer:
+    """Measures chunks of records; one per process (each keeps its own cache of image sizes)."""
+
+    def __init__(self, *, tokenizer: Any, root: str, tiling: TilingOptions, tokens_per_tile: int,
+                 image_marker_tokens: int, dummy_tile: bool, on_error: str, placeholder: str) -> None:
+        self.counter = _TextCounter(tokenizer)
+        self.root, self.tiling, self.on_error, self.placeholder = root, tiling, on_error, placeholder
+        self.tokens_per_tile, self.image_marker_tokens = tokens_per_tile, image_marker_tokens
+        self.dummy_tile = dummy_tile
+        self.sizes: dict[str, tuple[int, int] | str] = {}  # resolved path -> (w, h) or why it is unreadable
+
+    def size(self, full: str) -> tuple[int, int] | str:
+        size = self.sizes.get(full)
+        if size is None:
+            try:
+                size = read_image_size(full)
+            except OSError as e:
+                size = _image_error(e)
+            self.sizes[full] = size
+        return size
+
+    def __call__(self, start: int, records: Sequence[tuple[str, Any]]) -> _Chunk:
+        n = len(records)
+        tiles, flags, tokens = (np.zeros(n, np.int64) for _ in range(3))
+        keep = np.ones(n, bool)
+        skipped: list[SkippedRecord] = []
+        convs, wheres, rows = [], [], []
+        images = 0
+        for k, (where, rec) in enumerate(records):
+            msgs = _messages(where, rec, self.placeholder)
+            paths = _image_paths(where, rec)
+            t = 0
+            for p in paths:
+                full = os.path.join(self.root, p)
+                size = self.size(full)
+                if isinstance(size, str):
+                    if self.on_error == "fail":
+                        raise InputError(f"{where}: image {full}: {size}; fix the path (or --image-root), or "
+                                         "pass --on-error skip to leave such records out")
+                    skipped.append(SkippedRecord(record=start + k, image=full, reason=size))
+                    keep[k] = False
+                    break
+                t += count_tiles(*size, self.tiling, images_in_record=len(paths))
+            if not keep[k]:
+                continue
+            images += len(paths)
+            tiles[k] = 1 if self.dummy_tile and not paths else t
+            flags[k] = t
+            tokens[k] = t * self.tokens_per_tile + len(paths) * self.image_marker_tokens
+            convs.append(msgs)
+            wheres.append(where)
+            rows.append(k)
+        tokens[rows] += np.asarray(self.counter.count(convs, wheres), np.int64)
+        return _Chunk(tiles=tiles, flags=flags, tokens=tokens, keep=keep, skipped=skipped, images=images)
+
+
+_WORKER: _Measurer | None = None
+
+
+def _init_worker(measurer: _Measurer) -> None:
+    global _WORKER
+    # One process per core already: the Rust tokenizer must not start its own threads on top.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER = measurer
+
+
+def _work(start: int, records: Sequence[tuple[str, Any]]) -> _Chunk:
+    assert _WORKER is not None
+    return _WORKER(start, records)
+
+
+def default_workers() -> int:
+    """Worker processes used by default: the CPUs this process may run on, at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
 def dataset_lengths(
     data: str | os.PathLike[str],
     *,
@@ -283,6 +378,7 @@ def dataset_lengths(
     dummy_tile: bool = False,
     on_error: str = "skip",
     placeholder: str = IMAGE_PLACEHOLDER,
+    workers: int = 1,
     progress: bool = False,
 ) -> DatasetLengths:
     """Tiles and tokens of every record of a LLaVA-style ``.json``/``.jsonl`` dataset.
@@ -291,68 +387,53 @@ def dataset_lengths(
     where relative image paths start (default: the data file's folder). ``dummy_tile``: give
     text-only records one dummy tile (``vit_num`` 1, ``image_flags`` 0), as InternVL does.
     ``on_error``: ``"skip"`` leaves out a record whose image is missing or unreadable (listed in
-    ``skipped``), ``"fail"`` raises on the first one. ``progress``: show a progress bar (stderr).
+    ``skipped``), ``"fail"`` raises on the first one. ``workers``: processes measuring chunks of
+    records in parallel (1: this process only). ``progress``: show a progress bar (stderr).
     """
     if on_error not in ON_ERROR:
         raise InputError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
     if tokens_per_tile < 0 or image_marker_tokens < 0:
         raise InputError("tokens_per_tile and image_marker_tokens must be >= 0")
+    if workers < 1:
+        raise InputError(f"workers must be >= 1, got {workers}")
     data = Path(data)
     root = str(Path(image_root) if image_root is not None else data.resolve().parent)
     if image_root is not None and not Path(root).is_dir():
         raise InputError(f"image root {root} is not a folder")
-    counter = _TextCounter(load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer)
+    measurer = _Measurer(
+        tokenizer=load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer,
+        root=root, tiling=tiling, tokens_per_tile=tokens_per_tile, image_marker_tokens=image_marker_tokens,
+        dummy_tile=dummy_tile, on_error=on_error, placeholder=placeholder)
     records = read_records(data)
     if not records:
         raise InputError(f"{data}: no records; the dataset must hold at least one")
 
-    sizes: dict[str, tuple[int, int] | str] = {}  # resolved path -> (w, h) or the reason it is unreadable
-    tiles = np.zeros(len(records), np.int64)
-    flags = np.zeros(len(records), np.int64)
-    tokens = np.zeros(len(records), np.int64)
-    keep = np.ones(len(records), bool)
-    skipped: list[SkippedRecord] = []
-    n_images = 0
-    with Progress(-(-len(records) // _CHUNK), enabled=progress, unit="chunk") as bar:
-        for start in range(0, len(records), _CHUNK):
-            chunk = records[start:start + _CHUNK]
-            bar.step(f"records {start + 1:,}-{start + len(chunk):,} of {len(records):,}")
-            convs, wheres, rows = [], [], []
-            for i, (where, rec) in enumerate(chunk, start):
-                msgs = _messages(where, rec, placeholder)
-                paths = _image_paths(where, rec)
-                t = 0
-                for p in paths:
-                    full = os.path.join(root, p)
-                    size = sizes.get(full)
-                    if size is None:
-                        try:
-                            size = read_image_size(full)
-                        except OSError as e:
-                            size = _image_error(e)
-                        sizes[full] = size
-                    if isinstance(size, str):
-                        if on_error == "fail":
-                            raise InputError(f"{where}: image {full}: {size}; fix the path (or --image-root), or "
-                                             "pass --on-error skip to leave such records out")
-                        skipped.append(SkippedRecord(record=i, image=full, reason=size))
-                        keep[i] = False
-                        break
-                    t += count_tiles(*size, tiling, images_in_record=len(paths))
-                if not keep[i]:
-                    continue
-                n_images += len(paths)
-                tiles[i] = 1 if dummy_tile and not paths else t
-                flags[i] = t
-                tokens[i] = t * tokens_per_tile + len(paths) * image_marker_tokens
-                convs.append(msgs)
-                wheres.append(where)
-                rows.append(i)
-            tokens[rows] += np.asarray(counter.count(convs, wheres), np.int64)
+    starts = range(0, len(records), _CHUNK)
+    chunks: list[_Chunk] = []
+    with ExitStack() as stack:
+        if workers > 1 and len(starts) > 1:
+            # fork shares the loaded tokenizer with the workers instead of pickling it; the pool
+            # starts before the progress bar, whose thread a fork should not copy.
+            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+            pool = ProcessPoolExecutor(min(workers, len(starts)), mp_context=ctx, initializer=_init_worker,
+                                       initargs=(measurer,))
+            stack.callback(pool.shutdown, wait=True, cancel_futures=True)
+            results: Iterable[_Chunk] = pool.map(_work, starts, [records[s:s + _CHUNK] for s in starts])
+        else:
+            results = (measurer(s, records[s:s + _CHUNK]) for s in starts)
+        bar = stack.enter_context(Progress(len(starts), enabled=progress, unit="chunk"))
+        it = iter(results)
+        for s in starts:
+            bar.step(f"records {s + 1:,}-{min(s + _CHUNK, len(records)):,} of {len(records):,}")
+            chunks.append(next(it))
+    keep = np.concatenate([c.keep for c in chunks])
+    skipped = [r for c in chunks for r in c.skipped]
     if not keep.any():
         raise InputError(f"{data}: every record was left out ({len(skipped)} with missing or unreadable images, "
                          f"first {skipped[0].image}: {skipped[0].reason}); is --image-root right?")
     ids = np.flatnonzero(keep)
-    stats = LengthStats(tiles=tiles[ids], tokens=tokens[ids], image_flags=flags[ids], source=str(data))
+    flags = np.concatenate([c.flags for c in chunks])[ids]
+    stats = LengthStats(tiles=np.concatenate([c.tiles for c in chunks])[ids],
+                        tokens=np.concatenate([c.tokens for c in chunks])[ids], image_flags=flags, source=str(data))
     return DatasetLengths(stats=stats, record_ids=ids, skipped=tuple(skipped), records=len(records),
-                          text_only=int(np.sum(flags[ids] == 0)), images=n_images)
+                          text_only=int(np.sum(flags == 0)), images=sum(c.images for c in chunks))

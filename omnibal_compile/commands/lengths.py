@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
                            thumbnail=args.thumbnail)
     result = dataset_lengths(args.data, tokenizer=args.tokenizer, image_root=args.image_root, tiling=tiling,
                              tokens_per_tile=args.tokens_per_tile, image_marker_tokens=args.image_marker_tokens,
-                             dummy_tile=args.dummy_tile, on_error=args.on_error,
-                             workers=default_workers() if args.workers is None else args.workers, progress=not args.no_progress)
+                             dummy_tile=args.dummy_tile, on_error=args.on_error, progress=not args.no_progress,
+                             workers=default_workers() if args.workers is None else args.workers)
     out = save_lengths(result.stats, args.out)
     if args.skipped_out:
         with open(args.skipped_out, "w") as f:

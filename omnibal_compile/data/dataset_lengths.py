@@ -418,7 +418,17 @@ def dataset_lengths(
             pool = ProcessPoolExecutor(min(workers, len(starts)), mp_context=ctx, initializer=_init_worker,
                                        initargs=(measurer,))
             stack.callback(pool.shutdown, wait=True, cancel_futures=True)
-            results: Iterable[_Chunk] = pool.map(_work, starts, [records[s:s + _CHUNK] for s in starts])
+            # The workers fork on the first submission; a parallelism setting in the environment
+            # then keeps the Rust tokenizer from warning that it forked after using its threads.
+            saved = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            try:
+                results: Iterable[_Chunk] = pool.map(_work, starts, [records[s:s + _CHUNK] for s in starts])
+            finally:
+                if saved is None:
+                    del os.environ["TOKENIZERS_PARALLELISM"]
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = saved
         else:
             results = (measurer(s, records[s:s + _CHUNK]) for s in starts)
         bar = stack.enter_context(Progress(len(starts), enabled=progress, unit="chunk"))

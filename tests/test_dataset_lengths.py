@@ -196,6 +196,8 @@ def test_lengths_command(tmp_path: Path, tokenizers: dict[str, Path], capsys: py
     assert [json.loads(line)["record"] for line in skipped.read_text().splitlines()] == [1]
     assert main([*argv, "--on-error", "fail"]) == 2
     assert "gone.png: file not found" in capsys.readouterr().err
+    assert main([*argv[:-2], str(tmp_path / "no-folder/l.json"), "--no-progress"]) == 2
+    assert "no-folder does not exist" in capsys.readouterr().err
     assert main([*argv, "--max-tiles", "1", "--thumbnail", "off"]) == 0
     assert load_lengths(out).tiles.tolist() == [1, 0]
     assert np.array_equal(load_lengths(out).image_flags, [1, 0])

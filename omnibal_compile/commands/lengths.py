@@ -33,15 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="PATH", help="length file to write (.json, .jsonl or .csv)")
     p.add_argument("--image-root", default=None, metavar="DIR",
                    help="folder image paths are relative to (default: the data file's folder)")
-    p.add_argument("--min-tiles", type=int, default=1, help="fewest tiles per image, thumbnail not counted (default 1)")
-    p.add_argument("--max-tiles", type=int, default=12,
+    p.add_argument("--min-tiles", type=int, metavar="N", default=1,
+                   help="fewest tiles per image, thumbnail not counted (default 1)")
+    p.add_argument("--max-tiles", type=int, metavar="N", default=12,
                    help="most tiles per image, thumbnail not counted; shared among a record's images (default 12)")
-    p.add_argument("--tile-size", type=int, default=448, help="tile side in pixels (default 448)")
+    p.add_argument("--tile-size", type=int, metavar="N", default=448, help="tile side in pixels (default 448)")
     p.add_argument("--thumbnail", type=_on_off, default=True, metavar="on|off",
                    help="add a whole-image tile when an image has more than one tile (default on)")
-    p.add_argument("--tokens-per-tile", type=int, default=256,
+    p.add_argument("--tokens-per-tile", type=int, metavar="N", default=256,
                    help="LLM tokens each tile becomes (default 256, InternVL's 448 px tiles)")
-    p.add_argument("--image-marker-tokens", type=int, default=0,
+    p.add_argument("--image-marker-tokens", type=int, metavar="N", default=0,
                    help="extra tokens around each image, such as InternVL's <img> and </img> (default 0)")
     p.add_argument("--dummy-tile", action="store_true",
                    help="give text-only samples one dummy tile (vit_num 1, image_flags 0), as InternVL does")
@@ -49,16 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a record whose image is missing or unreadable: leave it out and report it (default), or stop")
     p.add_argument("--skipped-out", default=None, metavar="PATH",
                    help="also write the left-out records as JSON Lines (record index, image, reason)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=int, metavar="N", default=None,
                    help="processes measuring records in parallel (default: the CPUs available, at most 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     from omnibal_compile.data.dataset_lengths import TilingOptions, dataset_lengths, default_workers
-    from omnibal_compile.data.lengths import save_lengths
+    from omnibal_compile.data.lengths import check_length_file, save_lengths
 
     started = time.perf_counter()
+    check_length_file(args.out)  # before the work, not after it
     tiling = TilingOptions(min_tiles=args.min_tiles, max_tiles=args.max_tiles, tile_size=args.tile_size,
                            thumbnail=args.thumbnail)
     result = dataset_lengths(args.data, tokenizer=args.tokenizer, image_root=args.image_root, tiling=tiling,

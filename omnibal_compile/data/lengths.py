@@ -225,15 +225,22 @@ def load_lengths(lengths: Any) -> LengthStats:
     )
 
 
-def save_lengths(stats: LengthStats, path: str | os.PathLike[str]) -> Path:
-    """Write ``stats`` in the format :func:`load_lengths` reads, chosen by suffix: ``.json`` (OmniBal's
-    list of records), ``.jsonl`` or ``.csv``. Returns the path written."""
+def check_length_file(path: str | os.PathLike[str]) -> str:
+    """The format (suffix) :func:`save_lengths` would write ``path`` in; raises if it cannot write there."""
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in (".json", ".jsonl", ".ndjson", ".csv"):
         raise InputError(f"{p}: cannot tell the format from the suffix {suffix!r}; use .json, .jsonl or .csv")
     if not p.parent.is_dir():
         raise InputError(f"{p}: folder {p.parent} does not exist; create it first")
+    return suffix
+
+
+def save_lengths(stats: LengthStats, path: str | os.PathLike[str]) -> Path:
+    """Write ``stats`` in the format :func:`load_lengths` reads, chosen by suffix: ``.json`` (OmniBal's
+    list of records), ``.jsonl`` or ``.csv``. Returns the path written."""
+    p = Path(path)
+    suffix = check_length_file(p)
     rows = zip(stats.tiles.tolist(), stats.tokens.tolist(), stats.image_flags.tolist())
     if suffix == ".csv":
         text = ",".join(_FIELDS) + "\n" + "".join(f"{v},{t},{f}\n" for v, t, f in rows)

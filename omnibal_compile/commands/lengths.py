@@ -97,10 +97,9 @@ def format_summary(result: DatasetLengths, *, skipped_out: str | None = None) ->
     lines = [format_table(rows, "lrrrrr")]
     skipped = result.skipped
     if skipped:
-        first = "; ".join(f"{s.image} (record {s.record}: {s.reason})" for s in skipped[:_SHOW_SKIPPED])
-        more = f" and {len(skipped) - _SHOW_SKIPPED:,} more" if len(skipped) > _SHOW_SKIPPED else ""
         listed = f"listed in {skipped_out}" if skipped_out else "--skipped-out PATH lists them all"
-        lines.append(f"left out {len(skipped):,} of {result.records:,} records whose images are missing or unreadable: "
-                     f"{first}{more}. After the first of them, row i of the length file is not record i of the "
-                     f"dataset ({listed}).")
+        lines.append(f"left out {len(skipped):,} of {result.records:,} records whose images are missing or unreadable"
+                     f"{', the first:' if len(skipped) > _SHOW_SKIPPED else ':'}")
+        lines += [f"  record {s.record:,}: {s.image}: {s.reason}" for s in skipped[:_SHOW_SKIPPED]]
+        lines.append(f"After the first of them, row i of the length file is not record i of the dataset ({listed}).")
     return "\n".join(lines)

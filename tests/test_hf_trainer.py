@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnibal_compile.data.hf_collate import HFPackingCollator
+from omnibal_compile.data.hf_collate import HFPackingCollator, hf_lengths
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
 
@@ -83,3 +83,66 @@ def test_lengths_must_match_the_dataset(tmp_path) -> None:
                         lengths=LengthStats.from_arrays([0, 1, 2], [5, 6, 7]))
     with pytest.raises(InputError, match="give BalancedTrainer lengths="):
         BalancedTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset(), data_collator=lambda b: b)
+
+
+_DP_SCRIPT = r'''
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, os.environ["TEST_DIR"])
+from test_hf_trainer import _args, _dataset, _llava
+from omnibal_compile.data.hf_collate import HFPackingCollator
+from omnibal_compile.data.hf_trainer import BalancedTrainer
+import pathlib
+out = pathlib.Path(os.environ["OUT_DIR"])
+model = _llava()
+collator = HFPackingCollator.for_model(model)
+trainer = BalancedTrainer(model=model, args=_args(out / "run"), train_dataset=_dataset(), data_collator=collator,
+                          samples_per_pack=3)
+seen = []
+model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+trainer.train()
+rank = trainer.args.process_index
+total = sum(float(p.detach().double().sum()) for p in model.parameters())
+(out / f"rank{rank}.json").write_text(json.dumps({"world": trainer.args.world_size, "seen": seen, "params": total}))
+'''
+
+
+def test_two_ranks_each_train_on_their_own_packs_of_each_step(tmp_path) -> None:
+    """torchrun, 2 gloo ranks: rank r trains on column r of the balanced steps; DDP keeps the weights equal."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from omnibal_compile.data.hf_trainer import balanced_sampler
+
+    script = tmp_path / "train.py"
+    script.write_text(_DP_SCRIPT)
+    env = {**os.environ, "TEST_DIR": str(Path(__file__).parent), "OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+                             "--nproc-per-node", "2", str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # never leave ranks behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["world"] == 2 for r in ranks)
+    model = _llava()
+    collator = HFPackingCollator.for_model(model)
+    dataset = _dataset()
+    lengths = hf_lengths(dataset, collator)
+    for r, got in enumerate(ranks):
+        packs = list(balanced_sampler(lengths, rank=r, world_size=2, samples_per_pack=3, seed=3))[:2]
+        want = [collator([dataset[i] for i in p])["input_ids"][0].tolist() for p in packs]
+        assert got["seen"] == want
+    assert ranks[0]["seen"] != ranks[1]["seen"]
+    assert ranks[0]["params"] == pytest.approx(ranks[1]["params"], abs=1e-9)

@@ -56,6 +56,10 @@ class BlockCost:
     """Bytes kept alive from forward to backward, per recompute option (keys: RECOMPUTE_OPTIONS)."""
     recompute_s: Mapping[str, float]
     """Extra time each recompute option adds per micro-batch (``none`` -> 0)."""
+    workspace_bytes: int = 0
+    """Bytes the block holds only while it computes, on top of what it keeps for backward: forward
+    temporaries, the backward's incoming gradient and scratch, and the activations a recomputing
+    block rebuilds (the largest over the recompute options; measured by the cost pass, 0 if not)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
@@ -66,7 +70,7 @@ class BlockCost:
                 raise InputError(f"block '{self.name}': {what} lacks recompute options {missing}")
             if any(v < 0 for v in d.values()):
                 raise InputError(f"block '{self.name}': {what} has a negative entry {d}")
-        if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0:
+        if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0 or self.workspace_bytes < 0:
             raise InputError(f"block '{self.name}': times and bytes must be non-negative")
 
 

@@ -143,7 +143,10 @@ def count_tiles(width: int, height: int, options: TilingOptions = TilingOptions(
 
 def read_image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(width, height) from the image file's header, without decoding pixels; raises ``OSError`` when unreadable."""
-    from PIL import Image
+    try:
+        from PIL import Image
+    except ImportError:
+        raise InputError("reading image sizes needs Pillow: pip install 'omnibal-compile[hf]'") from None
 
     try:
         with Image.open(path) as im:

@@ -45,7 +45,7 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
-from omnibal_compile.passes.cost_measure import CLOCKS, kept_bytes, median_time, record_ops, tensor_leaves
+from omnibal_compile.passes.cost_measure import CLOCKS, kept_bytes, median_time, peak_bytes, record_ops, tensor_leaves
 from omnibal_compile.passes.recompute_policy import with_recompute
 from omnibal_compile.plan import Plan
 from omnibal_compile.progress import track
@@ -63,6 +63,8 @@ __all__ = [
 ]
 
 CACHE_FORMAT = 1
+COST_MODEL = 2
+"""Version of what a cost table measures, part of every cache key: 2 added ``workspace_bytes``."""
 """Version of the profile cache file layout."""
 
 CPU_LINK_BANDWIDTH = 5e9
@@ -188,7 +190,8 @@ def _cache_key(graph: BlockGraph, model: nn.Module, device: str, settings: Mappi
             for x in graph.captured.example_flat_inputs
         ]).encode()
     )
-    h.update(json.dumps({"device": device, "torch": torch.__version__, **settings}, sort_keys=True, default=str).encode())
+    h.update(json.dumps({"device": device, "torch": torch.__version__, "cost_model": COST_MODEL, **settings},
+                        sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 
@@ -298,6 +301,10 @@ def annotate_costs(
             else:
                 timing = _roofline_times(records, spec)
             activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
+            params = [p for p in m.parameters() if p.requires_grad]
+            # A recomputing block rebuilds its activations before the same backward, so its peak is the
+            # plain block's; beyond what it keeps, that is the most for the option keeping the least.
+            workspace = peak_bytes(m, inputs, charged, params) - min(activation.values())
             blocks.append(
                 BlockCost(
                     name=block.name,
@@ -309,6 +316,7 @@ def annotate_costs(
                     backward_s=timing.backward_s,
                     activation_bytes=activation,
                     recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
+                    workspace_bytes=max(0, workspace),
                 )
             )
     n = graph.num_blocks

@@ -26,9 +26,10 @@ Glossary:
     in flight      micro-batches whose forward on a stage has started and whose backward there has
                    not finished; their activations are alive. Peak activation memory of a device is
                    the peak over time of the in-flight activation bytes of its stages.
-    recompute workspace  while a recomputed block runs backward its dropped activations exist
-                   again for a moment: the largest ``activation_bytes['none'] - activation_bytes[option]``
-                   over the device's recomputed blocks, added on top of the in-flight bytes.
+    workspace      what a block holds only while it computes, beyond its kept activations
+                   (temporaries, the backward's scratch, what recomputation rebuilds):
+                   ``BlockCost.workspace_bytes``; the device's largest is added on top of the
+                   in-flight bytes, as the planner adds it (``solver.problem.stage_transient``).
 
 Schedules (the operation order per device; the same orders as torch.distributed.pipelining):
     gpipe        all forwards (micro-batch 0..M-1), then all backwards (0..M-1) (``ScheduleGPipe``).
@@ -93,7 +94,7 @@ class StageCost:
     activation_bytes: int
     """Bytes kept from forward to backward under the chosen recompute options."""
     workspace_bytes: int
-    """Extra bytes alive while a recomputed block runs its backward (largest over the stage's blocks)."""
+    """Bytes held only while one of its blocks computes, beyond kept activations (largest ``BlockCost.workspace_bytes``)."""
     static_bytes: int
     """Weights, gradients and optimizer states of the stage (as the plan's data-parallel layout holds them)."""
     gathered_bytes: int = 0
@@ -207,10 +208,7 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
                 recompute_s=scale * sum(b.recompute_s[o] for b, o in zip(blocks, opts)),
                 send_s=scale * send,
                 activation_bytes=int(round(scale * sum(b.activation_bytes[o] for b, o in zip(blocks, opts)))),
-                workspace_bytes=int(round(scale * max(
-                    (b.activation_bytes["none"] - b.activation_bytes[o] for b, o in zip(blocks, opts) if o != "none"),
-                    default=0,
-                ))),
+                workspace_bytes=int(round(scale * max(b.workspace_bytes for b in blocks))),
                 static_bytes=int(round(sum(c.static_bytes for c in dpc))),
                 gathered_bytes=int(round(max(c.gathered_bytes for c in dpc))),
                 op_gather_s=sum(c.op_gather_s(dp) for c in dpc),

@@ -32,8 +32,8 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         k = in_flight(P, s)
         for j in range(s + 1, n - (S - s - 1) + 1):
             i = np.arange(s, j)
-            gathered = np.maximum.accumulate(np.asarray(P.gathered[s:j] or [0.0] * (j - s), dtype=np.float64)[::-1])[::-1]
-            need = v * (static[j] - static[i] + gathered + k * (act[j] - act[i]) + recv[i])
+            transient = _suffix_max(P.gathered, s, j) + _suffix_max(P.workspace, s, j)  # stage_transient(P, i, j) for each i
+            need = v * (static[j] - static[i] + transient + k * (act[j] - act[i]) + recv[i])
             cand = np.maximum(best[s, i], need)
             q = int(np.argmin(cand))
             best[s + 1, j], arg[s + 1, j] = cand[q], i[q]
@@ -46,6 +46,11 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         for s in range(S)
     ]
     return boundaries, mems, float(best[S, n])
+
+
+def _suffix_max(values: tuple[float, ...], s: int, j: int) -> np.ndarray:
+    """max(values[i:j]) for i = s..j-1 (zeros when ``values`` is empty)."""
+    return np.maximum.accumulate(np.asarray(values[s:j] or [0.0] * (j - s), dtype=np.float64)[::-1])[::-1]
 
 
 def explain_infeasible(problem: PartitionProblem) -> str:

@@ -300,10 +300,14 @@ def peak_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[
                 ]
                 outs = fn(*ins)
                 diff = [t for t in tensor_leaves(outs) if t.requires_grad]
+                # The outputs stay referenced through the backward call, which a pipeline does not do
+                # (they were sent on): their bytes come off the backward's peak.
+                held = sum(t.untyped_storage().nbytes() for t in diff)
+                fwd_peak = live.peak_bytes
                 if diff:
                     torch.autograd.backward(diff, [torch.ones_like(t) for t in diff])
                 del outs, diff, ins
-        return live.peak_bytes
+        return max(fwd_peak, live.peak_bytes - held)
     finally:
         for p, g in zip(params, saved):
             p.grad = g

@@ -11,14 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _example() -> str:
-    """The python block that trains with BalancedTrainer, from the section's own file or, once merged, the README."""
-    for name in ("docs_hf_packing.md", "README.md"):
-        path = ROOT / name
-        if path.exists():
-            for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S):
-                if "BalancedTrainer(" in block:
-                    return block
-    raise AssertionError("no python block with BalancedTrainer( in docs_hf_packing.md or README.md")
+    """The README's python block that trains with BalancedTrainer."""
+    for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        if "BalancedTrainer(" in block:
+            return block
+    raise AssertionError("no python block with BalancedTrainer( in README.md")
 
 
 def test_trainer_example_runs_as_written(capsys) -> None:

@@ -103,8 +103,8 @@ def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tu
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_pp2_trains_like_the_unsplit_model(vlm, tiny_llava, tiny_llama, tmp_path):
-    """FSDP2 + 1F1B + mixed recompute and replicate (DDP) + interleaved on TinyVLM, FSDP2 + 1F1B on Llava and on
-    a Llama with tied embedding/head split across pipeline ranks."""
+    """The full cross on TinyVLM and Llava: FSDP2 and replicate (DDP) x 1F1B and interleaved x no and mixed
+    per-block recomputation; and a Llama with tied embedding/head split across pipeline ranks."""
     models = {  # two global steps of 4 rows: 2 per dp rank, 1 per micro-batch
         "vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)]),
         "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)]),
@@ -115,18 +115,17 @@ def test_dp2_pp2_trains_like_the_unsplit_model(vlm, tiny_llava, tiny_llama, tmp_
         graph = oc.optimize(model, {k: v[:1] for k, v in batches[0].items()}, num_stages=1).graph
         plans[key] = {s: uniform(graph, s) for s in (2, 4)}
 
-    def p(key: str, stages: int, schedule: str, recompute: tuple[str, ...] = ()) -> oc.Plan:
-        return dataclasses.replace(
-            plans[key][stages], schedule=schedule, num_microbatches=2, virtual_stages=stages // 2, recompute=recompute
-        )
+    def p(key: str, schedule: str, recompute: bool) -> oc.Plan:
+        stages = 4 if schedule == "interleaved" else 2
+        plan = plans[key][stages]
+        mixed = _alternating(plan) if recompute else ()
+        return dataclasses.replace(plan, schedule=schedule, num_microbatches=2, virtual_stages=stages // 2, recompute=mixed)
 
-    mixed = _alternating(plans["vlm"][2])
     cases = [  # (name, model, plan, dp_shard, apply recompute)
-        ("vlm-fsdp-1f1b-recompute", "vlm", p("vlm", 2, "1f1b", mixed), "fsdp", True),
-        ("vlm-ddp-interleaved", "vlm", p("vlm", 4, "interleaved"), "ddp", False),
-        ("llava-fsdp-1f1b", "llava", p("llava", 2, "1f1b"), "fsdp", True),
-        ("llama-tied-fsdp-1f1b", "llama", p("llama", 2, "1f1b"), "fsdp", True),
+        (f"{key}-{shard}-{schedule}" + ("-recompute" if rc else ""), key, p(key, schedule, rc), shard, rc)
+        for key in ("vlm", "llava") for shard in ("fsdp", "ddp") for schedule in ("1f1b", "interleaved") for rc in (False, True)
     ]
+    cases.append(("llama-tied-fsdp-1f1b", "llama", p("llama", "1f1b", False), "fsdp", True))
     ranks = _spawn(4, tmp_path, {k: (m, b) for k, (m, b) in models.items()}, cases, worker=_dp_worker)
     for name, key, plan, dp_shard, _ in cases:
         ref_losses, ref_grads, ref_params = _reference(*models[key])

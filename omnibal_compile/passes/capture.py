@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch._functorch.config  # fake_tensor_propagate_real_tensors; not loaded by `import torch` alone
 import torch.fx as fx
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import (

@@ -27,6 +27,7 @@ from omnibal_compile.passes.capture import (
     normalize_example_inputs,
     scalar_to_differentiate,
     split_batch,
+    training_config,
 )
 from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
 from omnibal_compile.passes.cost import annotate_costs
@@ -118,16 +119,18 @@ class OptimizeResult:
         args, kwargs = normalize_example_inputs(example_inputs) if example_inputs is not None else _unflat(self.captured)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
-        ref_out = self.model(*args, **kwargs)
+        with training_config(self.model):  # as captured: no KV cache in the output
+            ref_out = self.model(*args, **kwargs)
         ref_flat = pytree.tree_leaves(ref_out)
         ref_loss = scalar_to_differentiate(ref_flat)
         ref_grads = torch.autograd.grad(ref_loss, params, allow_unused=True)
-        out = self.run(*args, **kwargs)
-        flat = pytree.tree_leaves(out)
+        flat = run_stages(self.stages, self.flatten_inputs(*args, **kwargs))
+        flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
         if len(flat) != len(ref_flat):
             raise OmnibalError(f"stages returned {len(flat)} outputs, the model {len(ref_flat)}")
         loss = scalar_to_differentiate(flat)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
+        # Outputs the capture dropped (data-dependent shapes next to the loss) come back as None.
         out_diff = max(
             (float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0)
             for a, b in zip(flat, ref_flat)

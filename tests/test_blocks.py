@@ -83,3 +83,42 @@ def test_plain_sequential_without_stacks():
     g = build_blocks(capture(model, (torch.randn(2, 4),)), model)
     assert g.names == ("0", "1", "2") and all(b.kind == "module" for b in g.blocks)
     assert [b.num_params for b in g.blocks] == [40, 0, 36]
+
+
+class PickedRows(nn.Module):
+    """Rows chosen by a mask (data-dependent count) run through two layers, then are scattered back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pick = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x, keep):
+        h = x[keep]  # data-dependent number of rows
+        for layer in self.pick:
+            h = layer(h)
+        x = x.index_put((keep,), h)  # back to x's fixed shape
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_cuts_a_data_dependent_shape_would_cross_are_refused_with_the_reason():
+    torch.manual_seed(0)
+    model = PickedRows()
+    x, keep = torch.randn(6, 4), torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    captured = capture(model, (x, keep))
+    assert captured.data_dependent
+    graph = build_blocks(captured, model)
+    # pick.0 / pick.1 and the glue around them cannot be split: the 3 picked rows cross those cuts
+    assert [b.name for b in graph.blocks if b.kind == "layer"] == ["layers.0", "layers.1", "layers.2"]
+    merged = [n for n in graph.names if ".." in n]
+    assert len(merged) == 1 and "pick" not in " ".join(n for n in graph.names if ".." not in n)
+    assert len(graph.refused_cuts) == 3
+    cut = graph.refused_cuts[1]
+    assert (cut.after, cut.before) == ("pick.0", "pick.1")
+    assert cut.values[0].shape == (3, 4) and cut.values[0].data_dependent  # the example's 3 picked rows
+    assert "depends on the input values" in cut.reason() and "[3, 4]" in cut.reason()
+    assert "not cut between pick.0 and pick.1" in graph.summary()
+    for k in range(1, graph.num_blocks):  # what remains has fixed shapes only
+        assert not any(v.data_dependent for v in graph.crossing(k))

@@ -1,9 +1,12 @@
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
+import omnibal_compile as oc
 from omnibal_compile import CaptureError, InputError
-from omnibal_compile.passes.capture import capture, normalize_example_inputs
+from omnibal_compile.passes.capture import capture, is_data_dependent, normalize_example_inputs, size_hint
 
 
 def test_capture_reference_vlm_shares_parameters(vlm):
@@ -32,7 +35,7 @@ def test_example_inputs_that_do_not_match_the_model(vlm):
     model, batch = vlm
     with pytest.raises(InputError, match="do not match TinyVLM.forward"):
         capture(model, {"pixel_values": batch["pixel_values"]})
-    with pytest.raises(InputError, match="unexpected keyword"):
+    with pytest.raises(InputError, match="example input .images. is not an input of TinyVLM.forward; it accepts pixel_values"):
         capture(model, {**batch, "images": batch["pixel_values"]})
     with pytest.raises(InputError, match="example_inputs must be"):
         capture(model, 3)
@@ -45,10 +48,10 @@ def test_shape_mismatch_inside_the_model_names_the_module(vlm):
         capture(model, bad)
 
 
-class DataDependent(nn.Module):
-    def __init__(self) -> None:
+class Outer(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
         super().__init__()
-        self.inner = Branchy()
+        self.inner = inner
 
     def forward(self, x):
         return self.inner(x)
@@ -60,18 +63,33 @@ class Branchy(nn.Module):
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x):
-        if x.sum() > 0:  # Python branch on a tensor value: not capturable
+        if x.sum() > 0:  # Python branch on a tensor value: decided by the example, asserted in the graph
             return self.lin(x)
         return x
 
 
+class ToNumpy(nn.Module):
+    def forward(self, x):
+        return torch.from_numpy(x.numpy() * 2)  # leaves torch: not capturable
+
+
 def test_uncapturable_model_names_model_module_and_line():
     with pytest.raises(CaptureError) as info:
-        capture(DataDependent(), (torch.randn(2, 4),))
+        capture(Outer(ToNumpy()), (torch.randn(2, 4),))
     msg = str(info.value)
-    assert "DataDependent" in msg and "module 'inner' (Branchy)" in msg
-    assert "x.sum() > 0" in msg  # the offending source line
-    assert "shape-static" in msg  # what to do
+    assert "Outer" in msg and "module 'inner' (ToNumpy)" in msg
+    assert "x.numpy() * 2" in msg  # the offending source line
+    assert "shape-static" in msg and "capture_method='fx'" in msg  # what to do, with a keyword that exists
+
+
+def test_branch_on_a_value_follows_the_example_and_is_asserted():
+    torch.manual_seed(0)
+    model, x = Outer(Branchy()), torch.rand(2, 4)  # sum > 0: the linear branch
+    c = capture(model, (x,))
+    assert c.data_dependent
+    torch.testing.assert_close(c.graph_module(x), model(x))
+    with pytest.raises(RuntimeError, match="assert"):  # the other branch fails loudly, never computes the wrong one
+        c.graph_module(-x)
 
 
 def test_fx_capture_for_plain_modules():
@@ -117,3 +135,69 @@ def test_fx_capture_bakes_in_defaults():
 def test_fx_capture_rejects_keyword_inputs():
     with pytest.raises(InputError, match="positional"):
         capture(WithDefaults(), {"x": torch.randn(1, 2)}, method="fx")
+
+
+class Select(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, keep):
+        return self.lin(x[keep]).sum()
+
+
+def test_data_dependent_sizes_take_the_example_values():
+    model = Select()
+    x, keep = torch.randn(6, 4), torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)
+    c = capture(model, (x, keep))
+    assert c.data_dependent
+    picked = next(n for n in c.graph_module.graph.nodes if n.op == "call_function" and "index" in str(n.target))
+    rows = picked.meta["val"].shape[0]
+    assert isinstance(rows, torch.SymInt) and is_data_dependent(rows) and size_hint(rows) == 3
+    assert not is_data_dependent(4) and size_hint(4) == 4
+    torch.testing.assert_close(c.graph_module(x, keep), model(x, keep))
+
+
+def test_static_models_are_captured_once_without_example_values(vlm):
+    assert not capture(*vlm).data_dependent
+
+
+def test_use_cache_is_turned_off_for_capture_and_said_once():
+    tf = pytest.importorskip("transformers")
+    import omnibal_compile.passes.capture as capture_module
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=32)
+    assert cfg.use_cache  # the default a user gets
+    model = tf.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    capture_module._TOLD_USE_CACHE.discard("LlamaForCausalLM")
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        capture(model, {"input_ids": ids, "labels": ids})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        result = oc.optimize(model, {"input_ids": ids, "labels": ids}, num_stages=2)
+    assert model.config.use_cache is True  # the user's config is left as it was
+    assert result.check_parity().ok
+
+
+def test_misspelled_keywords_list_the_accepted_ones(tiny_llava, vlm):
+    model, batch = tiny_llava
+    bad = {**{k: v for k, v in batch.items() if k != "pixel_values"}, "pixel_value": batch["pixel_values"]}
+    with pytest.raises(InputError, match=r"'pixel_value' is not an input of .*did you mean 'pixel_values'.*accepts input_ids"):
+        capture(model, bad)  # HF forward takes **kwargs: without the check the image would be dropped silently
+    model, batch = vlm
+    result = oc.optimize(model, batch, num_stages=2)
+    bad = {**{k: v for k, v in batch.items() if k != "pixel_values"}, "pixel_value": batch["pixel_values"]}
+    with pytest.raises(InputError, match=r"unknown input 'pixel_value' \(did you mean 'pixel_values'\?\); missing "
+                                         r"'pixel_values'\. Accepted inputs: pixel_values, input_ids, labels"):
+        result.run(**bad)
+
+
+def test_inputs_of_another_shape_name_the_input_and_both_shapes(vlm):
+    model, batch = vlm
+    result = oc.optimize(model, batch, num_stages=2)
+    ids = batch["input_ids"]
+    with pytest.raises(InputError, match=rf"input 'input_ids' has shape \[2, {ids.shape[1] - 1}\] but TinyVLM was "
+                                         rf"captured with shape \[2, {ids.shape[1]}\]"):
+        result.run(**{**batch, "input_ids": ids[:, 1:]})

@@ -66,3 +66,84 @@ def test_segment_ids_isolate_packed_samples(vlm):
 def test_bad_config_is_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
         TinyVLMConfig(**kw)
+
+
+# -- model specs (omnibal_compile.models.load): one contract for `plan` and `run` -----------------------
+FACTORY = '''
+import torch
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+
+CFG = TinyVLMConfig(image_size=16, patch_size=4, vit_hidden=16, vit_layers=1, vit_heads=2, vit_mlp=32, llm_hidden=16,
+                    llm_layers=2, llm_heads=2, llm_kv_heads=1, llm_mlp=32, vocab_size=32, image_token_id=31)
+
+def model_only(width=16):
+    return TinyVLM(CFG)
+
+def with_batch():
+    return TinyVLM(CFG), make_example_batch(CFG, batch=2, tiles_per_sample=1, text_tokens=8)
+
+def hf_only():
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    return transformers.LlamaForCausalLM(cfg)
+
+def not_a_model():
+    return 3
+'''
+
+
+@pytest.fixture()
+def factory_dir(tmp_path, monkeypatch):
+    """A factory module in the current directory, which is not on sys.path (as for the installed script)."""
+    import sys
+
+    (tmp_path / "my_factories.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_factories", raising=False)
+    return tmp_path
+
+
+def test_a_factory_may_return_a_model_or_a_model_and_its_batch(factory_dir):
+    from omnibal_compile.models.load import load_model
+
+    loaded = load_model("my_factories:with_batch")
+    assert isinstance(loaded.model, TinyVLM) and set(loaded.example_batch) == {"pixel_values", "input_ids", "labels"}
+    loaded = load_model("my_factories:model_only", config={"width": 16})
+    assert isinstance(loaded.model, TinyVLM) and loaded.example_batch is None  # no config to build one from
+
+
+def test_a_hugging_face_model_from_a_factory_gets_an_example_batch(factory_dir):
+    pytest.importorskip("transformers")
+    from omnibal_compile.models.load import load_model
+
+    loaded = load_model("my_factories:hf_only", batch=3, text=10)
+    assert loaded.example_batch["input_ids"].shape == (3, 10)
+
+
+def test_model_specs_that_cannot_work_say_what_to_write(factory_dir):
+    from omnibal_compile.errors import InputError
+    from omnibal_compile.models.load import load_model
+
+    with pytest.raises(InputError, match=r"returned int; it must return an nn.Module or \(model, example_batch\)"):
+        load_model("my_factories:not_a_model")
+    with pytest.raises(InputError, match="cannot load model factory 'no_such_module:build'"):
+        load_model("no_such_module:build")
+    with pytest.raises(InputError, match="hf:ClassName:config.json"):
+        load_model("hf:LlamaForCausalLM")
+    with pytest.raises(InputError, match="is not tiny-vlm"):
+        load_model("llama")
+
+
+def test_plan_and_run_take_the_same_factory(factory_dir):
+    from omnibal_compile.cli import main
+    from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model
+
+    assert main(["plan", "my_factories:with_batch", "--stages", "2", "--microbatches", "2", "--device", "cpu",
+                 "--no-pictures", "--out", "out"]) == 0
+    config = RunConfig(plan="out/plan.json", model="my_factories:with_batch", batch_size=2)
+    model = build_model(config)
+    batch = batch_source(config, model)(0)  # the factory's batch, every step
+    assert batch["input_ids"].shape == (2, 12) and torch.isfinite(model(**batch))
+    assert main(["plan", "my_factories:model_only", "--stages", "2", "--no-pictures", "--out", "out2"]) == 2

@@ -1,6 +1,7 @@
 """Training on balanced packs: the runtime fed by the data balancer's sampler and packing collator."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -56,3 +57,36 @@ def test_two_ranks_train_on_balanced_packs_like_the_unsplit_model(tmp_path, leng
         assert abs(float(loss.detach()) - entry.loss) <= TOL, (step, float(loss), entry.loss)
         loss.backward()
         opt.step()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengths_file, tiny_llava, monkeypatch):
+    """`omnibal-compile run --model hf:CLASS:config.json --lengths ...` on 2 ranks, from the current directory."""
+    from omnibal_compile.cli import main
+    from omnibal_compile.models.load import load_model
+
+    monkeypatch.chdir(tmp_path)
+    config_file = tmp_path / "llava.json"
+    tiny_llava[0].config.to_json_file(config_file)
+    spec = f"hf:LlavaForConditionalGeneration:{config_file.name}"
+    probe = RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1)
+    model = load_model(spec).model
+    micro = batch_source(probe, model)(0)
+    assert set(micro) == {"pixel_values", "input_ids", "labels", "position_ids"}  # the keys Llava takes
+    (tmp_path / "plan.json").write_text(oc.optimize(model, micro, num_stages=2, planner="uniform").plan.to_json())
+    assert main(["run", "--plan", "plan.json", "--model", spec, "--lengths", lengths_file, "--batch-size", "2",
+                 "--microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",
+                 "--timeout", "300"]) == 0
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    config = RunConfig(plan="plan.json", model=spec, lengths=(lengths_file,), batch_size=2, num_microbatches=2)
+    model = build_model(config)
+    source = batch_source(config, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step, entry in enumerate(logged):
+        opt.zero_grad()
+        loss = model(**source(step)).loss
+        assert abs(float(loss.detach()) - entry) <= TOL, (step, float(loss), entry)
+        loss.backward()
+        opt.step()
+    assert len(logged) == 2

@@ -4,7 +4,8 @@ MODEL is one of:
     tiny-vlm                    the built-in reference VLM (``omnibal_compile.models.TinyVLM``);
     hf:ClassName:config.json    a Hugging Face ``transformers`` class built offline from a config
                                 file with random weights (``hf:LlavaForConditionalGeneration:cfg.json``);
-    module.path:factory         a function returning ``(model, example_batch)``.
+    module.path:factory         a function returning a model, or ``(model, example_batch)`` (the
+                                current directory is importable).
 
 Planning is ``optimize()``'s (costs from the cost pass, or ``--costs FILE``); the sweeps re-plan
 with the planning pass it uses. Artefacts written to ``--out``: plan.json, plan.txt, costs.json,
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +25,6 @@ from typing import Any
 
 from omnibal_compile.cost_table import DEFAULT_DP_SHARD, DP_SHARDS
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.labels import IGNORE_INDEX
 from omnibal_compile.progress import Progress
 from omnibal_compile.schedule import SCHEDULE_KINDS, Schedule
 from omnibal_compile.solver import PLANNERS, planner_help
@@ -39,7 +38,8 @@ LENGTH_ITERATIONS = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="tiny-vlm | hf:ClassName:config.json | module.path:factory")
+    p.add_argument("model", metavar="MODEL",
+                   help="tiny-vlm | hf:ClassName:config.json | module.path:factory (returning a model or (model, example_batch))")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages, chunks included (default 4)")
     p.add_argument("--virtual-stages", type=int, default=1, help="stage chunks per device, for --schedule interleaved (default 1)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
@@ -64,68 +64,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # -- models ---------------------------------------------------------------------------------------
-def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int) -> tuple[Any, dict[str, Any], str]:
-    """(model, example batch, display name) for a MODEL argument."""
-    import torch
+def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int) -> tuple[Any, Any, str]:
+    """(model, example batch, display name) for a MODEL argument (``omnibal_compile.models.load``)."""
+    from omnibal_compile.models.load import load_model as load
 
-    torch.manual_seed(seed)
-    if spec == "tiny-vlm":
-        from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-
-        cfg = TinyVLMConfig()
-        return TinyVLM(cfg), make_example_batch(cfg, batch=batch, tiles_per_sample=tiles, text_tokens=text, seed=seed), "tiny-vlm"
-    if spec.startswith("hf:"):
-        parts = spec.split(":", 2)
-        if len(parts) != 3 or not parts[1] or not parts[2]:
-            raise InputError(f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json")
-        return (*_hf_model(parts[1], parts[2], batch=batch, text=text, seed=seed), parts[1])
-    if ":" in spec:
-        module, _, factory = spec.rpartition(":")
-        try:
-            fn = getattr(importlib.import_module(module), factory)
-        except (ImportError, AttributeError) as e:
-            raise InputError(f"MODEL {spec!r}: cannot load {factory!r} from module {module!r}: {e}") from None
-        made = fn()
-        if not (isinstance(made, tuple) and len(made) == 2):
-            raise InputError(f"MODEL {spec!r}: {factory}() must return (model, example_batch), got {type(made).__name__}")
-        return made[0], made[1], spec
-    raise InputError(f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json or module.path:factory")
-
-
-def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed: int) -> tuple[Any, dict[str, Any]]:
-    import torch
-
-    try:
-        import transformers
-    except ImportError:
-        raise InputError("hf: models need transformers: pip install 'omnibal-compile[hf]'") from None
-    cls = getattr(transformers, class_name, None)
-    if cls is None or not hasattr(cls, "config_class"):
-        raise InputError(f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)")
-    if not Path(config_path).is_file():
-        raise InputError(f"config file {config_path!r} does not exist")
-    cfg = cls.config_class.from_json_file(config_path)
-    for c in (cfg, getattr(cfg, "text_config", None)):
-        if c is not None and hasattr(c, "use_cache"):
-            c.use_cache = False  # training: no KV cache in the captured graph
-    model = cls(cfg)
-    g = torch.Generator().manual_seed(seed)
-    text_cfg = getattr(cfg, "text_config", cfg)
-    vocab = int(text_cfg.vocab_size)
-    vision = getattr(cfg, "vision_config", None)
-    image_token = getattr(cfg, "image_token_index", getattr(cfg, "image_token_id", None))
-    if vision is None or image_token is None:
-        ids = torch.randint(0, vocab, (batch, text), generator=g)
-        return model, {"input_ids": ids, "labels": ids.clone()}
-    grid = int(vision.image_size) // int(vision.patch_size)
-    n_image = grid * grid + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
-    high = min(vocab, int(image_token)) if int(image_token) > 0 else vocab
-    ids = torch.randint(0, max(1, high), (batch, n_image + text), generator=g)
-    ids[:, :n_image] = int(image_token)
-    labels = ids.clone()
-    labels[:, :n_image] = IGNORE_INDEX
-    pixels = torch.randn(batch, int(getattr(vision, "num_channels", 3)), int(vision.image_size), int(vision.image_size), generator=g)
-    return model, {"pixel_values": pixels, "input_ids": ids, "labels": labels}
+    loaded = load(spec, seed=seed, batch=batch, tiles=tiles, text=text)
+    if loaded.example_batch is None:
+        raise InputError(
+            f"MODEL {spec!r} returned a model without an example batch, and it is not a Hugging Face model whose "
+            "config gives one: return (model, example_batch) from the factory"
+        )
+    return loaded.model, loaded.example_batch, loaded.name
 
 
 # -- planning -------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ HELP = "train a model from a saved plan on local ranks (dp pipelines x plan devi
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="plan JSON (Plan.to_json, or `omnibal-compile demo --save-plan`)")
-    p.add_argument("--model", default="tinyvlm", help="tinyvlm (default) or package.module:factory")
+    p.add_argument("--model", default="tinyvlm",
+                   help="tinyvlm (default), hf:ClassName:config.json, or package.module:factory returning a model or "
+                        "(model, example_batch), as for `omnibal-compile plan`")
     p.add_argument("--model-config", default="{}", metavar="JSON", help="TinyVLMConfig fields or factory kwargs, as JSON")
     p.add_argument("--data", default=None, metavar="MODULE:FN", help="fn(step, *, batch_size, seed) -> batch")
     p.add_argument("--batch-size", type=int, default=8,

@@ -7,6 +7,9 @@ Glossary:
     glue          ops that run in a module holding a stack but outside any block (mask and rotary
                   table construction, splicing image features into text, the loss).
     cut k         the boundary between block k-1 and block k (1 <= k < number of blocks).
+    refused cut   a boundary that a value of data-dependent shape (see ``passes/capture.py``) would
+                  cross: the blocks on both sides are merged into one (``first..last``), so no
+                  planner can cut there, and ``BlockGraph.refused_cuts`` says why.
     crossing value  a value produced before cut k (by a block, or a model input) and used at or
                   after it (by a block, or as a model output): it must be sent across a pipeline
                   boundary at that cut. Skip tensors (masks, rotary tables, labels) cross many cuts.
@@ -14,6 +17,7 @@ Glossary:
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,18 +28,20 @@ import torch.fx as fx
 from torch import nn
 
 from omnibal_compile.errors import InputError
-from omnibal_compile.passes.capture import Captured
+from omnibal_compile.passes.capture import Captured, is_data_dependent, size_hint
 from omnibal_compile.passes.subgraph import module_path
 from omnibal_compile.tables import format_table
 
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Block", "BlockEdge", "CrossingValue", "BlockGraph", "build_blocks", "find_layer_stacks"]
+__all__ = ["Block", "BlockEdge", "CrossingValue", "BlockGraph", "RefusedCut", "MERGED", "build_blocks", "find_layer_stacks"]
 
 BlockKind = Literal["layer", "module", "glue"]
 INPUT = -1
 """Producer index of model inputs."""
+MERGED = ".."
+"""Joins the first and last names of blocks merged across refused cuts (``visual.patch_embed..visual.blocks.31``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +78,36 @@ class CrossingValue:
     """Tensor dtype, e.g. ``torch.float32``."""
     nbytes: int
     """Bytes of the tensor (0 for non-tensors)."""
+    data_dependent: bool = False
+    """Its shape (or, for a size, its value) depends on input values, not only on input shapes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefusedCut:
+    """A boundary between two blocks that cannot be a stage boundary; the two sides form one block."""
+
+    after: str
+    """Block before the boundary."""
+    before: str
+    """Block after the boundary."""
+    values: tuple[CrossingValue, ...]
+    """The values of data-dependent shape that would cross it."""
+
+    def reason(self) -> str:
+        """A sentence for people."""
+        names = ", ".join(f"'{v.name}' ({_describe(v)})" for v in self.values[:3])
+        more = f" and {len(self.values) - 3} more" if len(self.values) > 3 else ""
+        return (
+            f"not cut between {self.after} and {self.before}: {names}{more} would cross it, and its size depends on "
+            "the input values (image sizes, image count), not only on the input shapes; pipeline stages send "
+            "fixed shapes"
+        )
+
+
+def _describe(v: CrossingValue) -> str:
+    if v.shape is None:
+        return "a size"
+    return f"shape {list(v.shape)} in the example"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +140,9 @@ class BlockGraph:
     """Module paths of the layer stacks found (or given)."""
     edges: tuple[BlockEdge, ...] = field(repr=False)
     """Block i -> block j for the values produced by i and read by j (i < j), in order of first value."""
+    refused_cuts: tuple[RefusedCut, ...] = ()
+    """Boundaries between module/layer blocks that values of data-dependent shape cross: those blocks were
+    merged into one (named ``first..last``), so no plan cuts there."""
 
     @property
     def dag(self) -> nx.DiGraph:
@@ -141,7 +180,10 @@ class BlockGraph:
         for b in self.blocks:
             after = "-" if b.index == self.num_blocks - 1 else f"{self.cut_bytes(b.index + 1):,}"
             rows.append((str(b.index), b.name, b.kind, str(len(b.nodes)), f"{b.num_params:,}", after))
-        return format_table(rows, "lllrrr")
+        table = format_table(rows, "lllrrr")
+        if not self.refused_cuts:
+            return table
+        return table + "\n" + "\n".join(f"  {r.reason()}" for r in self.refused_cuts)
 
 
 def find_layer_stacks(model: nn.Module) -> tuple[str, ...]:
@@ -183,19 +225,18 @@ def _key_for_path(
     return path, "glue"
 
 
-def _value_info(node: fx.Node, example: Any = None) -> tuple[tuple[int, ...] | None, str | None, int]:
+def _value_info(node: fx.Node, example: Any = None) -> tuple[tuple[int, ...] | None, str | None, int, bool]:
+    """Shape (the example's sizes), dtype, bytes and whether the shape depends on input values."""
     val = node.meta.get("val", example)
     if val is None and "tensor_meta" in node.meta:
         tm = node.meta["tensor_meta"]
         if hasattr(tm, "shape"):
-            numel = 1
-            for d in tm.shape:
-                numel *= int(d)
-            return tuple(int(d) for d in tm.shape), str(tm.dtype), numel * tm.dtype.itemsize
+            shape = tuple(size_hint(d) for d in tm.shape)
+            return shape, str(tm.dtype), math.prod(shape) * tm.dtype.itemsize, any(is_data_dependent(d) for d in tm.shape)
     if isinstance(val, torch.Tensor):
-        shape = tuple(int(d) for d in val.shape)
-        return shape, str(val.dtype), val.numel() * val.element_size()
-    return None, None, 0
+        shape = tuple(size_hint(d) for d in val.shape)
+        return shape, str(val.dtype), math.prod(shape) * val.element_size(), any(is_data_dependent(d) for d in val.shape)
+    return None, None, 0, is_data_dependent(val) if isinstance(val, torch.SymInt) else False
 
 
 _SKIP_TARGETS = {"_guards_fn"}
@@ -258,40 +299,84 @@ def build_blocks(
         else:
             runs.append((keys[node], [node]))
     seen: dict[str, int] = {}
-    node_block: dict[str, int] = {}
-    params_of: list[list[str]] = []
-    blocks_raw: list[tuple[str, BlockKind, list[fx.Node]]] = []
-    for i, ((path, kind), nodes) in enumerate(runs):
+    named: list[tuple[str, BlockKind, list[fx.Node]]] = []
+    for (path, kind), nodes in runs:
         base = f"{path or '<root>'}:glue" if kind == "glue" else path
         seen[base] = seen.get(base, 0) + 1
-        name = base if seen[base] == 1 else f"{base}#{seen[base]}"
-        blocks_raw.append((name, kind, nodes))
-        for n in nodes:
-            node_block[n.name] = i
+        named.append((base if seen[base] == 1 else f"{base}#{seen[base]}", kind, nodes))
+
+    # 3. Crossing values. A cut that a value of data-dependent shape would cross cannot be a pipeline
+    #    boundary (stages send fixed shapes): the blocks on both sides merge into one block.
+    blocks, node_block, values, edges = _chain(captured, named)
+    refused = _refused_cuts(blocks, values)
+    if refused:
+        groups: list[list[int]] = []
+        for b in blocks:
+            if groups and b.index in refused:
+                groups[-1].append(b.index)
+            else:
+                groups.append([b.index])
+        named = [_merged([named[i] for i in g]) for g in groups]
+        blocks, node_block, values, edges = _chain(captured, named)
+    return BlockGraph(
+        captured=captured,
+        blocks=tuple(blocks),
+        node_block=node_block,
+        values=tuple(values),
+        stacks=tuple(block_prefixes) if block_prefixes is not None else stacks,
+        edges=edges,
+        refused_cuts=tuple(refused.values()),
+    )
+
+
+def _merged(parts: list[tuple[str, BlockKind, list[fx.Node]]]) -> tuple[str, BlockKind, list[fx.Node]]:
+    """One block of consecutive blocks: named ``first..last``, a ``layer`` only if all of them are."""
+    if len(parts) == 1:
+        return parts[0]
+    kinds = {k for _, k, _ in parts}
+    kind: BlockKind = "layer" if kinds == {"layer"} else "glue" if kinds == {"glue"} else "module"
+    return f"{parts[0][0]}{MERGED}{parts[-1][0]}", kind, [n for _, _, nodes in parts for n in nodes]
+
+
+def _refused_cuts(blocks: Sequence[Block], values: Sequence[CrossingValue]) -> dict[int, RefusedCut]:
+    """Cut index -> why it cannot be a stage boundary: values of data-dependent shape cross it."""
+    refused: dict[int, RefusedCut] = {}
+    for k in range(1, len(blocks)):
+        bad = tuple(v for v in values if v.data_dependent and v.producer < k <= v.last_use)
+        if bad:
+            refused[k] = RefusedCut(before=blocks[k].name, after=blocks[k - 1].name, values=bad)
+    return refused
+
+
+def _chain(
+    captured: Captured, named: Sequence[tuple[str, BlockKind, list[fx.Node]]]
+) -> tuple[list[Block], dict[str, int], list[CrossingValue], tuple[BlockEdge, ...]]:
+    """Blocks, node -> block, crossing values and block edges of a chain of named node runs."""
+    gm = captured.graph_module
+    graph = gm.graph
+    node_block: dict[str, int] = {}
+    blocks: list[Block] = []
+    for i, (name, kind, nodes) in enumerate(named):
         attrs: list[str] = []
         for n in nodes:
+            node_block[n.name] = i
             for a in n.all_input_nodes:
                 if a.op == "get_attr" and a.target not in attrs:
                     attrs.append(str(a.target))
             if n.op == "call_module":
-                sub = captured.graph_module.get_submodule(str(n.target))
+                sub = gm.get_submodule(str(n.target))
                 attrs.extend(f"{n.target}.{p}" for p, _ in sub.named_parameters() if f"{n.target}.{p}" not in attrs)
-        params_of.append(attrs)
-
-    gm = captured.graph_module
-    blocks = []
-    for i, (name, kind, nodes) in enumerate(blocks_raw):
         num = 0
-        for target in params_of[i]:
+        for target in attrs:
             try:
                 num += gm.get_parameter(target).numel()
             except AttributeError:
                 pass  # a buffer or constant
         blocks.append(
-            Block(index=i, name=name, kind=kind, nodes=tuple(n.name for n in nodes), params=tuple(params_of[i]), num_params=num)
+            Block(index=i, name=name, kind=kind, nodes=tuple(n.name for n in nodes), params=tuple(attrs), num_params=num)
         )
 
-    # 3. Crossing values: produced in block p (or input), read in a later block (or output).
+    # Crossing values: produced in block p (or input), read in a later block (or output).
     n_blocks = len(blocks)
     examples = dict(zip([n.name for n in graph.nodes if n.op == "placeholder"], captured.example_flat_inputs))
     values: list[CrossingValue] = []
@@ -312,21 +397,15 @@ def build_blocks(
         later = [u for u in uses if u > producer]
         if not later:
             continue
-        shape, dtype, nbytes = _value_info(node, examples.get(node.name))
+        shape, dtype, nbytes, dependent = _value_info(node, examples.get(node.name))
         values.append(
-            CrossingValue(name=node.name, producer=producer, last_use=max(later), shape=shape, dtype=dtype, nbytes=nbytes)
+            CrossingValue(name=node.name, producer=producer, last_use=max(later), shape=shape, dtype=dtype, nbytes=nbytes,
+                          data_dependent=dependent)
         )
         for u in sorted(set(later)):
             if producer >= 0 and u < n_blocks:
                 names, total = edges.get((producer, u), ([], 0))
                 edges[(producer, u)] = ([*names, node.name], total + nbytes)
-    return BlockGraph(
-        captured=captured,
-        blocks=tuple(blocks),
-        node_block=node_block,
-        values=tuple(values),
-        stacks=tuple(block_prefixes) if block_prefixes is not None else stacks,
-        edges=tuple(
-            BlockEdge(producer=i, consumer=j, values=tuple(names), nbytes=total) for (i, j), (names, total) in edges.items()
-        ),
+    return blocks, node_block, values, tuple(
+        BlockEdge(producer=i, consumer=j, values=tuple(names), nbytes=total) for (i, j), (names, total) in edges.items()
     )

@@ -7,26 +7,64 @@ Glossary:
                   records ATen ops; works on Hugging Face models. The default.
     fx            ``torch.fx.symbolic_trace``: records module calls symbolically; enough for plain
                   modules without data-dependent Python control flow on shapes.
+    data-dependent size  a size computed from input *values* rather than input shapes: image
+                  features scattered into placeholder tokens (``masked_scatter``, ``nonzero``),
+                  per-image sizes (``image_sizes``, ``image_grid_thw``) read with ``.tolist()``.
+                  ``torch.export`` names them by unbacked symbols (``u0``) with no value. When the
+                  model has any, it is captured again with the example's real values propagated
+                  alongside (``fake_tensor_propagate_real_tensors``): every such size gets the
+                  example's value as its hint, and every branch taken on one is decided by the
+                  example and asserted in the graph, so another batch that would branch otherwise
+                  fails loudly instead of computing something else.
+    size hint     the example's concrete value of a (possibly symbolic) size: :func:`size_hint`.
+    use_cache     Hugging Face models build a KV cache unless their config says ``use_cache=False``;
+                  training needs none, so capture turns it off (:func:`training_config`).
 Parameters and buffers appear as ``get_attr`` nodes whose targets are the original qualified
 names, and the graph's ``GraphModule`` shares the model's parameter objects (no copy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import inspect
+import io
+import logging
+import sys
 import traceback
+import typing
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+import torch._functorch.config  # fake_tensor_propagate_real_tensors; not loaded by `import torch` alone
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import (
+    GuardOnDataDependentSymNode,
+    PendingUnbackedSymbolNotFound,
+    free_unbacked_symbols,
+    guarding_hint_or_throw,
+)
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import CaptureError, InputError
 
-__all__ = ["Captured", "capture", "differentiated_name", "normalize_example_inputs", "scalar_to_differentiate", "split_batch"]
+__all__ = [
+    "Captured",
+    "capture",
+    "differentiated_name",
+    "input_names",
+    "is_data_dependent",
+    "normalize_example_inputs",
+    "scalar_to_differentiate",
+    "size_hint",
+    "split_batch",
+    "structure_mismatch",
+    "training_config",
+]
 
 CaptureMethod = Literal["export", "fx"]
 
@@ -47,15 +85,29 @@ class Captured:
     """Structure of the model's output whose leaves are the graph's flat outputs (export only)."""
     example_flat_inputs: tuple[Any, ...]
     """The example batch, flattened."""
+    data_dependent: bool = False
+    """Whether the graph has data-dependent sizes (captured with the example's values; see the glossary)."""
+    dropped_outputs: tuple[str, ...] = ()
+    """Outputs next to the loss whose shape depends on input values (``image_outputs``...), returned as None:
+    pipeline stages cannot send them, and training needs only the loss."""
 
     def flatten_inputs(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        """Flatten a batch like the example one into the graph's placeholder order."""
+        """Flatten a batch like the example one into the graph's placeholder order.
+
+        Raises :class:`InputError` naming the input at fault: an unknown or missing keyword (with the
+        accepted ones), or a tensor whose shape differs from the example's (the graph is specialised to it).
+        """
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
-            raise InputError(
-                f"inputs do not have the structure of the example inputs {self.model_name} was captured with: "
-                f"expected {self.in_spec}, got {spec}"
-            )
+            raise InputError(structure_mismatch(self.model_name, self.in_spec, spec))
+        for name, x, ref in zip(input_names(self.in_spec), leaves, self.example_flat_inputs):
+            if isinstance(ref, torch.Tensor) and (not isinstance(x, torch.Tensor) or x.shape != ref.shape):
+                got = f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+                raise InputError(
+                    f"input '{name}' has {got} but {self.model_name} was captured with shape {list(ref.shape)}; "
+                    "the captured graph and its stages are specialised to the example's shapes: pad or pack the "
+                    "batch to that shape, or capture again with a batch of this shape"
+                )
         return tuple(leaves)
 
     def unflatten_output(self, flat: tuple[Any, ...] | Any) -> Any:
@@ -123,18 +175,87 @@ def _differentiable(flat_out: Sequence[Any]) -> tuple[list[torch.Tensor], list[t
     return tensors, [t for t in tensors if t.dim() == 0]
 
 
+def _accepted_keywords(sig: inspect.Signature) -> set[str] | None:
+    """Keywords ``forward`` accepts; None when it takes arbitrary ``**kwargs``.
+
+    Hugging Face models type their ``**kwargs`` as ``Unpack[TransformersKwargs]`` (a TypedDict), so a
+    misspelled input (``pixel_value``) would be swallowed silently: the TypedDict's keys are the rest.
+    """
+    names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            typed = typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is typing.Unpack else None
+            keys = getattr(typed, "__required_keys__", None)
+            if keys is None:
+                return None
+            return names | set(keys) | set(typed.__optional_keys__)
+    return names
+
+
+def _close(name: str, options: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
 def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):  # builtins or C extensions: nothing to check
         return
+    name = type(model).__name__
+    accepted = _accepted_keywords(sig)
+    unknown = [k for k in kwargs if accepted is not None and k not in accepted]
+    if unknown:
+        params = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise InputError(
+            f"example input '{unknown[0]}' is not an input of {name}.forward{_close(unknown[0], params)}; "
+            f"it accepts {', '.join(params)}"
+        )
     try:
         sig.bind(*args, **kwargs)
     except TypeError as e:
         raise InputError(
-            f"example_inputs do not match {type(model).__name__}.forward{sig}: {e}. "
+            f"example_inputs do not match {name}.forward{sig}: {e}. "
             "Pass a tuple of positional inputs or a dict of keyword inputs that the model accepts."
         ) from None
+
+
+def input_names(spec: pytree.TreeSpec) -> list[str]:
+    """A name for each leaf of an ``(args, kwargs)`` spec: the keyword (``pixel_values``, ``images[1]``) or
+    ``positional input #i``."""
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    names = [""] * spec.num_leaves
+    for path, i in pytree.tree_flatten_with_path(tree)[0]:
+        head, rest = path[0], pytree.keystr(path[2:])
+        if getattr(head, "idx", 0) == 0:
+            names[i] = f"positional input #{path[1].idx}{rest}"
+        else:
+            names[i] = f"{path[1].key}{rest}"
+    return names
+
+
+def structure_mismatch(model_name: str, expected: pytree.TreeSpec, got: pytree.TreeSpec) -> str:
+    """A sentence saying how a batch's ``(args, kwargs)`` structure differs from the captured one."""
+    e_args, e_kw = pytree.tree_unflatten([0] * expected.num_leaves, expected)
+    g_args, g_kw = pytree.tree_unflatten([0] * got.num_leaves, got)
+    problems = []
+    if len(g_args) != len(e_args):
+        problems.append(f"{len(g_args)} positional inputs instead of {len(e_args)}")
+    missing = [k for k in e_kw if k not in g_kw]
+    problems += [f"unknown input '{k}'{_close(k, missing or list(e_kw))}" for k in g_kw if k not in e_kw]
+    if missing:
+        problems.append("missing " + ", ".join(f"'{k}'" for k in missing))
+    if not problems:
+        differ = [k for k in e_kw if pytree.tree_structure(e_kw[k]) != pytree.tree_structure(g_kw[k])]
+        problems.append(
+            "input " + ", ".join(f"'{k}'" for k in differ) + " is nested differently" if differ
+            else f"expected {expected}, got {got}"
+        )
+    accepted = ", ".join(e_kw) if e_kw else f"{len(e_args)} positional inputs"
+    return (
+        f"inputs do not match those {model_name} was captured with: {'; '.join(problems)}. "
+        f"Accepted inputs: {accepted}"
+    )
 
 
 def _culprit(model: nn.Module, exc: BaseException) -> tuple[str | None, str | None]:
@@ -161,9 +282,9 @@ def _capture_error(model: nn.Module, method: str, exc: BaseException) -> Capture
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     hint = (
         "Make the code shape-static (no Python branching on tensor values), move the offending logic out of "
-        "forward, or try capture='fx' for plain modules"
+        "forward, or try capture_method='fx' for plain modules"
         if method == "export"
-        else "symbolic_trace cannot follow Python control flow on tensor shapes or values; use capture='export'"
+        else "symbolic_trace cannot follow Python control flow on tensor shapes or values; use capture_method='export'"
     )
     if "Cache" in first:
         hint = "The output holds a KV cache object: set use_cache=False (config or inputs); training needs no cache"
@@ -189,6 +310,168 @@ def _drop_specialized_placeholders(gm: fx.GraphModule, keep: int) -> None:
     gm.recompile()
 
 
+_DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound)
+
+
+def _is_data_dependent_error(exc: BaseException | None) -> bool:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, _DATA_DEPENDENT_ERRORS) or "data-dependent" in str(exc).split("\n", 1)[0]:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _sizes(val: Any) -> Iterator[int | torch.SymInt]:
+    if isinstance(val, torch.Tensor):
+        yield from val.shape
+    elif isinstance(val, torch.SymInt):
+        yield val
+
+
+def is_data_dependent(size: int | torch.SymInt) -> bool:
+    """Whether ``size`` depends on input values (an unbacked symbol the graph cannot pin to a constant)."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    env = size.node.shape_env
+    return bool(free_unbacked_symbols(env.simplify(size.node.expr)))
+
+
+def size_hint(size: int | torch.SymInt) -> int:
+    """The example's value of ``size``: a plain int, a shape symbol's hint, or a data-dependent size's value
+    in the example (known when the capture propagated real tensors; see the glossary)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    node = size.node
+    try:
+        return int(guarding_hint_or_throw(node))
+    except GuardOnDataDependentSymNode:
+        pass
+    env = node.shape_env
+    expr = env.simplify(node.expr).xreplace(env.backed_var_to_val).xreplace(env.real_tensor_prop_unbacked_vals)
+    if not expr.is_number:
+        raise CaptureError(
+            f"size {node.expr} depends on input values and has no value from the example batch; "
+            "capture the model with capture() so that data-dependent sizes take the example's values"
+        )
+    return int(expr)
+
+
+def _has_data_dependent_sizes(gm: fx.GraphModule) -> bool:
+    return any(is_data_dependent(d) for n in gm.graph.nodes for d in _sizes(n.meta.get("val")))
+
+
+@contextlib.contextmanager
+def _quiet_real_tensor_propagation() -> Iterator[None]:
+    """Real-tensor propagation logs a warning per size it evaluates and per mismatched fake kernel; we say it once."""
+    loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor",
+                                               "torch.export", "torch._export")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with torch._functorch.config.patch(
+            fake_tensor_propagate_real_tensors=True, generate_fake_kernels_from_real_mismatches=True
+        ):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.export.ExportedProgram, bool]:
+    """``torch.export`` (non-strict); again with the example's real values when sizes depend on input values.
+
+    Returns the program and whether it has data-dependent sizes.
+    """
+    # torch.export prints the partial graph of a failed export to stderr: noise when we try again.
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            ep = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with context unless a data-dependent guard
+        if not _is_data_dependent_error(e):
+            sys.stderr.write(printed.getvalue())
+            raise _capture_error(model, "export", e) from e
+    else:
+        if not _has_data_dependent_sizes(ep.graph_module):
+            return ep, False
+    try:
+        with _quiet_real_tensor_propagation():
+            ep = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # noqa: BLE001
+        raise _capture_error(model, "export", e) from e
+    return ep, True
+
+
+def _drop_data_dependent_outputs(gm: fx.GraphModule, out_spec: pytree.TreeSpec | None) -> tuple[str, ...]:
+    """Return None instead of the outputs of data-dependent shape when the model also returns a scalar loss.
+
+    Such outputs (Idefics3's ``image_outputs``, the vision tower's features) would have to travel to the
+    last stage through every cut after the vision tower, and a data-dependent shape cannot be sent.
+    """
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in flat]
+    has_loss = any(isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point() for v in vals)
+    doomed = [i for i, v in enumerate(vals) if has_loss and any(is_data_dependent(d) for d in _sizes(v))]
+    if not doomed:
+        return ()
+    paths = [f"output {i}" for i in range(len(flat))]
+    if out_spec is not None and out_spec.num_leaves == len(flat):
+        tree = pytree.tree_unflatten(list(range(len(flat))), out_spec)
+        for path, i in pytree.tree_flatten_with_path(tree)[0]:
+            paths[i] = "".join(f".{k.key}" if hasattr(k, "key") else f"[{k.idx}]" if hasattr(k, "idx") else str(k)
+                               for k in path).lstrip(".")
+    for i in doomed:
+        flat[i] = None
+    out.args = (type(out.args[0])(flat) if isinstance(out.args[0], (tuple, list)) else flat[0], *out.args[1:])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return tuple(paths[i] for i in doomed)
+
+
+_TOLD_USE_CACHE: set[str] = set()
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """The Hugging Face configs of ``model`` and its submodules, with their sub-configs (text, vision)."""
+    found: dict[int, Any] = {}
+    frontier = [getattr(m, "config", None) for m in model.modules()]
+    while frontier:
+        cfg = frontier.pop()
+        if cfg is None or id(cfg) in found or not hasattr(cfg, "to_dict"):
+            continue
+        found[id(cfg)] = cfg
+        frontier.extend(v for v in vars(cfg).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def training_config(model: nn.Module) -> Iterator[None]:
+    """Within: every config of ``model`` that says ``use_cache=True`` says False (training needs no KV cache).
+
+    Restored on exit, so the user's model is left as it was. Said once per model class per process.
+    """
+    changed = [cfg for cfg in _configs(model) if getattr(cfg, "use_cache", None) is True]
+    name = type(model).__name__
+    if changed and name not in _TOLD_USE_CACHE:
+        _TOLD_USE_CACHE.add(name)
+        warnings.warn(
+            f"{name}: its config has use_cache=True; omnibal_compile captures and checks it with use_cache=False "
+            "(training keeps no KV cache). The model's config is left as it is.",
+            stacklevel=3,
+        )
+    for cfg in changed:
+        cfg.use_cache = False
+    try:
+        yield
+    finally:
+        for cfg in changed:
+            cfg.use_cache = True
+
+
 def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "export") -> Captured:
     """Trace ``model`` on ``example_inputs`` into a :class:`Captured` graph. The model is not modified."""
     if not isinstance(model, nn.Module):
@@ -199,11 +482,10 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
     _check_signature(model, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     if method == "export":
-        try:
-            ep = torch.export.export(model, args, kwargs, strict=False)
-        except Exception as e:  # noqa: BLE001 - re-raised with context
-            raise _capture_error(model, method, e) from e
+        with training_config(model):
+            ep, data_dependent = _export(model, args, kwargs)
         gm = ep.module()
+        dropped = _drop_data_dependent_outputs(gm, ep.call_spec.out_spec) if data_dependent else ()
         # The unlifted module checks input shapes in a `_guards_fn` submodule; stages drop it.
         out_spec = ep.call_spec.out_spec
         flat_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -219,11 +501,13 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
             in_spec=in_spec,
             out_spec=out_spec,
             example_flat_inputs=tuple(leaves),
+            data_dependent=data_dependent,
+            dropped_outputs=dropped,
         )
     # fx: positional tensors only, so the given inputs are the first placeholders in order.
     if kwargs or any(isinstance(v, (list, tuple, dict)) for v in args):
         raise InputError(
-            "capture='fx' takes a tuple of positional tensor inputs; use capture='export' for keyword or nested inputs"
+            "capture_method='fx' takes a tuple of positional tensor inputs; use capture_method='export' for keyword or nested inputs"
         )
     sig = inspect.signature(model.forward)
     bound = sig.bind(*args)

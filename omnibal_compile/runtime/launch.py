@@ -4,10 +4,13 @@ Glossary:
     run config    :class:`RunConfig`: plan file, model, data, optimizer and launch settings. It is
                   written to JSON and read back by every rank.
     model spec    ``tinyvlm`` (the built-in reference VLM, ``model_config`` = TinyVLMConfig
-                  fields) or ``package.module:factory`` (``factory(**model_config) -> nn.Module``).
+                  fields), ``hf:ClassName:config.json`` (a ``transformers`` class from a config file)
+                  or ``package.module:factory`` (``factory(**model_config)`` -> a model or ``(model,
+                  example_batch)``), as for ``omnibal-compile plan`` (:mod:`omnibal_compile.models.load`).
     batch source  ``source(step) -> batch``: one data-parallel rank's part of a training step
                   (``batch_size / dp`` rows), or the whole step (every dp rank's rows, in dp order).
-                  Built-in TinyVLM: random fixed-shape batches; otherwise ``data =
+                  Built-in TinyVLM and Hugging Face batches: random fixed-shape batches; a factory's
+                  example batch every step; otherwise ``data =
                   "package.module:fn"`` with ``fn(step, *, batch_size, seed) -> batch``; dp rank r
                   takes the r-th of dp equal slices (dim 0) of each input. With ``lengths`` (dataset
                   length statistics) and ``batching="balanced"``, every row is one balanced pack
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import signal
@@ -47,6 +49,7 @@ from torch import nn
 
 from omnibal_compile.cost_table import DEFAULT_DP_SHARD
 from omnibal_compile.errors import InputError, LaunchError
+from omnibal_compile.models.load import TINY_VLM
 from omnibal_compile.plan import Plan
 
 __all__ = [
@@ -73,7 +76,7 @@ class RunConfig:
     plan: str
     """Path of the plan JSON (``Plan.to_json``)."""
     model: str = "tinyvlm"
-    """``tinyvlm`` or ``package.module:factory``."""
+    """``tinyvlm``, ``hf:ClassName:config.json`` or ``package.module:factory``."""
     model_config: Mapping[str, Any] = field(default_factory=dict)
     """TinyVLMConfig fields, or keyword arguments of the factory."""
     data: str | None = None
@@ -205,30 +208,21 @@ def read_plan(config: RunConfig) -> Plan:
 
 
 def _import(spec: str, what: str) -> Any:
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise InputError(f"{what} {spec!r} must look like 'package.module:function'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise InputError(f"cannot load {what} {spec!r}: {e}") from None
+    from omnibal_compile.models.load import import_from_spec
+
+    return import_from_spec(spec, what)
+
+
+def _load(config: RunConfig) -> Any:
+    from omnibal_compile.models.load import load_model
+
+    return load_model(config.model, config=config.model_config, seed=config.seed, batch=config.batch_size,
+                      tiles=config.tiles_per_sample, text=config.text_tokens)
 
 
 def build_model(config: RunConfig) -> nn.Module:
     """The model, seeded with ``config.seed`` so every rank builds the same weights."""
-    torch.manual_seed(config.seed)
-    if config.model == "tinyvlm":
-        from omnibal_compile.models import TinyVLM, TinyVLMConfig
-
-        try:
-            cfg = TinyVLMConfig(**config.model_config)
-        except TypeError as e:
-            raise InputError(f"model_config does not fit TinyVLMConfig: {e}") from None
-        return TinyVLM(cfg)
-    model = _import(config.model, "model factory")(**config.model_config)
-    if not isinstance(model, nn.Module):
-        raise InputError(f"model factory {config.model!r} returned {type(model).__name__}, not an nn.Module")
-    return model
+    return _load(config).model
 
 
 BATCHINGS: tuple[str, ...] = ("balanced", "random")
@@ -249,9 +243,7 @@ def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None
     if config.data is not None:
         fn = _import(config.data, "data function")
         whole: BatchSource = lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
-    elif config.model != "tinyvlm":
-        raise InputError(f"model {config.model!r} needs a data function: set data='package.module:fn'")
-    else:
+    elif config.model in TINY_VLM:
         from omnibal_compile.models import make_example_batch
 
         cfg = model.config  # type: ignore[attr-defined]
@@ -262,6 +254,19 @@ def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None
             text_tokens=config.text_tokens,
             seed=config.seed + 1 + step,
         )
+    elif config.model.startswith("hf:"):
+        from omnibal_compile.models.load import hf_example_batch
+
+        whole = lambda step: hf_example_batch(model, batch=config.batch_size, text=config.text_tokens,
+                                              seed=config.seed + 1 + step)
+    else:
+        example = _load(config).example_batch
+        if example is None:
+            raise InputError(
+                f"model {config.model!r} needs data: set data='package.module:fn' (--data), lengths (--lengths), "
+                "or return (model, example_batch) from the factory"
+            )
+        whole = lambda step: example
     if dp_rank is None or config.dp == 1:
         return whole
     return lambda step: _dp_part(whole(step), config.dp, dp_rank)
@@ -286,11 +291,12 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     the packing, of near-equal cost. Deterministic in (seed, step): every rank builds the same
     batches. ``source.packs(step, r)`` gives rank r's sample ids; ``dp_rank=None``: every rank's rows.
     """
-    from omnibal_compile.data.collate import MODEL_KEYS
     from omnibal_compile.data.data_plan import DataOptions, plan_data
+    from omnibal_compile.models.load import hf_data_facts
 
     method = "ours" if config.batching == "balanced" else "random"
-    options = DataOptions(dp=config.dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method)
+    options = DataOptions(dp=config.dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
+                          **hf_data_facts(model))
     data = plan_data(list(config.lengths), options, model=model)
     samplers = [data.sampler(r) for r in range(config.dp)]
     per_epoch = len(samplers[0])
@@ -313,12 +319,30 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
             for i, ids in enumerate(packs(step, r)):
                 j = step * rows + i
                 g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * config.dp + r)
-                out.append(data.synthetic_batch(ids, generator=g))
-        return {k: torch.cat([row[k] for row in out]) for k in MODEL_KEYS}
+                out.append(model_inputs(model, data.synthetic_batch(ids, generator=g)))
+        return {k: torch.cat([row[k] for row in out]) for k in out[0]}
 
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
     source.packs = packs  # type: ignore[attr-defined]
     return source
+
+
+def model_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collated pack -> the inputs ``model`` takes: the one place where a model's packing layout is chosen.
+
+    The packing collator (``data.collate``) lays a pack out for the reference VLM: ``pixel_values``
+    (tiles), ``input_ids``, ``labels``, ``position_ids`` restarting per sample, ``segment_ids``. A
+    Hugging Face model takes the keys its ``forward`` names; it has no ``segment_ids``, so under
+    ``sdpa``/``eager`` attention its samples in one row attend to each other until the Hugging Face
+    packing collator (issue 15, item 2: a 4-D block-causal mask per row) replaces this function's
+    Hugging Face branch.
+    """
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "segment_ids" in params:  # the reference layout
+        return row
+    return {k: v for k, v in row.items() if k in params}
 
 
 def precheck(config: RunConfig) -> Plan:

@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 from omnibal_compile.cost_table import DP_SHARDS
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.labels import IGNORE_INDEX
-from omnibal_compile.passes.capture import normalize_example_inputs
+from omnibal_compile.passes.capture import normalize_example_inputs, structure_mismatch
 from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
 from omnibal_compile.plan import Plan
 
@@ -281,7 +281,7 @@ class RankPipeline:
         args, kwargs = normalize_example_inputs(batch)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
-            raise InputError(f"the batch does not have the structure the pipeline was built for: expected {self.in_spec}, got {spec}")
+            raise InputError(structure_mismatch("the pipeline", self.in_spec, spec))
         m = self.plan.num_microbatches
         for name, x, shape in zip(self.input_names, leaves, self.microbatch_shapes):
             want = (shape[0] * m, *shape[1:])

@@ -1,0 +1,153 @@
+"""One way to name a model on the command line, for ``plan`` and ``run`` alike.
+
+Glossary:
+    model spec    ``tiny-vlm`` (or ``tinyvlm``): the reference VLM, its config fields from ``config``;
+                  ``hf:ClassName:config.json``: a ``transformers`` class built offline from a config
+                  file with random weights; ``module.path:factory``: ``factory(**config)`` returning
+                  a model, or ``(model, example_batch)``. The current directory is importable, as it is
+                  for ``python -m``.
+    example batch the batch ``plan`` captures the model with: the reference VLM's and Hugging Face
+                  models' are built from their configs; a factory may return its own.
+    data facts    what balanced packs need to know about a Hugging Face VLM (tokens per tile, the
+                  image placeholder id, the tile's shape, the vocabulary), read from its config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnibal_compile.errors import InputError
+from omnibal_compile.labels import IGNORE_INDEX
+
+__all__ = ["LoadedModel", "load_model", "hf_data_facts", "import_from_spec"]
+
+TINY_VLM = ("tiny-vlm", "tinyvlm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedModel:
+    """A model named by a spec, with its example batch when one is known."""
+
+    model: nn.Module
+    """The model, seeded."""
+    example_batch: Any
+    """A batch to capture it with (a dict of keyword inputs, or what the factory returned); None if unknown."""
+    name: str
+    """How to call it in messages and file names."""
+
+
+def import_from_spec(spec: str, what: str) -> Any:
+    """``package.module:attr`` -> the attribute, with the current directory importable."""
+    module, sep, attr = spec.rpartition(":")
+    if not sep or not module or not attr:
+        raise InputError(f"{what} {spec!r} must look like 'package.module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `omnibal-compile` is a script: its sys.path lacks the directory it runs in
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise InputError(f"cannot load {what} {spec!r}: {e}") from None
+
+
+def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int = 0, batch: int = 2, tiles: int = 2,
+               text: int = 32) -> LoadedModel:
+    """Build the model ``spec`` names (see the module glossary), seeded with ``seed``.
+
+    ``config``: the reference VLM's config fields or the factory's keyword arguments. ``batch``,
+    ``tiles``, ``text``: rows, tiles per row and text tokens per row of the built example batch.
+    """
+    config = dict(config or {})
+    torch.manual_seed(seed)
+    if spec in TINY_VLM:
+        from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+
+        try:
+            cfg = TinyVLMConfig(**config)
+        except TypeError as e:
+            raise InputError(f"model config does not fit TinyVLMConfig: {e}") from None
+        example = make_example_batch(cfg, batch=batch, tiles_per_sample=tiles, text_tokens=text, seed=seed)
+        return LoadedModel(model=TinyVLM(cfg), example_batch=example, name="tiny-vlm")
+    if spec.startswith("hf:"):
+        parts = spec.split(":", 2)
+        if len(parts) != 3 or not parts[1] or not parts[2]:
+            raise InputError(f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json")
+        model = _hf_model(parts[1], parts[2])
+        return LoadedModel(model=model, example_batch=hf_example_batch(model, batch=batch, text=text, seed=seed),
+                           name=parts[1])
+    if ":" not in spec:
+        raise InputError(f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json or module.path:factory")
+    made = import_from_spec(spec, "model factory")(**config)
+    model, example = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+    if not isinstance(model, nn.Module):
+        raise InputError(
+            f"model factory {spec!r} returned {type(made).__name__}; it must return an nn.Module or (model, example_batch)"
+        )
+    if example is None and hasattr(getattr(model, "config", None), "to_dict"):
+        example = hf_example_batch(model, batch=batch, text=text, seed=seed)
+    return LoadedModel(model=model, example_batch=example, name=spec)
+
+
+def _hf_model(class_name: str, config_path: str) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise InputError("hf: models need transformers: pip install 'omnibal-compile[hf]'") from None
+    cls = getattr(transformers, class_name, None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise InputError(f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)")
+    if not Path(config_path).is_file():
+        raise InputError(f"config file {config_path!r} does not exist")
+    return cls(cls.config_class.from_json_file(config_path))  # use_cache is turned off by capture
+
+
+def hf_data_facts(model: nn.Module) -> dict[str, Any]:
+    """Tokens per tile, image placeholder id, tile shape and vocabulary of a Hugging Face VLM whose images are
+    fixed-size tiles (``pixel_values`` of shape ``(tiles, channels, size, size)``: Llava, InternVL, ...).
+
+    Empty for a text-only model. Families that lay images out otherwise (Qwen2-VL's patches with
+    ``image_grid_thw``, Mistral3's ``image_sizes``) need their own packing collator.
+    """
+    cfg = getattr(model, "config", None)
+    vision = getattr(cfg, "vision_config", None)
+    image_token = getattr(cfg, "image_token_id", getattr(cfg, "image_token_index", None))
+    if cfg is None or vision is None or image_token is None or not hasattr(vision, "image_size"):
+        return {}
+    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+    patch = vision.patch_size if isinstance(vision.patch_size, int) else vision.patch_size[0]
+    tokens = getattr(cfg, "image_seq_length", None)
+    if tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
+        tokens = (int(size) // int(patch)) ** 2 + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
+    return {
+        "tokens_per_tile": int(tokens),
+        "image_token_id": int(image_token),
+        "image_shape": (int(getattr(vision, "num_channels", 3)), int(size), int(size)),
+        "vocab_size": int(cfg.get_text_config().vocab_size),
+    }
+
+
+def hf_example_batch(model: nn.Module, *, batch: int, text: int, seed: int) -> dict[str, torch.Tensor]:
+    """A training batch for a Hugging Face model from its config: one tile per row for a tiled VLM
+    (placeholders first, labels -100 on them), random text otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    facts = hf_data_facts(model)
+    if not facts:
+        vocab = int(model.config.get_text_config().vocab_size)  # type: ignore[union-attr]
+        ids = torch.randint(0, vocab, (batch, text), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+    n_image, image_token = facts["tokens_per_tile"], facts["image_token_id"]
+    high = min(facts["vocab_size"], image_token) if image_token > 0 else facts["vocab_size"]
+    ids = torch.randint(0, max(1, high), (batch, n_image + text), generator=g)
+    ids[:, :n_image] = image_token
+    labels = ids.clone()
+    labels[:, :n_image] = IGNORE_INDEX
+    pixels = torch.randn(batch, *facts["image_shape"], generator=g)
+    return {"pixel_values": pixels, "input_ids": ids, "labels": labels}

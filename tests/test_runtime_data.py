@@ -73,7 +73,14 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengt
     probe = RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1)
     model = load_model(spec).model
     micro = batch_source(probe, model)(0)
-    assert set(micro) == {"pixel_values", "input_ids", "labels", "position_ids"}  # the keys Llava takes
+    assert set(micro) == {"pixel_values", "input_ids", "labels", "position_ids", "attention_mask"}  # the keys Llava takes
+    # the pack's samples kept apart: the block-causal mask of the samples the positions restart at
+    from omnibal_compile.data.hf_collate import block_causal_mask
+
+    starts = (micro["position_ids"][0] == 0).nonzero().flatten().tolist() + [micro["position_ids"].shape[1]]
+    assert len(starts) > 2  # several samples in the pack
+    want = block_causal_mask([b - a for a, b in zip(starts, starts[1:])])
+    assert torch.equal(micro["attention_mask"], want)
     (tmp_path / "plan.json").write_text(oc.optimize(model, micro, num_stages=2, planner="uniform").plan.to_json())
     assert main(["run", "--plan", "plan.json", "--model", spec, "--lengths", lengths_file, "--batch-size", "2",
                  "--microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",

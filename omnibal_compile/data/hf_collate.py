@@ -55,7 +55,7 @@ VARLEN_ATTENTION: tuple[str, ...] = ("flash_attention_2", "flash_attention_3", "
 """Attention implementations that get flash-attention's variable-length kwargs (also any name with 'flash')."""
 
 
-def _is_varlen(attn_implementation: str) -> bool:
+def is_varlen(attn_implementation: str) -> bool:
     return attn_implementation in VARLEN_ATTENTION or "flash" in attn_implementation
 
 
@@ -92,7 +92,7 @@ class HFPackingCollator:
     """Id of padding tokens."""
 
     def __post_init__(self) -> None:
-        if self.attn_implementation not in MASK_ATTENTION and not _is_varlen(self.attn_implementation):
+        if self.attn_implementation not in MASK_ATTENTION and not is_varlen(self.attn_implementation):
             raise InputError(
                 f"packing supports attn_implementation {list(MASK_ATTENTION + VARLEN_ATTENTION)}, got "
                 f"{self.attn_implementation!r}; build the model with one of them"
@@ -122,7 +122,7 @@ class HFPackingCollator:
     @property
     def varlen(self) -> bool:
         """Whether rows carry flash-attention's variable-length kwargs instead of a mask."""
-        return _is_varlen(self.attn_implementation)
+        return is_varlen(self.attn_implementation)
 
     def sample_lengths(self, sample: Mapping[str, Any]) -> tuple[int, int]:
         """(images, tokens) of a sample as packed: tokens counted after placeholder expansion.
@@ -263,10 +263,16 @@ class HFPackingCollator:
 
 def block_causal_mask(lengths: Sequence[int], *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(1, 1, L, L) additive mask: 0 where query and key are in the same segment and the key is not later, else min."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
-    n = seg.numel()
-    allowed = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-    return torch.zeros(n, n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return segment_mask(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))[None], dtype=dtype)
+
+
+def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, 1, L, L) additive mask of (B, L) segment ids: 0 where query and key share a segment and the
+    key is not later, the dtype's minimum elsewhere (what ``sdpa`` and ``eager`` need: see the module doc)."""
+    n = segment_ids.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def _image_facts(config: Any) -> dict[str, Any]:

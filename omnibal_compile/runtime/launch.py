@@ -332,17 +332,24 @@ def model_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, to
 
     The packing collator (``data.collate``) lays a pack out for the reference VLM: ``pixel_values``
     (tiles), ``input_ids``, ``labels``, ``position_ids`` restarting per sample, ``segment_ids``. A
-    Hugging Face model takes the keys its ``forward`` names; it has no ``segment_ids``, so under
-    ``sdpa``/``eager`` attention its samples in one row attend to each other until the Hugging Face
-    packing collator (issue 15, item 2: a 4-D block-causal mask per row) replaces this function's
-    Hugging Face branch.
+    Hugging Face model takes the keys its ``forward`` names, and, having no ``segment_ids``, the
+    pack's samples kept apart as ``data.hf_collate`` keeps them: a 4-D block-causal
+    ``attention_mask`` under ``sdpa``/``eager``; under flash attention the restarting
+    ``position_ids`` alone.
     """
     import inspect
+
+    from omnibal_compile.data.hf_collate import is_varlen, segment_mask
 
     params = inspect.signature(model.forward).parameters
     if "segment_ids" in params:  # the reference layout
         return row
-    return {k: v for k, v in row.items() if k in params}
+    out = {k: v for k, v in row.items() if k in params}
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa")
+    if "segment_ids" in row and "attention_mask" in params and not is_varlen(impl):
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        out["attention_mask"] = segment_mask(row["segment_ids"], dtype=dtype)
+    return out
 
 
 def precheck(config: RunConfig) -> Plan:

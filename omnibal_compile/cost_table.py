@@ -60,6 +60,15 @@ class BlockCost:
     """Bytes the block holds only while it computes, on top of what it keeps for backward: forward
     temporaries, the backward's incoming gradient and scratch, and the activations a recomputing
     block rebuilds (the largest over the recompute options; measured by the cost pass, 0 if not)."""
+    signature: str = ""
+    """Hash of the block's computation and input shapes (:func:`omnibal_compile.passes.signature.block_signature`);
+    blocks with the same signature cost the same. Empty when not known."""
+    profiled_as: str = ""
+    """Name of the block whose measured times and FLOPs this entry reuses (the first block with the same
+    signature); empty when measured itself. Activation bytes are always the block's own."""
+    time_spread: float = 0.0
+    """Relative spread of the profiled times: the larger of forward's and backward's interquartile range
+    over their median, across the timed repeats (0 for modelled times)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
@@ -260,18 +269,30 @@ class CostTable:
     def summary(self) -> str:
         """Per-block table: forward/backward ms, GFLOPs, static and activation MiB per option."""
         mib = 1 / 2**20
+        profiled = self.source == "profiled"
         rows = [("#", "block", "fwd ms", "bwd ms", "GFLOP", "static MiB", "act none/sel/full MiB", "recomp ms sel/full")]
+        if profiled:
+            rows[0] += ("spread", "times of")
         for i, b in enumerate(self.blocks):
             a, r = b.activation_bytes, b.recompute_s
-            rows.append((
+            row: tuple[str, ...] = (
                 str(i), b.name, f"{b.forward_s * 1e3:.3f}", f"{b.backward_s * 1e3:.3f}", f"{b.flops / 1e9:.4f}",
                 f"{b.static_bytes * mib:.2f}",
                 f"{a['none'] * mib:.2f}/{a['selective'] * mib:.2f}/{a['full'] * mib:.2f}",
                 f"{r['selective'] * 1e3:.3f}/{r['full'] * 1e3:.3f}",
-            ))
+            )
+            if profiled:
+                row += (f"{b.time_spread:.1%}", b.profiled_as or "measured")
+            rows.append(row)
         shape = ", ".join(f"{k} {v}" for k, v in dict(self.batch_shape).items())
         title = f"Costs on {self.device} ({self.source})" + (f", micro-batch of {shape}" if shape else "") + ":"
-        return title + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2))
+        text = title + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2 - profiled) + "l" * profiled)
+        shared = sum(1 for b in self.blocks if b.profiled_as)
+        if profiled and shared:
+            measured = len(self.blocks) - shared
+            text += (f"\n{measured} blocks timed, {shared} share the times of an identical block (same computation "
+                     f"and input shapes); spread: interquartile range of the timed repeats over their median")
+        return text
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(asdict(self), indent=indent)

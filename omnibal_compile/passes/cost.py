@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -45,8 +46,18 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
-from omnibal_compile.passes.cost_measure import CLOCKS, kept_bytes, median_time, peak_bytes, record_ops, tensor_leaves
+from omnibal_compile.passes.cost_measure import (
+    CLOCKS,
+    kept_bytes,
+    median_time,
+    peak_bytes,
+    record_ops,
+    relative_spread,
+    tensor_leaves,
+    timed_runs,
+)
 from omnibal_compile.passes.recompute_policy import with_recompute
+from omnibal_compile.passes.signature import block_signature
 from omnibal_compile.plan import Plan
 from omnibal_compile.progress import track
 
@@ -62,10 +73,10 @@ __all__ = [
     "measured_step_time",
 ]
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+"""Version of the profile cache file layout (2: blocks carry signature, profiled_as, time_spread)."""
 COST_MODEL = 2
-"""Version of what a cost table measures, part of every cache key: 2 added ``workspace_bytes``."""
-"""Version of the profile cache file layout."""
+"""Version of what a cost table measures, part of every cache key (2: ``workspace_bytes``)."""
 
 CPU_LINK_BANDWIDTH = 5e9
 """Bytes/s assumed between pipeline stages on CPU (gloo over shared memory; override per call)."""
@@ -141,32 +152,46 @@ class _Timing:
     forward_s: float
     backward_s: float
     selective_s: float
+    spread: float = 0.0
 
 
-def _profile_times(
-    m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, warmup: int, repeats: int, clock: str
-) -> _Timing:
-    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    wrt += [p for p in m.parameters() if p.requires_grad]
+PROFILE_ROUNDS = 3
+"""Rounds the timed repeats are spread over, every distinct block once per round, so that a slow
+spell of a shared machine falls on all blocks alike instead of on whichever was being timed."""
 
-    def forward(_: Any) -> Any:
+
+class _Profile:
+    """Timed forward and backward runs of one block, collected over rounds."""
+
+    def __init__(self, m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, clock: str) -> None:
+        self.m, self.inputs, self.records, self.cuda, self.clock = m, inputs, records, cuda, clock
+        self.wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        self.wrt += [p for p in m.parameters() if p.requires_grad]
+        self.has_backward = _backward_args(self._forward(None), self.wrt) is not None
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+
+    def _forward(self, _: Any) -> Any:
         with torch.enable_grad():
-            return m(*inputs)
+            return self.m(*self.inputs)
 
-    fwd = median_time(forward, warmup=warmup, repeats=repeats, cuda=cuda, clock=clock)
-    bwd = 0.0
-    if _backward_args(forward(None), wrt) is not None:
-        bwd = median_time(
-            lambda st: torch.autograd.grad(st[0], wrt, st[1], allow_unused=True),
-            setup=lambda: _backward_args(forward(None), wrt),
-            warmup=warmup,
-            repeats=repeats,
-            cuda=cuda,
-            clock=clock,
-        )
-    total = sum(r.seconds for r in records)
-    rerun = sum(r.seconds for r in records if r.op_class == "memory")
-    return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * rerun / total if total > 0 else 0.0)
+    def run(self, *, warmup: int, repeats: int) -> None:
+        kw = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
+        self.fwd += timed_runs(self._forward, **kw)
+        if self.has_backward:
+            self.bwd += timed_runs(
+                lambda st: torch.autograd.grad(st[0], self.wrt, st[1], allow_unused=True),
+                setup=lambda: _backward_args(self._forward(None), self.wrt),
+                **kw,
+            )
+
+    def timing(self) -> _Timing:
+        fwd = statistics.median(self.fwd)
+        bwd = statistics.median(self.bwd) if self.bwd else 0.0
+        spread = max(relative_spread(self.fwd), relative_spread(self.bwd))
+        total = sum(r.seconds for r in self.records)
+        rerun = sum(r.seconds for r in self.records if r.op_class == "memory")
+        return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * rerun / total if total > 0 else 0.0, spread=spread)
 
 
 def _roofline_times(records: Sequence[Any], spec: DeviceSpec) -> _Timing:
@@ -227,10 +252,10 @@ def annotate_costs(
     precision: Precision = BF16_ADAM,
     link: str = "nvlink",
     link_bandwidth: float | None = None,
-    warmup: int = 1,
-    repeats: int = 5,
+    warmup: int = 2,
+    repeats: int = 9,
     threads: int | None = 1,
-    clock: str = "wall",
+    clock: str = "auto",
     cache: str | os.PathLike[str] | None = None,
     refresh: bool = False,
     batch_shape: Mapping[str, int] | None = None,
@@ -247,10 +272,15 @@ def annotate_costs(
         precision: bytes per parameter for :attr:`BlockCost.static_bytes`.
         link: ``"nvlink"`` or ``"infiniband"`` between stages (roofline targets).
         link_bandwidth: bytes/s between stages, overriding the device's.
-        warmup, repeats: untimed and timed runs per measurement (the median is kept).
+        warmup, repeats: untimed and timed runs per measurement (the median is kept, the spread
+            reported in :attr:`BlockCost.time_spread`). Blocks with the same
+            :func:`~omnibal_compile.passes.signature.block_signature` (every layer of a stack) are
+            timed once and share the figures (:attr:`BlockCost.profiled_as`), so the repeats go to
+            the distinct blocks only.
         threads: intra-op threads while profiling (None: leave as is).
-        clock: CPU timer: ``"wall"`` (perf_counter) or ``"thread"`` (CPU time of this thread, steadier
-            on a shared machine; use with ``threads=1``).
+        clock: CPU timer: ``"wall"`` (perf_counter), ``"thread"`` (CPU time of this thread, steady
+            on a shared machine; exact only with one thread), or ``"auto"`` (default): ``thread``
+            when ``threads == 1``, else ``wall``. CUDA always times with events.
         cache: JSON file of profiled tables keyed by model structure, inputs, device and settings.
         refresh: ignore (and overwrite) a cached entry.
         batch_shape: recorded in the table (e.g. ``{"tiles": 4, "text_tokens": 256}``).
@@ -259,8 +289,10 @@ def annotate_costs(
     name = device.name if isinstance(device, DeviceSpec) else str(device).strip().lower()
     spec = None if name in PROFILED_DEVICES else get_device(device)
     name = spec.name if spec is not None else name  # canonical, so aliases share cache entries
+    if clock == "auto":
+        clock = "thread" if threads == 1 else "wall"
     if clock not in CLOCKS:
-        raise InputError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
+        raise InputError(f"clock must be 'auto' or one of {list(CLOCKS)}, got {clock!r}")
     if warmup < 0 or repeats < 1:
         raise InputError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     ph = [n.name for n in graph.captured.graph_module.graph.nodes if n.op == "placeholder"]
@@ -290,35 +322,57 @@ def annotate_costs(
     modules = block_modules(graph, model)
     sync = torch.cuda.synchronize if cuda else None
     blocks: list[BlockCost] = []
+    # One measurement per signature: identical layers get identical figures instead of each its
+    # own noise. Activation bytes are exact and depend on which inputs the block is charged for,
+    # so every block gets its own.
+    first_of: dict[str, int] = {}
+    flops_of: dict[str, float] = {}
+    profiles: dict[str, _Profile] = {}
+    timings: dict[str, _Timing] = {}
+    rows: list[tuple[str, str, dict[str, int], int]] = []  # (signature, block timed for it, activation, workspace bytes)
     with _threads(threads if not cuda else None):
         all_inputs = block_inputs(graph, modules)
         for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
-            m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
+            m, inputs = modules[k], all_inputs[k]
             charged = charged_inputs(graph, k, stage_info(m).input_names)
-            records, flops = record_ops(m, inputs, sync=sync, clock=clock)
-            if spec is None:
-                timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats, clock=clock)
-            else:
-                timing = _roofline_times(records, spec)
+            signature = block_signature(m, inputs)
+            if signature not in first_of:
+                first_of[signature] = k
+                records, flops_of[signature] = record_ops(m, inputs, sync=sync, clock=clock)
+                if spec is None:
+                    profiles[signature] = _Profile(m, inputs, records, cuda=cuda, clock=clock)
+                else:
+                    timings[signature] = _roofline_times(records, spec)
             activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
             params = [p for p in m.parameters() if p.requires_grad]
             # A recomputing block rebuilds its activations before the same backward, so its peak is the
             # plain block's; beyond what it keeps, that is the most for the option keeping the least.
-            workspace = peak_bytes(m, inputs, charged, params) - min(activation.values())
-            blocks.append(
-                BlockCost(
-                    name=block.name,
-                    kind=block.kind,
-                    flops=float(flops),
-                    num_params=block.num_params,
-                    static_bytes=round(block.num_params * precision.bytes_per_param),
-                    forward_s=timing.forward_s,
-                    backward_s=timing.backward_s,
-                    activation_bytes=activation,
-                    recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
-                    workspace_bytes=max(0, workspace),
-                )
+            workspace = max(0, peak_bytes(m, inputs, charged, params) - min(activation.values()))
+            rows.append((signature, graph.blocks[first_of[signature]].name, activation, workspace))
+        per_round = -(-repeats // PROFILE_ROUNDS)
+        for r in track(range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)):
+            for prof in profiles.values():
+                prof.run(warmup=warmup if r == 0 else 1, repeats=min(per_round, repeats - r * per_round) or 1)
+    timings.update({sig: prof.timing() for sig, prof in profiles.items()})
+    for block, (signature, timed, activation, workspace) in zip(graph.blocks, rows):
+        timing = timings[signature]
+        blocks.append(
+            BlockCost(
+                name=block.name,
+                kind=block.kind,
+                flops=float(flops_of[signature]),
+                num_params=block.num_params,
+                static_bytes=round(block.num_params * precision.bytes_per_param),
+                forward_s=timing.forward_s,
+                backward_s=timing.backward_s,
+                activation_bytes=activation,
+                recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
+                signature=signature,
+                profiled_as="" if timed == block.name else timed,
+                time_spread=timing.spread,
+                workspace_bytes=workspace,
             )
+        )
     n = graph.num_blocks
     table = CostTable(
         blocks=tuple(blocks),

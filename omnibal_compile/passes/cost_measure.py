@@ -38,6 +38,8 @@ __all__ = [
     "kept_bytes",
     "peak_bytes",
     "median_time",
+    "timed_runs",
+    "relative_spread",
     "count_flops",
     "tensor_leaves",
     "CLOCKS",
@@ -313,7 +315,21 @@ def peak_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[
             p.grad = g
 
 
-def median_time(
+def median_time(call: Callable[[Any], Any], **kwargs: Any) -> float:
+    """Median seconds of ``call(setup())`` over the timed runs of :func:`timed_runs` (same arguments)."""
+    return statistics.median(timed_runs(call, **kwargs))
+
+
+def relative_spread(times: Sequence[float]) -> float:
+    """Interquartile range over median of repeated timings (0 for fewer than 2 or a zero median)."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    med = statistics.median(times)
+    return (q3 - q1) / med if med > 0 else 0.0
+
+
+def timed_runs(
     call: Callable[[Any], Any],
     *,
     setup: Callable[[], Any] | None = None,
@@ -321,8 +337,8 @@ def median_time(
     repeats: int = 5,
     cuda: bool = False,
     clock: str = "wall",
-) -> float:
-    """Median seconds of ``call(setup())`` over ``repeats`` runs after ``warmup`` untimed ones.
+) -> list[float]:
+    """Seconds of each of ``repeats`` timed runs of ``call(setup())`` after ``warmup`` untimed ones.
 
     CPU: ``time.perf_counter`` (``clock="wall"``) or ``time.thread_time`` (``clock="thread"``: CPU
     time of this thread, blind to time spent descheduled on a busy machine; exact only with one
@@ -350,4 +366,4 @@ def median_time(
         del state
         if i >= warmup:
             times.append(seconds)
-    return statistics.median(times)
+    return times

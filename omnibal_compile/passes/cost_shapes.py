@@ -125,6 +125,8 @@ class ShapeCostModel:
                 backward_s=p["backward_s"][i],
                 activation_bytes={o: round(p[f"activation:{o}"][i]) for o in RECOMPUTE_OPTIONS},
                 recompute_s={o: p[f"recompute:{o}"][i] for o in RECOMPUTE_OPTIONS},
+                signature=b.signature,
+                profiled_as=b.profiled_as,
             )
             for i, b in enumerate(self.template.blocks)
         )

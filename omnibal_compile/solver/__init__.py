@@ -10,6 +10,8 @@ and how to call each with costs (``solve``) and, for the baselines that need non
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,7 +19,8 @@ from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.solver.baselines import BASELINES, min_max_partition, uniform_boundaries
 from omnibal_compile.solver.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.solver.explain import explain_infeasible, least_memory_split
-from omnibal_compile.solver.ilp import solve_ilp
+from omnibal_compile.solver import interleaved as two_chunks
+from omnibal_compile.solver.ilp import _status_note, solve_ilp
 from omnibal_compile.solver.problem import PartitionProblem, Solution, evaluate, in_flight, lower_bound, problem_from_costs
 
 __all__ = [
@@ -76,6 +79,22 @@ def _ilp(problem: PartitionProblem, *, solver: str, time_limit: float | None, ga
         except PlanError:
             pass
         incumbent = min(feasible, key=lambda s: s.iteration_time) if feasible else None
+        if incumbent is not None and two_chunks.applies(problem):
+            # Two chunks per device: the least bottleneck is found exactly by a search of its own, with
+            # a lower bound the ILP's relaxation cannot reach; the ILP runs only if the gap is too wide.
+            start = time.perf_counter()
+            found = two_chunks.two_chunk_search(problem, incumbent, tolerance=max(gap / 2, 1e-4), time_limit=time_limit)
+            seconds = time.perf_counter() - start
+            if found.gap <= gap:
+                return dataclasses.replace(
+                    found.solution, planner="ilp", status=_status_note("Optimal", found.gap), gap=found.gap,
+                    solve_seconds=seconds,
+                    extra={"solver": "two-chunk search", "lower_bound": found.lower_bound, "decisions": found.decisions},
+                )
+            if time_limit is not None:
+                time_limit = max(1.0, time_limit - seconds)
+            return solve_ilp(problem, upper_bound=found.solution.iteration_time, proven_bound=found.lower_bound,
+                             warm=found.solution, solver=solver, time_limit=time_limit, gap=gap)
     else:
         incumbent = solve_dp(problem)
     bound = incumbent.iteration_time if incumbent is not None else None

@@ -33,6 +33,8 @@ __all__ = ["BenchScript", "BenchResult", "KINDS", "QUICK_ARGS", "FULL_ARGS", "di
 KINDS: dict[str, str] = {
     "ablation_cpu.py": "measured and simulated (the data/partition/memory ablation on local CPU ranks vs the simulator)",
     "cost_accuracy.py": "measured on this CPU (profiled block costs vs whole-model runs)",
+    "cost_stability.py": "measured on this CPU (repeated cost passes: plan and predicted iteration time run to run)",
+    "gpu_check.sh": "measured on a GPU (kernels, cost pass vs roofline, optimize and parity on CUDA)",
     "data_balance.py": "measured (balance metrics on the real length statistics; balancer run times on this CPU)",
     "lengths_speed.py": "measured on this CPU (the lengths command on a synthetic LLaVA-style dataset)",
     "pipeline_cpu.py": "measured (real pipeline runs on local CPU ranks)",
@@ -53,6 +55,7 @@ FULL_ARGS: dict[str, tuple[str, ...]] = {
 QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "ablation_cpu.py": ("--quick",),
     "cost_accuracy.py": ("--quick",),
+    "cost_stability.py": ("--quick",),
     "data_balance.py": ("--no-progress", "--scale", "300000"),
     "lengths_speed.py": ("--records", "20000"),
     "pipeline_cpu.py": ("--steps", "5"),

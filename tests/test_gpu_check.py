@@ -1,0 +1,25 @@
+"""bench/gpu_check.sh --dry-run: every part of the GPU check runs on the CPU and writes its results."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_passes_and_writes_its_results(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["dry_run"] and not results["errors"] and results["parity"]["ok"]
+    costs = results["costs"]
+    assert len(costs["blocks"]) > 10 and set(costs["calibration_fitted"]) == {"matmul", "attention", "memory"}
+    assert costs["error_after"]["median"] <= costs["error_before"]["median"]  # the fit can only help its own data
+    assert json.loads((tmp_path / "kernels.json").read_text())
+    log = (tmp_path / "gpu_check.txt").read_text()
+    assert "kernels exit 0, model checks exit 0" in log and "parity OK" in log

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import statistics
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -46,6 +45,7 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
+from omnibal_compile.passes.cost_cache import CACHE_FORMAT, read_cache, store_in_cache
 from omnibal_compile.passes.cost_measure import (
     CLOCKS,
     kept_bytes,
@@ -73,8 +73,6 @@ __all__ = [
     "measured_step_time",
 ]
 
-CACHE_FORMAT = 2
-"""Version of the profile cache file layout (2: blocks carry signature, profiled_as, time_spread)."""
 COST_MODEL = 2
 """Version of what a cost table measures, part of every cache key (2: ``workspace_bytes``)."""
 
@@ -220,27 +218,6 @@ def _cache_key(graph: BlockGraph, model: nn.Module, device: str, settings: Mappi
     return h.hexdigest()
 
 
-def _cache_read(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
-            raise ValueError(f"not a format-{CACHE_FORMAT} omnibal cost cache")
-        return data["entries"]
-    except (OSError, ValueError) as e:
-        warnings.warn(f"cost cache {path} is unreadable ({e}); ignoring it and profiling again", stacklevel=3)
-        return {}
-
-
-def _cache_write(path: Path, entries: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": CACHE_FORMAT, "entries": dict(entries)}, f)
-    os.replace(tmp, path)  # atomic: a crash never leaves a half-written cache
-
-
 # -- the pass ------------------------------------------------------------------------------------
 
 
@@ -281,7 +258,9 @@ def annotate_costs(
         clock: CPU timer: ``"wall"`` (perf_counter), ``"thread"`` (CPU time of this thread, steady
             on a shared machine; exact only with one thread), or ``"auto"`` (default): ``thread``
             when ``threads == 1``, else ``wall``. CUDA always times with events.
-        cache: JSON file of profiled tables keyed by model structure, inputs, device and settings.
+        cache: JSON file of profiled tables keyed by model structure, inputs, device and settings
+            (:mod:`~omnibal_compile.passes.cost_cache`: shared safely by processes; a file that is
+            not a cost cache is an error, never overwritten).
         refresh: ignore (and overwrite) a cached entry.
         batch_shape: recorded in the table (e.g. ``{"tiles": 4, "text_tokens": 256}``).
         progress: show progress (:mod:`omnibal_compile.progress`).
@@ -312,7 +291,7 @@ def annotate_costs(
     }
     path = Path(cache) if cache is not None else None
     key = _cache_key(graph, model, name, settings) if path else ""
-    entries = _cache_read(path) if path else {}
+    entries = read_cache(path) if path else {}  # InputError now, before profiling, when it is not a cache of ours
     if path and not refresh and key in entries:
         try:
             return CostTable.from_dict({**entries[key], "precision": asdict(precision)})  # entries predating the field
@@ -384,8 +363,10 @@ def annotate_costs(
         precision=precision,
     )
     if path:
-        entries[key] = json.loads(table.to_json())
-        _cache_write(path, entries)
+        try:
+            store_in_cache(path, key, json.loads(table.to_json()))
+        except OSError as e:
+            warnings.warn(f"cost cache {path} could not be written ({e}); the costs were measured but not cached", stacklevel=2)
     return table
 
 

@@ -1,4 +1,4 @@
-"""``omnibal-compile run``: train from a saved plan on N local processes (torchrun; gloo on CPU)."""
+"""``omnibal-compile run``: train from a saved plan on N local processes (gloo on CPU, NCCL on GPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from omnibal_compile.schedule import SCHEDULE_KINDS
 
 NAME = "run"
-HELP = "train a model from a saved plan on local ranks (dp pipelines x plan devices) launched by torchrun"
+HELP = "train a model from a saved plan on local ranks (dp pipelines x plan devices)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest complete checkpoint in DIR (--steps counts all steps)")
     p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default 0)")
     p.add_argument("--log", default=None, metavar="PATH", help="append per-step JSON lines here")
-    p.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="end every rank after this many seconds in all (default: no limit)")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a rank waiting this long in one collective fails, so a frozen rank ends the run (default 600)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         warmup_steps=args.warmup_steps,
         log=args.log,
+        collective_timeout=args.collective_timeout,
     )
     logs = launch(config, timeout_s=args.timeout)
     if logs:

@@ -99,6 +99,9 @@ def find_checkpoint(root: str | Path) -> tuple[Path, dict[str, Any]]:
     """The newest step folder under ``root`` (or ``root`` itself when it is a step folder), checked
     complete, and its trainer state."""
     folder = Path(root)
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is a file, not a folder"
+        raise InputError(f"checkpoint {folder} {what}: give the folder written by --save, or one of its step-<K> folders")
     if not ((folder / _META).is_file() or _STEP.match(folder.name)):
         steps = _step_folders(folder)
         if not steps:

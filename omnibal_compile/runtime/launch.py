@@ -1,4 +1,4 @@
-"""Train from a saved plan on N local processes launched by torchrun.
+"""Train from a saved plan on N local processes (one per rank, gloo or NCCL over loopback).
 
 Glossary:
     run config    :class:`RunConfig`: plan file, model, data, optimizer and launch settings. It is
@@ -24,7 +24,12 @@ Glossary:
                   :mod:`omnibal_compile.runtime.pipeline`).
     pre-launch checks  :func:`precheck` runs in the launching process, before any rank starts:
                   world size vs dp and stages, micro-batches vs stages, batch size vs dp and
-                  micro-batches, dp_shard and batching names, plan vs model.
+                  micro-batches, dp_shard and batching names, plan vs model, the checkpoint to
+                  resume from (missing, unfinished or truncated is an error here).
+    failures      the ranks run under :func:`~omnibal_compile.runtime.processes.run_ranks`: each
+                  collective waits at most ``collective_timeout`` s, the whole run at most
+                  ``timeout_s``; on any failure or time-out every rank and what it started is ended
+                  and the :class:`LaunchError` names the rank at fault and its first error line.
 """
 
 from __future__ import annotations
@@ -32,15 +37,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +143,9 @@ class RunConfig:
     empty (default): no accounting, which costs Python work on every op."""
     log: str | None = None
     """JSON-lines file for per-step loss and time (written by the rank holding the last stage)."""
+    collective_timeout: float = 600.0
+    """Seconds a rank waits in one collective (start-up included) before it fails: a frozen or lost
+    rank ends the run instead of hanging it."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -383,6 +391,7 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError(f"weighting must be 'tokens' or 'rows', got {config.weighting!r}")
     if config.steps < 1:
         raise InputError(f"steps must be >= 1, got {config.steps}")
+    _check_seconds("collective_timeout (--collective-timeout)", config.collective_timeout)
     if config.save_every < 0 or config.warmup_steps < 0:
         raise InputError("save_every (--save-every) and warmup_steps (--warmup-steps) must be >= 0")
     if config.save_every and not config.save:
@@ -392,6 +401,11 @@ def precheck(config: RunConfig) -> Plan:
     model = build_model(config)
     compile_for_microbatches(model, batch_source(config, model, 0)(0), plan)  # PlanError when the plan does not fit
     return plan
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InputError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
 _DATA_SETTINGS = ("model", "model_config", "data", "lengths", "batching", "samples_per_pack", "batch_size",
@@ -425,6 +439,28 @@ def _check_resume(config: RunConfig) -> None:
             f"resuming from {folder} with other data settings would change what the model sees ({detail}); "
             "use the settings of the saved run"
         )
+
+
+_FAULT = "_OMNIBAL_FAULT"
+"""Testing hook: ``"<rank>:<step>:<how>"`` makes that rank, as that step starts, ``stop`` (SIGSTOP
+itself: frozen, not dead), ``kill`` (SIGKILL itself), ``raise`` an error or ``hang`` (sleep an hour)."""
+
+
+def _planted_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(_FAULT)
+    if not spec:
+        return
+    where, _, how = spec.rpartition(":")
+    if where != f"{rank}:{step}":
+        return
+    if how == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "raise":
+        raise RuntimeError(f"planted fault in rank {rank} at step {step}")
+    elif how == "hang":
+        time.sleep(3600)
 
 
 _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -476,6 +512,7 @@ def train(config: RunConfig) -> list[StepLog]:
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
     logs: list[StepLog] = []
     for step in range(first, config.steps):
+        _planted_fault(rank, step)
         batch = source(step)
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.thread_time()
@@ -517,11 +554,20 @@ def train(config: RunConfig) -> list[StepLog]:
 
 
 def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = False) -> list[StepLog]:
-    """Check, then run ``config`` on ``nproc`` local processes with torchrun; returns the step logs.
+    """Check, then run ``config`` on ``nproc`` local processes; returns the step logs.
 
-    The ranks talk over loopback only (gloo on CPU, NCCL on GPU). The whole process group is
-    killed when the run fails or exceeds ``timeout_s``.
+    The ranks talk over loopback only (gloo on CPU, NCCL on GPU), through a store this process
+    hosts. When a rank fails or the run exceeds ``timeout_s``, every rank (and anything it started)
+    is ended and :class:`LaunchError` names the rank at fault and its first error line; nothing is
+    left running in any case.
     """
+    import torch.distributed as dist
+
+    from omnibal_compile.runtime.processes import run_ranks
+    from omnibal_compile.runtime.worker import STORE_ENV
+
+    if timeout_s is not None:
+        _check_seconds("timeout (--timeout)", timeout_s)
     config = with_plan_layout(config)
     plan = precheck(config)
     nproc = config.nproc if config.nproc is not None else config.dp * plan.num_devices
@@ -530,40 +576,23 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
         Path(log).unlink(missing_ok=True)
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(dataclasses.replace(config, log=log, nproc=nproc).to_json())
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-            "--nproc-per-node", str(nproc), "-m", "omnibal_compile.runtime.worker", str(cfg_path),
-        ]
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=config.collective_timeout))
         env = dict(os.environ)
+        env[STORE_ENV] = f"127.0.0.1:{store.port}"
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         env.setdefault("OMP_NUM_THREADS", str(config.threads))
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        out_lines: list[str] = []
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                out_lines.append(line)
-                if not quiet and line.startswith("[omnibal run]"):
-                    print(line, end="", flush=True)
+        def echo(rank: int, line: str) -> None:
+            if not quiet and line.startswith("[omnibal run]"):
+                print(line, end="", flush=True)
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
         try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            reader.join(timeout=5)
-            raise LaunchError(f"run exceeded {timeout_s:.0f} s; output tail:\n{''.join(out_lines[-40:])}") from None
-        except BaseException:
-            _kill(proc)
-            raise
-        reader.join(timeout=5)
-        if proc.returncode != 0:
-            raise LaunchError(f"run failed (exit {proc.returncode}); output tail:\n{''.join(out_lines[-60:])}")
+            run_ranks([sys.executable, "-m", "omnibal_compile.runtime.worker", str(cfg_path)], nproc=nproc, env=env,
+                      workdir=tmp, timeout_s=timeout_s, on_line=echo)
+        finally:
+            del store
         with open(log) as f:
             return [_step_log(json.loads(line)) for line in f if line.strip()]
 
@@ -572,10 +601,3 @@ def _step_log(data: dict[str, Any]) -> StepLog:
     return StepLog(**{**data, "rank_cpu_s": tuple(data.get("rank_cpu_s", ())),
                       "rank_peak_bytes": tuple(data.get("rank_peak_bytes", ()))})
 
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()

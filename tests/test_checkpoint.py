@@ -86,12 +86,12 @@ def test_checkpoint_loads_into_another_layout_and_the_unsplit_model(tmp_path, le
 def test_resume_checks_fail_before_any_process_starts(tmp_path, lengths_file, uninterrupted, monkeypatch):
     import shutil
 
-    import omnibal_compile.runtime.launch as launch_mod
+    import omnibal_compile.runtime.processes as processes_mod  # where rank processes start
 
     def no_process(*a: Any, **k: Any) -> None:
         raise AssertionError("a process was started")
 
-    monkeypatch.setattr(launch_mod.subprocess, "Popen", no_process)
+    monkeypatch.setattr(processes_mod.subprocess, "Popen", no_process)
     config, _ = uninterrupted
     step = latest_checkpoint(config.save)
     with pytest.raises(InputError, match="at step 6 and --steps is 6: nothing left to run"):

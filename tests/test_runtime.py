@@ -325,13 +325,13 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
 
 
 def test_pre_launch_checks_fail_before_any_process_starts(tmp_path, vlm_plan2, monkeypatch, capsys):
-    import omnibal_compile.runtime.launch as launch_mod
+    import omnibal_compile.runtime.processes as processes_mod  # where rank processes start
     from omnibal_compile.cli import main
 
     def no_process(*a: Any, **k: Any) -> None:
         raise AssertionError("a process was started")
 
-    monkeypatch.setattr(launch_mod.subprocess, "Popen", no_process)
+    monkeypatch.setattr(processes_mod.subprocess, "Popen", no_process)
     with pytest.raises(PlanError, match="needs 2 ranks but world size is 3"):
         launch(_run_config(tmp_path, vlm_plan2, nproc=3))
     with pytest.raises(PlanError, match="1 micro-batch for 2 stages"):

@@ -206,12 +206,12 @@ def test_cli_run_dp2_pp1_on_balanced_packs_trains_like_the_unsplit_model(tmp_pat
 
 
 def test_dp_pre_launch_checks_name_the_flag(tmp_path, lengths_file, monkeypatch):
-    import omnibal_compile.runtime.launch as launch_mod
+    import omnibal_compile.runtime.processes as processes_mod  # where rank processes start
 
     def no_process(*a: Any, **k: Any) -> None:
         raise AssertionError("a process was started")
 
-    monkeypatch.setattr(launch_mod.subprocess, "Popen", no_process)
+    monkeypatch.setattr(processes_mod.subprocess, "Popen", no_process)
     config = _config(tmp_path, lengths_file, stages=1, batch_size=4, num_microbatches=2, schedule="1f1b")
     with pytest.raises(InputError, match=r"dp \(--dp, data-parallel pipelines\) must be an integer >= 1, got 0"):
         launch(dataclasses.replace(config, dp=0))

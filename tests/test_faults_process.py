@@ -1,0 +1,221 @@
+"""Process faults: a frozen, killed, failing or slow rank ends the whole run with a message naming it.
+
+Every test tags the processes it causes with an environment variable and checks afterwards that
+none of them, ranks or what the ranks started, is still alive. The first tests run the process
+machinery on tiny Python ranks (no torch: fast); the last ones run the real launcher on a 2-stage
+TinyVLM plan with gloo, a fault planted in rank 1 (``_OMNIBAL_FAULT``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_VLM
+
+from omnibal_compile.errors import InputError, LaunchError
+from omnibal_compile.runtime.processes import first_error_line, run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A stand-in rank: starts a child that would sleep 10 minutes (as a data loader worker would), then
+# does what argv[1] says in rank 1 while rank 0 waits for it.
+_RANK = textwrap.dedent("""
+    import faulthandler, os, signal, subprocess, sys, time
+    from omnibal_compile.runtime.processes import STACK_SIGNAL, write_error_file
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
+    rank, mode = int(os.environ["RANK"]), sys.argv[1]
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"rank {rank} started", flush=True)
+
+    def wait_for_peers():
+        time.sleep(600)
+
+    if mode == "finish":
+        sys.exit(0)
+    if rank == 1:
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if mode == "raise":
+            try:
+                raise ValueError("bad value in rank 1")
+            except ValueError as e:
+                write_error_file(e)
+                raise
+        if mode == "traceback":  # an error only in the output (no error file)
+            raise KeyError("missing key")
+    wait_for_peers()
+""")
+
+
+def _tagged_env(tag: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "_FAULT_TEST_TAG": tag}
+
+
+def _survivors(tag: str) -> list[int]:
+    """Processes (other than this one) whose environment carries ``tag``: the ranks and all they started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if f"_FAULT_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass  # gone meanwhile, or not ours
+    return found
+
+
+def _run(tmp_path: Path, mode: str, **kw) -> tuple[str | None, str]:
+    """Run two stand-in ranks; returns (the LaunchError's message or None, the tag)."""
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    tag = uuid.uuid4().hex
+    try:
+        run_ranks([sys.executable, str(script), mode], nproc=2, env=_tagged_env(tag), workdir=tmp_path, grace_s=1.0, **kw)
+    except LaunchError as e:
+        return str(e), tag
+    return None, tag
+
+
+# -- the process machinery, on stand-in ranks ------------------------------------------------------
+
+
+def test_a_finished_run_leaves_nothing_behind(tmp_path):
+    message, tag = _run(tmp_path, "finish")
+    assert message is None
+    assert _survivors(tag) == []  # the children the ranks started are ended too
+
+
+def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+    message, tag = _run(tmp_path, "kill", timeout_s=60)
+    assert message is not None and message.startswith("the run failed: rank 1 was killed by SIGKILL"), message
+    assert "rank 1 started" in message  # the end of its output
+    assert _survivors(tag) == []
+
+
+def test_a_failing_rank_is_named_with_its_first_error_line(tmp_path):
+    message, tag = _run(tmp_path, "raise", timeout_s=60)
+    assert message is not None and "rank 1 failed with ValueError: bad value in rank 1" in message, message
+    assert _survivors(tag) == []
+    message, tag = _run(tmp_path, "traceback", timeout_s=60)  # from the output when there is no error file
+    assert message is not None and "rank 1 failed with KeyError: 'missing key'" in message, message
+    assert _survivors(tag) == []
+
+
+def test_a_frozen_rank_is_named_when_the_time_limit_ends_the_run(tmp_path):
+    message, tag = _run(tmp_path, "stop", timeout_s=4)
+    assert message is not None and message.startswith("the run exceeded its time limit (4 s, --timeout)"), message
+    assert "rank 1 stopped responding (its process is stopped" in message
+    assert "waiting in wait_for_peers" in message  # where rank 0 was, from its stack dump
+    assert _survivors(tag) == []  # the stopped rank and its child too
+
+
+def test_the_time_limit_says_where_each_rank_was(tmp_path):
+    message, tag = _run(tmp_path, "hang", timeout_s=3)
+    assert message is not None and "ranks 0, 1 still running" in message, message
+    assert message.count("waiting in wait_for_peers") == 2
+    assert _survivors(tag) == []
+
+
+def test_first_error_line_reads_torch_prefixed_tracebacks():
+    out = ["[omnibal run] step 0\n", "[rank1]: Traceback (most recent call last):\n",
+           '[rank1]:   File "x.py", line 3, in f\n', "[rank1]:     g()\n", "[rank1]: RuntimeError: boom\n",
+           "Traceback (most recent call last):\n", "OSError: later\n"]
+    assert first_error_line(out) == "RuntimeError: boom"
+    assert first_error_line(["no traceback\n"]) is None
+
+
+# -- the launcher, on real ranks -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+    import omnibal_compile as oc
+    from omnibal_compile.models import make_example_batch
+    from omnibal_compile.runtime.launch import RunConfig, build_model
+
+    fields = dataclasses.asdict(SMALL_VLM)
+    model = build_model(RunConfig(plan="-", model_config=fields))
+    batch = make_example_batch(SMALL_VLM, batch=2, tiles_per_sample=1, text_tokens=12)
+    plan_path = tmp_path_factory.mktemp("faults") / "plan.json"
+    plan_path.write_text(oc.optimize(model, batch, num_stages=2, planner="uniform").plan.to_json())
+    return RunConfig(plan=str(plan_path), model_config=fields, batch_size=4, tiles_per_sample=1, text_tokens=12,
+                     steps=3, optimizer="sgd", schedule="1f1b", num_microbatches=2)
+
+
+def _launch_with_fault(run_config, monkeypatch, fault: str, **changes) -> tuple[str, str]:
+    from omnibal_compile.runtime.launch import launch
+
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("_FAULT_TEST_TAG", tag)
+    monkeypatch.setenv("_OMNIBAL_FAULT", fault)
+    with pytest.raises(LaunchError) as info:
+        launch(dataclasses.replace(run_config, **changes), quiet=True)
+    return str(info.value), tag
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_frozen_rank_ends_the_run_after_the_collective_timeout(run_config, monkeypatch):
+    # no time limit for the run: the collective timeout alone must end it
+    message, tag = _launch_with_fault(run_config, monkeypatch, "1:1:stop", collective_timeout=10.0)
+    assert "rank 1 stopped responding" in message, message
+    assert "rank 0 then failed with RuntimeError: Timed out waiting 10000ms" in message, message
+    assert _survivors(tag) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_rank_ends_the_run(run_config, monkeypatch):
+    message, tag = _launch_with_fault(run_config, monkeypatch, "1:1:kill")
+    assert message.startswith("the run failed: rank 1 was killed by SIGKILL"), message
+    assert _survivors(tag) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_run_command_timeout_ends_every_rank(run_config, monkeypatch, capsys):
+    from omnibal_compile.cli import main
+
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("_FAULT_TEST_TAG", tag)
+    argv = ["run", "--plan", run_config.plan, "--model-config", __import__("json").dumps(dict(run_config.model_config)),
+            "--batch-size", "4", "--tiles", "1", "--text", "12", "--microbatches", "2", "--timeout", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: the run exceeded its time limit (3 s, --timeout)" in err, err
+    assert "ranks 0, 1 still running" in err and err.count("running; ended by the launcher") == 2
+    assert _survivors(tag) == []
+
+
+def test_bad_timeouts_and_checkpoints_fail_before_any_rank_starts(run_config, tmp_path, monkeypatch):
+    import omnibal_compile.runtime.processes as processes_mod
+    from omnibal_compile.runtime.launch import launch
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(processes_mod.subprocess, "Popen", no_process)
+    with pytest.raises(InputError, match=r"timeout \(--timeout\) must be a number of seconds > 0, got nan"):
+        launch(run_config, timeout_s=float("nan"))
+    with pytest.raises(InputError, match=r"collective_timeout \(--collective-timeout\) .* got 0"):
+        launch(dataclasses.replace(run_config, collective_timeout=0))
+    missing = tmp_path / "nowhere"
+    with pytest.raises(InputError, match=rf"checkpoint {missing} does not exist"):
+        launch(dataclasses.replace(run_config, resume=str(missing)))
+    with pytest.raises(InputError, match=rf"no checkpoint under {tmp_path}"):
+        launch(dataclasses.replace(run_config, resume=str(tmp_path)))
+    step = tmp_path / "ckpt" / "step-000002"
+    step.mkdir(parents=True)
+    with pytest.raises(InputError, match="incomplete"):  # meta.json is written last
+        launch(dataclasses.replace(run_config, resume=str(step.parent)))
+    (step / "meta.json").write_text('{"format": 2, "step": 2}')  # and the data is missing
+    with pytest.raises(InputError, match=rf"checkpoint {step}: DCP metadata is missing"):
+        launch(dataclasses.replace(run_config, resume=str(step.parent)))

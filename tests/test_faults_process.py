@@ -150,22 +150,24 @@ def run_config(tmp_path_factory):
                      steps=3, optimizer="sgd", schedule="1f1b", num_microbatches=2)
 
 
-def _launch_with_fault(run_config, monkeypatch, fault: str, **changes) -> tuple[str, str]:
+def _launch_with_fault(run_config, monkeypatch, fault: str, timeout_s: float | None = None, **changes) -> tuple[str, str]:
     from omnibal_compile.runtime.launch import launch
 
     tag = uuid.uuid4().hex
     monkeypatch.setenv("_FAULT_TEST_TAG", tag)
     monkeypatch.setenv("_OMNIBAL_FAULT", fault)
     with pytest.raises(LaunchError) as info:
-        launch(dataclasses.replace(run_config, **changes), quiet=True)
+        launch(dataclasses.replace(run_config, **changes), timeout_s=timeout_s, quiet=True)
     return str(info.value), tag
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_frozen_rank_ends_the_run_after_the_collective_timeout(run_config, monkeypatch):
-    # no time limit for the run: the collective timeout alone must end it
-    message, tag = _launch_with_fault(run_config, monkeypatch, "1:1:stop", collective_timeout=10.0)
+    # Rank 1 stops inside step 1, so rank 0 waits for it in the pipeline's exchanges (device-mesh
+    # groups). The run's limit is far above the collective timeout: a broken timeout fails the
+    # test instead of hanging it.
+    message, tag = _launch_with_fault(run_config, monkeypatch, "1:1:stop", collective_timeout=10.0, timeout_s=150)
     assert "rank 1 stopped responding" in message, message
     assert "rank 0 then failed with RuntimeError: Timed out waiting 10000ms" in message, message
     assert _survivors(tag) == []
@@ -192,6 +194,38 @@ def test_the_run_command_timeout_ends_every_rank(run_config, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "error: the run exceeded its time limit (3 s, --timeout)" in err, err
     assert "ranks 0, 1 still running" in err and err.count("running; ended by the launcher") == 2
+    assert _survivors(tag) == []
+
+
+_MESH_RANK = textwrap.dedent("""
+    import types
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from omnibal_compile.runtime.launch import _mesh_groups
+    from omnibal_compile.runtime.worker import init_process_group
+    init_process_group(types.SimpleNamespace(device="cpu", collective_timeout=7.0))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"), backend_override=_mesh_groups("cpu", 7.0))
+    for dim in ("dp", "pp"):
+        got = mesh[dim].get_group()._get_backend(torch.device("cpu")).options._timeout
+        assert got.total_seconds() == 7.0, f"the {dim} group waits {got}"
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_device_mesh_groups_get_the_collective_timeout(tmp_path):
+    # Groups smaller than the world are new process groups, which torch gives 30 minutes, not the
+    # default group's timeout; with dp x pp = 2 x 2 both mesh dimensions are such groups.
+    import torch.distributed as dist
+
+    from omnibal_compile.runtime.worker import STORE_ENV
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script = tmp_path / "mesh_rank.py"
+    script.write_text(_MESH_RANK)
+    tag = uuid.uuid4().hex
+    env = {**_tagged_env(tag), STORE_ENV: f"127.0.0.1:{store.port}"}
+    run_ranks([sys.executable, str(script)], nproc=4, env=env, workdir=tmp_path, timeout_s=120)
     assert _survivors(tag) == []
 
 

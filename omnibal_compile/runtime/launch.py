@@ -442,7 +442,7 @@ def _check_resume(config: RunConfig) -> None:
 
 
 _FAULT = "_OMNIBAL_FAULT"
-"""Testing hook: ``"<rank>:<step>:<how>"`` makes that rank, as that step starts, ``stop`` (SIGSTOP
+"""Testing hook: ``"<rank>:<step>:<how>"`` makes that rank, in that step, ``stop`` (SIGSTOP
 itself: frozen, not dead), ``kill`` (SIGKILL itself), ``raise`` an error or ``hang`` (sleep an hour)."""
 
 
@@ -461,6 +461,16 @@ def _planted_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"planted fault in rank {rank} at step {step}")
     elif how == "hang":
         time.sleep(3600)
+
+
+def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int, Any]:
+    """The device mesh's process groups, with the run's collective timeout (torch gives new groups 30 min)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=collective_timeout)
+    return {"dp": (backend, options), "pp": (backend, options)}
 
 
 _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -485,7 +495,8 @@ def train(config: RunConfig) -> list[StepLog]:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
     plan = read_plan(config)
     check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=config.dp)
-    mesh = init_device_mesh(device.type, (config.dp, plan.num_devices), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device.type, (config.dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
+                            backend_override=_mesh_groups(device.type, config.collective_timeout))
     model = build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     result = compile_for_microbatches(model, source(0), plan)
@@ -512,9 +523,9 @@ def train(config: RunConfig) -> list[StepLog]:
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
     logs: list[StepLog] = []
     for step in range(first, config.steps):
-        _planted_fault(rank, step)
         batch = source(step)
         dist.barrier()
+        _planted_fault(rank, step)  # after the barrier: the others meet it inside the pipeline's exchanges
         start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
         live = PeakLiveStorages() if step in config.memory_steps else contextlib.nullcontext()

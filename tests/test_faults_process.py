@@ -30,7 +30,8 @@ _RANK = textwrap.dedent("""
     from omnibal_compile.runtime.processes import STACK_SIGNAL, write_error_file
     faulthandler.register(STACK_SIGNAL, all_threads=True)
     rank, mode = int(os.environ["RANK"]), sys.argv[1]
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    if mode != "alone":
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"rank {rank} started", flush=True)
 
     def wait_for_peers():
@@ -121,6 +122,36 @@ def test_the_time_limit_says_where_each_rank_was(tmp_path):
     message, tag = _run(tmp_path, "hang", timeout_s=3)
     assert message is not None and "ranks 0, 1 still running" in message, message
     assert message.count("waiting in wait_for_peers") == 2
+    assert _survivors(tag) == []
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    # The launcher itself killed (no chance to clean up): its ranks die with it (PR_SET_PDEATHSIG).
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    launcher = textwrap.dedent(f"""
+        import sys
+        from omnibal_compile.runtime.processes import run_ranks
+        run_ranks([sys.executable, {str(script)!r}, "alone"], nproc=2, env=dict(__import__("os").environ),
+                  workdir={str(tmp_path)!r}, on_line=lambda r, line: print(line, end="", flush=True))
+    """)
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-c", launcher], env=_tagged_env(tag), stdout=subprocess.PIPE, text=True)
+    try:
+        started = [proc.stdout.readline() for _ in range(2)]
+        assert sorted(started) == ["rank 0 started\n", "rank 1 started\n"], started
+        assert len(_survivors(tag)) == 3  # the launcher and its two ranks
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    for _ in range(50):
+        if not _survivors(tag):
+            break
+        time.sleep(0.1)
     assert _survivors(tag) == []
 
 

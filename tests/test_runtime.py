@@ -1,6 +1,6 @@
 """Pipeline runtime: real processes on gloo/loopback reproduce the unsplit model's loss and gradients.
 
-The distributed tests start their ranks with ``torch.multiprocessing`` (spawn) or torchrun, bound
+The distributed tests start their ranks with ``torch.multiprocessing`` (spawn) or the launcher, bound
 every wait with a timeout and kill the ranks on failure. One launch per world size runs many cases
 (models x schedules x recompute) in a row, so the file stays within a few minutes on 2 cores.
 """
@@ -249,7 +249,7 @@ def test_one_step_matches_unsplit_model(world, parity_models, base_plans, tmp_pa
         assert msg is not None and "'pixel_values' has shape (2, 3, 16, 16)" in msg and "(4, 3, 16, 16)" in msg
 
 
-# -- launcher: torchrun, training, checkpoints ---------------------------------------------------
+# -- launcher: training, checkpoints ---------------------------------------------------------------
 def _run_config(tmp_path: Path, plan: Plan, **kw: Any) -> RunConfig:
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())

@@ -2,7 +2,7 @@
 
 One 4-rank spawn (dp=2 x pp=2) trains several cases for two AdamW steps and compares every loss,
 the first step's gradients and the final parameters with the unsplit model trained on the same
-global batches (the union of the dp ranks' rows). One torchrun launch covers dp=2 x pp=1 on
+global batches (the union of the dp ranks' rows). One launch covers dp=2 x pp=1 on
 balanced packs through ``omnibal-compile run``.
 """
 

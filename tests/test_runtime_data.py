@@ -61,15 +61,19 @@ def test_two_ranks_train_on_balanced_packs_like_the_unsplit_model(tmp_path, leng
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengths_file, tiny_llava, monkeypatch):
+@pytest.mark.parametrize("family", ["llava", "internvl"])
+def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengths_file, tiny_llava, monkeypatch, family):
     """`omnibal-compile run --model hf:CLASS:config.json --lengths ...` on 2 ranks, from the current directory."""
+    from hf_families import build
+
     from omnibal_compile.cli import main
     from omnibal_compile.models.load import load_model
 
     monkeypatch.chdir(tmp_path)
-    config_file = tmp_path / "llava.json"
-    tiny_llava[0].config.to_json_file(config_file)
-    spec = f"hf:LlavaForConditionalGeneration:{config_file.name}"
+    config_file = tmp_path / f"{family}.json"
+    hf_model = tiny_llava[0] if family == "llava" else build(family)[0]
+    hf_model.config.to_json_file(config_file)
+    spec = f"hf:{type(hf_model).__name__}:{config_file.name}"
     probe = RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1)
     model = load_model(spec).model
     micro = batch_source(probe, model)(0)

@@ -123,7 +123,7 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
         return {}
     size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
     patch = vision.patch_size if isinstance(vision.patch_size, int) else vision.patch_size[0]
-    tokens = getattr(cfg, "image_seq_length", None)
+    tokens = getattr(cfg, "mm_tokens_per_image", None) or getattr(cfg, "image_seq_length", None)  # Gemma 3, PaliGemma
     if tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
         tokens = (int(size) // int(patch)) ** 2 + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
     return {

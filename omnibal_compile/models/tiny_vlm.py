@@ -249,7 +249,7 @@ class LanguageModel(nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()
         same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
         mask = (causal & same).unsqueeze(1)
-        cos, sin = self.rotary(position_ids)
+        cos, sin = (t.to(embeds.dtype) for t in self.rotary(position_ids))  # computed in fp32, applied in the model's dtype
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, mask)

@@ -104,6 +104,8 @@ class BlockGraph:
     """Module paths of the layer stacks found (or given)."""
     edges: tuple[BlockEdge, ...] = field(repr=False)
     """Block i -> block j for the values produced by i and read by j (i < j), in order of first value."""
+    block_prefixes: tuple[str, ...] | None = None
+    """The ``block_prefixes`` the blocks were built with (None: the default grouping)."""
 
     @property
     def dag(self) -> nx.DiGraph:
@@ -326,6 +328,7 @@ def build_blocks(
         node_block=node_block,
         values=tuple(values),
         stacks=tuple(block_prefixes) if block_prefixes is not None else stacks,
+        block_prefixes=tuple(block_prefixes) if block_prefixes is not None else None,
         edges=tuple(
             BlockEdge(producer=i, consumer=j, values=tuple(names), nbytes=total) for (i, j), (names, total) in edges.items()
         ),

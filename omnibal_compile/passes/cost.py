@@ -16,7 +16,12 @@ Glossary:
     profiled         times measured here (``cpu``/``cuda``): warm-up, repeats, median.
     roofline         times modelled for a target GPU (:mod:`omnibal_compile.devices`): per op the
                      slower of FLOPs / peak and bytes / bandwidth, divided by the op class's
-                     calibration; backward = 2 x forward (gradients for inputs and for weights).
+                     calibration; backward = 2 x forward (gradients for inputs and for weights),
+                     except fused attention, 2.5 x: its backward recomputes the scores (5 matmuls
+                     against the forward's 2). Measured on the ``meta`` device (no weights, no
+                     arithmetic) in the training precision's compute dtype, with attention run as
+                     the GPU's fused kernel; blocks with the same signature are costed once.
+    runtime checks   asserts in the graph (and what feeds only them) are left out when costing.
     precision        bytes per parameter for weights, gradients, fp32 master copy and optimizer
                      states, with optional sharding of the last two over data-parallel ranks.
 """
@@ -42,10 +47,12 @@ from torch.utils import _pytree as pytree
 from omnibal_compile.cost_table import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import PROFILED_DEVICES, DeviceSpec, get_device
 from omnibal_compile.errors import InputError
+from omnibal_compile.passes.block_signature import block_signature
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
-from omnibal_compile.passes.cost_measure import CLOCKS, kept_bytes, median_time, record_ops, tensor_leaves
+from omnibal_compile.passes.cost_measure import CLOCKS, OpRecord, kept_bytes, median_time, record_ops, tensor_leaves
+from omnibal_compile.passes.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
 from omnibal_compile.passes.recompute_policy import with_recompute
 from omnibal_compile.plan import Plan
 from omnibal_compile.progress import track
@@ -98,9 +105,17 @@ def _check_inputs(names: Sequence[str], values: Iterable[Any]) -> None:
 
 
 def block_modules(graph: BlockGraph, model: nn.Module | None = None) -> tuple[fx.GraphModule, ...]:
-    """One standalone module per block (codegen with a stage per block); they share the model's parameters."""
+    """One standalone module per block (codegen with a stage per block); they share the model's parameters.
+
+    Runtime checks are left out (:mod:`~omnibal_compile.passes.meta`): they cost nothing and read
+    values that ``meta`` tensors do not have.
+    """
     plan = Plan(block_names=graph.names, boundaries=tuple(range(graph.num_blocks + 1)))
-    return generate_stages(graph, plan, model)
+    modules = generate_stages(graph, plan, model)
+    checks = check_only_nodes(graph.captured.graph_module.graph)
+    for m in modules:
+        drop_checks(m, checks)
+    return modules
 
 
 def block_inputs(graph: BlockGraph, modules: Sequence[fx.GraphModule]) -> list[tuple[Any, ...]]:
@@ -167,10 +182,68 @@ def _profile_times(
     return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * rerun / total if total > 0 else 0.0)
 
 
-def _roofline_times(records: Sequence[Any], spec: DeviceSpec) -> _Timing:
+ATTENTION_BACKWARD = 2.5
+"""Fused attention's backward over its forward: 5 matmuls (the scores recomputed) against 2."""
+
+
+def _roofline_times(records: Sequence[OpRecord], spec: DeviceSpec) -> _Timing:
     fwd = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records)
+    attention = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "attention")
     rerun = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "memory")
-    return _Timing(forward_s=fwd, backward_s=2 * fwd, selective_s=rerun)
+    return _Timing(forward_s=fwd, backward_s=2 * fwd + (ATTENTION_BACKWARD - 2) * attention, selective_s=rerun)
+
+
+def attention_kernel(records: Sequence[OpRecord]) -> str:
+    """The attention kernel a GPU runs for these ops, in words (the cost table's ``attention``)."""
+    fused = [r for r in records if r.name == "scaled_dot_product_attention"]
+    if fused:
+        kinds = sorted({"memory-efficient (masked)" if r.masked else "flash" for r in fused})
+        return " and ".join(kinds) + " attention: no score matrix kept, its backward recomputes the scores"
+    if any("softmax" in r.name for r in records):
+        return ("as traced: matmuls and a softmax, the score matrix kept for backward (build the model with "
+                "scaled_dot_product_attention, e.g. attn_implementation='sdpa', to cost a fused kernel)")
+    return "none"
+
+
+def _roofline_blocks(
+    graph: BlockGraph, modules: Sequence[fx.GraphModule], all_inputs: Sequence[Sequence[Any]], spec: DeviceSpec,
+    precision: Precision, *, progress: bool,
+) -> tuple[list[BlockCost], str]:
+    """Roofline costs of every block, each distinct block signature costed once; and the attention kernel."""
+    done: dict[str, tuple[float, _Timing, dict[str, int]]] = {}
+    records_all: list[OpRecord] = []
+    blocks: list[BlockCost] = []
+    for k in track(range(graph.num_blocks), f"costing blocks for {spec.name}", enabled=progress):
+        m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
+        charged = charged_inputs(graph, k, stage_info(m).input_names)
+        key = block_signature(m, inputs, charged)
+        if key not in done:
+            records, flops = record_ops(m, inputs)
+            records_all += records
+            activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
+            done[key] = (float(flops), _roofline_times(records, spec), activation)
+        flops, timing, activation = done[key]
+        blocks.append(_block_cost(block, precision, flops, timing, activation))
+    return blocks, attention_kernel(records_all)
+
+
+def _block_cost(block: Any, precision: Precision, flops: float, timing: _Timing, activation: Mapping[str, int]) -> BlockCost:
+    return BlockCost(
+        name=block.name,
+        kind=block.kind,
+        flops=flops,
+        num_params=block.num_params,
+        static_bytes=round(block.num_params * precision.bytes_per_param),
+        forward_s=timing.forward_s,
+        backward_s=timing.backward_s,
+        activation_bytes=activation,
+        recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
+    )
+
+
+def _on_meta(model: nn.Module, flat_inputs: Sequence[Any]) -> bool:
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in flat_inputs if isinstance(x, torch.Tensor))]
+    return any(t.is_meta for t in tensors)
 
 
 # -- cache ---------------------------------------------------------------------------------------
@@ -284,33 +357,33 @@ def annotate_costs(
         except (TypeError, ValueError, KeyError) as e:
             warnings.warn(f"cost cache {path}: entry is malformed ({e}); profiling again", stacklevel=2)
 
+    if spec is None and _on_meta(model, graph.captured.example_flat_inputs):
+        raise InputError(
+            "the model or its example inputs are on the meta device, which has no values to time: profile a real "
+            "model, or cost it for a target GPU (device='a100-80gb', 'h100-80gb', 'h200' or a DeviceSpec)"
+        )
+    if spec is not None:  # measure on meta in the training precision, whatever the model was built in
+        graph, model = costing_graph(graph, model, precision.compute_dtype)
+        activation_dtype = precision.compute_dtype
+    else:
+        activation_dtype = str(model_dtype(model) or torch.get_default_dtype()).removeprefix("torch.")
+    check_values_available(graph.captured.graph_module, graph.captured.example_flat_inputs)
     modules = block_modules(graph, model)
     sync = torch.cuda.synchronize if cuda else None
     blocks: list[BlockCost] = []
     with _threads(threads if not cuda else None):
         all_inputs = block_inputs(graph, modules)
-        for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
-            m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
-            charged = charged_inputs(graph, k, stage_info(m).input_names)
-            records, flops = record_ops(m, inputs, sync=sync, clock=clock)
-            if spec is None:
+        if spec is not None:
+            blocks, attention = _roofline_blocks(graph, modules, all_inputs, spec, precision, progress=progress)
+        else:
+            attention = f"as run on {name}"
+            for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
+                m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
+                charged = charged_inputs(graph, k, stage_info(m).input_names)
+                records, flops = record_ops(m, inputs, sync=sync, clock=clock)
                 timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats, clock=clock)
-            else:
-                timing = _roofline_times(records, spec)
-            activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
-            blocks.append(
-                BlockCost(
-                    name=block.name,
-                    kind=block.kind,
-                    flops=float(flops),
-                    num_params=block.num_params,
-                    static_bytes=round(block.num_params * precision.bytes_per_param),
-                    forward_s=timing.forward_s,
-                    backward_s=timing.backward_s,
-                    activation_bytes=activation,
-                    recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
-                )
-            )
+                activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
+                blocks.append(_block_cost(block, precision, float(flops), timing, activation))
     n = graph.num_blocks
     table = CostTable(
         blocks=tuple(blocks),
@@ -320,6 +393,8 @@ def annotate_costs(
         source="roofline" if spec is not None else "profiled",
         batch_shape=dict(batch_shape or {}),
         precision=precision,
+        activation_dtype=activation_dtype,
+        attention=attention,
     )
     if path:
         entries[key] = json.loads(table.to_json())

@@ -58,17 +58,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=int, default=32, help="text tokens per sample of the example batch (default 32)")
     p.add_argument("--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB")
     p.add_argument("--sweep-stages", metavar="COUNTS", default=None, help="what-if: comma-separated stage counts, e.g. 2,4,8")
+    p.add_argument("--meta", action="store_true",
+                   help="hf: models: build the model and example batch on the meta device in bf16 (no weights allocated; "
+                        "cost with a target --device such as a100-80gb)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
     p.add_argument("--no-pictures", action="store_true", help="write JSON and text only (no matplotlib needed)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
 
 
 # -- models ---------------------------------------------------------------------------------------
-def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int) -> tuple[Any, dict[str, Any], str]:
-    """(model, example batch, display name) for a MODEL argument."""
+def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int, meta: bool = False) -> tuple[Any, dict[str, Any], str]:
+    """(model, example batch, display name) for a MODEL argument; ``meta``: hf: models on the meta device."""
     import torch
 
     torch.manual_seed(seed)
+    if meta and not spec.startswith("hf:"):
+        raise InputError(f"--meta builds hf:ClassName:config.json models only; MODEL {spec!r} is built as its factory makes it")
     if spec == "tiny-vlm":
         from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
@@ -78,7 +83,8 @@ def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int) -> tu
         parts = spec.split(":", 2)
         if len(parts) != 3 or not parts[1] or not parts[2]:
             raise InputError(f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json")
-        return (*_hf_model(parts[1], parts[2], batch=batch, text=text, seed=seed), parts[1])
+        model, example = _hf_model(parts[1], parts[2], batch=batch, text=text, seed=seed, meta=meta)
+        return model, example, parts[1]
     if ":" in spec:
         module, _, factory = spec.rpartition(":")
         try:
@@ -92,7 +98,7 @@ def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int) -> tu
     raise InputError(f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json or module.path:factory")
 
 
-def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed: int) -> tuple[Any, dict[str, Any]]:
+def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed: int, meta: bool = False) -> tuple[Any, dict[str, Any]]:
     import torch
 
     try:
@@ -108,7 +114,11 @@ def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed:
     for c in (cfg, getattr(cfg, "text_config", None)):
         if c is not None and hasattr(c, "use_cache"):
             c.use_cache = False  # training: no KV cache in the captured graph
-    model = cls(cfg)
+    if meta:  # no weights allocated, in the training precision's dtype (no second capture when costing)
+        with torch.device("meta"):
+            model = cls(cfg).to(torch.bfloat16)
+    else:
+        model = cls(cfg)
     g = torch.Generator().manual_seed(seed)
     text_cfg = getattr(cfg, "text_config", cfg)
     vocab = int(text_cfg.vocab_size)
@@ -116,7 +126,7 @@ def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed:
     image_token = getattr(cfg, "image_token_index", getattr(cfg, "image_token_id", None))
     if vision is None or image_token is None:
         ids = torch.randint(0, vocab, (batch, text), generator=g)
-        return model, {"input_ids": ids, "labels": ids.clone()}
+        return model, _on_meta({"input_ids": ids, "labels": ids.clone()}, meta)
     grid = int(vision.image_size) // int(vision.patch_size)
     n_image = grid * grid + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
     high = min(vocab, int(image_token)) if int(image_token) > 0 else vocab
@@ -125,7 +135,16 @@ def _hf_model(class_name: str, config_path: str, *, batch: int, text: int, seed:
     labels = ids.clone()
     labels[:, :n_image] = IGNORE_INDEX
     pixels = torch.randn(batch, int(getattr(vision, "num_channels", 3)), int(vision.image_size), int(vision.image_size), generator=g)
-    return model, {"pixel_values": pixels, "input_ids": ids, "labels": labels}
+    return model, _on_meta({"pixel_values": pixels, "input_ids": ids, "labels": labels}, meta)
+
+
+def _on_meta(example: dict[str, Any], meta: bool) -> dict[str, Any]:
+    """The example batch on the meta device in bf16 (as the model built by --meta), or as it is."""
+    import torch
+
+    if not meta:
+        return example
+    return {k: v.to(device="meta", dtype=torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in example.items()}
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -188,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
     with Progress(steps) as progress:
         step = progress.step
         step("building the model")
-        model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed)
+        model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed,
+                                        meta=args.meta)
         step(f"capture, blocks, costs, planning ({planner})")
         result = oc.optimize(
             model, batch, num_stages=args.stages, planner=planner, num_microbatches=args.microbatches,
@@ -198,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
         plan, costs = result.plan, result.costs
         cost_note = (f"costs from {args.costs} ({costs.device}, {costs.source})" if args.costs
                      else f"costs from the cost pass on {costs.device} ({costs.source})")
+        if costs.activation_dtype:
+            cost_note += f", activations in {costs.activation_dtype}"
+        if costs.attention:
+            cost_note += f"\nattention: {costs.attention}"
         step("simulating")
         sim = simulate(plan, costs)
         (out / "costs.json").write_text(costs.to_json())

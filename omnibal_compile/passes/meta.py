@@ -111,19 +111,27 @@ def value_reads(graph: fx.Graph, checks: frozenset[str] | None = None) -> tuple[
     )
 
 
+def _read_args(node: fx.Node) -> list[fx.Node]:
+    """The arguments whose values a value read reads: its boolean and integer tensors (masks, indices)
+    when it has any, else all of them (``item`` of a float)."""
+    args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)] or list(node.all_input_nodes)
+    discrete = [a for a in args if not a.meta["val"].is_floating_point()] if all("val" in a.meta for a in args) else []
+    return discrete or args
+
+
 def _sources(node: fx.Node) -> list[fx.Node]:
-    """Placeholders and parameter/buffer reads that ``node``'s value depends on."""
-    seen, stack, found = {node}, [node], []
+    """Placeholders and parameter/buffer reads whose values the value read ``node`` depends on."""
+    seen: set[fx.Node] = set()
+    stack, found = list(_read_args(node)), []
     while stack:
         n = stack.pop()
-        for a in n.all_input_nodes:
-            if a in seen:
-                continue
-            seen.add(a)
-            if a.op in ("placeholder", "get_attr"):
-                found.append(a)
-            else:
-                stack.append(a)
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr"):
+            found.append(n)
+        else:
+            stack.extend(n.all_input_nodes)
     return found
 
 

@@ -246,7 +246,8 @@ def layer_activation_bytes(
     score term without flash attention). ``eager``: unfused kernels as Hugging Face's code runs
     them (``VLMSpec.kernels``): each RMSNorm (``rms_norm``) also keeps its fp32 copy of the input
     and its normalised output (4w + 2w); SwiGLU also keeps ``silu(gate)`` (2f); QuickGELU
-    (``quick_gelu``) keeps its sigmoid and product (4f instead of GELU's 2f).
+    (``quick_gelu``) keeps its sigmoid and product (4f instead of GELU's 2f); k and v are kept
+    repeated to every query head.
     """
     t = np.asarray(tokens, dtype=np.float64)
     act = 6 * mlp if swiglu else 4 * mlp  # SwiGLU keeps gate and up outputs and their product
@@ -260,13 +261,16 @@ def layer_activation_bytes(
             # Each norm keeps an fp32 copy of its input and its normalised output (4w + 2w); the
             # second's bf16 input (the residual sum, 2w above) is then not kept: 12w - 2w.
             norms = 2 * (4 + 2) * width - 2 * width
-    per_token = 2 * width + 2 * width + 2 * (width + 2 * kv_width) + 2 * width + 2 * width + 2 * width + act + norms
+    # Eager code under an explicit mask repeats k and v to every head before attention (SDPA's own
+    # grouped-query path takes no mask), and attention keeps the copies.
+    kv_kept = width if eager else kv_width
+    per_token = 2 * width + 2 * width + 2 * (width + 2 * kv_kept) + 2 * width + 2 * width + 2 * width + act + norms
     if dropout:
         per_token += 2 * width  # attention-output and MLP-output dropout masks, 1 byte each
     scores = 4.0 * heads * t if flash else (5.0 if dropout else 4.0) * heads * np.asarray(sq_tokens, dtype=np.float64)
     none = t * per_token + scores
     # Rerun: norm outputs (QKV and MLP inputs), the residual sum feeding norm 2, the activation's output.
-    dropped = 4 * width + 2 * width + act_dropped + norms
+    dropped = 4 * width + 2 * width + act_dropped + norms + 4 * (kv_kept - kv_width)  # (repeated k, v rerun too)
     # The policy keeps every matmul output, also the two only a residual add reads (out-proj, MLP down).
     cached = 4 * width
     selective = none - t * (dropped - cached) - (0.0 if flash else scores)

@@ -94,7 +94,8 @@ NAMED = {
     "vision.layer": "fused vs eager: QuickGELU keeps its sigmoid and product (+4f per token; GELU: none)",
     "projector": "-",
     "llm.embed": "-",
-    "llm.layer": "fused vs eager: RMSNorm fp32 copies + normalised outputs (+10w), silu(gate) (+2f); FLOPs: "
+    "llm.layer": "fused vs eager: RMSNorm fp32 copies + normalised outputs (+10w), silu(gate) (+2f), k and v "
+                 "repeated to every head under the mask (+4(w - kvd)); FLOPs: "
                  "HF's explicit causal mask makes the kernel compute all s^2 pairs (analytic fused: s(s+1)/2)",
     "llm.head": "fused vs eager: the final RMSNorm's fp32 copy and normalised output (+6w); full: the compiler "
                 "has three blocks here (norm, lm_head, loss), each keeping its own input",

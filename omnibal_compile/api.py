@@ -20,9 +20,10 @@ from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import (
-    CaptureMethod,
     Captured,
+    CaptureMethod,
     capture,
+    differentiated_name,
     normalize_example_inputs,
     scalar_to_differentiate,
     split_batch,
@@ -53,7 +54,9 @@ class ParityReport:
     num_params: int
     """Parameters whose gradients were compared."""
     loss: float
-    """The unsplit model's loss (the scalar that was differentiated)."""
+    """The scalar that was differentiated, from the unsplit model: its loss, or the sum of its outputs."""
+    loss_name: str = "loss"
+    """What ``loss`` is: "loss" when the model returns a scalar loss, else "sum of the outputs"."""
     tolerance: float
     """Bound that ``ok`` checks both differences against."""
 
@@ -65,7 +68,7 @@ class ParityReport:
         verdict = "OK" if self.ok else "MISMATCH"
         worst = f" ({self.worst_param})" if self.worst_param else ""
         return (
-            f"parity {verdict}: loss {self.loss:.6f}, max |output diff| {self.max_output_diff:.2e}, "
+            f"Parity {verdict}: {self.loss_name} {self.loss:.6f}, max |output diff| {self.max_output_diff:.2e}, "
             f"max |grad diff| {self.max_grad_diff:.2e}{worst} over {self.num_params} parameters "
             f"(tolerance {self.tolerance:.0e})"
         )
@@ -145,6 +148,7 @@ class OptimizeResult:
             worst_param=worst,
             num_params=len(named),
             loss=float(ref_loss.detach()),
+            loss_name=differentiated_name(ref_flat),
             tolerance=tolerance,
         )
 

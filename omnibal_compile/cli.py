@@ -11,7 +11,8 @@ from omnibal_compile.errors import OmnibalError
 
 # Subcommand modules; each defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
 COMMANDS: tuple[str, ...] = ("omnibal_compile.commands.demo", "omnibal_compile.commands.plan", "omnibal_compile.commands.run",
-                         "omnibal_compile.commands.data", "omnibal_compile.commands.bench")
+                         "omnibal_compile.commands.data", "omnibal_compile.commands.bench",
+                         "omnibal_compile.commands.lengths")
 
 
 def build_parser() -> argparse.ArgumentParser:

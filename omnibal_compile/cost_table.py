@@ -59,6 +59,10 @@ class BlockCost:
     """Bytes kept alive from forward to backward, per recompute option (keys: RECOMPUTE_OPTIONS)."""
     recompute_s: Mapping[str, float]
     """Extra time each recompute option adds per micro-batch (``none`` -> 0)."""
+    workspace_bytes: int = 0
+    """Bytes the block holds only while it computes, on top of what it keeps for backward: forward
+    temporaries, the backward's incoming gradient and scratch, and the activations a recomputing
+    block rebuilds (the largest over the recompute options; measured by the cost pass, 0 if not)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
@@ -69,7 +73,7 @@ class BlockCost:
                 raise InputError(f"block '{self.name}': {what} lacks recompute options {missing}")
             if any(v < 0 for v in d.values()):
                 raise InputError(f"block '{self.name}': {what} has a negative entry {d}")
-        if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0:
+        if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0 or self.workspace_bytes < 0:
             raise InputError(f"block '{self.name}': times and bytes must be non-negative")
 
 
@@ -278,10 +282,11 @@ class CostTable:
                 f"{a['none'] * mib:.2f}/{a['selective'] * mib:.2f}/{a['full'] * mib:.2f}",
                 f"{r['selective'] * 1e3:.3f}/{r['full'] * 1e3:.3f}",
             ))
-        title = f"costs on {self.device} ({self.source}), micro-batch {dict(self.batch_shape)}"
+        shape = ", ".join(f"{k} {v}" for k, v in dict(self.batch_shape).items())
+        title = f"Costs on {self.device} ({self.source})" + (f", micro-batch of {shape}" if shape else "") + ":"
         notes = "".join(f"\n{line}" for line in (
-            f"activations in {self.activation_dtype}" if self.activation_dtype else "",
-            f"attention: {self.attention}" if self.attention else "",
+            f"Activations in {self.activation_dtype}." if self.activation_dtype else "",
+            f"Attention: {self.attention}." if self.attention else "",
         ) if line)
         return title + notes + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2))
 

@@ -14,7 +14,7 @@ from typing import Any
 from omnibal_compile.cost_table import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, DataParallel
 from omnibal_compile.errors import PlanError
 from omnibal_compile.schedule import Schedule
-from omnibal_compile.tables import format_table
+from omnibal_compile.tables import counted, format_table
 
 __all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
 
@@ -233,8 +233,8 @@ class Plan:
             rows.append(row)
         numeric = {0, 4, 5, 7, 8}
         lines = [
-            f"Plan by '{self.planner}': {self.num_blocks} blocks in {self.num_stages} stages, schedule {self.schedule}, "
-            f"{self.num_microbatches} micro-batches",
+            f"Plan by '{self.planner}': {counted(self.num_blocks, 'block')} in {counted(self.num_stages, 'stage')}, "
+            f"schedule {self.schedule}, {counted(self.num_microbatches, 'micro-batch')}",
             format_table(rows, "".join("r" if i in numeric else "l" for i in range(len(header)))),
         ]
         if self.block_params:
@@ -245,9 +245,8 @@ class Plan:
         if self.data_parallel > 1:
             lines.append(f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction")
         if self.iteration_time_s is not None:
-            lines.append(f"predicted iteration time: {self.iteration_time_s * 1e3:.3f} ms")
-        for key, value in self.notes.items():
-            lines.append(f"{key}: {value}")
+            lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms (the schedule's closed form).")
+        lines.extend(_note_sentences(self.notes))
         return "\n".join(lines)
 
     # -- serialisation --------------------------------------------------------------------------
@@ -283,3 +282,19 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError("plan JSON must be an object")
         return cls.from_dict({**data, **(overrides or {})})
+
+
+def _note_sentences(notes: Mapping[str, Any]) -> list[str]:
+    """The planner's notes as sentences: what binds, how the solver finished, the largest stage."""
+    notes = dict(notes)
+    out = []
+    if "binding" in notes:
+        out.append(f"Binding constraint: the {notes.pop('binding')}.")
+    if "status" in notes or "solve seconds" in notes:
+        status, secs, gap = notes.pop("status", ""), notes.pop("solve seconds", None), notes.pop("gap", None)
+        done = f"Solver: {status.lower() or 'finished'}" + (f" in {float(secs):.3f} s" if secs is not None else "")
+        out.append(done + (f", proven gap {float(gap):.2%}." if gap is not None else "."))
+    if "max_stage_params" in notes:
+        out.append(f"Largest stage: {int(notes.pop('max_stage_params')):,} parameters.")
+    out.extend(f"{str(k).replace('_', ' ').capitalize()}: {v}." for k, v in notes.items())
+    return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnibal_compile.errors import PlanError
+from omnibal_compile.tables import counted
 
 __all__ = ["SCHEDULE_KINDS", "Schedule"]
 
@@ -81,7 +82,7 @@ class Schedule:
             )
         if self.kind == "1f1b" and M < S:
             raise PlanError(
-                f"{M} micro-batches for {S} stages: schedule '1f1b' needs at least one micro-batch per stage; "
+                f"{counted(M, 'micro-batch')} for {counted(S, 'stage')}: schedule '1f1b' needs at least one micro-batch per stage; "
                 f"set num_microbatches >= {S}, or use schedule 'gpipe'"
             )
         if self.kind == "interleaved":

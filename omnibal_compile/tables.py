@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["format_table"]
+__all__ = ["counted", "format_table"]
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in the number it takes: "1 micro-batch", "3 micro-batches"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + ('es' if noun.endswith(('s', 'sh', 'ch', 'x')) else 's')}"
 
 
 def format_table(rows: Sequence[Sequence[str]], align: str) -> str:

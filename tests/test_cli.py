@@ -11,8 +11,10 @@ def test_demo_runs_and_reports_parity(tmp_path, capsys):
             "--show-code", "1"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "parity OK" in out and "Plan by 'ilp'" in out and "def forward" in out
-    assert "x the ilp plan" in out  # baselines compared
+    assert "Parity OK" in out and "Plan by 'ilp'" in out and "def forward" in out
+    table = out[out.index("planner  "):].splitlines()
+    assert [r.split()[0] for r in table[2:6]] == ["uniform", "parameters", "omnibal", "ilp"]  # baselines compared
+    assert table[5].split()[-1] == "1.00x" and "micro-batch {}" not in out
     plan = json.loads(plan_path.read_text())
     assert set(plan["recompute"]) - {"none"}  # the 16MiB budget forces recomputation somewhere
     assert len(json.loads(plan_path.read_text())["boundaries"]) == 4

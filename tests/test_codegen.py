@@ -67,6 +67,21 @@ def test_model_is_not_modified(vlm):
     assert type(model).__name__ == "TinyVLM"
 
 
+def test_parity_names_what_it_differentiated():
+    class NoLabels(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model, x = NoLabels(), torch.randn(3, 4)
+    report = oc.optimize(model, (x,), num_stages=2).check_parity((x,))
+    assert report.ok and report.loss_name == "sum of the outputs"
+    assert str(report).startswith("Parity OK: sum of the outputs ") and "loss" not in str(report)
+
+
 def test_run_gives_model_output_structure(tiny_llama):
     model, batch = tiny_llama
     result = oc.optimize(model, batch, num_stages=2)

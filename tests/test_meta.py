@@ -125,7 +125,7 @@ def llama_tables():
 def test_bf16_and_fp32_builds_cost_the_same(llama_tables):
     bf16, fp32 = llama_tables["bf16"], llama_tables["fp32"]
     assert bf16 == fp32
-    assert bf16.activation_dtype == "bfloat16" and "activations in bfloat16" in bf16.summary()
+    assert bf16.activation_dtype == "bfloat16" and "Activations in bfloat16." in bf16.summary()
     layer = next(b for b in bf16.blocks if b.kind == "layer")
     # bf16 activations, with the fp32 copies HF's RMSNorm makes: ~2/3 of the fp32-computed figure.
     assert layer.activation_bytes["none"] < 80_000 * 512

@@ -145,3 +145,28 @@ def _backward_matmuls(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     with _OpCounter() as counter:
         torch.autograd.grad(loss, list(model.parameters()))
     return counter.ops.count("addmm") + counter.ops.count("mm")
+
+
+def test_each_recomputed_block_is_its_own_checkpoint(vlm, vlm_result2):
+    """A run of fully recomputed blocks must not be one checkpoint: its backward would rebuild every
+    block's activations at once, while the planner prices one block at a time."""
+    from omnibal_compile.passes.cost_measure import PeakLiveStorages
+
+    model, batch = vlm
+    result = vlm_result2
+    peaks = {}
+    for option in ("none", "full"):
+        plan = dataclasses.replace(result.plan, recompute=(option,) * result.plan.num_blocks)
+        stages = [apply_recompute(s, result.graph, plan) for s in generate_stages(result.graph, plan, model)]
+        regions = sum(1 for s in stages for n, _ in s.named_children() if n.startswith("recompute_"))
+        assert regions == (plan.num_blocks if option == "full" else 0)
+        inputs = result.flatten_inputs(**batch)
+        for p in model.parameters():  # gradients exist, as after a first micro-batch: not part of the peak
+            p.grad = torch.zeros_like(p)
+        with PeakLiveStorages() as live:
+            (loss,) = run_stages(stages, inputs)
+            loss.backward()
+            del loss
+        model.zero_grad(set_to_none=True)
+        peaks[option] = live.peak_bytes
+    assert peaks["full"] < 0.6 * peaks["none"], peaks

@@ -334,7 +334,7 @@ def test_pre_launch_checks_fail_before_any_process_starts(tmp_path, vlm_plan2, m
     monkeypatch.setattr(launch_mod.subprocess, "Popen", no_process)
     with pytest.raises(PlanError, match="needs 2 ranks but world size is 3"):
         launch(_run_config(tmp_path, vlm_plan2, nproc=3))
-    with pytest.raises(PlanError, match="1 micro-batches for 2 stages"):
+    with pytest.raises(PlanError, match="1 micro-batch for 2 stages"):
         launch(_run_config(tmp_path, vlm_plan2, num_microbatches=1))
     with pytest.raises(PlanError, match="batch size 6 is not divisible by 4 micro-batches"):
         launch(_run_config(tmp_path, vlm_plan2, batch_size=6, num_microbatches=4))
@@ -357,7 +357,7 @@ def test_check_pipeline_rules(vlm_plan2):
     check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=2, schedule="interleaved"), world_size=2)
     # GPipe and interleaved 1F1B take fewer micro-batches than stages; 1F1B does not.
     check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=1, schedule="gpipe"), world_size=2)
-    with pytest.raises(PlanError, match="1 micro-batches for 2 stages"):
+    with pytest.raises(PlanError, match="1 micro-batch for 2 stages"):
         check_pipeline(dataclasses.replace(vlm_plan2, num_microbatches=1), world_size=2)
     four = Plan(block_names=tuple("abcd"), boundaries=(0, 1, 2, 3, 4), schedule="interleaved", virtual_stages=2,
                 num_microbatches=6)

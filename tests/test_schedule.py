@@ -167,7 +167,7 @@ def test_plans_keep_flat_schedule_fields_in_json():
     old = {"format": 1, "block_names": ["a", "b"], "boundaries": [0, 1, 2], "schedule": "1f1b", "num_microbatches": 2,
            "virtual_stages": 1}
     assert Plan.from_dict(old).num_microbatches == 2
-    with pytest.raises(PlanError, match="1 micro-batches for 2 stages"):
+    with pytest.raises(PlanError, match="1 micro-batch for 2 stages"):
         Plan.from_dict({**old, "num_microbatches": 1})
     assert Plan.from_json(json.dumps({**old, "num_microbatches": 1}), overrides={"num_microbatches": 4}).num_microbatches == 4
     assert Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).num_microbatches == 3  # one per stage

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import omnibal_compile as oc
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.passes.partition import plan_stages
+    from omnibal_compile.tables import counted, format_table
     from omnibal_compile.units import parse_size
 
     torch.manual_seed(args.seed)
@@ -68,30 +69,42 @@ def run(args: argparse.Namespace) -> int:
     print(result.summary())
     print()
     budget = float(parse_size(args.memory)) if args.memory else None
-    print(f"predicted iteration time ({args.schedule}, {args.microbatches} micro-batches), simulated event by event:")
     best = oc.simulate(result.plan, result.costs)
-    for name in ("uniform", "parameters", "omnibal", args.planner):
-        try:
-            other = plan_stages(
-                result.graph, num_stages=args.stages, schedule=result.plan.pipeline_schedule, planner=name,
-                costs=result.costs, memory_budget=budget,
-            )
-        except oc.PlanError as e:
-            print(f"  {name:>10}: no plan ({e})")
-            continue
+    rows = [["planner", "planned ms", "simulated ms", "bubble", f"vs {args.planner}"]]
+    for name in dict.fromkeys(("uniform", "parameters", "omnibal", args.planner)):
+        if name == args.planner:
+            other = result.plan
+        else:
+            try:
+                other = plan_stages(
+                    result.graph, num_stages=args.stages, schedule=result.plan.pipeline_schedule, planner=name,
+                    costs=result.costs, memory_budget=budget,
+                )
+            except oc.PlanError as e:
+                rows.append([name, "-", "-", "-", f"no plan: {e}"])
+                continue
         sim = oc.simulate(other, result.costs)
-        print(
-            f"  {name:>10}: {sim.iteration_time_s * 1e3:8.2f} ms, bubble {sim.bubble_fraction:.1%}, "
-            f"{sim.iteration_time_s / best.iteration_time_s:.2f}x the {args.planner} plan"
-        )
+        planned = f"{other.iteration_time_s * 1e3:.2f}" if other.iteration_time_s is not None else "-"
+        rows.append([
+            name, planned, f"{sim.iteration_time_s * 1e3:.2f}", f"{sim.bubble_fraction:.1%}",
+            f"{sim.iteration_time_s / best.iteration_time_s:.2f}x",
+        ])
+    print(
+        f"One iteration ({args.schedule}, {counted(args.microbatches, 'micro-batch')}) of each planner's split: "
+        "planned by the schedule's closed form, simulated event by event."
+    )
+    print(format_table(rows, "lrrrr"))
     print()
+    rows = [["stage", "receives", "sends"]]
     for s in range(len(result.stages)):
         info = result.stage_info(s)
-        print(f"stage {s}: {len(info.input_names)} inputs -> {len(info.output_names)} outputs, sends {list(info.output_names)}")
+        rows.append([str(s), ", ".join(info.input_names), ", ".join(info.output_names)])
+    print("What each stage receives and sends (values of the captured graph):")
+    print(format_table(rows, "rll"))
     report = result.check_parity(batch)
     print(f"\n{report}")
-    passes = ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items())
-    print(f"passes: {passes}; total {time.perf_counter() - t0:.1f}s")
+    passes = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
+    print(f"Time taken: {passes}; {time.perf_counter() - t0:.1f} s in all.")
     if args.show_code is not None:
         if not 0 <= args.show_code < len(result.stages):
             raise oc.InputError(f"--show-code must be a stage index in [0, {len(result.stages)})")

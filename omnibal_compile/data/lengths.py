@@ -26,7 +26,8 @@ import numpy as np
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["LengthStats", "load_lengths", "scale_lengths", "bundled_length_files", "INTERNVL_TOKENS_PER_TILE"]
+__all__ = ["LengthStats", "load_lengths", "save_lengths", "scale_lengths", "bundled_length_files",
+           "INTERNVL_TOKENS_PER_TILE"]
 
 _BUNDLED = Path(__file__).resolve().parent / "stats"
 
@@ -222,6 +223,32 @@ def load_lengths(lengths: Any) -> LengthStats:
         f"cannot read length statistics from {type(lengths).__name__}; give a LengthStats, a file path "
         "(.json, .jsonl, .csv), a list of paths, or a (tiles, tokens) pair of arrays"
     )
+
+
+def check_length_file(path: str | os.PathLike[str]) -> str:
+    """The format (suffix) :func:`save_lengths` would write ``path`` in; raises if it cannot write there."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in (".json", ".jsonl", ".ndjson", ".csv"):
+        raise InputError(f"{p}: cannot tell the format from the suffix {suffix!r}; use .json, .jsonl or .csv")
+    if not p.parent.is_dir():
+        raise InputError(f"{p}: folder {p.parent} does not exist; create it first")
+    return suffix
+
+
+def save_lengths(stats: LengthStats, path: str | os.PathLike[str]) -> Path:
+    """Write ``stats`` in the format :func:`load_lengths` reads, chosen by suffix: ``.json`` (OmniBal's
+    list of records), ``.jsonl`` or ``.csv``. Returns the path written."""
+    p = Path(path)
+    suffix = check_length_file(p)
+    rows = zip(stats.tiles.tolist(), stats.tokens.tolist(), stats.image_flags.tolist())
+    if suffix == ".csv":
+        text = ",".join(_FIELDS) + "\n" + "".join(f"{v},{t},{f}\n" for v, t, f in rows)
+    else:
+        lines = [json.dumps(dict(zip(_FIELDS, r))) for r in rows]
+        text = "\n".join(lines) + "\n" if suffix != ".json" else "[\n" + ",\n".join(lines) + "\n]\n"
+    p.write_text(text)
+    return p
 
 
 def scale_lengths(stats: LengthStats, *, tokens_per_tile: int, source_tokens_per_tile: int = INTERNVL_TOKENS_PER_TILE,

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import CaptureError, InputError
 
-__all__ = ["Captured", "capture", "normalize_example_inputs", "scalar_to_differentiate", "split_batch"]
+__all__ = ["Captured", "capture", "differentiated_name", "normalize_example_inputs", "scalar_to_differentiate", "split_batch"]
 
 CaptureMethod = Literal["export", "fx"]
 
@@ -107,11 +107,20 @@ def split_batch(flat_inputs: Sequence[Any], num_microbatches: int) -> list[tuple
 
 def scalar_to_differentiate(flat_out: Sequence[Any]) -> torch.Tensor:
     """The scalar a training step differentiates: the model's scalar loss, else the sum of its float outputs."""
+    tensors, scalars = _differentiable(flat_out)
+    return scalars[0] if scalars else sum(t.float().sum() for t in tensors)  # type: ignore[return-value]
+
+
+def differentiated_name(flat_out: Sequence[Any]) -> str:
+    """What ``scalar_to_differentiate`` picks, in words: "loss" or "sum of the outputs"."""
+    return "loss" if _differentiable(flat_out)[1] else "sum of the outputs"
+
+
+def _differentiable(flat_out: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     tensors = [t for t in flat_out if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not tensors:
         raise InputError("the model's output has no floating-point tensor that requires grad; nothing to differentiate")
-    scalars = [t for t in tensors if t.dim() == 0]
-    return scalars[0] if scalars else sum(t.float().sum() for t in tensors)  # type: ignore[return-value]
+    return tensors, [t for t in tensors if t.dim() == 0]
 
 
 def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

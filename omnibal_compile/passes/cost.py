@@ -48,10 +48,18 @@ from omnibal_compile.cost_table import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, 
 from omnibal_compile.devices import PROFILED_DEVICES, DeviceSpec, get_device
 from omnibal_compile.errors import InputError
 from omnibal_compile.passes.block_signature import block_signature
-from omnibal_compile.passes.blocks import BlockGraph, build_blocks
+from omnibal_compile.passes.blocks import Block, BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
-from omnibal_compile.passes.cost_measure import CLOCKS, OpRecord, kept_bytes, median_time, record_ops, tensor_leaves
+from omnibal_compile.passes.cost_measure import (
+    CLOCKS,
+    OpRecord,
+    kept_bytes,
+    median_time,
+    peak_bytes,
+    record_ops,
+    tensor_leaves,
+)
 from omnibal_compile.passes.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
 from omnibal_compile.passes.recompute_policy import with_recompute
 from omnibal_compile.plan import Plan
@@ -70,6 +78,8 @@ __all__ = [
 ]
 
 CACHE_FORMAT = 1
+COST_MODEL = 2
+"""Version of what a cost table measures, part of every cache key: 2 added ``workspace_bytes``."""
 """Version of the profile cache file layout."""
 
 CPU_LINK_BANDWIDTH = 5e9
@@ -210,7 +220,7 @@ def _roofline_blocks(
     precision: Precision, *, progress: bool,
 ) -> tuple[list[BlockCost], str]:
     """Roofline costs of every block, each distinct block signature costed once; and the attention kernel."""
-    done: dict[str, tuple[float, _Timing, dict[str, int]]] = {}
+    done: dict[str, tuple[float, _Timing, dict[str, int], int]] = {}
     records_all: list[OpRecord] = []
     blocks: list[BlockCost] = []
     for k in track(range(graph.num_blocks), f"costing blocks for {spec.name}", enabled=progress):
@@ -220,14 +230,25 @@ def _roofline_blocks(
         if key not in done:
             records, flops = record_ops(m, inputs)
             records_all += records
-            activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
-            done[key] = (float(flops), _roofline_times(records, spec), activation)
-        flops, timing, activation = done[key]
-        blocks.append(_block_cost(block, precision, flops, timing, activation))
+            done[key] = (float(flops), _roofline_times(records, spec), *_memory(m, inputs, charged))
+        flops, timing, activation, workspace = done[key]
+        blocks.append(_block_cost(block, precision, flops, timing, activation, workspace))
     return blocks, attention_kernel(records_all)
 
 
-def _block_cost(block: Any, precision: Precision, flops: float, timing: _Timing, activation: Mapping[str, int]) -> BlockCost:
+def _memory(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool]) -> tuple[dict[str, int], int]:
+    """Bytes kept for backward per recompute option, and the block's workspace."""
+    activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
+    params = [p for p in m.parameters() if p.requires_grad]
+    # A recomputing block rebuilds its activations before the same backward, so its peak is the
+    # plain block's; beyond what it keeps, that is the most for the option keeping the least.
+    workspace = peak_bytes(m, inputs, charged, params) - min(activation.values())
+    return activation, max(0, workspace)
+
+
+def _block_cost(
+    block: Block, precision: Precision, flops: float, timing: _Timing, activation: Mapping[str, int], workspace: int
+) -> BlockCost:
     return BlockCost(
         name=block.name,
         kind=block.kind,
@@ -238,6 +259,7 @@ def _block_cost(block: Any, precision: Precision, flops: float, timing: _Timing,
         backward_s=timing.backward_s,
         activation_bytes=activation,
         recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
+        workspace_bytes=workspace,
     )
 
 
@@ -261,7 +283,8 @@ def _cache_key(graph: BlockGraph, model: nn.Module, device: str, settings: Mappi
             for x in graph.captured.example_flat_inputs
         ]).encode()
     )
-    h.update(json.dumps({"device": device, "torch": torch.__version__, **settings}, sort_keys=True, default=str).encode())
+    h.update(json.dumps({"device": device, "torch": torch.__version__, "cost_model": COST_MODEL, **settings},
+                        sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 
@@ -382,8 +405,8 @@ def annotate_costs(
                 charged = charged_inputs(graph, k, stage_info(m).input_names)
                 records, flops = record_ops(m, inputs, sync=sync, clock=clock)
                 timing = _profile_times(m, inputs, records, cuda=cuda, warmup=warmup, repeats=repeats, clock=clock)
-                activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
-                blocks.append(_block_cost(block, precision, float(flops), timing, activation))
+                activation, workspace = _memory(m, inputs, charged)
+                blocks.append(_block_cost(block, precision, float(flops), timing, activation, workspace))
     n = graph.num_blocks
     table = CostTable(
         blocks=tuple(blocks),

@@ -36,6 +36,7 @@ __all__ = [
     "LiveStorages",
     "PeakLiveStorages",
     "kept_bytes",
+    "peak_bytes",
     "median_time",
     "count_flops",
     "tensor_leaves",
@@ -280,6 +281,36 @@ def kept_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[
         nbytes = live.alive_bytes()
         del keep
     return nbytes
+
+
+def peak_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[bool], params: Sequence[torch.Tensor]) -> int:
+    """Peak live bytes of one forward and backward of ``fn`` on ``inputs`` (the ``charged`` rule of
+    :func:`kept_bytes`): what it keeps for backward plus temporaries, the incoming gradient, the
+    backward's scratch.
+
+    ``params`` get gradients that exist beforehand (as after a first micro-batch; the static bytes
+    count them), so accumulating into them is not charged; their ``.grad`` is restored afterwards.
+    """
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with torch.enable_grad(), FlashOnMeta():
+            ins = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+            with PeakLiveStorages() as live:
+                ins = [
+                    x.clone().requires_grad_(x.requires_grad) if c and isinstance(x, torch.Tensor) else x
+                    for x, c in zip(ins, charged, strict=True)
+                ]
+                outs = fn(*ins)
+                diff = [t for t in tensor_leaves(outs) if t.requires_grad]
+                if diff:
+                    torch.autograd.backward(diff, [torch.ones_like(t) for t in diff])
+                del outs, diff, ins
+        return live.peak_bytes
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
 
 
 def median_time(

@@ -3,8 +3,8 @@
 The plan decides (``Plan.recompute``, one option per block); this pass only applies the decision.
 
 Glossary:
-    region      a maximal run of consecutive blocks of one stage sharing one recompute option other
-                than ``none``. It becomes one submodule, ``recompute_<k>``, of the new stage module,
+    region      one block of a stage whose recompute option is not ``none``. It becomes one
+                submodule, ``recompute_<k>``, of the new stage module,
                 which runs it under :func:`~omnibal_compile.passes.recompute_policy.with_recompute`
                 (``full`` or ``selective``, as defined in :mod:`~omnibal_compile.passes.recompute_policy`).
 """
@@ -42,16 +42,10 @@ class CheckpointedRegion(nn.Module):
 
 
 def _regions(blocks: tuple[str, ...], options: tuple[str, ...]) -> list[tuple[str, list[str]]]:
-    regions: list[tuple[str, list[str]]] = []
-    prev = "none"
-    for block, option in zip(blocks, options):
-        if option != "none":
-            if option == prev:
-                regions[-1][1].append(block)
-            else:
-                regions.append((option, [block]))
-        prev = option
-    return regions
+    # One region per recomputed block, never a run of blocks: a checkpoint recomputes its whole region
+    # in the backward, so a run of k fully recomputed blocks would hold all k blocks' activations at
+    # once (the cost pass and the planner price one block at a time).
+    return [(option, [block]) for block, option in zip(blocks, options) if option != "none"]
 
 
 def _attr(module: nn.Module, target: str) -> Any:

@@ -24,6 +24,7 @@ from omnibal_compile.cost_table import CostTable
 from omnibal_compile.errors import InputError
 from omnibal_compile.plan import Plan
 from omnibal_compile.sim.simulate import SimResult, stage_costs
+from omnibal_compile.tables import counted
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -128,7 +129,7 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     ax.set_xlim(0, T * 1.01 if T else 1)
     ax.set_xlabel("time (ms)")
     ax.set_title(title or (
-        f"{result.schedule}: {result.num_stages} stages, {result.num_microbatches} micro-batches - "
+        f"{result.schedule}: {result.num_stages} stages, {counted(result.num_microbatches, 'micro-batch')} - "
         f"iteration {T:.2f} ms, bubble {result.bubble_fraction:.1%}"
     ), fontsize=9)
     from matplotlib.patches import Patch

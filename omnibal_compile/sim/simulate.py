@@ -26,9 +26,10 @@ Glossary:
     in flight      micro-batches whose forward on a stage has started and whose backward there has
                    not finished; their activations are alive. Peak activation memory of a device is
                    the peak over time of the in-flight activation bytes of its stages.
-    recompute workspace  while a recomputed block runs backward its dropped activations exist
-                   again for a moment: the largest ``activation_bytes['none'] - activation_bytes[option]``
-                   over the device's recomputed blocks, added on top of the in-flight bytes.
+    workspace      what a block holds only while it computes, beyond its kept activations
+                   (temporaries, the backward's scratch, what recomputation rebuilds):
+                   ``BlockCost.workspace_bytes``; the device's largest is added on top of the
+                   in-flight bytes, as the planner adds it (``solver.problem.stage_transient``).
 
 Schedules (the operation order per device; the same orders as torch.distributed.pipelining):
     gpipe        all forwards (micro-batch 0..M-1), then all backwards (0..M-1) (``ScheduleGPipe``).
@@ -64,13 +65,14 @@ Closed forms with equal stages, no sends and F, B per stage (tested in tests/tes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from omnibal_compile.cost_table import CostTable
 from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule
+from omnibal_compile.tables import counted
 
 __all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 
@@ -92,7 +94,7 @@ class StageCost:
     activation_bytes: int
     """Bytes kept from forward to backward under the chosen recompute options."""
     workspace_bytes: int
-    """Extra bytes alive while a recomputed block runs its backward (largest over the stage's blocks)."""
+    """Bytes held only while one of its blocks computes, beyond kept activations (largest ``BlockCost.workspace_bytes``)."""
     static_bytes: int
     """Weights, gradients and optimizer states of the stage (as the plan's data-parallel layout holds them)."""
     gathered_bytes: int = 0
@@ -155,15 +157,18 @@ class SimResult:
     """Weights, gradients and optimizer states of each device, plus the largest block's gathered weights (FSDP)."""
     peak_memory_bytes: tuple[int, ...]
     """``static_bytes + peak_activation_bytes`` per device."""
-    events: tuple[Event, ...]
-    """Every compute and send interval, sorted by start time."""
+    events: tuple[Event, ...] = field(repr=False)
+    """Every compute and send interval, sorted by start time (left out of the repr: there are many)."""
+
+    def __str__(self) -> str:
+        return self.summary()
 
     def summary(self) -> str:
         """A short table: per device busy ms, utilisation, peak in flight and memory."""
         mib = 1 / 2**20
         lines = [
             f"simulated {self.schedule}: {self.num_stages} stages on {self.num_devices} devices, "
-            f"{self.num_microbatches} micro-batches: iteration {self.iteration_time_s * 1e3:.3f} ms, "
+            f"{counted(self.num_microbatches, 'micro-batch')}: iteration {self.iteration_time_s * 1e3:.3f} ms, "
             f"bubble {self.bubble_fraction:.1%}",
             f"{'device':>6}  {'busy ms':>10}  {'util':>6}  {'in flight':>9}  {'peak MiB':>10}",
         ]
@@ -203,10 +208,7 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
                 recompute_s=scale * sum(b.recompute_s[o] for b, o in zip(blocks, opts)),
                 send_s=scale * send,
                 activation_bytes=int(round(scale * sum(b.activation_bytes[o] for b, o in zip(blocks, opts)))),
-                workspace_bytes=int(round(scale * max(
-                    (b.activation_bytes["none"] - b.activation_bytes[o] for b, o in zip(blocks, opts) if o != "none"),
-                    default=0,
-                ))),
+                workspace_bytes=int(round(scale * max(b.workspace_bytes for b in blocks))),
                 static_bytes=int(round(sum(c.static_bytes for c in dpc))),
                 gathered_bytes=int(round(max(c.gathered_bytes for c in dpc))),
                 op_gather_s=sum(c.op_gather_s(dp) for c in dpc),

@@ -23,7 +23,15 @@ import time
 import numpy as np
 
 from omnibal_compile.errors import PlanError
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, stage_time_bound
+from omnibal_compile.solver.problem import (
+    OPTIONS,
+    PartitionProblem,
+    Solution,
+    evaluate,
+    in_flight,
+    stage_time_bound,
+    stage_transient,
+)
 
 __all__ = ["solve_dp", "interleaved_incumbent", "Frontiers"]
 
@@ -89,8 +97,8 @@ class Frontiers:
         its memory (budget - static - receive buffer, shared by k_s micro-batches), or None."""
         P = self.problem
         recv = P.cut_bytes[i] if i > 0 else 0
-        gathered = max(self.problem.gathered[i:j], default=0.0)
-        cap = (self.budget[s] - (self.prefix_static[j] - self.prefix_static[i]) - gathered - recv) / self.in_flight[s]
+        transient = stage_transient(P, i, j)
+        cap = (self.budget[s] - (self.prefix_static[j] - self.prefix_static[i]) - transient - recv) / self.in_flight[s]
         k = self.fastest_within(i, j, cap) if cap >= 0 else None
         if k is None:
             return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, in_flight, stage_static
+from omnibal_compile.tables import counted
 from omnibal_compile.units import format_size
 
 __all__ = ["least_memory_split", "explain_infeasible"]
@@ -31,8 +32,8 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         k = in_flight(P, s)
         for j in range(s + 1, n - (S - s - 1) + 1):
             i = np.arange(s, j)
-            gathered = np.maximum.accumulate(np.asarray(P.gathered[s:j] or [0.0] * (j - s), dtype=np.float64)[::-1])[::-1]
-            need = v * (static[j] - static[i] + gathered + k * (act[j] - act[i]) + recv[i])
+            transient = _suffix_max(P.gathered, s, j) + _suffix_max(P.workspace, s, j)  # stage_transient(P, i, j) for each i
+            need = v * (static[j] - static[i] + transient + k * (act[j] - act[i]) + recv[i])
             cand = np.maximum(best[s, i], need)
             q = int(np.argmin(cand))
             best[s + 1, j], arg[s + 1, j] = cand[q], i[q]
@@ -45,6 +46,11 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         for s in range(S)
     ]
     return boundaries, mems, float(best[S, n])
+
+
+def _suffix_max(values: tuple[float, ...], s: int, j: int) -> np.ndarray:
+    """max(values[i:j]) for i = s..j-1 (zeros when ``values`` is empty)."""
+    return np.maximum.accumulate(np.asarray(values[s:j] or [0.0] * (j - s), dtype=np.float64)[::-1])[::-1]
 
 
 def explain_infeasible(problem: PartitionProblem) -> str:
@@ -60,7 +66,7 @@ def explain_infeasible(problem: PartitionProblem) -> str:
     return (
         f"no plan fits the memory budget: even the least-memory plan "
         f"({'no' if least == 'none' else least} recomputation everywhere, "
-        f"{P.schedule} with {P.num_microbatches} micro-batches) needs {format_size(mems[s])} on stage {s} "
+        f"{P.schedule} with {counted(P.num_microbatches, 'micro-batch')}) needs {format_size(mems[s])} on stage {s} "
         f"({where}, on {device}) whose budget is {format_size(P.stage_budget(s))}: over by {format_size(excess)}. "
         f"The smallest per-device budget that fits is {format_size(needed)}; or use more stages or fewer "
         f"micro-batches in flight.{hint}"

@@ -15,7 +15,7 @@ Constraints:
     cut k ends stage s  e[k, s] = sum_a z[a, k, s]  (or y[k - 1, s] - y[k, s]; linear either way)
     time         T[s] = sum_{i, o} w t_io + sum_k e[k, s] c_k + sum_k e[k, s - 1] c_k
     floor        T[s] >= sum z[i, j, s] * (least time of [i, j) on stage s within its memory)
-    memory       sum_i x w_i + sum z[i, j, s] max_{[i, j)} u + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
+    memory       sum_i x w_i + sum z[i, j, s] (max_{[i, j)} u + max_{[i, j)} q) + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
     bound        objective <= DP optimum (when given): prunes variables and the search
 Objective: the schedule's iteration time (see solver.problem), then, lexicographically, the number
 of recomputed blocks (a tie-break weight far below any time difference that matters), so ties
@@ -46,6 +46,7 @@ from omnibal_compile.solver.problem import (
     in_flight,
     lower_bound,
     stage_time_bound,
+    stage_transient,
 )
 
 __all__ = ["solve_ilp", "make_solver"]
@@ -256,7 +257,7 @@ def solve_ilp(
                 pulp.lpSum(x(i, s) * P.static[i] for i in range(n) if lo[i] <= s <= hi[i])
                 + in_flight(P, s) * pulp.lpSum(w[i, s, o] * P.act[i][o] for i in range(n) for o in opts if (i, s, o) in w)
                 + (pulp.lpSum(ends(k, s - 1) * P.cut_bytes[k] for k in cuts) if s > 0 else 0)
-                + pulp.lpSum(var * max(P.gathered[key[0] : key[1]], default=0.0) for key, var in z.items() if key[2] == s)
+                + pulp.lpSum(var * stage_transient(P, key[0], key[1]) for key, var in z.items() if key[2] == s)
             )
             # scale bytes to GiB so coefficients stay in a range the solver handles well
             prob += (1 / 2**30) * mem <= budget / 2**30, f"memory_{s}"

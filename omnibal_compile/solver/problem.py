@@ -8,10 +8,11 @@ Torch-free. Notation (as in the ILP):
     w_i                         static bytes (weights, gradients, optimizer states);
     c_k = bytes_k / bandwidth   time to send what crosses cut k (c_0 = c_n = 0);
     u_i                         bytes of block i's weights gathered while it computes (FSDP), else 0;
+    q_i                         workspace: bytes block i holds only while it computes, beyond a_io;
     d_i                         seconds of data-parallel communication block i adds once per iteration.
 Stage s running blocks [i, j):
     T_s = sum t_io + c_j + c_i            (sends forward activations at its end, gradients at its start)
-    Mem_s = sum w_i + max u_i + k_s * sum a_io + bytes_i   (k_s micro-batches in flight; a receive buffer)
+    Mem_s = sum w_i + max u_i + max q_i + k_s * sum a_io + bytes_i   (k_s micro-batches in flight; a receive buffer)
 In flight k_s: GPipe M; 1F1B min(S - s, M); interleaved 1F1B with p = S / v devices and v chunks
 per device: device d = s mod p keeps min(2 (p - d - 1) + (v - 1) p + 1, v M) micro-batch chunks at
 its peak (Megatron's warm-up count + 1), shared evenly by its v chunks, each chunk given 1/v of the
@@ -84,6 +85,8 @@ class PartitionProblem:
     """Recompute options the solver may use."""
     gathered: tuple[float, ...] = ()
     """u_i: bytes block i gathers while it computes (FSDP resharding after forward); a stage adds its largest. Empty = none."""
+    workspace: tuple[float, ...] = ()
+    """q_i: bytes block i holds only while it computes, beyond its activations; a stage adds its largest. Empty = none."""
     sync: tuple[float, ...] = ()
     """d_i: data-parallel seconds block i adds once per iteration; a device adds its blocks' sum. Empty = none."""
     data_parallel: DataParallel = NO_DATA_PARALLEL
@@ -103,7 +106,7 @@ class PartitionProblem:
             raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
         if not self.allowed or any(o not in OPTIONS for o in self.allowed):
             raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
-        for name in ("gathered", "sync"):
+        for name in ("gathered", "workspace", "sync"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
 
@@ -193,8 +196,13 @@ def _iteration_time(problem: PartitionProblem, stage_time: Sequence[float]) -> f
 
 
 def stage_static(problem: PartitionProblem, i: int, j: int) -> float:
-    """sum w_i + max u_i over blocks [i, j): memory a stage holds whatever is in flight."""
-    return sum(problem.static[i:j]) + max(problem.gathered[i:j], default=0.0)
+    """sum w_i + max u_i + max q_i over blocks [i, j): memory a stage holds whatever is in flight."""
+    return sum(problem.static[i:j]) + stage_transient(problem, i, j)
+
+
+def stage_transient(problem: PartitionProblem, i: int, j: int) -> float:
+    """max u_i + max q_i over blocks [i, j): what a stage holds only while one of its blocks computes."""
+    return max(problem.gathered[i:j], default=0.0) + max(problem.workspace[i:j], default=0.0)
 
 
 def sync_time(problem: PartitionProblem, boundaries: Sequence[int]) -> float:
@@ -329,6 +337,7 @@ def problem_from_costs(
         act=tuple(tuple(int(b.activation_bytes[o]) for o in OPTIONS) for b in blocks),  # type: ignore[misc]
         static=tuple(int(round(c.static_bytes)) for c in dpc),
         gathered=tuple(c.gathered_bytes for c in dpc) if dp.gathers else (),
+        workspace=tuple(float(b.workspace_bytes) for b in blocks) if any(b.workspace_bytes for b in blocks) else (),
         sync=tuple(c.step_gather_s(dp) + c.reduce_s for c in dpc) if dp.size > 1 else (),
         data_parallel=dp,
         cut_time=tuple(costs.send_s(k) if 0 < k < len(blocks) else 0.0 for k in range(len(blocks) + 1)),

@@ -190,6 +190,8 @@ class LLMAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if cos.dtype != q.dtype:  # tables in fp32, applied in the model's dtype (bf16 too); no no-op cast traced
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         rep = self.heads // self.kv_heads
@@ -249,7 +251,7 @@ class LanguageModel(nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()
         same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
         mask = (causal & same).unsqueeze(1)
-        cos, sin = (t.to(embeds.dtype) for t in self.rotary(position_ids))  # computed in fp32, applied in the model's dtype
+        cos, sin = self.rotary(position_ids)
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, mask)

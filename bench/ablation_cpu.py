@@ -65,7 +65,7 @@ from omnibal_compile.runtime.launch import RunConfig, launch, packed_source
 LAYOUTS = ((2, 1), (1, 2), (2, 2))
 """(dp, pp) rows of the table."""
 STEPS = ("baseline", "+ packs", "+ ILP", "+ recompute")
-FP32_ADAMW = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
+FP32_ADAMW = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8, compute_dtype="float32")
 """What the CPU runs hold per parameter: fp32 weights and gradients, AdamW's two fp32 moments."""
 
 

@@ -28,10 +28,13 @@ from omnibal_compile.tables import format_table
 
 __all__ = [
     "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
-    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL",
+    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "COMPUTE_DTYPES",
 ]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
+
+COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+"""Activation dtypes a :class:`Precision` may name (torch dtype names)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,8 +200,14 @@ class Precision:
     optimizer_shards: int = 1
     """Data-parallel ranks the master copy and optimizer states are sharded over (ZeRO-1); 1 = none.
     Under a data-parallel layout of more than one rank it must be 1 or the layout's size."""
+    compute_dtype: str = "bfloat16"
+    """Dtype activations are computed and kept in (``bfloat16``, ``float16`` or ``float32``). Costs
+    for a target GPU are measured in it whatever dtype the model was built in; upcasts the model's
+    code does itself (fp32 norms and softmax) are kept, as in mixed-precision training."""
 
     def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise InputError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if min(self.weight_bytes, self.grad_bytes, self.master_bytes, self.optimizer_bytes) < 0:
             raise InputError(f"precision byte counts must be >= 0, got {self}")
         if self.optimizer_shards < 1:
@@ -227,8 +236,8 @@ class Precision:
 
 BF16_ADAM = Precision()
 """bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes/parameter."""
-FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8)
-"""fp32 weights, gradients and Adam moments: 16 bytes/parameter."""
+FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8, compute_dtype="float32")
+"""fp32 weights, gradients, Adam moments and activations: 16 bytes/parameter."""
 
 @dataclass(frozen=True, kw_only=True)
 class CostTable:
@@ -248,6 +257,10 @@ class CostTable:
     """Micro-batch shape the costs were taken at (e.g. tiles, tokens)."""
     precision: Precision = BF16_ADAM
     """Bytes per parameter the static bytes were computed with (one replica; data parallelism applied later)."""
+    activation_dtype: str = ""
+    """Dtype the activations and memory traffic were measured in (``bfloat16``...); "" when not recorded."""
+    attention: str = ""
+    """The attention kernel the costs assume, in words; "" when not recorded."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -286,7 +299,11 @@ class CostTable:
             rows.append(row)
         shape = ", ".join(f"{k} {v}" for k, v in dict(self.batch_shape).items())
         title = f"Costs on {self.device} ({self.source})" + (f", micro-batch of {shape}" if shape else "") + ":"
-        text = title + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2 - profiled) + "l" * profiled)
+        notes = "".join(f"\n{line}" for line in (
+            f"Activations in {self.activation_dtype}." if self.activation_dtype else "",
+            f"Attention: {self.attention}." if self.attention else "",
+        ) if line)
+        text = title + notes + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2 - profiled) + "l" * profiled)
         shared = sum(1 for b in self.blocks if b.profiled_as)
         if profiled and shared:
             measured = len(self.blocks) - shared

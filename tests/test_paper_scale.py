@@ -59,6 +59,39 @@ def test_activation_bytes_reduce_to_korthikanti_for_their_gpt_layer():
     assert got["selective"][0] < 34 * s * b * h  # drops the score term and norm/activation outputs
 
 
+def test_eager_formulas_match_the_compiled_hf_layer():
+    """The cost pass on Hugging Face's Llama layer (meta, bf16) and the analytic 'eager' formulas agree."""
+    tf = pytest.importorskip("transformers")
+    import dataclasses
+
+    import torch
+
+    from omnibal_compile.passes.blocks import build_blocks
+    from omnibal_compile.passes.capture import capture
+    from omnibal_compile.passes.cost import annotate_costs
+    from omnibal_compile.models.analytic import LLMSpec
+
+    w, f, heads, kv, t = 1024, 2816, 16, 4, 512
+    cfg = tf.LlamaConfig(hidden_size=w, intermediate_size=f, num_hidden_layers=3, num_attention_heads=heads,
+                         num_key_value_heads=kv, vocab_size=32000, use_cache=False)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.zeros(1, t, dtype=torch.long, device="meta")
+    graph = build_blocks(capture(model, {"input_ids": ids, "labels": ids}), model)
+    layer = annotate_costs(graph, model, device="a100-80gb").blocks[graph.names.index("model.layers.1")]
+    llm = LLMSpec(name="l", layers=3, width=w, mlp=f, heads=heads, kv_heads=kv, vocab=32000)
+    spec = dataclasses.replace(INTERNVL_6B_20B, llm=llm, kernels="eager")
+    tc = type_costs(spec, np.array([0.0]), np.array([float(t)]), np.array([t * (t + 1) / 2]))
+    assert layer.flops == pytest.approx(tc.flops["llm.layer"][0], rel=1e-9)
+    for option in RECOMPUTE_OPTIONS:
+        assert layer.activation_bytes[option] == pytest.approx(tc.activation_bytes["llm.layer"][option][0], rel=0.01)
+    fused = type_costs(dataclasses.replace(spec, kernels="fused"), np.array([0.0]), np.array([float(t)]),
+                       np.array([t * (t + 1) / 2]))
+    # Fused kernels keep less: no fp32 norm copies (10w), no silu(gate) (2f), k and v not repeated per head.
+    gap = tc.activation_bytes["llm.layer"]["none"][0] - fused.activation_bytes["llm.layer"]["none"][0]
+    assert gap == t * (10 * w + 2 * f + 4 * (w - w // heads * kv))
+
+
 def test_parameter_counts_match_published_sizes():
     assert SCALE_MODELS["internvl-6b-20b"].num_params() == pytest.approx(25.5e9, rel=0.02)
     assert SCALE_MODELS["internvl-6b-34b"].num_params() == pytest.approx(40.1e9, rel=0.02)

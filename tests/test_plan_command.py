@@ -79,6 +79,23 @@ def test_plan_hf_llava(tmp_path, capsys):
     assert "LlavaForConditionalGeneration" in capsys.readouterr().out
 
 
+def test_plan_hf_on_meta(tmp_path, capsys):
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                         num_attention_heads=16, num_key_value_heads=4)
+    path = tmp_path / "config.json"
+    cfg.to_json_file(str(path))
+    args = ["plan", f"hf:LlamaForCausalLM:{path}", "--meta", "--stages", "2", "--microbatches", "4", "--text", "256",
+            "--no-pictures", "--out", str(tmp_path / "out")]
+    assert main([*args, "--device", "a100-80gb"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "activations in bfloat16" in out and "attention: memory-efficient (masked) attention" in out
+    assert main(args) == 2  # the default device profiles here, which a meta model cannot
+    assert "meta device, which has no values to time" in capsys.readouterr().err
+    assert main(["plan", "tiny-vlm", "--meta", "--out", str(tmp_path)]) == 2
+    assert "--meta builds hf:ClassName:config.json models only" in capsys.readouterr().err
+
+
 def test_plan_errors_are_reported(tmp_path, capsys):
     assert main(["plan", "tiny-vlm", "--memory", "80 parsecs", "--out", str(tmp_path)]) == 2
     assert "unknown unit" in capsys.readouterr().err

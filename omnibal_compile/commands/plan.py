@@ -58,17 +58,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=int, default=32, help="text tokens per sample of the example batch (default 32)")
     p.add_argument("--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB")
     p.add_argument("--sweep-stages", metavar="COUNTS", default=None, help="what-if: comma-separated stage counts, e.g. 2,4,8")
+    p.add_argument("--meta", action="store_true",
+                   help="hf: models: build the model and example batch on the meta device in bf16 (no weights allocated; "
+                        "cost with a target --device such as a100-80gb)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
     p.add_argument("--no-pictures", action="store_true", help="write JSON and text only (no matplotlib needed)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
 
 
 # -- models ---------------------------------------------------------------------------------------
-def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int) -> tuple[Any, Any, str]:
-    """(model, example batch, display name) for a MODEL argument (``omnibal_compile.models.load``)."""
+def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int, meta: bool = False) -> tuple[Any, Any, str]:
+    """(model, example batch, display name) for a MODEL argument (``omnibal_compile.models.load``); ``meta``: on meta."""
     from omnibal_compile.models.load import load_model as load
 
-    loaded = load(spec, seed=seed, batch=batch, tiles=tiles, text=text)
+    loaded = load(spec, seed=seed, batch=batch, tiles=tiles, text=text, meta=meta)
     if loaded.example_batch is None:
         raise InputError(
             f"MODEL {spec!r} returned a model without an example batch, and it is not a Hugging Face model whose "
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     with Progress(steps) as progress:
         step = progress.step
         step("building the model")
-        model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed)
+        model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed,
+                                        meta=args.meta)
         step(f"capture, blocks, costs, planning ({planner})")
         result = oc.optimize(
             model, batch, num_stages=args.stages, planner=planner, num_microbatches=args.microbatches,
@@ -147,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         plan, costs = result.plan, result.costs
         cost_note = (f"costs from {args.costs} ({costs.device}, {costs.source})" if args.costs
                      else f"costs from the cost pass on {costs.device} ({costs.source})")
+        if costs.activation_dtype:
+            cost_note += f", activations in {costs.activation_dtype}"
+        if costs.attention:
+            cost_note += f"\nattention: {costs.attention}"
         step("simulating")
         sim = simulate(plan, costs)
         (out / "costs.json").write_text(costs.to_json())

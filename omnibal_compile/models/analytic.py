@@ -26,9 +26,14 @@ Glossary:
                     attention) this is their s b h (34 + 5 a s / h). With flash attention (the
                     default here, as Megatron and InternVL train) the 5 a s^2 b score term becomes
                     a 4 a s b fp32 log-sum-exp. ``selective`` (this library's convention, as in the
-                    cost pass): matmul and attention outputs kept, norms, activation functions and
-                    softmax rerun: drops the norm outputs (4w), the MLP activation output (2f) and
-                    any score term. ``full``: the block input, 2 t w.
+                    cost pass): matmul and attention outputs kept, norms, activation functions,
+                    residual adds and softmax rerun: drops the norm outputs (4w), the residual sum
+                    feeding norm 2 (2w), the MLP activation output (2f) and any score term, and
+                    adds the two matmul outputs only a residual add reads (out-proj, MLP down: 4w),
+                    which the policy keeps too. ``full``: the block input, 2 t w.
+                    ``VLMSpec.kernels="eager"`` counts what Hugging Face's unfused PyTorch code
+                    keeps instead (see :func:`layer_activation_bytes`); the cost pass measures the
+                    same on the model's code (``bench/plan_at_scale.py`` compares the two).
     time            per op the roofline ``max(FLOPs / peak, bytes / bandwidth) / calibration`` of its
                     class (matmul, attention, memory); backward = 2 x forward and selective
                     recompute = the memory-class ops, as the cost pass's roofline does.
@@ -91,6 +96,8 @@ class VisionSpec:
     """Patch side in pixels (the patch embedding is a conv with this kernel and stride)."""
     tokens_per_tile: int
     """Tokens per tile through the layers (patches + class token)."""
+    activation: str = "gelu"
+    """MLP activation: ``gelu`` or ``quick_gelu`` (``x * sigmoid(1.702 x)``, CLIP's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +152,15 @@ class VLMSpec:
     """Fused attention that keeps no score matrix (Megatron's and InternVL's training setting)."""
     dropout: bool = False
     """Whether dropout masks are kept (1 byte per element, Korthikanti's count); none in these models."""
+    kernels: str = "fused"
+    """``fused``: norms and activation functions as single kernels that keep only their inputs
+    (Megatron, InternVL training); ``eager``: as Hugging Face's PyTorch code runs them (RMSNorm's
+    fp32 copy and normalised output kept, unfused SwiGLU and QuickGELU keep their intermediate
+    outputs, attention computed over every (query, key) pair under an explicit causal mask)."""
+
+    def __post_init__(self) -> None:
+        if self.kernels not in ("fused", "eager"):
+            raise InputError(f"kernels must be 'fused' or 'eager', got {self.kernels!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -222,22 +238,42 @@ class TypeCosts:
 
 def layer_activation_bytes(
     tokens: np.ndarray, sq_tokens: np.ndarray, *, width: int, kv_width: int, mlp: int, heads: int, swiglu: bool,
-    flash: bool, dropout: bool,
+    flash: bool, dropout: bool, eager: bool = False, rms_norm: bool = False, quick_gelu: bool = False,
 ) -> dict[str, np.ndarray]:
     """Activation bytes of one transformer layer per recompute option (module glossary).
 
     ``tokens``: t, tokens through the layer; ``sq_tokens``: sum over sequences of s^2 (for the
-    score term without flash attention).
+    score term without flash attention). ``eager``: unfused kernels as Hugging Face's code runs
+    them (``VLMSpec.kernels``): each RMSNorm (``rms_norm``) also keeps its fp32 copy of the input
+    and its normalised output (4w + 2w); SwiGLU also keeps ``silu(gate)`` (2f); QuickGELU
+    (``quick_gelu``) keeps its sigmoid and product (4f instead of GELU's 2f); k and v are kept
+    repeated to every query head.
     """
     t = np.asarray(tokens, dtype=np.float64)
     act = 6 * mlp if swiglu else 4 * mlp  # SwiGLU keeps gate and up outputs and their product
-    per_token = 2 * width + 2 * width + 2 * (width + 2 * kv_width) + 2 * width + 2 * width + 2 * width + act
+    act_dropped = 2 * mlp  # the activation function's output, rerun by selective recomputation
+    norms = 0
+    if eager:
+        if swiglu or quick_gelu:
+            act += 2 * mlp  # silu(gate), or QuickGELU's sigmoid, kept beside the product
+            act_dropped += 2 * mlp
+        if rms_norm:
+            # Each norm keeps an fp32 copy of its input and its normalised output (4w + 2w); the
+            # second's bf16 input (the residual sum, 2w above) is then not kept: 12w - 2w.
+            norms = 2 * (4 + 2) * width - 2 * width
+    # Eager code under an explicit mask repeats k and v to every head before attention (SDPA's own
+    # grouped-query path takes no mask), and attention keeps the copies.
+    kv_kept = width if eager else kv_width
+    per_token = 2 * width + 2 * width + 2 * (width + 2 * kv_kept) + 2 * width + 2 * width + 2 * width + act + norms
     if dropout:
         per_token += 2 * width  # attention-output and MLP-output dropout masks, 1 byte each
     scores = 4.0 * heads * t if flash else (5.0 if dropout else 4.0) * heads * np.asarray(sq_tokens, dtype=np.float64)
     none = t * per_token + scores
-    dropped = 4 * width + 2 * mlp  # norm outputs (QKV and MLP inputs) and the activation function's output
-    selective = none - t * dropped - (0.0 if flash else scores)
+    # Rerun: norm outputs (QKV and MLP inputs), the residual sum feeding norm 2, the activation's output.
+    dropped = 4 * width + 2 * width + act_dropped + norms + 4 * (kv_kept - kv_width)  # (repeated k, v rerun too)
+    # The policy keeps every matmul output, also the two only a residual add reads (out-proj, MLP down).
+    cached = 4 * width
+    selective = none - t * (dropped - cached) - (0.0 if flash else scores)
     return {"none": none, "selective": selective, "full": 2.0 * width * t}
 
 
@@ -286,6 +322,7 @@ def type_costs(
     if not tiles.shape == tokens.shape == pairs.shape:
         raise InputError(f"tiles, tokens and pairs differ in shape: {tiles.shape}, {tokens.shape}, {pairs.shape}")
     v, p, m = model.vision, model.projector, model.llm
+    eager = model.kernels == "eager"
     flops: dict[str, np.ndarray] = {}
     fwd: dict[str, np.ndarray] = {}
     sel: dict[str, np.ndarray] = {}
@@ -318,7 +355,8 @@ def type_costs(
     ops.elementwise(tv * 4 * v.mlp, rerun=True)  # GELU
     ops.elementwise(tv * 2 * 6 * v.width, rerun=False)  # two residual adds (layer scale folded in)
     layer = layer_activation_bytes(tv, tiles * P * P, width=v.width, kv_width=v.width, mlp=v.mlp, heads=v.heads,
-                                   swiglu=False, flash=model.flash_attention, dropout=model.dropout)
+                                   swiglu=False, flash=model.flash_attention, dropout=model.dropout, eager=eager,
+                                   quick_gelu=v.activation == "quick_gelu")
     store("vision.layer", ops, layer, 2.0 * tv * v.width)
 
     # Projector on the image tokens after pixel shuffle.
@@ -332,7 +370,8 @@ def type_costs(
     ops.linear(ti, p.hidden, p.out_width)
     none = ti * (2 * p.in_width * (2 if p.norm else 1) + 4 * p.hidden)
     dropped = ti * (2 * p.in_width * (1 if p.norm else 0) + 2 * p.hidden)
-    store("projector", ops, {"none": none, "selective": none - dropped, "full": 2.0 * ti * p.in_width},
+    cached = 2.0 * ti * p.out_width  # the second linear's output: a matmul output, kept by the policy
+    store("projector", ops, {"none": none, "selective": none - dropped + cached, "full": 2.0 * ti * p.in_width},
           2.0 * ti * p.out_width)
 
     # LLM.
@@ -344,7 +383,8 @@ def type_costs(
     ops = _Ops(device)
     ops.linear(tokens, m.width, m.width + 2 * kvd)
     ops.elementwise(tokens * 4 * (m.width + kvd), rerun=True)  # rotary on q and k
-    ops.attention(tokens, pairs, m.width, kvd)
+    # Eager code attends under an explicit causal mask: the kernel computes every pair, s^2 per sequence.
+    ops.attention(tokens, 2 * pairs - tokens if eager else pairs, m.width, kvd)
     ops.linear(tokens, m.width, m.width)
     ops.linear(tokens, m.width, 2 * m.mlp)
     ops.linear(tokens, m.mlp, m.width)
@@ -353,15 +393,18 @@ def type_costs(
     ops.elementwise(tokens * 2 * 6 * m.width, rerun=False)  # two residual adds
     # sum of s^2 over sequences from causal pairs sum s(s+1)/2: 2 pairs - tokens
     layer = layer_activation_bytes(tokens, 2 * pairs - tokens, width=m.width, kv_width=kvd, mlp=m.mlp, heads=m.heads,
-                                   swiglu=True, flash=model.flash_attention, dropout=model.dropout)
+                                   swiglu=True, flash=model.flash_attention, dropout=model.dropout, eager=eager,
+                                   rms_norm=True)
     store("llm.layer", ops, layer, 2.0 * tokens * m.width)
 
     ops = _Ops(device)
     ops.elementwise(tokens * 4 * m.width, rerun=True)  # final RMSNorm
     ops.linear(tokens, m.width, m.vocab)
     ops.elementwise(tokens * m.vocab * 10.0, rerun=False)  # logits to fp32, softmax cross-entropy
-    none = tokens * (4 * m.width + 4 * m.vocab)  # norm in, head in, fp32 logits kept for the loss
-    store("llm.head", ops, {"none": none, "selective": none - 2.0 * tokens * m.width, "full": 2.0 * tokens * m.width},
+    none = tokens * (4 * m.width + 4 * m.vocab + (6 * m.width if eager else 0))  # norm in, head in, fp32 logits
+    # (eager: the final RMSNorm's fp32 copy and normalised output too)
+    # selective: norm in, head in and the 16-bit logits (a matmul output) kept; the fp32 logits rerun.
+    store("llm.head", ops, {"none": none, "selective": tokens * (4.0 * m.width + 2.0 * m.vocab), "full": 2.0 * tokens * m.width},
           _zeros(tiles))
     return TypeCosts(flops=flops, forward_s=fwd, selective_s=sel, activation_bytes=act, out_bytes=out)
 
@@ -418,7 +461,7 @@ INTERNLM2_20B = LLMSpec(name="InternLM2-20B", layers=48, width=6144, mlp=16384, 
 YI_34B = LLMSpec(name="Yi-34B", layers=60, width=7168, mlp=20480, heads=56, kv_heads=8, vocab=64000)
 """The 34B LLM of InternVL-Chat 6+34B (Nous-Hermes-2-Yi-34B), Yi-34B's shape."""
 CLIP_VIT_L_336 = VisionSpec(name="CLIP-ViT-L/14-336", layers=24, width=1024, mlp=4096, heads=16, patch_size=14,
-                            tokens_per_tile=577)
+                            tokens_per_tile=577, activation="quick_gelu")
 """LLaVA-1.5's encoder: 24 x 24 patches + class token (LLaVA takes the penultimate layer; all 24 are costed)."""
 VICUNA_7B = LLMSpec(name="Vicuna-7B", layers=32, width=4096, mlp=11008, heads=32, kv_heads=32, vocab=32000)
 VICUNA_13B = LLMSpec(name="Vicuna-13B", layers=40, width=5120, mlp=13824, heads=40, kv_heads=40, vocab=32000)

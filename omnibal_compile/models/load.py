@@ -59,14 +59,17 @@ def import_from_spec(spec: str, what: str) -> Any:
 
 
 def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int = 0, batch: int = 2, tiles: int = 2,
-               text: int = 32) -> LoadedModel:
+               text: int = 32, meta: bool = False) -> LoadedModel:
     """Build the model ``spec`` names (see the module glossary), seeded with ``seed``.
 
     ``config``: the reference VLM's config fields or the factory's keyword arguments. ``batch``,
     ``tiles``, ``text``: rows, tiles per row and text tokens per row of the built example batch.
+    ``meta``: an ``hf:`` model and its example batch on the meta device in bf16 (no weights allocated).
     """
     config = dict(config or {})
     torch.manual_seed(seed)
+    if meta and not spec.startswith("hf:"):
+        raise InputError(f"--meta builds hf:ClassName:config.json models only; MODEL {spec!r} is built as its factory makes it")
     if spec in TINY_VLM:
         from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
@@ -80,9 +83,9 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
         parts = spec.split(":", 2)
         if len(parts) != 3 or not parts[1] or not parts[2]:
             raise InputError(f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json")
-        model = _hf_model(parts[1], parts[2])
-        return LoadedModel(model=model, example_batch=hf_example_batch(model, batch=batch, text=text, seed=seed),
-                           name=parts[1])
+        model = _hf_model(parts[1], parts[2], meta=meta)
+        example = hf_example_batch(model, batch=batch, text=text, seed=seed)
+        return LoadedModel(model=model, example_batch=_on_meta(example) if meta else example, name=parts[1])
     if ":" not in spec:
         raise InputError(f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json or module.path:factory")
     made = import_from_spec(spec, "model factory")(**config)
@@ -96,7 +99,7 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     return LoadedModel(model=model, example_batch=example, name=spec)
 
 
-def _hf_model(class_name: str, config_path: str) -> nn.Module:
+def _hf_model(class_name: str, config_path: str, *, meta: bool = False) -> nn.Module:
     try:
         import transformers
     except ImportError:
@@ -106,7 +109,16 @@ def _hf_model(class_name: str, config_path: str) -> nn.Module:
         raise InputError(f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)")
     if not Path(config_path).is_file():
         raise InputError(f"config file {config_path!r} does not exist")
-    return cls(cls.config_class.from_json_file(config_path))  # use_cache is turned off by capture
+    config = cls.config_class.from_json_file(config_path)  # use_cache is turned off by capture
+    if meta:  # no weights allocated, in the training precision's dtype (no second capture when costing)
+        with torch.device("meta"):
+            return cls(config).to(torch.bfloat16)
+    return cls(config)
+
+
+def _on_meta(example: dict[str, Any]) -> dict[str, Any]:
+    """An example batch on the meta device, floats in bf16 (as the model ``meta=True`` builds)."""
+    return {k: v.to(device="meta", dtype=torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in example.items()}
 
 
 def hf_data_facts(model: nn.Module) -> dict[str, Any]:

@@ -190,6 +190,8 @@ class LLMAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if cos.dtype != q.dtype:  # tables in fp32, applied in the model's dtype (bf16 too); no no-op cast traced
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         rep = self.heads // self.kv_heads

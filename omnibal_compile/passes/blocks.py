@@ -143,6 +143,8 @@ class BlockGraph:
     refused_cuts: tuple[RefusedCut, ...] = ()
     """Boundaries between module/layer blocks that values of data-dependent shape cross: those blocks were
     merged into one (named ``first..last``), so no plan cuts there."""
+    block_prefixes: tuple[str, ...] | None = None
+    """The ``block_prefixes`` the blocks were built with (None: the default grouping)."""
 
     @property
     def dag(self) -> nx.DiGraph:
@@ -324,6 +326,7 @@ def build_blocks(
         node_block=node_block,
         values=tuple(values),
         stacks=tuple(block_prefixes) if block_prefixes is not None else stacks,
+        block_prefixes=tuple(block_prefixes) if block_prefixes is not None else None,
         edges=edges,
         refused_cuts=tuple(refused.values()),
     )

@@ -395,7 +395,10 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             sys.stderr.write(printed.getvalue())
             raise _capture_error(model, "export", e) from e
     else:
-        if not _has_data_dependent_sizes(ep.graph_module):
+        on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves((args, kwargs, model.state_dict())))
+        if on_meta or not _has_data_dependent_sizes(ep.graph_module):
+            # Meta tensors have no values to propagate: the sizes stay symbolic, and the cost pass
+            # names any input whose values it would need.
             return ep, False
     try:
         with _quiet_real_tensor_propagation():

@@ -16,7 +16,12 @@ Glossary:
     profiled         times measured here (``cpu``/``cuda``): warm-up, repeats, median.
     roofline         times modelled for a target GPU (:mod:`omnibal_compile.devices`): per op the
                      slower of FLOPs / peak and bytes / bandwidth, divided by the op class's
-                     calibration; backward = 2 x forward (gradients for inputs and for weights).
+                     calibration; backward = 2 x forward (gradients for inputs and for weights),
+                     except fused attention, 2.5 x: its backward recomputes the scores (5 matmuls
+                     against the forward's 2). Measured on the ``meta`` device (no weights, no
+                     arithmetic) in the training precision's compute dtype, with attention run as
+                     the GPU's fused kernel; blocks with the same signature are costed once.
+    runtime checks   asserts in the graph (and what feeds only them) are left out when costing.
     precision        bytes per parameter for weights, gradients, fp32 master copy and optimizer
                      states, with optional sharding of the last two over data-parallel ranks.
 """
@@ -42,12 +47,13 @@ from torch.utils import _pytree as pytree
 from omnibal_compile.cost_table import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.devices import PROFILED_DEVICES, DeviceSpec, get_device
 from omnibal_compile.errors import InputError
-from omnibal_compile.passes.blocks import BlockGraph, build_blocks
+from omnibal_compile.passes.blocks import Block, BlockGraph, build_blocks
 from omnibal_compile.passes.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.passes.codegen import generate_stages, stage_info
 from omnibal_compile.passes.cost_cache import CACHE_FORMAT, read_cache, store_in_cache
 from omnibal_compile.passes.cost_measure import (
     CLOCKS,
+    OpRecord,
     kept_bytes,
     median_time,
     peak_bytes,
@@ -56,6 +62,7 @@ from omnibal_compile.passes.cost_measure import (
     tensor_leaves,
     timed_runs,
 )
+from omnibal_compile.passes.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
 from omnibal_compile.passes.recompute_policy import with_recompute
 from omnibal_compile.passes.signature import block_signature
 from omnibal_compile.plan import Plan
@@ -109,9 +116,17 @@ def _check_inputs(names: Sequence[str], values: Iterable[Any]) -> None:
 
 
 def block_modules(graph: BlockGraph, model: nn.Module | None = None) -> tuple[fx.GraphModule, ...]:
-    """One standalone module per block (codegen with a stage per block); they share the model's parameters."""
+    """One standalone module per block (codegen with a stage per block); they share the model's parameters.
+
+    Runtime checks are left out (:mod:`~omnibal_compile.passes.meta`): they cost nothing and read
+    values that ``meta`` tensors do not have.
+    """
     plan = Plan(block_names=graph.names, boundaries=tuple(range(graph.num_blocks + 1)))
-    return generate_stages(graph, plan, model)
+    modules = generate_stages(graph, plan, model)
+    checks = check_only_nodes(graph.captured.graph_module.graph)
+    for m in modules:
+        drop_checks(m, checks)
+    return modules
 
 
 def block_inputs(graph: BlockGraph, modules: Sequence[fx.GraphModule]) -> list[tuple[Any, ...]]:
@@ -192,10 +207,86 @@ class _Profile:
         return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * rerun / total if total > 0 else 0.0, spread=spread)
 
 
-def _roofline_times(records: Sequence[Any], spec: DeviceSpec) -> _Timing:
+ATTENTION_BACKWARD = 2.5
+"""Fused attention's backward over its forward: 5 matmuls (the scores recomputed) against 2."""
+
+
+def _roofline_times(records: Sequence[OpRecord], spec: DeviceSpec) -> _Timing:
     fwd = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records)
+    attention = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "attention")
     rerun = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "memory")
-    return _Timing(forward_s=fwd, backward_s=2 * fwd, selective_s=rerun)
+    return _Timing(forward_s=fwd, backward_s=2 * fwd + (ATTENTION_BACKWARD - 2) * attention, selective_s=rerun)
+
+
+def attention_kernel(records: Sequence[OpRecord]) -> str:
+    """The attention kernel a GPU runs for these ops, in words (the cost table's ``attention``)."""
+    fused = [r for r in records if r.name == "scaled_dot_product_attention"]
+    if fused:
+        kinds = sorted({"memory-efficient (masked)" if r.masked else "flash" for r in fused})
+        return " and ".join(kinds) + " attention: no score matrix kept, its backward recomputes the scores"
+    if any("softmax" in r.name for r in records):
+        return ("as traced: matmuls and a softmax, the score matrix kept for backward (build the model with "
+                "scaled_dot_product_attention, e.g. attn_implementation='sdpa', to cost a fused kernel)")
+    return "none"
+
+
+def _roofline_blocks(
+    graph: BlockGraph, modules: Sequence[fx.GraphModule], all_inputs: Sequence[Sequence[Any]], spec: DeviceSpec,
+    precision: Precision, *, progress: bool,
+) -> tuple[list[BlockCost], str]:
+    """Roofline costs of every block, each distinct block signature costed once; and the attention kernel."""
+    done: dict[tuple[str, tuple[bool, ...]], tuple[float, _Timing, dict[str, int], int, str]] = {}
+    records_all: list[OpRecord] = []
+    blocks: list[BlockCost] = []
+    for k in track(range(graph.num_blocks), f"costing blocks for {spec.name}", enabled=progress):
+        m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
+        charged = charged_inputs(graph, k, stage_info(m).input_names)
+        signature = block_signature(m, inputs)
+        key = (signature, tuple(charged))  # the bytes kept depend on which inputs are charged to the block
+        if key not in done:
+            records, flops = record_ops(m, inputs)
+            records_all += records
+            done[key] = (float(flops), _roofline_times(records, spec), *_memory(m, inputs, charged), block.name)
+        flops, timing, activation, workspace, first = done[key]
+        blocks.append(_block_cost(block, precision, flops, timing, activation, workspace, signature=signature,
+                                  profiled_as="" if first == block.name else first))
+    return blocks, attention_kernel(records_all)
+
+
+def _memory(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool]) -> tuple[dict[str, int], int]:
+    """Bytes kept for backward per recompute option, and the block's workspace."""
+    activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
+    params = [p for p in m.parameters() if p.requires_grad]
+    # A recomputing block rebuilds its activations before the same backward, so its peak is the
+    # plain block's; beyond what it keeps, that is the most for the option keeping the least.
+    workspace = peak_bytes(m, inputs, charged, params) - min(activation.values())
+    return activation, max(0, workspace)
+
+
+def _block_cost(
+    block: Block, precision: Precision, flops: float, timing: _Timing, activation: Mapping[str, int], workspace: int,
+    *, signature: str = "", profiled_as: str = "",
+) -> BlockCost:
+    return BlockCost(
+        name=block.name,
+        kind=block.kind,
+        flops=flops,
+        num_params=block.num_params,
+        static_bytes=round(block.num_params * precision.bytes_per_param),
+        forward_s=timing.forward_s,
+        backward_s=timing.backward_s,
+        activation_bytes=activation,
+        recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
+        workspace_bytes=workspace,
+        signature=signature,
+        profiled_as=profiled_as,
+        time_spread=timing.spread,
+    )
+
+
+def _on_meta(model: nn.Module, flat_inputs: Sequence[Any]) -> bool:
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in flat_inputs if isinstance(x, torch.Tensor))]
+    return any(t.is_meta for t in tensors)
 
 
 # -- cache ---------------------------------------------------------------------------------------
@@ -298,6 +389,17 @@ def annotate_costs(
         except (TypeError, ValueError, KeyError) as e:
             warnings.warn(f"cost cache {path}: entry is malformed ({e}); profiling again", stacklevel=2)
 
+    if spec is None and _on_meta(model, graph.captured.example_flat_inputs):
+        raise InputError(
+            "the model or its example inputs are on the meta device, which has no values to time: profile a real "
+            "model, or cost it for a target GPU (device='a100-80gb', 'h100-80gb', 'h200' or a DeviceSpec)"
+        )
+    if spec is not None:  # measure on meta in the training precision, whatever the model was built in
+        graph, model = costing_graph(graph, model, precision.compute_dtype)
+        activation_dtype = precision.compute_dtype
+    else:
+        activation_dtype = str(model_dtype(model) or torch.get_default_dtype()).removeprefix("torch.")
+    check_values_available(graph.captured.graph_module, graph.captured.example_flat_inputs)
     modules = block_modules(graph, model)
     sync = torch.cuda.synchronize if cuda else None
     blocks: list[BlockCost] = []
@@ -311,47 +413,27 @@ def annotate_costs(
     rows: list[tuple[str, str, dict[str, int], int]] = []  # (signature, block timed for it, activation, workspace bytes)
     with _threads(threads if not cuda else None):
         all_inputs = block_inputs(graph, modules)
-        for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
-            m, inputs = modules[k], all_inputs[k]
-            charged = charged_inputs(graph, k, stage_info(m).input_names)
-            signature = block_signature(m, inputs)
-            if signature not in first_of:
-                first_of[signature] = k
-                records, flops_of[signature] = record_ops(m, inputs, sync=sync, clock=clock)
-                if spec is None:
+        if spec is not None:
+            blocks, attention = _roofline_blocks(graph, modules, all_inputs, spec, precision, progress=progress)
+        else:
+            attention = f"as run on {name}"
+            for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
+                m, inputs = modules[k], all_inputs[k]
+                charged = charged_inputs(graph, k, stage_info(m).input_names)
+                signature = block_signature(m, inputs)
+                if signature not in first_of:
+                    first_of[signature] = k
+                    records, flops_of[signature] = record_ops(m, inputs, sync=sync, clock=clock)
                     profiles[signature] = _Profile(m, inputs, records, cuda=cuda, clock=clock)
-                else:
-                    timings[signature] = _roofline_times(records, spec)
-            activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
-            params = [p for p in m.parameters() if p.requires_grad]
-            # A recomputing block rebuilds its activations before the same backward, so its peak is the
-            # plain block's; beyond what it keeps, that is the most for the option keeping the least.
-            workspace = max(0, peak_bytes(m, inputs, charged, params) - min(activation.values()))
-            rows.append((signature, graph.blocks[first_of[signature]].name, activation, workspace))
-        per_round = -(-repeats // PROFILE_ROUNDS)
-        for r in track(range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)):
-            for prof in profiles.values():
-                prof.run(warmup=warmup if r == 0 else 1, repeats=min(per_round, repeats - r * per_round) or 1)
-    timings.update({sig: prof.timing() for sig, prof in profiles.items()})
-    for block, (signature, timed, activation, workspace) in zip(graph.blocks, rows):
-        timing = timings[signature]
-        blocks.append(
-            BlockCost(
-                name=block.name,
-                kind=block.kind,
-                flops=float(flops_of[signature]),
-                num_params=block.num_params,
-                static_bytes=round(block.num_params * precision.bytes_per_param),
-                forward_s=timing.forward_s,
-                backward_s=timing.backward_s,
-                activation_bytes=activation,
-                recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
-                signature=signature,
-                profiled_as="" if timed == block.name else timed,
-                time_spread=timing.spread,
-                workspace_bytes=workspace,
-            )
-        )
+                rows.append((signature, graph.blocks[first_of[signature]].name, *_memory(m, inputs, charged)))
+            per_round = -(-repeats // PROFILE_ROUNDS)
+            for r in track(range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)):
+                for prof in profiles.values():
+                    prof.run(warmup=warmup if r == 0 else 1, repeats=min(per_round, repeats - r * per_round) or 1)
+            timings = {sig: prof.timing() for sig, prof in profiles.items()}
+            for block, (signature, timed, activation, workspace) in zip(graph.blocks, rows):
+                blocks.append(_block_cost(block, precision, flops_of[signature], timings[signature], activation, workspace,
+                                          signature=signature, profiled_as="" if timed == block.name else timed))
     n = graph.num_blocks
     table = CostTable(
         blocks=tuple(blocks),
@@ -361,6 +443,8 @@ def annotate_costs(
         source="roofline" if spec is not None else "profiled",
         batch_shape=dict(batch_shape or {}),
         precision=precision,
+        activation_dtype=activation_dtype,
+        attention=attention,
     )
     if path:
         try:

@@ -76,6 +76,8 @@ class OpRecord:
     """Bytes of tensor inputs plus outputs (0 for views, which move no data)."""
     seconds: float
     """Wall time of the call (synchronised on CUDA); meaningless on the meta device."""
+    masked: bool = False
+    """Fused attention only: whether it was given a mask (a GPU then runs memory-efficient attention, not flash)."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -134,9 +136,10 @@ class _FusedAttention(fx.Interpreter):
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         nbytes = sum(_nbytes(t) for t in (q, k, v, out)) + (_nbytes(mask) if isinstance(mask, torch.Tensor) else 0)
         flops = _flop_counter().sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        rec.records.append(
-            OpRecord(name="scaled_dot_product_attention", op_class="attention", flops=float(flops), nbytes=nbytes, seconds=seconds)
-        )
+        rec.records.append(OpRecord(
+            name="scaled_dot_product_attention", op_class="attention", flops=float(flops), nbytes=nbytes, seconds=seconds,
+            masked=isinstance(mask, torch.Tensor),
+        ))
         return out
 
 
@@ -153,11 +156,12 @@ class FlashOnMeta(TorchFunctionMode):
             names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
             opts = {**dict(zip(names, args[3:])), **kwargs}
             q, k, v = args[:3]
-            if q.shape[-3] == k.shape[-3] or not opts.get("enable_gqa", False):
-                return aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, opts.get("dropout_p", 0.0), opts.get("is_causal", False),
-                    attn_mask=opts.get("attn_mask"), scale=opts.get("scale"),
-                )[0]
+            # Grouped-query attention needs no copies of k and v: GPU kernels read each once per group
+            # of query heads, and this meta kernel takes the heads as given.
+            return aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, opts.get("dropout_p", 0.0), opts.get("is_causal", False),
+                attn_mask=opts.get("attn_mask"), scale=opts.get("scale"),
+            )[0]
         return func(*args, **kwargs)
 
 

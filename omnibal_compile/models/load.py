@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import read_text
 from omnibal_compile.labels import IGNORE_INDEX
 
 __all__ = ["LoadedModel", "load_model", "hf_data_facts", "import_from_spec"]
@@ -104,9 +105,12 @@ def _hf_model(class_name: str, config_path: str) -> nn.Module:
     cls = getattr(transformers, class_name, None)
     if cls is None or not hasattr(cls, "config_class"):
         raise InputError(f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)")
-    if not Path(config_path).is_file():
-        raise InputError(f"config file {config_path!r} does not exist")
-    return cls(cls.config_class.from_json_file(config_path))  # use_cache is turned off by capture
+    read_text(config_path, "config file")  # says whether it is missing, a directory or unreadable
+    try:
+        config = cls.config_class.from_json_file(config_path)
+    except (ValueError, OSError) as e:
+        raise InputError(f"config file {config_path!r} is not a {class_name} config: {e}") from None
+    return cls(config)  # use_cache is turned off by capture
 
 
 def hf_data_facts(model: nn.Module) -> dict[str, Any]:

@@ -19,15 +19,14 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from omnibal_compile.errors import InputError
-from omnibal_compile.validate import read_text
 from omnibal_compile.labels import IGNORE_INDEX
+from omnibal_compile.validate import read_text
 
 __all__ = ["LoadedModel", "load_model", "hf_data_facts", "import_from_spec"]
 

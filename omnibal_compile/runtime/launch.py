@@ -153,8 +153,9 @@ class RunConfig:
         # by field and flag, so a NaN or 0 never reaches the ranks.
         counts = {"batch_size": ("--batch-size", 1), "tiles_per_sample": ("--tiles", 0), "text_tokens": ("--text", 2),
                   "steps": ("--steps", 1), "threads": ("--threads", 1), "save_every": ("--save-every", 0),
-                  "warmup_steps": ("--warmup-steps", 0), "nproc": ("--nproc", 1), "dp": ("--dp, data-parallel pipelines", 1),
-                  "num_microbatches": ("--microbatches", 1), "virtual_stages": ("--virtual-stages", 1)}
+                  "warmup_steps": ("--warmup-steps", 0), "nproc": ("--nproc", 1),
+                  "dp": ("--dp, data-parallel pipelines", 1), "num_microbatches": ("--microbatches", 1),
+                  "virtual_stages": ("--virtual-stages", 1)}
         for name, (flag, low) in counts.items():
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), f"{name} ({flag})", min=low)

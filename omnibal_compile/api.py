@@ -14,7 +14,14 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.cost_table import BF16_ADAM, DEFAULT_DP_SHARD, CostTable, DataParallel, Precision
+from omnibal_compile.cost_table import (
+    BF16_ADAM,
+    DEFAULT_DP_SHARD,
+    RECOMPUTE_OPTIONS,
+    CostTable,
+    DataParallel,
+    Precision,
+)
 from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
@@ -35,6 +42,7 @@ from omnibal_compile.passes.partition import Planner, check_costs, check_num_sta
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule
 from omnibal_compile.units import parse_size
+from omnibal_compile.validate import check_choice, check_number, read_text
 
 if TYPE_CHECKING:  # the kernel pass imports Triton glue; load it only when kernels= is asked for
     from omnibal_compile.passes.kernels import KernelReport
@@ -186,10 +194,9 @@ def _load_costs(costs: CostTable | str | os.PathLike[str], graph: BlockGraph) ->
         check_costs(graph, costs, "costs=CostTable")
         return costs
     path = Path(costs)
-    if not path.is_file():
-        raise InputError(f"costs={str(path)!r}: no such file; write one with CostTable.to_json() or drop costs=")
+    text = read_text(path, "cost table file (costs=)", hint="write one with CostTable.to_json() or drop costs=")
     try:
-        table = CostTable.from_json(path.read_text())
+        table = CostTable.from_json(text)
     except (ValueError, TypeError, KeyError) as e:
         raise InputError(f"costs={str(path)!r} is not a CostTable JSON ({e})") from None
     check_costs(graph, table, f"cost table {path}")
@@ -200,8 +207,47 @@ def _parse_budget(budget: Any) -> float | list[float] | None:
     if budget is None:
         return None
     if isinstance(budget, (list, tuple)):
-        return [float(parse_size(b)) for b in budget]
-    return float(parse_size(budget))
+        return [float(parse_size(b, f"memory_budget[{i}]")) for i, b in enumerate(budget)]
+    return float(parse_size(budget, "memory_budget"))
+
+
+def _check_keywords(
+    *, plan: Plan | None, planner: Any, num_microbatches: int | None, schedule: str | None, virtual_stages: int | None,
+    memory_budget: Any, recompute: str, solver: str, solver_time_limit: float | None, costed: bool,
+    device: Any, precision: Precision, cost_cache: Any, refresh_costs: bool, dp: int,
+) -> None:
+    """Refuse a keyword whose value is malformed, or that the other keywords would make ``optimize`` ignore."""
+    check_choice(recompute, "recompute", ("auto", *RECOMPUTE_OPTIONS))
+    check_choice(solver, "solver", ("auto", "highs", "cbc"))
+    if solver_time_limit is not None:
+        check_number(solver_time_limit, "solver_time_limit", above=0, hint="give seconds, or None for no limit")
+    if device is None and (cost_cache is not None or refresh_costs or precision != BF16_ADAM):
+        given = [k for k, v in (("cost_cache", cost_cache is not None), ("refresh_costs", refresh_costs),
+                                ("precision", precision != BF16_ADAM)) if v]
+        why = "a cost table given as costs= keeps what it was costed with" if costed else "nothing is costed"
+        raise InputError(f"{', '.join(given)} only apply when device= costs the blocks, and {why}: "
+                         "pass device=... or drop them")
+    if not costed and solver != "auto":
+        raise InputError(
+            f"solver={solver!r} picks the ILP backend, which needs block costs: pass device=... or costs=..."
+        )
+    if plan is None:
+        return
+    # A given plan fixes the split and the schedule; a planning keyword that differs would be dropped.
+    fixed = {"num_microbatches": (num_microbatches, plan.num_microbatches), "schedule": (schedule, plan.schedule),
+             "virtual_stages": (virtual_stages, plan.virtual_stages),
+             "dp": (None if dp == 1 else dp, plan.data_parallel)}
+    for name, (given, planned) in fixed.items():
+        if given is not None and given != planned:
+            raise InputError(
+                f"{name}={given!r} differs from the given plan's {planned!r}: plan= fixes it; drop {name}=, or pass "
+                f"dataclasses.replace(plan, {'data_parallel' if name == 'dp' else name}={given!r})"
+            )
+    planning = {"planner": planner is not None, "memory_budget": memory_budget is not None,
+                "recompute": recompute != "auto", "solver": solver != "auto"}
+    dropped = [k for k, v in planning.items() if v]
+    if dropped:
+        raise InputError(f"{', '.join(dropped)} choose a new plan, but plan= was given: drop one or the other")
 
 
 def optimize(
@@ -212,8 +258,8 @@ def optimize(
     planner: str | Planner | None = None,
     plan: Plan | None = None,
     num_microbatches: int | None = None,
-    schedule: str = "1f1b",
-    virtual_stages: int = 1,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
     memory_budget: str | float | Sequence[str | float] | None = None,
     recompute: str = "auto",
     solver: str = "auto",
@@ -246,8 +292,9 @@ def optimize(
         plan: use this plan instead of planning (it must match the model's blocks).
         num_microbatches, schedule, virtual_stages: the pipeline schedule planned for
             (``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` with ``virtual_stages`` chunks per device);
-            ``num_microbatches=None`` (default) means one per stage. The rules torch sets on them are
-            checked by :class:`omnibal_compile.schedule.Schedule`.
+            ``num_microbatches=None`` (default) means one per stage, ``schedule=None`` ``"1f1b"``,
+            ``virtual_stages=None`` 1 (with ``plan=``: the plan's; a value that differs is an error).
+            The rules torch sets on them are checked by :class:`omnibal_compile.schedule.Schedule`.
         memory_budget: per device, e.g. ``"40GiB"`` (one value or one per device); needs costs.
         recompute: ``"auto"`` (the planner chooses per block), ``"none"``, ``"selective"`` or ``"full"``.
         solver, solver_time_limit: ILP backend (``"auto"``: HiGHS if installed, else CBC) and limit (s).
@@ -275,6 +322,16 @@ def optimize(
     """
     layout = DataParallel(size=dp, shard=dp_shard, reshard_after_forward=dp_reshard_after_forward)
     precision.bytes_per_param_on(layout)  # raises when ZeRO-1's optimizer_shards disagree with dp
+    _check_keywords(
+        plan=plan, planner=planner, num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
+        memory_budget=memory_budget, recompute=recompute, solver=solver, solver_time_limit=solver_time_limit,
+        costed=device is not None or costs is not None, device=device, precision=precision, cost_cache=cost_cache,
+        refresh_costs=refresh_costs, dp=dp,
+    )
+    budget = _parse_budget(memory_budget)  # before any pass runs: a NaN budget fails at once
+    kind, chunks = "1f1b" if schedule is None else schedule, 1 if virtual_stages is None else virtual_stages
+    if plan is None:  # so does a malformed schedule keyword (its rules over the stages are checked after blocks)
+        Schedule(kind=kind, num_microbatches=1 if num_microbatches is None else num_microbatches, virtual_stages=chunks)
     if data is not None and dp > 1 and data.dp != dp:
         raise InputError(f"dp={dp} disagrees with data=DataOptions(dp={data.dp}): give both the same data-parallel size")
     timings: dict[str, float] = {}
@@ -303,7 +360,7 @@ def optimize(
     if plan is None:  # before costing: a bad stage count or schedule should fail fast
         check_num_stages(graph, num_stages)
         chosen_schedule = Schedule.for_stages(
-            num_stages, kind=schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages
+            num_stages, kind=kind, num_microbatches=num_microbatches, virtual_stages=chunks
         )
     table = _load_costs(costs, graph) if costs is not None else None
     if device is not None:
@@ -317,7 +374,6 @@ def optimize(
         chosen = plan
     else:
         assert chosen_schedule is not None
-        budget = _parse_budget(memory_budget)
         chosen = _run_pass(
             "plan", done, timings,
             lambda: plan_stages(

@@ -7,7 +7,8 @@ A plan covers a chain of ``n`` blocks with ``S`` stages; stage ``s`` runs blocks
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,11 +16,25 @@ from omnibal_compile.cost_table import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, Data
 from omnibal_compile.errors import PlanError
 from omnibal_compile.schedule import Schedule
 from omnibal_compile.tables import counted, format_table
+from omnibal_compile.validate import check_int_list, check_number, read_text
 
 __all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
 
 PLAN_FORMAT = 1
 """Version of the JSON layout written by :meth:`Plan.to_json`."""
+
+
+def _str_list(value: Any, name: str) -> tuple[str, ...]:
+    items = None if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable) else tuple(value)
+    if items is None or not all(isinstance(x, str) for x in items):
+        raise PlanError(f"plan field {name} must be a list of strings, got {value!r}"[:300])
+    return items
+
+
+def _number_list(value: Any, name: str) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise PlanError(f"plan field {name} must be a list of numbers, got {value!r}"[:300])
+    return tuple(check_number(x, f"plan field {name}[{i}]", min=0, error=PlanError) for i, x in enumerate(value))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,15 +98,27 @@ class Plan:
     """Free-form planner notes (objective value, solver status, binding constraint, ...), JSON-serialisable."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_names", tuple(self.block_names))
-        object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
-        object.__setattr__(self, "block_params", tuple(int(p) for p in self.block_params))
-        object.__setattr__(self, "block_kinds", tuple(self.block_kinds))
+        # Every field is checked with its type, so a plan file's cut of 12.5 or "3" is refused, not truncated.
+        for name in ("block_names", "block_kinds", "recompute"):
+            object.__setattr__(self, name, _str_list(getattr(self, name), name))
+        for name in ("boundaries", "block_params", "stage_memory_bytes", "memory_budget_bytes"):
+            values = check_int_list(getattr(self, name), f"plan field {name}", min=0, error=PlanError)
+            object.__setattr__(self, name, values)
+        object.__setattr__(self, "stage_time_s", _number_list(self.stage_time_s, "stage_time_s"))
+        if self.iteration_time_s is not None:
+            t = check_number(self.iteration_time_s, "plan field iteration_time_s", min=0, error=PlanError)
+            object.__setattr__(self, "iteration_time_s", t)
+        for name in ("planner", "schedule", "data_parallel_shard"):
+            if not isinstance(getattr(self, name), str):
+                raise PlanError(f"plan field {name} must be a string, got {getattr(self, name)!r}")
+        # num_microbatches, virtual_stages (Schedule) and data_parallel (DataParallel) are checked below.
+        if not isinstance(self.reshard_after_forward, bool):
+            raise PlanError(
+                f"plan field reshard_after_forward must be true or false, got {self.reshard_after_forward!r}"
+            )
+        if not isinstance(self.notes, Mapping):
+            raise PlanError(f"plan field notes must be an object, got {type(self.notes).__name__}")
         object.__setattr__(self, "notes", dict(self.notes))
-        object.__setattr__(self, "recompute", tuple(self.recompute))
-        object.__setattr__(self, "stage_time_s", tuple(float(t) for t in self.stage_time_s))
-        object.__setattr__(self, "stage_memory_bytes", tuple(int(m) for m in self.stage_memory_bytes))
-        object.__setattr__(self, "memory_budget_bytes", tuple(int(m) for m in self.memory_budget_bytes))
         n, b = len(self.block_names), self.boundaries
         if n == 0:
             raise PlanError("a plan needs at least one block")
@@ -271,6 +298,15 @@ class Plan:
         if "block_names" not in data or "boundaries" not in data:
             raise PlanError("a plan needs 'block_names' and 'boundaries'")
         return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, overrides: Mapping[str, Any] | None = None) -> Plan:
+        """Read a plan file (``Plan.to_json``); every error names the file."""
+        text = read_text(path, "plan file", hint="write one with Plan.to_json() or `omnibal-compile demo --save-plan`")
+        try:
+            return cls.from_json(text, overrides=overrides)
+        except PlanError as e:
+            raise PlanError(f"plan file {str(path)!r}: {e}") from None
 
     @classmethod
     def from_json(cls, text: str, *, overrides: Mapping[str, Any] | None = None) -> Plan:

@@ -20,10 +20,14 @@ from dataclasses import dataclass
 from omnibal_compile.errors import PlanError
 from omnibal_compile.tables import counted
 
-__all__ = ["SCHEDULE_KINDS", "Schedule"]
+__all__ = ["SCHEDULE_KINDS", "MAX_MICROBATCHES", "Schedule"]
 
 SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 """Pipeline schedules a plan can be made for."""
+
+MAX_MICROBATCHES = 2**16
+"""Most micro-batches per iteration: far above any real pipeline's, low enough that the simulator
+(events in proportion to M x S) and the solvers finish."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +48,9 @@ class Schedule:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_microbatches > MAX_MICROBATCHES:
+            raise PlanError(f"num_microbatches must be <= {MAX_MICROBATCHES:,}, got {self.num_microbatches:,}; "
+                            "use fewer, larger micro-batches")
         if self.kind != "interleaved" and self.virtual_stages != 1:
             raise PlanError(
                 f"schedule {self.kind!r} runs one stage per device but virtual_stages={self.virtual_stages}; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import check_number
 
 __all__ = ["parse_size", "format_size"]
 
@@ -21,27 +22,25 @@ _UNITS: dict[str, int] = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
-def parse_size(text: str | int | float) -> int:
-    """Bytes in ``text``; an int or float is taken as bytes already. Raises InputError with an example."""
-    if isinstance(text, bool):
-        raise InputError(f"a size must be a number of bytes or a string like '80GiB', got {text!r}")
-    if isinstance(text, (int, float)):
-        if text < 0:
-            raise InputError(f"a size cannot be negative, got {text}")
-        return int(text)
-    if not isinstance(text, str):
-        raise InputError(f"a size must be a number of bytes or a string like '80GiB', got {type(text).__name__}")
-    m = _SIZE.match(text)
-    if not m:
-        raise InputError(f"cannot read size {text!r}: write a number and a unit, e.g. '80GiB', '40GB' or '512MiB'")
-    number, unit = m.groups()
-    factor = _UNITS.get(unit.lower())
-    if factor is None:
-        raise InputError(
-            f"unknown unit {unit!r} in size {text!r}: use B, KiB, MiB, GiB, TiB (powers of 1024) "
-            "or kB, MB, GB, TB (powers of 1000)"
-        )
-    return int(round(float(number) * factor))
+def parse_size(text: str | int | float, name: str = "size") -> int:
+    """Bytes in ``text``; an int or float is taken as bytes already. ``name`` is the input's name for
+    errors (``"memory_budget"``, ``"--memory"``). Raises InputError with an example."""
+    if isinstance(text, str):
+        m = _SIZE.match(text)
+        if not m:
+            raise InputError(
+                f"cannot read {name} {text!r}: write a number and a unit, e.g. '80GiB', '40GB' or '512MiB'"
+            )
+        number, unit = m.groups()
+        factor = _UNITS.get(unit.lower())
+        if factor is None:
+            raise InputError(
+                f"unknown unit {unit!r} in {name} {text!r}: use B, KiB, MiB, GiB, TiB (powers of 1024) "
+                "or kB, MB, GB, TB (powers of 1000)"
+            )
+        return int(round(float(number) * factor))
+    # NaN, infinities, bools and negative numbers are refused by the shared number check.
+    return int(check_number(text, name, min=0, hint="give bytes as a number or a string like '80GiB'"))
 
 
 def format_size(nbytes: float) -> str:

@@ -40,7 +40,7 @@ def test_image_flags_optional_defaults_to_tiles(tmp_path: Path) -> None:
     [
         ('[{"vit_num": 1, "token_num": 3}, {"vit_num": 2}]', ".json", ["record 1", "token_num"]),
         ('[{"vit_num": -1, "token_num": 3}]', ".json", ["record 0", "vit_num", "negative"]),
-        ('[{"vit_num": 1.5, "token_num": 3}]', ".json", ["record 0", "vit_num", "not an integer"]),
+        ('[{"vit_num": 1.5, "token_num": 3}]', ".json", ["record 0", "vit_num", "must be an integer", "1.5"]),
         ('[{"vit_num": true, "token_num": 3}]', ".json", ["record 0", "vit_num"]),
         ("", ".json", ["empty"]),
         ("[]", ".json", ["empty"]),

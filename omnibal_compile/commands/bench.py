@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 
+from omnibal_compile.validate import int_option, number_option
+
 NAME = "bench"
 HELP = ("benchmark parts of the library: 'kernels' times the fused kernels against eager torch; 'all' runs every "
         "bench script and writes bench/RESULTS.md")
@@ -26,14 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)"
     )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
-    p.add_argument("--kernels-vocab", type=int, nargs="+", default=[32000, 128256, 151936],
+    p.add_argument("--kernels-vocab", type=int_option(min=2), nargs="+", default=[32000, 128256, 151936],
                    help="loss vocab sizes timed on CUDA (default 32000 128256 151936)")
-    p.add_argument("--kernels-loss-tokens", type=int, default=None,
+    p.add_argument("--kernels-loss-tokens", type=int_option(min=1), default=None,
                    help="tokens of the vocab-128k memory measurement (default 16384 on CUDA, 1024 on CPU)")
-    p.add_argument("--kernels-loss-hidden", type=int, default=None,
+    p.add_argument("--kernels-loss-hidden", type=int_option(min=1), default=None,
                    help="hidden size of that measurement (default 4096 on CUDA, 256 on CPU)")
     p.add_argument("--all-quick", action="store_true", help="all: cheaper flags for scripts that have them")
-    p.add_argument("--all-timeout", type=float, default=1200.0, help="all: seconds per script before it is killed")
+    p.add_argument("--all-timeout", type=number_option(above=0), default=1200.0,
+                   help="all: seconds per script before it is killed")
     p.add_argument("--all-bench-dir", default=None, help="all: the bench folder (default: the checkout's bench/)")
     p.add_argument("--all-out", default=None, help="all: results page (default: <bench dir>/RESULTS.md)")
 

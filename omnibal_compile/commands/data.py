@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import argparse
 
+from omnibal_compile.validate import MAX_SEED, int_option
+
 NAME = "data"
 HELP = "balance dataset length statistics and print Pad/Dist Ratios of random, length-grouped, ISF and ours"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("lengths", nargs="+", metavar="LENGTHS", help="length files (.json OmniBal format, .jsonl, .csv)")
-    p.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
-    p.add_argument("--samples-per-pack", type=int, default=4, help="target samples per micro-batch (default 4)")
-    p.add_argument("--iterations", type=int, default=50, help="ISF iterations T (default 50, as the reference)")
-    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    p.add_argument("--resample", type=int, default=None, metavar="N", help="draw N samples with replacement first")
+    p.add_argument("--dp", type=int_option(min=1), default=8, help="data-parallel ranks (default 8)")
+    p.add_argument("--samples-per-pack", type=int_option(min=1), default=4,
+                   help="target samples per micro-batch (default 4)")
+    p.add_argument("--iterations", type=int_option(min=1), default=50,
+                   help="ISF iterations T (default 50, as the reference)")
+    p.add_argument("--seed", type=int_option(min=0, max=MAX_SEED), default=0, help="seed (default 0)")
+    p.add_argument("--resample", type=int_option(min=1), default=None, metavar="N",
+                   help="draw N samples with replacement first")
     p.add_argument("--methods", default="random,length-grouped,isf,ours", help="comma-separated subset to run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -29,8 +34,6 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise InputError(f"--methods has unknown {unknown}; choose from {list(METHODS)}")
-    if args.dp < 1 or args.samples_per_pack < 1:
-        raise InputError("--dp and --samples-per-pack must be >= 1")
     stats = load_lengths(list(args.lengths))
     if args.resample:
         stats = stats.resample(args.resample, seed=args.seed)

@@ -12,14 +12,15 @@ import time
 
 from omnibal_compile.schedule import SCHEDULE_KINDS
 from omnibal_compile.solver import PLANNERS, planner_help
+from omnibal_compile.validate import MAX_SEED, int_option
 
 NAME = "demo"
 HELP = "plan the built-in tiny VLM into balanced pipeline stages and check they reproduce it (CPU, ~30 s)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
+    p.add_argument("--stages", type=int_option(min=1), default=4, help="pipeline stages (default 4)")
+    p.add_argument("--microbatches", type=int_option(min=1), default=8, help="micro-batches per iteration (default 8)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule")
     p.add_argument("--planner", default="ilp", choices=list(PLANNERS), help=planner_help("ilp"))
     p.add_argument(
@@ -28,11 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory", default="16MiB", help="memory budget per device (default 16MiB: tight enough that some blocks recompute)"
     )
-    p.add_argument("--batch", type=int, default=2, help="samples in the example micro-batch (default 2)")
-    p.add_argument("--tiles", type=int, default=2, help="image tiles per sample (default 2)")
-    p.add_argument("--text", type=int, default=48, help="text tokens per sample (default 48)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
-    p.add_argument("--show-code", type=int, metavar="STAGE", default=None, help="print the generated code of a stage")
+    p.add_argument("--batch", type=int_option(min=1), default=2, help="samples in the example micro-batch (default 2)")
+    p.add_argument("--tiles", type=int_option(min=0), default=2, help="image tiles per sample (default 2)")
+    p.add_argument("--text", type=int_option(min=2), default=48, help="text tokens per sample (default 48)")
+    p.add_argument("--seed", type=int_option(min=0, max=MAX_SEED), default=0, help="seed for weights and data")
+    p.add_argument("--show-code", type=int_option(min=0), metavar="STAGE", default=None,
+                   help="print the generated code of a stage")
     p.add_argument("--save-plan", metavar="PATH", default=None, help="write the plan as JSON")
 
 
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(result.summary())
     print()
-    budget = float(parse_size(args.memory)) if args.memory else None
+    budget = float(parse_size(args.memory, "--memory")) if args.memory else None
     best = oc.simulate(result.plan, result.costs)
     rows = [["planner", "planned ms", "simulated ms", "bubble", f"vs {args.planner}"]]
     for name in dict.fromkeys(("uniform", "parameters", "omnibal", args.planner)):

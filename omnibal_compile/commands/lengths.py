@@ -7,6 +7,8 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from omnibal_compile.validate import int_option
+
 if TYPE_CHECKING:
     from omnibal_compile.data.dataset_lengths import DatasetLengths
 
@@ -33,16 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="PATH", help="length file to write (.json, .jsonl or .csv)")
     p.add_argument("--image-root", default=None, metavar="DIR",
                    help="folder image paths are relative to (default: the data file's folder)")
-    p.add_argument("--min-tiles", type=int, metavar="N", default=1,
+    p.add_argument("--min-tiles", type=int_option(min=1), metavar="N", default=1,
                    help="fewest tiles per image, thumbnail not counted (default 1)")
-    p.add_argument("--max-tiles", type=int, metavar="N", default=12,
+    p.add_argument("--max-tiles", type=int_option(min=1), metavar="N", default=12,
                    help="most tiles per image, thumbnail not counted; shared among a record's images (default 12)")
-    p.add_argument("--tile-size", type=int, metavar="N", default=448, help="tile side in pixels (default 448)")
+    p.add_argument("--tile-size", type=int_option(min=1), metavar="N", default=448, help="tile side in pixels (default 448)")
     p.add_argument("--thumbnail", type=_on_off, default=True, metavar="on|off",
                    help="add a whole-image tile when an image has more than one tile (default on)")
-    p.add_argument("--tokens-per-tile", type=int, metavar="N", default=256,
+    p.add_argument("--tokens-per-tile", type=int_option(min=1), metavar="N", default=256,
                    help="LLM tokens each tile becomes (default 256, InternVL's 448 px tiles)")
-    p.add_argument("--image-marker-tokens", type=int, metavar="N", default=0,
+    p.add_argument("--image-marker-tokens", type=int_option(min=0), metavar="N", default=0,
                    help="extra tokens around each image, such as InternVL's <img> and </img> (default 0)")
     p.add_argument("--dummy-tile", action="store_true",
                    help="give text-only samples one dummy tile (vit_num 1, image_flags 0), as InternVL does")
@@ -50,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a record whose image is missing or unreadable: leave it out and report it (default), or stop")
     p.add_argument("--skipped-out", default=None, metavar="PATH",
                    help="also write the left-out records as JSON Lines (record index, image, reason)")
-    p.add_argument("--workers", type=int, metavar="N", default=None,
+    p.add_argument("--workers", type=int_option(min=1), metavar="N", default=None,
                    help="processes measuring records in parallel (default: the CPUs available, at most 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -28,6 +28,7 @@ from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.progress import Progress
 from omnibal_compile.schedule import SCHEDULE_KINDS, Schedule
 from omnibal_compile.solver import PLANNERS, planner_help
+from omnibal_compile.validate import MAX_SEED, int_option
 
 NAME = "plan"
 HELP = "plan a model's pipeline stages, simulate an iteration, and write the plan, pictures and a trace"
@@ -40,12 +41,13 @@ LENGTH_ITERATIONS = 16
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="tiny-vlm | hf:ClassName:config.json | module.path:factory (returning a model or (model, example_batch))")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages, chunks included (default 4)")
-    p.add_argument("--virtual-stages", type=int, default=1, help="stage chunks per device, for --schedule interleaved (default 1)")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
+    p.add_argument("--stages", type=int_option(min=1), default=4, help="pipeline stages, chunks included (default 4)")
+    p.add_argument("--virtual-stages", type=int_option(min=1), default=1,
+                   help="stage chunks per device, for --schedule interleaved (default 1)")
+    p.add_argument("--microbatches", type=int_option(min=1), default=8, help="micro-batches per iteration (default 8)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule (default 1f1b)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 40GB (default: unconstrained)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (default 1)")
+    p.add_argument("--dp", type=int_option(min=1), default=1, help="data-parallel replicas of the pipeline (default 1)")
     p.add_argument("--dp-shard", default=DEFAULT_DP_SHARD, choices=DP_SHARDS,
                    help="how the replicas hold weights, gradients and optimizer states: fsdp (sharded, default) or ddp (replicated)")
     p.add_argument("--device", default="cpu", help="device the costs are for: cpu (profile here) or a target such as a100-80gb")
@@ -53,15 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", metavar="FILE", default=None, help="use this CostTable JSON instead of running the cost pass")
     p.add_argument("--lengths", metavar="FILE", nargs="+", default=None,
                    help="dataset length statistics (JSON lists of {vit_num, token_num}) to simulate micro-batches that differ")
-    p.add_argument("--batch", type=int, default=2, help="samples per micro-batch of the example batch (default 2)")
-    p.add_argument("--tiles", type=int, default=2, help="image tiles per sample of the example batch (tiny-vlm; default 2)")
-    p.add_argument("--text", type=int, default=32, help="text tokens per sample of the example batch (default 32)")
+    p.add_argument("--batch", type=int_option(min=1), default=2,
+                   help="samples per micro-batch of the example batch (default 2)")
+    p.add_argument("--tiles", type=int_option(min=0), default=2,
+                   help="image tiles per sample of the example batch (tiny-vlm; default 2)")
+    p.add_argument("--text", type=int_option(min=2), default=32,
+                   help="text tokens per sample of the example batch (default 32)")
     p.add_argument("--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB")
     p.add_argument("--sweep-stages", metavar="COUNTS", default=None, help="what-if: comma-separated stage counts, e.g. 2,4,8")
     p.add_argument("--meta", action="store_true",
                    help="hf: models: build the model and example batch on the meta device in bf16 (no weights allocated; "
                         "cost with a target --device such as a100-80gb)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    p.add_argument("--seed", type=int_option(min=0, max=MAX_SEED), default=0, help="seed for weights and data")
     p.add_argument("--no-pictures", action="store_true", help="write JSON and text only (no matplotlib needed)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
 
@@ -124,16 +129,18 @@ def run(args: argparse.Namespace) -> int:
             f"--stages {args.stages} --schedule {args.schedule} --microbatches {args.microbatches} "
             f"--virtual-stages {args.virtual_stages}: {e}"
         ) from None
-    budget = parse_size(args.memory) if args.memory else None
+    budget = parse_size(args.memory, "--memory") if args.memory else None
     planner = "ilp" if args.planner == "auto" else args.planner
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pictures = not args.no_pictures
+    pictures, no_pictures_note = not args.no_pictures, None
     if pictures:
         try:
             import matplotlib  # noqa: F401
-        except ImportError:
-            raise InputError("pictures need matplotlib: pip install matplotlib (or pass --no-pictures)") from None
+        except ImportError:  # the base install: write everything else and say how to get the pictures
+            pictures = False
+            no_pictures_note = ("no pictures: they need matplotlib (pip install 'omnibal-compile[viz]'); "
+                                "pass --no-pictures to skip them without this note")
 
     steps = 5 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
     written: list[Path] = []
@@ -212,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     for text in sweeps:
         print(f"\n{text}")
     print(f"\nwrote {', '.join(p.name for p in written)} to {out}/")
+    if no_pictures_note:
+        print(no_pictures_note)
     return 0
 
 

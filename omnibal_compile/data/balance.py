@@ -28,8 +28,16 @@ import numpy as np
 
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import CostFn, pack_loads
-from omnibal_compile.data.packing import OVERSIZED_POLICIES, PackShape, Packing, assign_steps, split_oversized
+from omnibal_compile.data.packing import (
+    OVERSIZED_POLICIES,
+    Packing,
+    PackShape,
+    assign_steps,
+    refuse_unpackable,
+    split_oversized,
+)
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import check_int, check_number, check_seed
 
 __all__ = ["balanced_partition", "balance_pack"]
 
@@ -123,16 +131,18 @@ def balance_pack(
     attention_pairs) -> cost`` per pack, e.g. :class:`~omnibal_compile.data.metrics.ShapeCost`)
     decides which packs share a step; default: tiles, then tokens.
     """
-    if dp < 1:
-        raise InputError(f"dp must be >= 1, got {dp}")
-    if samples_per_pack < 1:
-        raise InputError(f"samples_per_pack must be >= 1, got {samples_per_pack}")
+    dp = check_int(dp, "dp", min=1)
+    samples_per_pack = check_number(samples_per_pack, "samples_per_pack", min=1)
+    seed = check_seed(seed)
+    refine_rounds = check_int(refine_rounds, "refine_rounds", min=0)
     if oversized not in OVERSIZED_POLICIES:
         raise InputError(f"unknown oversized policy {oversized!r}; choose one of {list(OVERSIZED_POLICIES)}")
     big = np.zeros(0, np.int64)
     packed_stats = stats
     if capacity is not None:
         packed_stats, big = split_oversized(stats, capacity, oversized)
+    else:
+        refuse_unpackable(stats)  # the shape is derived from the packs: no sample may exceed the limits
     fits = np.ones(len(stats), bool)
     if oversized == "own-pack":
         fits[big] = False

@@ -11,6 +11,7 @@ Glossary:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,9 +23,10 @@ from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_
 from omnibal_compile.data.isf import isf_pack, isf_search
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats, load_lengths, scale_lengths
 from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
-from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape, packing_from_groups
+from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape, packing_from_groups, refuse_unpackable
 from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import check_int, check_int_list, check_number, check_seed
 
 __all__ = ["DataOptions", "DataPlan", "plan_data"]
 
@@ -65,8 +67,37 @@ class DataOptions:
             raise InputError(f"DataOptions.method must be 'ours', 'isf' or 'random', got {self.method!r}")
         if self.oversized not in OVERSIZED_POLICIES:
             raise InputError(f"DataOptions.oversized must be one of {list(OVERSIZED_POLICIES)}, got {self.oversized!r}")
-        if self.dp < 1 or self.samples_per_pack < 1:
-            raise InputError(f"DataOptions needs dp >= 1 and samples_per_pack >= 1, got {self.dp}, {self.samples_per_pack}")
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("dp", check_int(self.dp, "DataOptions.dp", min=1))
+        put("samples_per_pack", check_number(self.samples_per_pack, "DataOptions.samples_per_pack", min=1))
+        put("seed", check_seed(self.seed, "DataOptions.seed"))
+        lows = {"source_tokens_per_tile": 1, "tokens_per_tile": 1, "image_token_id": 0, "vocab_size": 1}
+        for name, low in lows.items():
+            if getattr(self, name) is not None:
+                put(name, check_int(getattr(self, name), f"DataOptions.{name}", min=low))
+        if self.image_shape is not None:
+            shape = check_int_list(self.image_shape, "DataOptions.image_shape", min=1)
+            if len(shape) != 3:
+                raise InputError(f"DataOptions.image_shape must be (channels, height, width), got {self.image_shape!r}")
+            put("image_shape", shape)
+        if self.shape is not None and not isinstance(self.shape, PackShape):
+            raise InputError(f"DataOptions.shape must be a PackShape(tiles=..., tokens=...), got {self.shape!r}")
+        if self.cost is not None and not callable(self.cost):
+            raise InputError(
+                f"DataOptions.cost must be a callable (tiles, tokens, attention_pairs) -> cost, got {self.cost!r}"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """The options the packs depend on, as JSON data (what a sampler state is checked against)."""
+        cost = self.cost
+        if cost is not None:
+            named = getattr(cost, "__qualname__", type(cost).__qualname__)
+            cost = repr(cost) if dataclasses.is_dataclass(cost) else named
+        return {"method": self.method, "samples_per_pack": self.samples_per_pack, "oversized": self.oversized,
+                "source_tokens_per_tile": self.source_tokens_per_tile, "cost": cost,
+                "shape": None if self.shape is None else [self.shape.tiles, self.shape.tokens]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,9 +122,11 @@ class DataPlan:
     """The packing of epoch 0 (what ``metrics`` measured)."""
 
     def sampler(self, rank: int = 0) -> BalancedBatchSampler:
-        """The batch sampler of data-parallel ``rank``."""
+        """The batch sampler of data-parallel ``rank``; its state names everything its sequence depends on."""
+        settings = {"lengths_digest": self.stats.digest, **self.options.describe(),
+                    "pack_shape": [self.shape.tiles, self.shape.tokens], "row_tokens": self.seq_len}
         return BalancedBatchSampler(self.packer, num_samples=len(self.stats), rank=rank, world_size=self.options.dp,
-                                    seed=self.options.seed)
+                                    seed=self.options.seed, settings=settings)
 
     def example_batch(self, *, seed: int = 0) -> dict[str, torch.Tensor]:
         """One collated micro-batch of the planned shape (random content), for capture and profiling."""
@@ -143,6 +176,8 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
         stats = scale_lengths(stats, tokens_per_tile=tpt, source_tokens_per_tile=o.source_tokens_per_tile)
     first = epoch_seed(o.seed, 0)
     if o.method == "random":
+        if o.shape is None:
+            refuse_unpackable(stats)  # the shape is the largest sample
         if len(stats) < o.dp:
             raise InputError(f"{len(stats)} samples cannot fill {o.dp} data-parallel ranks; use fewer ranks")
         fixed = o.shape or PackShape(tiles=int(stats.tiles.max()), tokens=int(stats.tokens.max()))

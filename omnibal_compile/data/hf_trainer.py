@@ -31,7 +31,11 @@ def balanced_sampler(lengths: LengthStats, *, rank: int, world_size: int, sample
         return balance_pack(lengths, dp=world_size, samples_per_pack=samples_per_pack, capacity=shape, seed=s,
                             oversized=oversized)
 
-    return BalancedBatchSampler(packer, num_samples=len(lengths), rank=rank, world_size=world_size, seed=seed)
+    # What the packs depend on, so a saved sampler state is refused by a sampler that would differ.
+    settings = {"lengths_digest": lengths.digest, "method": "ours", "samples_per_pack": samples_per_pack,
+                "oversized": oversized, "shape": None if shape is None else [shape.tiles, shape.tokens]}
+    return BalancedBatchSampler(packer, num_samples=len(lengths), rank=rank, world_size=world_size, seed=seed,
+                                settings=settings)
 
 
 def _trainer_class() -> type:

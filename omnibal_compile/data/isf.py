@@ -24,6 +24,7 @@ import numpy as np
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.packing import PackShape, Packing, packing_from_groups, split_oversized
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import check_int, check_number, check_seed
 
 __all__ = ["greedy_groups", "isf_groups", "isf_pack", "IsfSearch", "isf_search"]
 
@@ -70,8 +71,8 @@ def isf_groups(
     iterations: int = 50, seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """ISF over the samples ``ids`` (all must fit ``capacity``): groups as (order, sizes)."""
-    if iterations < 1:
-        raise InputError(f"ISF needs iterations >= 1, got {iterations}")
+    iterations = check_int(iterations, "iterations", min=1)
+    seed = check_seed(seed)
     tile_thresh = capacity.tiles if tile_thresh is None else tile_thresh
     ids = np.asarray(ids, np.int64)
     small = max(int(stats.tokens[ids].sum()), int(stats.tiles[ids].sum()), ids.size) + capacity.tokens < 2**31
@@ -111,6 +112,7 @@ def isf_pack(
 
     ``token_thresh`` defaults to ``capacity.tokens - 128`` as in the reference search.
     """
+    dp = check_int(dp, "dp", min=1)
     stats, big = split_oversized(stats, capacity, oversized)
     fits = np.ones(len(stats), bool)
     if oversized == "own-pack":
@@ -155,9 +157,8 @@ def isf_search(
     """
     from omnibal_compile.data.metrics import dist_ratio
 
-    k = float(samples_per_pack)
-    if k < 1:
-        raise InputError(f"samples_per_pack must be >= 1, got {samples_per_pack}")
+    k = check_number(samples_per_pack, "samples_per_pack", min=1)
+    dp, iterations, seed = check_int(dp, "dp", min=1), check_int(iterations, "iterations", min=1), check_seed(seed)
     binned_tokens = -(-stats.tokens // length_bin) * length_bin  # the reference bins lengths to 256 first
     round_to = max(length_bin // 16, 1)  # the reference rounds to 16 with 256-token bins
     per_tile = int(((float(binned_tokens.mean()) // max(float(stats.tiles.mean()), 1.0) + 1) // round_to) * round_to)

@@ -14,6 +14,8 @@ Glossary:
 from __future__ import annotations
 
 import csv
+import functools
+import hashlib
 import json
 import math
 import os
@@ -25,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import check_int, read_text
 
 __all__ = ["LengthStats", "load_lengths", "save_lengths", "scale_lengths", "bundled_length_files",
-           "INTERNVL_TOKENS_PER_TILE"]
+           "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]
 
 _BUNDLED = Path(__file__).resolve().parent / "stats"
 
@@ -35,6 +38,10 @@ INTERNVL_TOKENS_PER_TILE = 256
 """Image tokens per tile in the published statistics (InternViT 448 px, pixel shuffle 0.5)."""
 
 _FIELDS = ("vit_num", "token_num", "image_flags")
+
+MAX_SAMPLE_LENGTH = 2**24
+"""Most tiles or tokens one sample may have (16.8M): far beyond any real sample, and small enough
+that sums and squares over a dataset stay exact in int64. Larger values are corrupt statistics."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -60,10 +67,11 @@ class LengthStats:
                 if not np.issubdtype(a.dtype, np.floating) or not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
                     bad = _first_bad(a, lambda x: not float(x).is_integer())
                     raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]!r} is not an integer")
+            if a.size and (a.min() < 0 or a.max() > MAX_SAMPLE_LENGTH):
+                bad = int(np.argmax((a < 0) | (a > MAX_SAMPLE_LENGTH)))
+                what = "is negative" if a[bad] < 0 else f"is over {MAX_SAMPLE_LENGTH:,}, the most one sample may have"
+                raise InputError(f"{self.source}: {name}[{bad}] = {a[bad].item()!r} {what}; check the statistics")
             a = a.astype(np.int64)
-            if a.size and a.min() < 0:
-                bad = int(np.argmax(a < 0))
-                raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]} is negative")
             a.setflags(write=False)
             arrays[name] = a
         n = {k: v.size for k, v in arrays.items()}
@@ -71,6 +79,10 @@ class LengthStats:
             raise InputError(f"{self.source}: tiles, tokens and image_flags differ in length: {n}")
         if arrays["tokens"].size == 0:
             raise InputError(f"{self.source}: no samples; give at least one")
+        if arrays["tokens"].min() < 1:
+            bad = int(np.argmax(arrays["tokens"] < 1))
+            raise InputError(f"{self.source}: tokens[{bad}] = 0: every sample has at least one token (token_num counts "
+                             "its image tokens too); drop empty samples from the statistics")
         over = arrays["image_flags"] > arrays["tiles"]
         if over.any():
             bad = int(np.argmax(over))
@@ -80,6 +92,15 @@ class LengthStats:
 
     def __len__(self) -> int:
         return int(self.tokens.size)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A fingerprint of the lengths (equal digests: the same samples in the same order)."""
+        h = hashlib.sha256()
+        for a in (self.tiles, self.tokens, self.image_flags):
+            h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+            h.update(b"|")
+        return h.hexdigest()[:16]
 
     @classmethod
     def from_arrays(cls, tiles: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
@@ -119,38 +140,47 @@ def _first_bad(a: np.ndarray, pred: Any) -> int:
     return 0
 
 
-def _check_value(value: Any, where: str, field: str) -> int:
-    # bool is an int subclass; a JSON true is almost certainly a mistake.
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InputError(f"{where}: field '{field}' = {value!r} is not an integer")
-    if isinstance(value, str):
+def _check_value(value: Any, where: str, field: str, *, text: bool = False, low: int = 0) -> int:
+    """One count of a record, at least ``low``; ``text``: the value comes from a CSV cell (a string)."""
+    if text and isinstance(value, str):
         try:
-            value = float(value.strip())
+            value = float(value.strip()) if value.strip() else value
         except ValueError:
-            raise InputError(f"{where}: field '{field}' = {value!r} is not an integer") from None
-    if isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()):
-        raise InputError(f"{where}: field '{field}' = {value!r} is not an integer")
-    v = int(value)
-    if v < 0:
-        raise InputError(f"{where}: field '{field}' = {v} is negative")
-    return v
+            pass  # refused below, with the cell's text
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value < 0:
+        raise InputError(f"{where}: field '{field}' = {value!r} is negative")
+    return check_int(value, f"{where}: field '{field}'", min=low, max=MAX_SAMPLE_LENGTH,
+                     hint="a count of tiles or tokens (a larger one is corrupt statistics)")
 
 
-def _records_to_stats(records: Iterable[tuple[str, Any]], source: str) -> LengthStats:
+def _records_to_stats(records: Iterable[tuple[str, Any]], source: str, *, text: bool = False) -> LengthStats:
+    """``text``: records are CSV rows (string cells; a row shorter or longer than the header is an error)."""
     tiles: list[int] = []
     tokens: list[int] = []
     flags: list[int] = []
     for where, rec in records:
         if not isinstance(rec, dict):
             raise InputError(f"{where}: expected an object with fields {list(_FIELDS)}, got {type(rec).__name__}")
+        if text:  # csv.DictReader: None for a column the row lacks, key None for values past the header
+            if None in rec:
+                raise InputError(f"{where}: {len(rec[None])} value(s) beyond the header's columns; "
+                                 "each row needs one value per header column")
+            short = [k for k, v in rec.items() if v is None]
+            if short:
+                raise InputError(f"{where}: no value in column '{short[0]}' (the row is shorter than the header); "
+                                 "each row needs one value per header column")
         for f in ("vit_num", "token_num"):
             if f not in rec or rec[f] is None or rec[f] == "":
                 raise InputError(f"{where}: missing field '{f}' (each record needs vit_num and token_num)")
-        v = _check_value(rec["vit_num"], where, "vit_num")
-        t = _check_value(rec["token_num"], where, "token_num")
+        v = _check_value(rec["vit_num"], where, "vit_num", text=text)
+        t = _check_value(rec["token_num"], where, "token_num", text=text, low=1)  # image tokens count too
         # The OmniBal README spells it image_flag, the published files image_flags.
         key = "image_flags" if "image_flags" in rec else "image_flag" if "image_flag" in rec else None
-        fl = v if key is None or rec[key] in (None, "") else _check_value(rec[key], where, key)
+        if key is not None and rec[key] is None:
+            raise InputError(
+                f"{where}: field '{key}' is null; give a count, or leave the field out (then it is vit_num)"
+            )
+        fl = v if key is None else _check_value(rec[key], where, key, text=text)
         if fl > v:
             raise InputError(f"{where}: field '{key}' = {fl} exceeds vit_num = {v}")
         tiles.append(v)
@@ -164,11 +194,8 @@ def _records_to_stats(records: Iterable[tuple[str, Any]], source: str) -> Length
 
 def _load_file(path: Path) -> LengthStats:
     name = str(path)
-    if not path.is_file():
-        raise InputError(f"length statistics file {name} does not exist")
     suffix = path.suffix.lower()
-    with open(path, newline="" if suffix == ".csv" else None) as f:
-        text = f.read()
+    text = read_text(path, "length statistics file")
     if not text.strip():
         raise InputError(f"{name}: empty file; it must hold at least one record")
     if suffix == ".csv":
@@ -177,7 +204,8 @@ def _load_file(path: Path) -> LengthStats:
         if missing:
             raise InputError(f"{name}: CSV header {reader.fieldnames} lacks column(s) {missing}")
         # Header is line 1, so record i sits on line i + 2.
-        return _records_to_stats(((f"{name} record {i} (line {i + 2})", r) for i, r in enumerate(reader)), name)
+        rows = ((f"{name} record {i} (line {i + 2})", r) for i, r in enumerate(reader))
+        return _records_to_stats(rows, name, text=True)
     if suffix in (".jsonl", ".ndjson"):
         def rows() -> Iterable[tuple[str, Any]]:
             i = 0

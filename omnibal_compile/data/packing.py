@@ -18,6 +18,7 @@ Glossary:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,11 +26,18 @@ import numpy as np
 
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import check_int, check_seed
 
 __all__ = [
-    "PackShape", "Packing", "OversizedPolicy", "OVERSIZED_POLICIES", "split_oversized", "packing_from_groups",
+    "PackShape", "Packing", "OversizedPolicy", "OVERSIZED_POLICIES", "MAX_PACK_TILES", "MAX_PACK_TOKENS",
+    "refuse_unpackable", "split_oversized", "packing_from_groups",
     "even_groups", "assign_steps", "random_batches", "length_grouped_batches",
 ]
+
+MAX_PACK_TILES = 4096
+"""Most image tiles one pack may hold (a pack's tiles are one batch of the vision encoder)."""
+MAX_PACK_TOKENS = 2**21
+"""Most LLM tokens one pack may hold (2,097,152: beyond any VLM's context, far below a corrupt length's)."""
 
 OversizedPolicy = Literal["error", "truncate", "own-pack"]
 OVERSIZED_POLICIES: tuple[str, ...] = ("error", "truncate", "own-pack")
@@ -46,8 +54,26 @@ class PackShape:
     """Q_t: LLM tokens per pack (the language model's sequence length)."""
 
     def __post_init__(self) -> None:
-        if self.tiles < 0 or self.tokens < 1:
-            raise InputError(f"pack shape needs tiles >= 0 and tokens >= 1, got ({self.tiles}, {self.tokens})")
+        # A shape becomes tensors of that size in every step: a corrupt length must not allocate terabytes.
+        hint = ("larger packs would not fit in memory; check the length statistics for a corrupt sample, or fix the "
+                "shape with DataOptions(shape=PackShape(...)) and oversized='truncate'")
+        object.__setattr__(self, "tiles", check_int(self.tiles, "pack shape tiles (Q_v)", min=0, max=MAX_PACK_TILES,
+                                                    hint=hint))
+        object.__setattr__(self, "tokens", check_int(self.tokens, "pack shape tokens (Q_t)", min=1,
+                                                     max=MAX_PACK_TOKENS, hint=hint))
+
+
+def refuse_unpackable(stats: LengthStats, ids: np.ndarray | None = None) -> None:
+    """Raise naming the first sample (of ``ids``, default all) that no pack may hold (over the pack limits)."""
+    ids = np.arange(len(stats)) if ids is None else np.asarray(ids)
+    over = ids[(stats.tiles[ids] > MAX_PACK_TILES) | (stats.tokens[ids] > MAX_PACK_TOKENS)]
+    if over.size:
+        i = int(over[0])
+        raise InputError(
+            f"{stats.source}: sample {i} has {stats.tiles[i]:,} tiles and {stats.tokens[i]:,} tokens, more than any "
+            f"pack may hold ({MAX_PACK_TILES:,} tiles, {MAX_PACK_TOKENS:,} tokens; {over.size} such sample(s)); "
+            "check the statistics, or fix the shape with DataOptions(shape=PackShape(...)) and oversized='truncate'"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -101,6 +127,14 @@ class Packing:
             out[nonempty] = np.maximum.reduceat(values[self.order], self.offsets[:-1][nonempty])
         return out
 
+    def digest(self) -> str:
+        """A fingerprint of the packs and their step order (equal digests: the same sequence of batches)."""
+        h = hashlib.sha256()
+        for a in (self.order, self.offsets, self.steps):
+            h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+            h.update(b"|")
+        return h.hexdigest()[:16]
+
     def samples_per_pack(self) -> float:
         return float(self.order.size) / max(self.num_packs, 1)
 
@@ -128,6 +162,8 @@ def split_oversized(stats: LengthStats, capacity: PackShape, policy: str) -> tup
             f"{stats.source}: {big.size} sample(s) exceed the pack shape ({capacity.tiles} tiles, {capacity.tokens} "
             f"tokens), e.g. {first}; raise the shape, or pass oversized='truncate' or 'own-pack'"
         )
+    if big.size and policy == "own-pack":
+        refuse_unpackable(stats, big)  # each becomes a pack of its own shape
     if big.size and policy == "truncate":
         stats = LengthStats(tiles=np.minimum(stats.tiles, capacity.tiles), tokens=np.minimum(stats.tokens, capacity.tokens),
                             image_flags=np.minimum(stats.image_flags, capacity.tiles), source=stats.source)
@@ -208,6 +244,8 @@ def assign_steps(num_packs: int, dp: int, *, seed: int, key: np.ndarray | None =
 
 def random_batches(stats: LengthStats, *, dp: int, batch_size: int, seed: int = 0) -> Packing:
     """Random batching: shuffle, cut into micro-batches of ``batch_size`` samples padded to their longest."""
+    dp, batch_size = check_int(dp, "dp", min=1), check_int(batch_size, "batch_size", min=1)
+    seed = check_seed(seed)
     n = len(stats)
     perm = np.random.default_rng(seed).permutation(n)
     num = _round_up(-(-n // batch_size), dp)
@@ -224,7 +262,8 @@ def length_grouped_batches(stats: LengthStats, *, dp: int, batch_size: int, seed
     into mega-batches of ``dp * batch_size``, sorted by length within a mega-batch, and dealt to
     ranks so each rank's summed length is as even as a greedy split allows.
     """
-    rng = np.random.default_rng(seed)
+    dp, batch_size = check_int(dp, "dp", min=1), check_int(batch_size, "batch_size", min=1)
+    rng = np.random.default_rng(check_seed(seed))
     if len(stats) < dp:
         raise InputError(f"{len(stats)} samples cannot fill {dp} data-parallel ranks; use fewer ranks")
     mb = dp * batch_size

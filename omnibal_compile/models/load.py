@@ -19,7 +19,6 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from omnibal_compile.errors import InputError
 from omnibal_compile.labels import IGNORE_INDEX
+from omnibal_compile.validate import read_text
 
 __all__ = ["LoadedModel", "load_model", "hf_data_facts", "import_from_spec"]
 
@@ -107,13 +107,15 @@ def _hf_model(class_name: str, config_path: str, *, meta: bool = False) -> nn.Mo
     cls = getattr(transformers, class_name, None)
     if cls is None or not hasattr(cls, "config_class"):
         raise InputError(f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)")
-    if not Path(config_path).is_file():
-        raise InputError(f"config file {config_path!r} does not exist")
-    config = cls.config_class.from_json_file(config_path)  # use_cache is turned off by capture
+    read_text(config_path, "config file")  # says whether it is missing, a directory or unreadable
+    try:
+        config = cls.config_class.from_json_file(config_path)
+    except (ValueError, OSError) as e:
+        raise InputError(f"config file {config_path!r} is not a {class_name} config: {e}") from None
     if meta:  # no weights allocated, in the training precision's dtype (no second capture when costing)
         with torch.device("meta"):
             return cls(config).to(torch.bfloat16)
-    return cls(config)
+    return cls(config)  # use_cache is turned off by capture
 
 
 def _on_meta(example: dict[str, Any]) -> dict[str, Any]:

@@ -75,6 +75,15 @@ def check_plan_matches(graph: BlockGraph, plan: Plan) -> None:
             f"{graph.captured.model_name} (missing from plan: {missing}, unknown to model: {extra}); "
             "re-plan for this model or capture it with the same inputs and block_prefixes"
         )
+    # Same names, other sizes (another width or vocabulary): the plan's balance was for another model.
+    ours = tuple(b.num_params for b in graph.blocks)
+    if plan.block_params and tuple(plan.block_params) != ours:
+        diff = [f"{name}: plan {a:,}, model {b:,}"
+                for name, a, b in zip(graph.names, plan.block_params, ours) if a != b]
+        raise PlanError(
+            f"the plan's parameter counts differ from {graph.captured.model_name}'s in {len(diff)} blocks "
+            f"({'; '.join(diff[:3])}): the plan was made for another configuration of this model; re-plan for this one"
+        )
 
 
 def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:

@@ -224,7 +224,8 @@ def plan_stages(
         **_dp_fields(data_parallel),
     )
     if costs is None:
-        return plan
+        # Without costs nothing chooses per block ("auto" keeps none); a forced option is applied as asked.
+        return plan if recompute == "auto" else dataclasses.replace(plan, recompute=(recompute,) * plan.num_blocks)
     # A callable's plan, predicted by the same accounting as the solvers' plans.
     problem = problem_from_costs(
         costs, num_stages=num_stages, num_microbatches=schedule.num_microbatches, schedule=schedule.kind,

@@ -56,6 +56,7 @@ from omnibal_compile.cost_table import DEFAULT_DP_SHARD
 from omnibal_compile.errors import InputError, LaunchError
 from omnibal_compile.models.load import TINY_VLM
 from omnibal_compile.plan import Plan
+from omnibal_compile.validate import MAX_SEED, check_int, check_int_list, check_number
 
 __all__ = [
     "BATCHINGS",
@@ -147,14 +148,47 @@ class RunConfig:
     """Seconds a rank waits in one collective (start-up included) before it fails: a frozen or lost
     rank ends the run instead of hanging it."""
 
+    def __post_init__(self) -> None:
+        # Numbers are checked where the config is made (the command line, Python, a run.json), named
+        # by field and flag, so a NaN or 0 never reaches the ranks.
+        counts = {"batch_size": ("--batch-size", 1), "tiles_per_sample": ("--tiles", 0), "text_tokens": ("--text", 2),
+                  "steps": ("--steps", 1), "threads": ("--threads", 1), "save_every": ("--save-every", 0),
+                  "warmup_steps": ("--warmup-steps", 0), "nproc": ("--nproc", 1),
+                  "dp": ("--dp, data-parallel pipelines", 1), "num_microbatches": ("--microbatches", 1),
+                  "virtual_stages": ("--virtual-stages", 1)}
+        for name, (flag, low) in counts.items():
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), f"{name} ({flag})", min=low)
+        if not isinstance(self.plan, str) or not isinstance(self.model_config, Mapping):
+            raise InputError(
+                f"plan must be a file path and model_config a mapping, got {self.plan!r}, {self.model_config!r}"
+            )
+        check_int(self.seed, "seed (--seed)", min=0, max=MAX_SEED)
+        check_number(self.samples_per_pack, "samples_per_pack (--samples-per-pack)", min=1)
+        check_number(self.lr, "lr (--lr)", above=0)
+        check_int_list(self.memory_steps, "memory_steps", min=0)
+        if not isinstance(self.lengths, (tuple, list)) or not all(isinstance(x, str) for x in self.lengths):
+            raise InputError(f"lengths (--lengths) must be a list of file paths, got {self.lengths!r}")
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        data = json.loads(text)
-        data["lengths"] = tuple(data.get("lengths", ()))
-        data["memory_steps"] = tuple(data.get("memory_steps", ()))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"run config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"run config must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InputError(f"run config has unknown fields {unknown}; write it with RunConfig(...).to_json()")
+        if "plan" not in data:
+            raise InputError("run config needs 'plan' (the plan file)")
+        for key in ("lengths", "memory_steps"):  # JSON lists back to tuples; anything else is refused as it is
+            if isinstance(data.get(key), list):
+                data[key] = tuple(data[key])
         return cls(**data)
 
 
@@ -184,7 +218,7 @@ def with_plan_layout(config: RunConfig) -> RunConfig:
     if config.dp is not None and config.dp_shard is not None and config.reshard_after_forward is not None:
         return config
     path = Path(config.plan)
-    planned = Plan.from_json(path.read_text()).dp if path.is_file() else None
+    planned = Plan.from_file(path).dp if path.is_file() else None
     if planned is not None and planned.size == 1:
         planned = None  # made without data parallelism: nothing to inherit, the runtime's defaults apply
     return dataclasses.replace(
@@ -200,9 +234,6 @@ def with_plan_layout(config: RunConfig) -> RunConfig:
 
 def read_plan(config: RunConfig) -> Plan:
     """The plan file with the config's schedule/micro-batch/virtual-stage overrides applied."""
-    path = Path(config.plan)
-    if not path.exists():
-        raise InputError(f"plan file {path} does not exist; write one with Plan.to_json() or `omnibal-compile demo --save-plan`")
     changes = {
         k: v
         for k, v in (
@@ -212,7 +243,7 @@ def read_plan(config: RunConfig) -> Plan:
         )
         if v is not None
     }
-    return Plan.from_json(path.read_text(), overrides=changes)  # a file's schedule may fit only with them
+    return Plan.from_file(config.plan, overrides=changes)  # a file's schedule may fit only with them
 
 
 def _import(spec: str, what: str) -> Any:

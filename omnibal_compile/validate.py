@@ -1,0 +1,151 @@
+"""The one check of every number, name and file a user gives, at the boundary where it enters.
+
+Each check returns the value in its canonical type or raises the project's own error (an
+:class:`~omnibal_compile.errors.InputError` unless the caller names another) with the input's name,
+the value it got and what to change. Optimize keywords, command-line options, length files,
+``plan.json`` and the data options all go through these, so a NaN, a 12.5 where a count belongs,
+a string where a number belongs or a directory given as a file say so in the same words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import numbers
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from omnibal_compile.errors import InputError, OmnibalError
+
+__all__ = [
+    "check_int", "check_number", "check_seed", "check_choice", "check_int_list", "read_text", "int_option",
+    "number_option", "MAX_SEED",
+]
+
+MAX_SEED = 2**63 - 1
+"""Largest seed every consumer takes (numpy's SeedSequence and torch.manual_seed both do)."""
+
+ErrorType = type[OmnibalError]
+
+
+def _fail(name: str, want: str, value: Any, hint: str, error: ErrorType) -> OmnibalError:
+    shown = f"{value!r}" if not isinstance(value, float) else f"{value:g}"
+    return error(f"{name} must be {want}, got {shown}{'; ' + hint if hint else ''}")
+
+
+def _bounds(lo: float | None, hi: float | None, *, above: float | None = None) -> str:
+    parts = []
+    if above is not None:
+        parts.append(f"> {above:,g}" if isinstance(above, float) else f"> {above:,}")
+    if lo is not None:
+        parts.append(f">= {lo:,g}" if isinstance(lo, float) else f">= {lo:,}")
+    if hi is not None:
+        parts.append(f"<= {hi:,g}" if isinstance(hi, float) else f"<= {hi:,}")
+    return " and ".join(parts)
+
+
+def check_int(value: Any, name: str, *, min: int | None = None, max: int | None = None, hint: str = "",
+              error: ErrorType = InputError) -> int:
+    """``value`` as an int: an integer (numpy's too) or an integral float such as ``12.0``.
+
+    Refused: bools, strings, NaN, infinities, fractions (``12.5`` is not silently 12) and values
+    outside ``[min, max]``.
+    """
+    want = "an integer" + (f" {_bounds(min, max)}" if min is not None or max is not None else "")
+    if isinstance(value, bool):
+        raise _fail(name, want, value, hint, error)
+    if isinstance(value, numbers.Integral):
+        v = int(value)
+    elif isinstance(value, numbers.Real) and math.isfinite(float(value)) and float(value).is_integer():
+        v = int(float(value))
+    else:
+        raise _fail(name, want, value, hint, error)
+    if (min is not None and v < min) or (max is not None and v > max):
+        raise _fail(name, want, value, hint, error)
+    return v
+
+
+def check_number(value: Any, name: str, *, min: float | None = None, max: float | None = None,
+                 above: float | None = None, finite: bool = True, hint: str = "",
+                 error: ErrorType = InputError) -> float:
+    """``value`` as a float: a real number, not NaN, finite unless ``finite=False``, within the bounds
+    (``above``: strictly greater than)."""
+    bounds = _bounds(min, max, above=above)
+    want = ("a finite number" if finite else "a number") + (f" {bounds}" if bounds else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, want, value, hint, error)
+    v = float(value)
+    if math.isnan(v) or (finite and math.isinf(v)):
+        raise _fail(name, want, value, hint, error)
+    if (min is not None and v < min) or (max is not None and v > max) or (above is not None and v <= above):
+        raise _fail(name, want, value, hint, error)
+    return v
+
+
+def check_seed(value: Any, name: str = "seed", *, error: ErrorType = InputError) -> int:
+    """A seed: an integer in ``[0, MAX_SEED]`` (numpy refuses negative seeds, torch larger ones)."""
+    return check_int(value, name, min=0, max=MAX_SEED, error=error)
+
+
+def check_choice(value: Any, name: str, options: Iterable[str], *, error: ErrorType = InputError) -> str:
+    """``value`` if it is one of ``options``."""
+    opts = list(options)
+    if not isinstance(value, str) or value not in opts:
+        raise error(f"{name} must be one of {opts}, got {value!r}")
+    return value
+
+
+def check_int_list(value: Any, name: str, *, min: int | None = None, error: ErrorType = InputError) -> tuple[int, ...]:
+    """A sequence of integers (each checked as :func:`check_int`) as a tuple."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise error(f"{name} must be a list of integers, got {value!r}"[:300])
+    return tuple(check_int(x, f"{name}[{i}]", min=min, error=error) for i, x in enumerate(value))
+
+
+def read_text(path: str | os.PathLike[str], what: str, *, hint: str = "") -> str:
+    """The text of the file ``path`` (``what`` names it: "plan file", "length statistics file", ...).
+
+    Says whether it does not exist, is a directory, cannot be read or is not UTF-8 text.
+    """
+    p = Path(path)
+    tail = f"; {hint}" if hint else ""
+    if p.is_dir():
+        raise InputError(f"{what} {str(p)!r} is a directory; give the path of a file inside it{tail}")
+    if not p.exists():
+        raise InputError(f"{what} {str(p)!r} does not exist{tail}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}); is it the right file?") from None
+    except OSError as e:
+        raise InputError(f"{what} {str(p)!r} cannot be read: {e.strerror or e}") from None
+
+
+def int_option(*, min: int | None = None, max: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer option, checked as :func:`check_int` (argparse names the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        try:
+            return check_int(value, "the value", min=min, max=max)
+        except InputError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def number_option(*, min: float | None = None, above: float | None = None) -> Callable[[str], float]:
+    """An argparse ``type=`` for a finite number, checked as :func:`check_number` (NaN and inf are refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        try:
+            return check_number(value, "the value", min=min, above=above)
+        except InputError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse

@@ -102,6 +102,7 @@ def main() -> int:
           f"{raw.tiles.mean():.2f}, {raw.tokens.mean():.0f})")
     print(f"closest reading of the paper: baseline split '{CLOSEST[0]}', chain '{CLOSEST[1]}' (marked * and <-)\n")
     failures: list[str] = []
+    steps = [0, 0]  # steps of our chains, and those at least 1% faster than the step before
     cache: dict[tuple[int, str], dict] = {}
 
     def batches_for(data: LengthStats, setup: Setup, tag: str) -> dict:
@@ -116,7 +117,9 @@ def main() -> int:
         rows = run_ablation(setups_for(setup, batches), batches)
         for split in SPLITS:
             ours = chain_ratios(rows, split, "ours")
-            if not all(b < a for a, b in zip(ours, ours[1:])):
+            steps[0] += len(ours) - 1
+            steps[1] += sum(b < a * (1 - 0.01) for a, b in zip(ours, ours[1:]))
+            if not all(b <= a * (1 + 1e-9) for a, b in zip(ours, ours[1:])):
                 failures.append(f"{tag} {setup.model.name} {split}: our chain {[round(x, 3) for x in ours]}")
         return rows
 
@@ -166,8 +169,9 @@ def main() -> int:
                               f"{b.gpu_days:.2f}", *(f"{x:.3f}" for x in p[1:]), *(f"{x:.3f}" for x in o[1:])))
         print(format_table(lines, "llrrrrrrr"))
         print(f"paper: +data {51.9 / 61.8:.3f}, +model {29.0 / 61.8:.3f}, +memory {21.3 / 61.8:.3f}\n")
-    print("our chain strictly faster at every step in every configuration: "
-          + ("yes" if not failures else "NO: " + "; ".join(failures)))
+    print(f"our chain never slower than its step before in every configuration: "
+          f"{'yes' if not failures else 'NO: ' + '; '.join(failures)} ({steps[1]} of {steps[0]} steps at least 1% faster; "
+          "the others gain less, e.g. where the baseline split already was the ILP's)")
     print(f"total {time.perf_counter() - start:.0f} s wall")
     return 1 if failures else 0
 

@@ -89,11 +89,12 @@ class DeviceSpec:
 
 # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): BF16 tensor core 312 TFLOPS (624 sparse),
 # 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s. DGX A100: one 200 Gb/s HDR InfiniBand port per GPU.
+# The datasheet's "80 GB" of HBM is binary: nvidia-smi reports 81920 MiB, i.e. 80 GiB.
 A100_80G = DeviceSpec(
     name="a100-80gb",
     peak_flops=312e12,
     memory_bandwidth=2039 * GB,
-    memory_bytes=80 * 10**9,
+    memory_bytes=80 * 2**30,
     nvlink_bandwidth=600 * GB,
     infiniband_bandwidth=200e9 / 8,
     aliases=("a100", "a100-80g", "a100_80gb", "a100-sxm-80gb"),
@@ -105,7 +106,7 @@ H100_80G = DeviceSpec(
     name="h100-80gb",
     peak_flops=989.5e12,
     memory_bandwidth=3.35e12,
-    memory_bytes=80 * 10**9,
+    memory_bytes=80 * 2**30,  # binary, as for the A100 (nvidia-smi: 81559 MiB, 79.6 GiB)
     nvlink_bandwidth=900 * GB,
     infiniband_bandwidth=400e9 / 8,
     aliases=("h100", "h100-sxm", "h100-80g", "h100_80gb"),

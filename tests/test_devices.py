@@ -23,7 +23,7 @@ def test_datasheet_figures():
     assert A100_80G.peak_flops == 312e12 and A100_80G.memory_bandwidth == 2.039e12
     assert H100_80G.peak_flops == H200.peak_flops == 989.5e12
     assert H200.memory_bandwidth > H100_80G.memory_bandwidth > A100_80G.memory_bandwidth
-    assert H200.memory_bytes == 141e9 and H100_80G.memory_bytes == A100_80G.memory_bytes == 80e9
+    assert H200.memory_bytes == 141e9 and H100_80G.memory_bytes == A100_80G.memory_bytes == 80 * 2**30
     assert A100_80G.link_bandwidth("nvlink") == 300e9 and H100_80G.link_bandwidth("infiniband") == 50e9
 
 

@@ -39,6 +39,15 @@ Glossary:
                     recompute = the memory-class ops, as the cost pass's roofline does.
     static bytes    parameters x ``Precision.bytes_per_param`` (bf16 weights and gradients, fp32
                     master weights and Adam moments: 16 B, the last 12 optionally sharded, ZeRO-1).
+    tensor parallel ``tensor_parallel = k`` > 1: Megatron tensor parallelism with sequence
+                    parallelism over k GPUs of one node. Per device, FLOPs, op times, parameters,
+                    activation bytes (Korthikanti et al.'s s b h (34 / k + 5 a s / (h k))) and the
+                    bytes sent to the next stage are 1/k of the whole; each transformer layer adds
+                    4 collectives per forward (all-gather before and reduce-scatter after attention
+                    and MLP) and as many in the backward, the other blocks 1 (projector 2), each
+                    moving ``(k - 1) / k`` of its 16-bit activation over NVLink, not overlapped with
+                    compute. Head counts are not checked against k (InternViT-6B's 25 heads do not
+                    split evenly in 2 or 4; the study assumes an even split).
 """
 
 from __future__ import annotations
@@ -219,9 +228,11 @@ class TypeCosts:
     """Per block type, arrays over micro-batches (one entry per shape)."""
 
     flops: dict[str, np.ndarray]
-    """Forward FLOPs."""
+    """Forward FLOPs (per device under tensor parallelism)."""
     forward_s: dict[str, np.ndarray]
-    """Forward seconds on the device."""
+    """Forward seconds on the device (tensor-parallel collectives included)."""
+    backward_s: dict[str, np.ndarray]
+    """Backward seconds: twice the forward's compute plus its tensor-parallel collectives once more."""
     selective_s: dict[str, np.ndarray]
     """Extra seconds of selective recomputation (the memory-class ops rerun)."""
     activation_bytes: dict[str, dict[str, np.ndarray]]
@@ -233,7 +244,7 @@ class TypeCosts:
         """Forward + backward + recompute seconds of one block of ``block_type`` under ``option``."""
         f = self.forward_s[block_type]
         extra = {"none": 0.0, "selective": self.selective_s[block_type], "full": f}[option]
-        return 3 * f + extra
+        return f + self.backward_s[block_type] + extra
 
 
 def layer_activation_bytes(
@@ -280,25 +291,34 @@ def layer_activation_bytes(
 class _Ops:
     """Accumulates a block's ops as (class, FLOPs, bytes) arrays and costs them on a device."""
 
-    def __init__(self, spec: DeviceSpec) -> None:
+    def __init__(self, spec: DeviceSpec, tp: int = 1) -> None:
         self.spec = spec
+        self.tp = tp
         self.flops = 0.0
         self.forward = 0.0
         self.memory = 0.0
+        self.comm = 0.0
 
     def _time(self, op_class: str, flops: np.ndarray | float, nbytes: np.ndarray | float) -> np.ndarray:
-        # The roofline of DeviceSpec.op_time, on arrays.
+        # The roofline of DeviceSpec.op_time, on arrays; tensor parallelism splits every op k ways.
         ideal = np.maximum(np.asarray(flops) / self.spec.peak_flops, np.asarray(nbytes) / self.spec.memory_bandwidth)
-        return ideal / self.spec.calibration[op_class]
+        return ideal / self.spec.calibration[op_class] / self.tp
+
+    def collective(self, nbytes: np.ndarray | float, count: int = 1) -> None:
+        """``count`` tensor-parallel all-gathers / reduce-scatters of a ``nbytes`` activation (ring, NVLink)."""
+        if self.tp > 1:
+            dt = count * (self.tp - 1) / self.tp * np.asarray(nbytes, dtype=np.float64) / self.spec.link_bandwidth("nvlink")
+            self.comm = self.comm + dt
+            self.forward = self.forward + dt
 
     def linear(self, t: np.ndarray, n_in: int, n_out: int) -> None:
         f = 2.0 * t * n_in * n_out
-        self.flops = self.flops + f
+        self.flops = self.flops + f / self.tp
         self.forward = self.forward + self._time("matmul", f, 2.0 * (t * n_in + n_in * n_out + t * n_out))
 
     def attention(self, t: np.ndarray, pairs: np.ndarray, width: int, kv_width: int) -> None:
         f = 4.0 * width * pairs
-        self.flops = self.flops + f
+        self.flops = self.flops + f / self.tp
         self.forward = self.forward + self._time("attention", f, 2.0 * t * (2 * width + 2 * kv_width))
 
     def elementwise(self, nbytes: np.ndarray, *, rerun: bool) -> None:
@@ -313,9 +333,14 @@ def _zeros(x: np.ndarray) -> np.ndarray:
 
 
 def type_costs(
-    model: VLMSpec, tiles: np.ndarray, tokens: np.ndarray, attention_pairs: np.ndarray, *, device: DeviceSpec = A100_80G
+    model: VLMSpec, tiles: np.ndarray, tokens: np.ndarray, attention_pairs: np.ndarray, *, device: DeviceSpec = A100_80G,
+    tensor_parallel: int = 1,
 ) -> TypeCosts:
-    """Costs of one block of every type for each micro-batch shape (arrays of equal length)."""
+    """Costs of one block of every type for each micro-batch shape (arrays of equal length), per device of
+    ``tensor_parallel`` (module glossary)."""
+    tp = tensor_parallel
+    if not isinstance(tp, int) or tp < 1:
+        raise InputError(f"tensor_parallel must be a positive integer, got {tp!r}")
     tiles = np.atleast_1d(np.asarray(tiles, dtype=np.float64))
     tokens = np.atleast_1d(np.asarray(tokens, dtype=np.float64))
     pairs = np.atleast_1d(np.asarray(attention_pairs, dtype=np.float64))
@@ -325,6 +350,7 @@ def type_costs(
     eager = model.kernels == "eager"
     flops: dict[str, np.ndarray] = {}
     fwd: dict[str, np.ndarray] = {}
+    bwd: dict[str, np.ndarray] = {}
     sel: dict[str, np.ndarray] = {}
     act: dict[str, dict[str, np.ndarray]] = {}
     out: dict[str, np.ndarray] = {}
@@ -332,20 +358,22 @@ def type_costs(
     def store(name: str, ops: _Ops, activation: dict[str, np.ndarray], out_bytes: np.ndarray) -> None:
         flops[name] = ops.flops + _zeros(tiles)
         fwd[name] = ops.forward + _zeros(tiles)
+        bwd[name] = 2 * (ops.forward - ops.comm) + ops.comm + _zeros(tiles)
         sel[name] = ops.memory + _zeros(tiles)
-        act[name] = {o: np.maximum(activation[o], 0.0) + _zeros(tiles) for o in RECOMPUTE_OPTIONS}
-        out[name] = out_bytes + _zeros(tiles)
+        act[name] = {o: np.maximum(activation[o], 0.0) / tp + _zeros(tiles) for o in RECOMPUTE_OPTIONS}
+        out[name] = out_bytes / tp + _zeros(tiles)
 
     # Vision: every tile is its own sequence of P tokens, attended bidirectionally.
     P = v.tokens_per_tile
     tv = tiles * P
-    ops = _Ops(device)
+    ops = _Ops(device, tp)
     ops.linear(tiles * (P - 1), 3 * v.patch_size**2, v.width)  # patch conv as a matmul
     ops.elementwise(tv * 6 * v.width, rerun=False)  # class token, position embedding add
+    ops.collective(2.0 * tv * v.width)  # scatter into the sequence-parallel layout
     nothing = {o: _zeros(tiles) for o in RECOMPUTE_OPTIONS}  # pixels are a model input, not charged
     store("vision.embed", ops, nothing, 2.0 * tv * v.width)
 
-    ops = _Ops(device)
+    ops = _Ops(device, tp)
     ops.linear(tv, v.width, 3 * v.width)
     ops.attention(tv, tiles * P * P, v.width, v.width)
     ops.linear(tv, v.width, v.width)
@@ -354,6 +382,7 @@ def type_costs(
     ops.elementwise(tv * 2 * 4 * v.width, rerun=True)  # two norms: read and write 2w bytes each
     ops.elementwise(tv * 4 * v.mlp, rerun=True)  # GELU
     ops.elementwise(tv * 2 * 6 * v.width, rerun=False)  # two residual adds (layer scale folded in)
+    ops.collective(2.0 * tv * v.width, count=4)
     layer = layer_activation_bytes(tv, tiles * P * P, width=v.width, kv_width=v.width, mlp=v.mlp, heads=v.heads,
                                    swiglu=False, flash=model.flash_attention, dropout=model.dropout, eager=eager,
                                    quick_gelu=v.activation == "quick_gelu")
@@ -361,13 +390,15 @@ def type_costs(
 
     # Projector on the image tokens after pixel shuffle.
     ti = tiles * model.image_tokens_per_tile
-    ops = _Ops(device)
+    ops = _Ops(device, tp)
     ops.elementwise(ti * 4 * p.in_width, rerun=False)  # pixel shuffle copy
     if p.norm:
         ops.elementwise(ti * 4 * p.in_width, rerun=True)
     ops.linear(ti, p.in_width, p.hidden)
     ops.elementwise(ti * 4 * p.hidden, rerun=True)
     ops.linear(ti, p.hidden, p.out_width)
+    ops.collective(2.0 * ti * p.in_width)  # gather the input
+    ops.collective(2.0 * ti * p.out_width)  # scatter the output
     none = ti * (2 * p.in_width * (2 if p.norm else 1) + 4 * p.hidden)
     dropped = ti * (2 * p.in_width * (1 if p.norm else 0) + 2 * p.hidden)
     cached = 2.0 * ti * p.out_width  # the second linear's output: a matmul output, kept by the policy
@@ -376,11 +407,12 @@ def type_costs(
 
     # LLM.
     kvd = m.width // m.heads * m.kv_heads
-    ops = _Ops(device)
+    ops = _Ops(device, tp)
     ops.elementwise(tokens * 2 * m.width * 2, rerun=False)  # gather + image-feature scatter
+    ops.collective(2.0 * tokens * m.width)  # vocab-parallel embedding: reduce-scatter
     store("llm.embed", ops, {o: _zeros(tiles) for o in RECOMPUTE_OPTIONS}, 2.0 * tokens * m.width)
 
-    ops = _Ops(device)
+    ops = _Ops(device, tp)
     ops.linear(tokens, m.width, m.width + 2 * kvd)
     ops.elementwise(tokens * 4 * (m.width + kvd), rerun=True)  # rotary on q and k
     # Eager code attends under an explicit causal mask: the kernel computes every pair, s^2 per sequence.
@@ -391,22 +423,24 @@ def type_costs(
     ops.elementwise(tokens * 2 * 4 * m.width, rerun=True)  # two RMSNorms
     ops.elementwise(tokens * 6 * m.mlp, rerun=True)  # silu(gate) * up
     ops.elementwise(tokens * 2 * 6 * m.width, rerun=False)  # two residual adds
+    ops.collective(2.0 * tokens * m.width, count=4)
     # sum of s^2 over sequences from causal pairs sum s(s+1)/2: 2 pairs - tokens
     layer = layer_activation_bytes(tokens, 2 * pairs - tokens, width=m.width, kv_width=kvd, mlp=m.mlp, heads=m.heads,
                                    swiglu=True, flash=model.flash_attention, dropout=model.dropout, eager=eager,
                                    rms_norm=True)
     store("llm.layer", ops, layer, 2.0 * tokens * m.width)
 
-    ops = _Ops(device)
+    ops = _Ops(device, tp)
     ops.elementwise(tokens * 4 * m.width, rerun=True)  # final RMSNorm
     ops.linear(tokens, m.width, m.vocab)
     ops.elementwise(tokens * m.vocab * 10.0, rerun=False)  # logits to fp32, softmax cross-entropy
+    ops.collective(2.0 * tokens * m.width)  # gather the sequence-parallel input
     none = tokens * (4 * m.width + 4 * m.vocab + (6 * m.width if eager else 0))  # norm in, head in, fp32 logits
     # (eager: the final RMSNorm's fp32 copy and normalised output too)
     # selective: norm in, head in and the 16-bit logits (a matmul output) kept; the fp32 logits rerun.
     store("llm.head", ops, {"none": none, "selective": tokens * (4.0 * m.width + 2.0 * m.vocab), "full": 2.0 * tokens * m.width},
           _zeros(tiles))
-    return TypeCosts(flops=flops, forward_s=fwd, selective_s=sel, activation_bytes=act, out_bytes=out)
+    return TypeCosts(flops=flops, forward_s=fwd, backward_s=bwd, selective_s=sel, activation_bytes=act, out_bytes=out)
 
 
 _TABLES: dict[tuple, CostTable] = {}
@@ -414,19 +448,21 @@ _TABLES: dict[tuple, CostTable] = {}
 
 def cost_table(
     model: VLMSpec, shape: MicroBatch, *, device: DeviceSpec = A100_80G, precision: Precision = BF16_ADAM,
-    link: str = "nvlink",
+    link: str = "nvlink", tensor_parallel: int = 1,
 ) -> CostTable:
-    """The model's :class:`CostTable` for one micro-batch shape on ``device`` (roofline; cached per shape)."""
-    key = (model, shape, repr(device), precision, link)  # DeviceSpec holds a dict, so its repr is the key
+    """The model's :class:`CostTable` for one micro-batch shape on ``device`` (roofline; cached per shape);
+    under ``tensor_parallel`` > 1, what one device of a tensor-parallel group holds and computes."""
+    key = (model, shape, repr(device), precision, link, tensor_parallel)  # DeviceSpec holds a dict: key on its repr
     if key not in _TABLES:
-        _TABLES[key] = _cost_table(model, shape, device=device, precision=precision, link=link)
+        _TABLES[key] = _cost_table(model, shape, device=device, precision=precision, link=link, tp=tensor_parallel)
     return _TABLES[key]
 
 
-def _cost_table(model: VLMSpec, shape: MicroBatch, *, device: DeviceSpec, precision: Precision, link: str) -> CostTable:
+def _cost_table(model: VLMSpec, shape: MicroBatch, *, device: DeviceSpec, precision: Precision, link: str,
+                tp: int) -> CostTable:
     tc = type_costs(model, np.array([shape.tiles]), np.array([shape.tokens]), np.array([shape.attention_pairs]),
-                    device=device)
-    params = model.type_params()
+                    device=device, tensor_parallel=tp)
+    params = {k: round(v / tp) for k, v in model.type_params().items()}
     blocks = []
     for name, kind in zip(model.block_names(), model.block_types()):
         f = float(tc.forward_s[kind][0])
@@ -437,7 +473,7 @@ def _cost_table(model: VLMSpec, shape: MicroBatch, *, device: DeviceSpec, precis
             num_params=params[kind],
             static_bytes=round(params[kind] * precision.bytes_per_param),
             forward_s=f,
-            backward_s=2 * f,
+            backward_s=float(tc.backward_s[kind][0]),
             activation_bytes={o: int(tc.activation_bytes[kind][o][0]) for o in RECOMPUTE_OPTIONS},
             recompute_s={"none": 0.0, "selective": float(tc.selective_s[kind][0]), "full": f},
         ))

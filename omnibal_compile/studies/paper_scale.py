@@ -1,42 +1,54 @@
 """Paper-scale ablation: simulated epoch time of a VLM on many GPUs, one balance added at a time.
 
 Reproduces the structure of OmniBal's ablation (arXiv 2407.20761, Table 5) with this library's
-pieces: analytic block costs on a roofline GPU (:mod:`omnibal_compile.models.analytic`), the data
-balancer (:func:`omnibal_compile.data.balance_pack`) on real length statistics, the planners of
+pieces: analytic block costs on a roofline GPU (:mod:`omnibal_compile.models.analytic`), the
+batchings of :mod:`omnibal_compile.data` on real length statistics, the planners of
 :mod:`omnibal_compile.solver`, and the pipeline schedule of :mod:`omnibal_compile.sim`.
+Everything here is SIMULATED; nothing runs a model.
 
 How an epoch is simulated (all of it vectorised with numpy):
-    1. the dataset is cut into micro-batches by a batching (random padded batches, or our balanced
-       packs); each global step holds ``dp x M`` consecutive micro-batches of the packing's step
-       order, ``M`` per data-parallel rank;
+    1. the dataset is cut into micro-batches by a batching; each global step holds ``dp x M``
+       micro-batches, ``M`` per data-parallel rank;
     2. each micro-batch is costed at its own shape (tiles, LLM tokens computed, attention pairs):
        per block type, forward/backward/recompute seconds and the bytes sent to the next stage;
     3. a plan (cut points + recompute option per block) turns those into per-stage forward and
        backward(+recompute) times per micro-batch; each rank's pipeline iteration is replayed
        exactly as :func:`omnibal_compile.sim.simulate` does (same operation order, same
-       dependencies, sends overlapped), for all ranks and steps at once (:func:`pipeline_times`;
-       tests/test_paper_scale.py checks it against ``simulate`` with one CostTable per micro-batch;
-       calling ``simulate`` for each of the ~19k rank-steps of every row would take tens of minutes);
-    4. a step lasts as long as its slowest data-parallel rank (the gradient all-reduce waits for
-       it); the epoch is the sum over steps; GPU-days = epoch seconds x GPUs / 86400.
-    Not modelled: the gradient all-reduce / distributed-optimizer collectives and the optimizer
-    step themselves (about the same time in every row, so leaving them out makes the ratios
-    somewhat larger gains than a real run would show), data loading, kernel-launch overheads.
+       dependencies, sends overlapped, data-parallel gathers before each operation and gradient
+       reductions after each stage's last backward), for all ranks and steps at once
+       (:func:`pipeline_times`; tests/test_paper_scale.py checks it against ``simulate``);
+    4. a step lasts as long as its slowest data-parallel rank (each stage's gradient reduction
+       waits for that stage on every rank); the epoch is the sum over steps;
+       GPU-days = epoch seconds x GPUs / 86400.
+    Not modelled: the optimizer step, data loading, kernel-launch overheads.
 
 Glossary:
-    PP, DP, M      pipeline stages, data-parallel ranks, micro-batches per rank per step.
-    planning shape plans balance stage times of the mean micro-batch of the balanced packing and
-                   size memory for its largest tiles, tokens and pairs, so every micro-batch fits
-                   the memory the plan predicts.
-    steps          baseline (random batches, uniform layer split, full recompute) -> + balanced
-                   data -> + ILP partition (full recompute) -> + per-block recompute (ILP with
-                   ``recompute="auto"``); side rows: OmniBal's heuristic partition in place of the
-                   ILP, and Megatron's VLM layout (ViT on stage 0).
-    acceptance     a planner's new plan replaces the step before's only if
-                   :func:`omnibal_compile.sim.simulate` predicts it faster at the planning shape
-                   (the planners optimise a closed form that can rank near-equal plans the other way).
-    budget         memory a device may use: ``memory_fraction`` of its HBM (the rest is kept for
-                   the allocator's fragmentation, NCCL buffers and workspace).
+    PP, TP, DP, M  pipeline stages, tensor-parallel width, data-parallel ranks, micro-batches per rank
+                   per step (global batch / (DP x samples per micro-batch)). GPUs = PP x TP x DP.
+    batching       ``length-grouped`` (InternVL's trainer: HF ``group_by_length`` with LLaVA's
+                   sampler, one mega-batch per global step sorted by length and dealt into DP x M
+                   micro-batches of even total length, padded), ``random`` (padded), ``isf``
+                   (OmniBal's ISF packs) and ``ours`` (our balancer's packs).
+    baseline split ``uniform`` (equal layer counts), ``parameters`` (DeepSpeed ``PipelineModule``'s
+                   default: the contiguous split with the smallest largest-stage parameter count) or
+                   ``vit-first`` (Megatron's VLM layout: vision encoder and projector on stage 0,
+                   LLM layers split evenly), each with full recomputation. ``vit-first`` runs at the
+                   smallest PP x TP that fits the budget (:func:`vit_first_setup`).
+    chains         ``paper``: baseline -> + ISF data -> + OmniBal's search partition -> + one
+                   recompute option per stage (the least that fits); ``ours``: baseline -> + our
+                   balancer -> + ILP partition (full recompute) -> + per-block recompute (ILP).
+                   Every chain runs at its baseline's parallel layout.
+    planning shape plans balance stage times of the mean micro-batch of their chain's batching and
+                   size memory for its largest tiles, tokens and pairs, so every micro-batch fits.
+    acceptance     in the ``ours`` chain a planner's plan replaces the step before's only if the
+                   pipeline replay predicts it faster at the planning shape (the planners optimise a
+                   closed form that can rank near-equal plans the other way).
+    budget         memory a device may use: ``memory_fraction`` of its memory in GiB (the rest is
+                   kept for the allocator's fragmentation, NCCL buffers and workspace).
+    DP traffic     Megatron's distributed optimizer (ZeRO-1, ``dp_shard="ddp"``): per iteration a
+                   gradient reduce-scatter and a parameter all-gather, the volume of one ring
+                   all-reduce, charged after each stage's last backward over ``dp_link``; or ZeRO-3
+                   (``dp_shard="fsdp"``): weights gathered before every forward and backward too.
 """
 
 from __future__ import annotations
@@ -44,22 +56,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, Precision
+from omnibal_compile.cost_table import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, DataParallel, Precision
 from omnibal_compile.data.balance import balance_pack
-from omnibal_compile.data.lengths import LengthStats
+from omnibal_compile.data.isf import isf_pack, isf_search
+from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats
 from omnibal_compile.data.metrics import pack_loads
-from omnibal_compile.data.packing import Packing, random_batches
+from omnibal_compile.data.packing import Packing, length_grouped_batches, random_batches
 from omnibal_compile.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.models.analytic import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
-from omnibal_compile.plan import Plan
-from omnibal_compile.sim.simulate import operation_order, simulate
+from omnibal_compile.sim.simulate import operation_order
 from omnibal_compile.solver import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries
+from omnibal_compile.solver.baselines import min_max_partition
 from omnibal_compile.tables import format_table
 
 __all__ = [
@@ -68,14 +81,23 @@ __all__ = [
     "PlanChoice",
     "Row",
     "PAPER_GPU_DAYS",
+    "BATCHINGS",
+    "SPLITS",
+    "CLOSEST",
+    "retile_internvl15",
     "pipeline_times",
     "make_batches",
+    "pack_cost",
     "stage_times",
     "epoch_seconds",
-    "plan_steps",
+    "data_parallel_times",
+    "baseline_boundaries",
     "vit_first_boundaries",
+    "vit_first_setup",
     "run_ablation",
+    "chain_ratios",
     "format_ablation",
+    "format_distance",
 ]
 
 PAPER_GPU_DAYS: dict[str, tuple[float, ...]] = {
@@ -83,6 +105,15 @@ PAPER_GPU_DAYS: dict[str, tuple[float, ...]] = {
     "internvl-6b-34b": (75.4, 30.5),
 }
 """OmniBal Table 5 (Megatron backend): baseline, + data, + model, + memory; 6+34B: baseline and full only."""
+
+BATCHINGS: tuple[str, ...] = ("length-grouped", "random", "isf", "ours")
+"""Batchings :func:`make_batches` builds (module glossary)."""
+SPLITS: tuple[str, ...] = ("uniform", "parameters", "vit-first")
+"""Baseline splits (module glossary)."""
+CLOSEST = ("vit-first", "paper")
+"""(baseline split, chain) read as the paper's own setup: Table 5 is on the Megatron backend, whose
+VLM layout puts the vision encoder on the first stage, under "3D parallelism" (TP as needed to fit),
+and the paper's steps are ISF, its search partition and per-stage recomputation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,23 +123,36 @@ class Setup:
     model: VLMSpec
     """The model (an analytic block list)."""
     pp: int
-    """Pipeline stages (one GPU each)."""
+    """Pipeline stages."""
     dp: int
-    """Data-parallel ranks; GPUs = pp x dp."""
+    """Data-parallel ranks."""
+    tp: int = 1
+    """Tensor-parallel width (Megatron TP with sequence parallelism inside a node)."""
     global_batch: int = 1024
-    """Samples per optimizer step (InternVL-1.5 fine-tuning uses 1024)."""
+    """Micro-batches x samples per optimizer step (InternVL-1.5 fine-tuning uses 1024 samples)."""
     samples_per_microbatch: int = 4
-    """Samples per micro-batch (random batches) or per pack (balanced data) on average."""
+    """Samples per micro-batch (padded batchings) or per pack (packed ones) on average."""
     device: DeviceSpec = A100_80G
     """GPU whose roofline times the blocks."""
     memory_fraction: float = 0.9
     """Share of the GPU's memory a plan may use."""
     distributed_optimizer: bool = True
-    """Shard fp32 master weights and Adam moments over the DP ranks (Megatron's distributed optimizer, ZeRO-1)."""
-    link: str = "nvlink"
-    """Link between pipeline stages: a pipeline of <= 8 stages sits in one 8-GPU node (``nvlink``)."""
+    """Shard fp32 master weights and Adam moments over the DP ranks (ZeRO-1)."""
+    dp_shard: str = "ddp"
+    """``ddp``: replicated weights and gradients, ZeRO-1 optimizer (Megatron's distributed optimizer);
+    ``fsdp``: ZeRO-3, weights gathered before each forward and backward."""
+    dp_comm: bool = True
+    """Charge the data-parallel collectives (False: leave them out, as the first version of this study did)."""
+    link: str = ""
+    """Link between pipeline stages; empty: ``nvlink`` when a replica (PP x TP GPUs) fits one 8-GPU node,
+    else ``infiniband`` for every send (conservative)."""
+    dp_link: str = "infiniband"
+    """Link of the data-parallel collectives (replicas sit on different nodes)."""
     ilp_time_limit: float = 10.0
     """Seconds each ILP solve may take (it starts from the exact DP optimum, so a limit costs no quality)."""
+    planner: str = "ilp"
+    """Our planner: ``ilp``, or ``dp``, the exact dynamic programme the ILP is warm-started from (same
+    optimum, no ILP solve: for quick tests)."""
 
     def __post_init__(self) -> None:
         per_step = self.dp * self.samples_per_microbatch
@@ -122,16 +166,32 @@ class Setup:
         return self.global_batch // (self.dp * self.samples_per_microbatch)
 
     @property
+    def per_step(self) -> int:
+        """Micro-batches per global step, over all ranks."""
+        return self.dp * self.microbatches
+
+    @property
     def gpus(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.tp * self.dp
+
+    @property
+    def pipeline_link(self) -> str:
+        return self.link or ("nvlink" if self.pp * self.tp <= 8 else "infiniband")
 
     @property
     def precision(self) -> Precision:
         return Precision(optimizer_shards=self.dp if self.distributed_optimizer else 1)
 
     @property
+    def data_parallel(self) -> DataParallel:
+        return DataParallel(size=self.dp, shard=self.dp_shard) if self.dp_comm else NO_DATA_PARALLEL
+
+    @property
     def budget(self) -> float:
         return self.memory_fraction * self.device.memory_bytes
+
+    def layout(self) -> str:
+        return f"PP {self.pp} x TP {self.tp} x DP {self.dp} = {self.gpus} GPUs, M = {self.microbatches}"
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -139,7 +199,7 @@ class MicroBatches:
     """An epoch of micro-batches from one batching: their shapes and how steps group them."""
 
     name: str
-    """Batching (``random`` or ``balanced``)."""
+    """Batching (one of :data:`BATCHINGS`)."""
     tiles: np.ndarray
     """Tiles per micro-batch."""
     tokens: np.ndarray
@@ -150,6 +210,20 @@ class MicroBatches:
     """``[num_steps, dp * M]`` micro-batch ids of each global step."""
     seconds: float
     """Time the batching took here."""
+    round_robin: bool = False
+    """Micro-batch ``c`` of a step goes to rank ``c % dp`` (a sampler's order under gradient accumulation,
+    as the HF/accelerate data loader deals it); else to rank ``c // M``."""
+    notes: str = ""
+    """How it was built (e.g. ISF's chosen pack shape)."""
+
+    def rank_steps(self, dp: int, microbatches: int) -> np.ndarray:
+        """``[num_steps, dp, M]`` micro-batch ids per step and rank."""
+        if self.steps.shape[1] != dp * microbatches:
+            raise InputError(f"batching '{self.name}' has {self.steps.shape[1]} micro-batches per step; "
+                             f"dp x M = {dp * microbatches}")
+        if self.round_robin:
+            return self.steps.reshape(-1, microbatches, dp).transpose(0, 2, 1)
+        return self.steps.reshape(-1, dp, microbatches)
 
     def mean_shape(self) -> MicroBatch:
         return MicroBatch(tiles=round(self.tiles.mean()), tokens=round(self.tokens.mean()),
@@ -181,8 +255,14 @@ class Row:
 
     name: str
     """Step of the ablation."""
+    split: str
+    """Baseline split of its chain (one of :data:`SPLITS`)."""
+    chain: str
+    """``baseline``, ``paper``, ``ours`` or ``side`` (not part of a chain)."""
     batching: str
     """Which micro-batches it runs."""
+    setup: Setup
+    """Its parallel layout."""
     plan: PlanChoice | None
     """The plan it runs (None: the planner found none that fits; see ``notes``)."""
     epoch_s: float
@@ -193,25 +273,55 @@ class Row:
     """Largest per-device memory of the plan at the batching's largest micro-batch (static + in flight)."""
     fits: bool
     """Whether that fits the budget."""
-    chain: bool = True
-    """Part of the monotone chain (False for side rows such as the OmniBal heuristic)."""
     notes: dict = field(default_factory=dict)
     """Anything else worth printing."""
 
 
-def pipeline_times(forward: np.ndarray, backward: np.ndarray, send: np.ndarray, *, schedule: str = "1f1b") -> np.ndarray:
+def retile_internvl15(stats: LengthStats, *, max_tiles: int = 12, max_tokens: int = 4096) -> LengthStats:
+    """Statistics measured at InternVL's 4-tile limit re-tiled as InternVL-1.5 trains (<= 12 tiles + thumbnail).
+
+    The bundled statistics were tiled with at most 4 crops plus a thumbnail: 1 tile (an image that
+    fit one crop), 3 (1x2 grid), 4 (1x3) or 5 (2x2, or 1x4). Image sizes were not stored, so the
+    re-tiling is an explicit assumption, the upper end of what 12 crops allow: every multi-crop image
+    is large enough for the largest grid of the same aspect ratio within ``max_tiles`` crops
+    (InternVL's tiler takes the larger of two equal-ratio grids once the image covers half its
+    pixels): 1x2 -> 2x4, 1x3 -> 2x6, 5-tile images read as 2x2 -> 3x3; single-crop images stay
+    single. Each added tile adds 256 image tokens; samples are then cut at ``max_tokens``
+    (InternVL-1.5's ``max_seq_length``; the text is truncated). The unchanged statistics are the
+    lower end.
+    """
+    crops = np.where(stats.tiles > 1, stats.tiles - 1, stats.tiles)  # the thumbnail is not a crop
+    new_crops = crops.copy()
+    for k, (a, b) in {2: (1, 2), 3: (1, 3), 4: (1, 1)}.items():  # crops -> the aspect ratio of their grid
+        f = math.isqrt(max_tiles // (a * b))  # largest f x (a, b) grid within max_tiles crops
+        new_crops[crops == k] = max(f * f * a * b, k)
+    real = stats.image_flags == stats.tiles  # dummy tiles of text-only samples stay as they are
+    tiles = np.where(real & (crops > 1), new_crops + 1, stats.tiles)
+    tokens = stats.tokens + INTERNVL_TOKENS_PER_TILE * (tiles - stats.tiles)
+    return LengthStats(tiles=tiles, tokens=np.minimum(tokens, max_tokens), image_flags=np.where(real, tiles, stats.image_flags),
+                       source=f"{stats.source}, re-tiled to <= {max_tiles} crops + thumbnail, <= {max_tokens} tokens")
+
+
+def pipeline_times(
+    forward: np.ndarray, backward: np.ndarray, send: np.ndarray, *, gather: np.ndarray | None = None,
+    reduce: np.ndarray | None = None, schedule: str = "1f1b",
+) -> np.ndarray:
     """Iteration time of many pipelines at once: ``[N, M, S]`` arrays -> ``[N]`` seconds.
 
     ``forward[n, m, s]``: forward seconds of stage s on micro-batch m in pipeline n;
     ``backward``: its backward plus recomputation; ``send[n, m, s]``: seconds to send stage s's
-    output on (the gradient comes back in the same time). One stage per device, the operation
-    order and dependencies of :func:`omnibal_compile.sim.simulate`.
+    output on (the gradient comes back in the same time); ``gather[s]``: data-parallel weight
+    gather before each forward and each backward (ZeRO-3); ``reduce[s]``: gradient reduction
+    after the stage's last backward. One stage per device, the operation order and dependencies of
+    :func:`omnibal_compile.sim.simulate`.
     """
     forward, backward, send = (np.asarray(a, dtype=np.float64) for a in (forward, backward, send))
     if forward.ndim != 3 or forward.shape != backward.shape or forward.shape != send.shape:
         raise InputError(f"forward, backward and send must be [N, M, S] arrays of one shape, got {forward.shape}, "
                          f"{backward.shape}, {send.shape}")
     N, M, S = forward.shape
+    g = np.zeros(S) if gather is None else np.broadcast_to(np.asarray(gather, dtype=np.float64), (S,))
+    r = np.zeros(S) if reduce is None else np.broadcast_to(np.asarray(reduce, dtype=np.float64), (S,))
     orders = operation_order(schedule, S, 1, M)
     f_end: dict[tuple[int, int], np.ndarray] = {}
     b_end: dict[tuple[int, int], np.ndarray] = {}
@@ -227,13 +337,13 @@ def pipeline_times(forward: np.ndarray, backward: np.ndarray, send: np.ndarray, 
                     if s > 0 and (s - 1, m) not in f_end:
                         break
                     ready = f_end[(s - 1, m)] + send[:, m, s - 1] if s > 0 else 0.0
-                    end = np.maximum(free[d], ready) + forward[:, m, s]
+                    end = np.maximum(free[d], ready) + g[s] + forward[:, m, s]
                     f_end[(s, m)] = end
                 else:
                     if (s, m) not in f_end or (s < S - 1 and (s + 1, m) not in b_end):
                         break
                     ready = f_end[(s, m)] if s == S - 1 else b_end[(s + 1, m)] + send[:, m, s]
-                    end = np.maximum(free[d], ready) + backward[:, m, s]
+                    end = np.maximum(free[d], ready) + g[s] + backward[:, m, s]
                     b_end[(s, m)] = end
                 free[d] = end
                 pos[d] += 1
@@ -241,32 +351,64 @@ def pipeline_times(forward: np.ndarray, backward: np.ndarray, send: np.ndarray, 
                 progressed = True
         if not progressed:
             raise InputError(f"schedule {schedule!r} deadlocks for M={M}, S={S}")
-    return np.max(np.stack(list(b_end.values())), axis=0)
+    last = np.stack([np.max(np.stack([b_end[(s, m)] for m in range(M)]), axis=0) for s in range(S)])  # [S, N]
+    return np.max(last + r[:, None], axis=0)
 
 
 def make_batches(
     stats: LengthStats, *, per_step: int, samples_per_microbatch: int, cost: Callable[..., np.ndarray] | None = None,
-    seed: int = 0,
+    seed: int = 0, methods: Sequence[str] = BATCHINGS, isf_search_samples: int = 100_000,
 ) -> dict[str, MicroBatches]:
-    """Random padded batches and our balanced packs of ``stats``, ``per_step`` micro-batches per step.
+    """The batchings ``methods`` of ``stats``, ``per_step`` micro-batches per global step.
 
-    ``cost`` (``(tiles, tokens, pairs) -> seconds``) lets the balancer put packs of equal
-    predicted time into the same step.
+    ``cost`` (``(tiles, tokens, pairs) -> seconds``) lets our balancer put packs of equal
+    predicted time into the same step. ISF's pack shape is chosen by its own search
+    (:func:`~omnibal_compile.data.isf.isf_search`) on ``isf_search_samples`` draws of ``stats``
+    (the search packs the data once per candidate; it starts at ``samples_per_microbatch`` x the mean
+    sample's tokens instead of 4096), then ``stats`` is packed with it.
     """
+    unknown = [m for m in methods if m not in BATCHINGS]
+    if unknown:
+        raise InputError(f"unknown batchings {unknown}; choose from {list(BATCHINGS)}")
     out = {}
-    for name in ("random", "balanced"):
+    for name in methods:
         start = time.perf_counter()
+        notes = ""
         if name == "random":
             packing: Packing = random_batches(stats, dp=per_step, batch_size=samples_per_microbatch, seed=seed)
+        elif name == "length-grouped":
+            packing = length_grouped_batches(stats, dp=per_step, batch_size=samples_per_microbatch, seed=seed)
+        elif name == "isf":
+            sample = stats if len(stats) <= isf_search_samples else stats.resample(isf_search_samples, seed=seed)
+            # The reference search walks up from 4096 tokens; shapes below k mean samples' tokens give
+            # fewer than k samples per pack, which it never keeps, so start there.
+            begin = max(4096, int(samples_per_microbatch * sample.tokens.mean()) // 256 * 256)
+            found = isf_search(sample, dp=per_step, samples_per_pack=samples_per_microbatch, seed=seed,
+                               oversized="own-pack", start_tokens=begin)
+            packing = isf_pack(stats, dp=per_step, capacity=found.capacity, token_thresh=found.token_thresh, seed=seed,
+                               oversized="own-pack")
+            notes = f"ISF pack shape {found.capacity.tiles} tiles x {found.capacity.tokens} tokens"
         else:
             packing = balance_pack(stats, dp=per_step, samples_per_pack=samples_per_microbatch, cost=cost, seed=seed)
         loads = pack_loads(stats, packing)
         out[name] = MicroBatches(
             name=name, tiles=loads["tiles"].astype(np.float64), tokens=loads["computed"].astype(np.float64),
             pairs=np.asarray(loads["pairs"], dtype=np.float64), steps=packing.steps,
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - start, round_robin=name == "length-grouped", notes=notes,
         )
     return out
+
+
+def pack_cost(model: VLMSpec, *, device: DeviceSpec = A100_80G) -> Callable[..., np.ndarray]:
+    """Predicted forward + backward seconds of a pack, for our balancer's grouping of packs into steps."""
+    types = model.block_types()
+    counts = {t: types.count(t) for t in set(types)}
+
+    def cost(tiles: np.ndarray, tokens: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+        tc = type_costs(model, tiles, tokens, pairs, device=device)
+        return sum((tc.forward_s[t] + tc.backward_s[t]) * c for t, c in counts.items())
+
+    return cost
 
 
 def _type_counts(model: VLMSpec, plan: PlanChoice) -> np.ndarray:
@@ -284,10 +426,12 @@ def stage_times(model: VLMSpec, costs: TypeCosts, plan: PlanChoice, link_bandwid
     """Per micro-batch and stage: forward, backward + recompute, and send seconds, each ``[micro-batches, S]``."""
     counts = _type_counts(model, plan)
     fwd = np.stack([costs.forward_s[t] for t in BLOCK_TYPES], axis=1)  # [mb, types]
+    bwd = np.stack([costs.backward_s[t] for t in BLOCK_TYPES], axis=1)
     extra = np.stack([np.stack([np.zeros_like(costs.forward_s[t]), costs.selective_s[t], costs.forward_s[t]], axis=1)
                       for t in BLOCK_TYPES], axis=1)  # [mb, types, options]
-    forward = fwd @ counts.sum(axis=2).T
-    backward = 2 * forward + np.einsum("mto,sto->ms", extra, counts)
+    per_type = counts.sum(axis=2).T
+    forward = fwd @ per_type
+    backward = bwd @ per_type + np.einsum("mto,sto->ms", extra, counts)
     types = model.block_types()
     send = np.stack([
         costs.out_bytes[types[plan.boundaries[s + 1] - 1]] / link_bandwidth if s + 1 < len(plan.boundaries) - 1
@@ -297,25 +441,63 @@ def stage_times(model: VLMSpec, costs: TypeCosts, plan: PlanChoice, link_bandwid
     return forward, backward, send
 
 
+def _table(setup: Setup, shape: MicroBatch):
+    return cost_table(setup.model, shape, device=setup.device, precision=setup.precision, link=setup.dp_link,
+                      tensor_parallel=setup.tp)
+
+
+def data_parallel_times(setup: Setup, plan: PlanChoice) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage: the gather before each forward and backward, and the gradient reduction per iteration.
+
+    By :meth:`~omnibal_compile.cost_table.DataParallel.block_cost` (the simulator's and the planner's
+    rule) over ``setup.dp_link``; they depend on parameters only, not on the micro-batch.
+    """
+    dp = setup.data_parallel
+    S = len(plan.boundaries) - 1
+    if dp.size == 1:
+        return np.zeros(S), np.zeros(S)
+    if dp.gathers and not dp.reshard_after_forward:
+        raise InputError("the paper-scale replay models FSDP resharding after forward only")
+    table = _table(setup, MicroBatch(tiles=1, tokens=1, attention_pairs=1.0))
+    costs = [dp.block_cost(b, table.precision, table.link_bandwidth) for b in table.blocks]
+    b = plan.boundaries
+    gather = np.array([sum(c.op_gather_s(dp) for c in costs[b[s]:b[s + 1]]) for s in range(S)])
+    reduce = np.array([sum(c.reduce_s for c in costs[b[s]:b[s + 1]]) for s in range(S)])
+    return gather, reduce
+
+
 def epoch_seconds(setup: Setup, batches: MicroBatches, costs: TypeCosts, plan: PlanChoice) -> float:
     """Simulated epoch: per step the slowest DP rank's pipeline iteration, summed over steps."""
-    forward, backward, send = stage_times(setup.model, costs, plan, setup.device.link_bandwidth(setup.link))
-    steps = batches.steps.reshape(-1, setup.dp, setup.microbatches)  # [step, rank, micro-batch]
+    forward, backward, send = stage_times(setup.model, costs, plan, setup.device.link_bandwidth(setup.pipeline_link))
+    steps = batches.rank_steps(setup.dp, setup.microbatches)  # [step, rank, micro-batch]
     flat = steps.reshape(-1, setup.microbatches)
-    it = pipeline_times(forward[flat], backward[flat], send[flat])
+    gather, reduce = data_parallel_times(setup, plan)
+    it = pipeline_times(forward[flat], backward[flat], send[flat], gather=gather, reduce=reduce)
     return float(it.reshape(steps.shape[0], setup.dp).max(axis=1).sum())
+
+
+def _replay(setup: Setup, plan: PlanChoice, shape: MicroBatch) -> float:
+    """Iteration seconds of ``plan`` with every micro-batch of ``shape`` (the acceptance check)."""
+    costs = type_costs(setup.model, np.array([shape.tiles]), np.array([shape.tokens]),
+                       np.array([shape.attention_pairs]), device=setup.device, tensor_parallel=setup.tp)
+    f, b, s = stage_times(setup.model, costs, plan, setup.device.link_bandwidth(setup.pipeline_link))
+    idx = np.zeros((1, setup.microbatches), dtype=np.int64)
+    gather, reduce = data_parallel_times(setup, plan)
+    return float(pipeline_times(f[idx], b[idx], s[idx], gather=gather, reduce=reduce)[0])
 
 
 def _problem(setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch, recompute: str) -> PartitionProblem:
     """The planner's problem: times of the ``time_shape`` micro-batch, memory of the ``memory_shape`` one."""
+    pipe_bw = setup.device.link_bandwidth(setup.pipeline_link)
 
     def problem(shape: MicroBatch) -> PartitionProblem:
-        table = cost_table(setup.model, shape, device=setup.device, precision=setup.precision, link=setup.link)
-        return problem_from_costs(table, num_stages=setup.pp, num_microbatches=setup.microbatches,
-                                  budget=setup.budget, recompute=recompute)
+        p = problem_from_costs(_table(setup, shape), num_stages=setup.pp, num_microbatches=setup.microbatches,
+                               budget=setup.budget, recompute=recompute, data_parallel=setup.data_parallel)
+        # The table's link is the data-parallel one; stage-to-stage sends use the pipeline's.
+        return dataclasses.replace(p, cut_time=tuple(b / pipe_bw for b in p.cut_bytes))
 
     timed, sized = problem(time_shape), problem(memory_shape)
-    return dataclasses.replace(timed, act=sized.act, cut_bytes=sized.cut_bytes)
+    return dataclasses.replace(timed, act=sized.act, cut_bytes=sized.cut_bytes, workspace=sized.workspace)
 
 
 def vit_first_boundaries(model: VLMSpec, pp: int) -> tuple[int, ...]:
@@ -329,51 +511,16 @@ def vit_first_boundaries(model: VLMSpec, pp: int) -> tuple[int, ...]:
     return (*bounds, model.num_blocks)
 
 
-def plan_steps(
-    setup: Setup, time_shape: MicroBatch, memory_shape: MicroBatch
-) -> tuple[dict[str, PlanChoice], dict[str, str]]:
-    """The plans of the ablation (balanced for ``time_shape`` micro-batches, fitting ``memory_shape`` ones),
-    and, for planners that found no plan that fits, why."""
-    model = setup.model
-    n = model.num_blocks
-    uniform = tuple(uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()],
-                                       setup.pp))
-    plans = {"uniform": PlanChoice(boundaries=uniform, recompute=("full",) * n, planner="uniform"),
-             "vit-first": PlanChoice(boundaries=vit_first_boundaries(model, setup.pp), recompute=("full",) * n,
-                                     planner="vit-first")}
-    failed: dict[str, str] = {}
-    for key, planner, recompute in (("ilp-full", "ilp", "full"), ("ilp-auto", "ilp", "auto"),
-                                    ("omnibal-full", "omnibal", "full"), ("omnibal-auto", "omnibal", "auto")):
-        start = time.perf_counter()
-        try:
-            sol = solve(_problem(setup, time_shape, memory_shape, recompute), planner, time_limit=setup.ilp_time_limit)
-        except PlanError as e:  # a heuristic split may not fit where the ILP's does
-            failed[key] = str(e)
-            continue
-        plans[key] = PlanChoice(boundaries=sol.boundaries, recompute=sol.recompute, planner=planner, status=sol.status,
-                                solve_seconds=time.perf_counter() - start)
-    # The planners optimise the closed form sum_s T_s + (M - 1) max_s T_s; the schedule itself can
-    # rank two near-equal plans the other way. So, as a compiler checks a rewrite before keeping it,
-    # each step keeps the step before's plan unless the simulator prefers the new one.
-    for key, before in (("ilp-full", "uniform"), ("ilp-auto", "ilp-full"), ("omnibal-full", "uniform"),
-                        ("omnibal-auto", "omnibal-full")):
-        if key not in plans or before not in plans:
-            continue
-        new, old = (_simulated(setup, plans[k], time_shape) for k in (key, before))
-        if new > old:
-            plans[key] = dataclasses.replace(
-                plans[before], planner=plans[key].planner, solve_seconds=plans[key].solve_seconds,
-                status=f"kept the {before} plan (simulated {old:.4f} s vs {new:.4f} s per iteration)",
-            )
-    return plans, failed
-
-
-def _simulated(setup: Setup, plan: PlanChoice, shape: MicroBatch) -> float:
-    """Iteration seconds of ``plan`` by :func:`omnibal_compile.sim.simulate`, every micro-batch of ``shape``."""
-    table = cost_table(setup.model, shape, device=setup.device, precision=setup.precision, link=setup.link)
-    full = Plan(block_names=table.names, boundaries=plan.boundaries, recompute=plan.recompute, schedule="1f1b",
-                num_microbatches=setup.microbatches)
-    return simulate(full, table).iteration_time_s
+def baseline_boundaries(model: VLMSpec, split: str, pp: int) -> tuple[int, ...]:
+    """Cut points of a baseline split (:data:`SPLITS`)."""
+    if split == "uniform":
+        return tuple(uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()], pp))
+    if split == "parameters":
+        params = model.type_params()
+        return tuple(min_max_partition([params[t] for t in model.block_types()], pp)[0])
+    if split == "vit-first":
+        return vit_first_boundaries(model, pp)
+    raise InputError(f"unknown baseline split {split!r}; choose from {list(SPLITS)}")
 
 
 def _memory(setup: Setup, plan: PlanChoice, shape: MicroBatch) -> tuple[float, bool]:
@@ -381,38 +528,106 @@ def _memory(setup: Setup, plan: PlanChoice, shape: MicroBatch) -> tuple[float, b
     return max(sol.stage_memory) / 2**30, sol.feasible
 
 
-def run_ablation(setup: Setup, batches: dict[str, MicroBatches]) -> list[Row]:
-    """The ablation rows for ``setup`` on ``batches`` (from :func:`make_batches` with ``per_step = dp x M``)."""
-    for b in batches.values():
-        if b.steps.shape[1] != setup.dp * setup.microbatches:
-            raise InputError(f"batching '{b.name}' has {b.steps.shape[1]} micro-batches per step; this setup needs "
-                             f"dp x M = {setup.dp * setup.microbatches}")
-    costs = {k: type_costs(setup.model, b.tiles, b.tokens, b.pairs, device=setup.device) for k, b in batches.items()}
-    balanced = batches["balanced"]
-    plans, failed = plan_steps(setup, balanced.mean_shape(), balanced.planning_shape())
-    spec = [  # (name, batching, plan, in the monotone chain)
-        ("baseline: random batches, uniform split, full recompute", "random", "uniform", True),
-        ("+ balanced data", "balanced", "uniform", True),
-        ("+ ILP partition (full recompute)", "balanced", "ilp-full", True),
-        ("+ per-block recompute (ILP, auto) = omnibal_compile", "balanced", "ilp-auto", True),
-        ("  OmniBal heuristic partition (full recompute)", "balanced", "omnibal-full", False),
-        ("  OmniBal heuristic partition + per-stage recompute", "balanced", "omnibal-auto", False),
-        ("  Megatron VLM layout (ViT on stage 0), full recompute", "balanced", "vit-first", False),
-    ]
-    rows = []
-    for name, batching, key, chain in spec:
-        if key in failed:
-            if chain:
-                raise PlanError(f"{name}: {failed[key]}")
-            rows.append(Row(name=name, batching=batching, plan=None, epoch_s=math.nan, gpu_days=math.nan,
-                            peak_memory_gib=math.nan, fits=False, chain=False, notes={"error": failed[key]}))
+def vit_first_setup(setup: Setup, batches: MicroBatches, *, layouts: Sequence[tuple[int, int]] = ()) -> Setup | None:
+    """The smallest (PP x TP, then PP) of ``layouts`` (default: PP = ``setup.pp`` or twice that, TP = 1, 2,
+    4 or 8) at ``setup.gpus`` GPUs whose ViT-first split fits the budget with full recomputation at
+    ``batches``' largest micro-batch; None if none does."""
+    layouts = layouts or [(pp, tp) for pp in (setup.pp, 2 * setup.pp) for tp in (1, 2, 4, 8)]
+    for pp, tp in sorted(layouts, key=lambda x: (x[0] * x[1], x[0])):
+        if setup.gpus % (pp * tp):
             continue
-        b, plan = batches[batching], plans[key]
-        epoch = epoch_seconds(setup, b, costs[batching], plan)
-        peak, fits = _memory(setup, plan, b.planning_shape())
-        rows.append(Row(name=name, batching=batching, plan=plan, epoch_s=epoch, gpu_days=epoch * setup.gpus / 86400,
-                        peak_memory_gib=peak, fits=fits, chain=chain))
+        try:
+            cand = dataclasses.replace(setup, pp=pp, tp=tp, dp=setup.gpus // (pp * tp))
+        except InputError:  # too few micro-batches per rank for this many stages
+            continue
+        plan = PlanChoice(boundaries=vit_first_boundaries(setup.model, pp), recompute=("full",) * setup.model.num_blocks,
+                          planner="vit-first")
+        if _memory(cand, plan, batches.planning_shape())[1]:
+            return cand
+    return None
+
+
+def _solve(setup: Setup, batches: MicroBatches, planner: str, recompute: str) -> PlanChoice | str:
+    start = time.perf_counter()
+    try:
+        sol = solve(_problem(setup, batches.mean_shape(), batches.planning_shape(), recompute), planner,
+                    time_limit=setup.ilp_time_limit)
+    except PlanError as e:  # a heuristic split may not fit where the ILP's does
+        return str(e)
+    return PlanChoice(boundaries=sol.boundaries, recompute=sol.recompute, planner=planner, status=sol.status,
+                      solve_seconds=time.perf_counter() - start)
+
+
+def _accept(setup: Setup, new: PlanChoice | str, old: PlanChoice, shape: MicroBatch, what: str) -> PlanChoice | str:
+    """Keep ``old`` unless ``new`` replays faster at ``shape`` (module glossary: acceptance)."""
+    if isinstance(new, str):
+        return new
+    t_new, t_old = _replay(setup, new, shape), _replay(setup, old, shape)
+    if t_new <= t_old:
+        return new
+    return dataclasses.replace(old, planner=new.planner, solve_seconds=new.solve_seconds,
+                               status=f"kept the {what} plan (replayed {t_old:.3f} s vs {t_new:.3f} s per iteration)")
+
+
+def run_ablation(setups: Mapping[str, Setup], batches: Mapping[str, MicroBatches]) -> list[Row]:
+    """The ablation rows: for each baseline split (key of ``setups``, at its layout) the baseline, the
+    ``paper`` and ``ours`` chains and a random-batching side row. ``batches`` from :func:`make_batches`
+    with ``per_step`` equal to every setup's ``dp x M``."""
+    missing = [b for b in BATCHINGS if b not in batches]
+    if missing:
+        raise InputError(f"run_ablation needs the batchings {missing} too")
+    costs: dict[tuple[str, int], TypeCosts] = {}
+    solved: dict[tuple[int, int, int], dict[str, PlanChoice | str]] = {}
+    rows: list[Row] = []
+    for split, setup in setups.items():
+        n = setup.model.num_blocks
+        base = PlanChoice(boundaries=baseline_boundaries(setup.model, split, setup.pp), recompute=("full",) * n,
+                          planner=split)
+        key = (setup.pp, setup.tp, setup.dp)
+        if key not in solved:  # the planners' plans depend on the layout, not on the baseline
+            solved[key] = {
+                "omnibal-full": _solve(setup, batches["isf"], "omnibal", "full"),
+                "omnibal-stage": _solve(setup, batches["isf"], "omnibal", "auto"),
+                "ilp-full": _solve(setup, batches["ours"], setup.planner, "full"),
+                "ilp-auto": _solve(setup, batches["ours"], setup.planner, "auto"),
+            }
+        plans = solved[key]
+        ours_shape = batches["ours"].mean_shape()
+        ilp_full = _accept(setup, plans["ilp-full"], base, ours_shape, f"{split} baseline")
+        ilp_auto = (_accept(setup, plans["ilp-auto"], ilp_full, ours_shape, "ILP full-recompute")
+                    if isinstance(ilp_full, PlanChoice) else plans["ilp-auto"])
+        spec: list[tuple[str, str, str, PlanChoice | str]] = [
+            ("baseline: length-grouped batches, full recompute", "baseline", "length-grouped", base),
+            ("baseline with random batches", "side", "random", base),
+            ("+ data: ISF", "paper", "isf", base),
+            ("+ model: OmniBal search partition", "paper", "isf", plans["omnibal-full"]),
+            ("+ memory: one recompute option per stage", "paper", "isf", plans["omnibal-stage"]),
+            ("+ data: our balancer", "ours", "ours", base),
+            ("+ model: ILP partition", "ours", "ours", ilp_full),
+            ("+ memory: per-block recompute (ILP)", "ours", "ours", ilp_auto),
+        ]
+        for name, chain, batching, plan in spec:
+            if isinstance(plan, str):
+                rows.append(Row(name=name, split=split, chain=chain, batching=batching, setup=setup, plan=None,
+                                epoch_s=math.nan, gpu_days=math.nan, peak_memory_gib=math.nan, fits=False,
+                                notes={"error": plan}))
+                continue
+            b = batches[batching]
+            ck = (batching, setup.tp)
+            if ck not in costs:
+                costs[ck] = type_costs(setup.model, b.tiles, b.tokens, b.pairs, device=setup.device, tensor_parallel=setup.tp)
+            epoch = epoch_seconds(setup, b, costs[ck], plan)
+            peak, fits = _memory(setup, plan, b.planning_shape())
+            rows.append(Row(name=name, split=split, chain=chain, batching=batching, setup=setup, plan=plan, epoch_s=epoch,
+                            gpu_days=epoch * setup.gpus / 86400, peak_memory_gib=peak, fits=fits,
+                            notes={"status": plan.status} if plan.status else {}))
     return rows
+
+
+def chain_ratios(rows: Sequence[Row], split: str, chain: str) -> list[float]:
+    """GPU-days of ``split``'s baseline and ``chain``'s three steps, relative to that baseline."""
+    base = next(r for r in rows if r.split == split and r.chain == "baseline")
+    return [1.0] + [r.gpu_days / base.gpu_days for r in rows if r.split == split and r.chain == chain]
 
 
 def _stage_layout(model: VLMSpec, plan: PlanChoice) -> str:
@@ -427,25 +642,62 @@ def _stage_layout(model: VLMSpec, plan: PlanChoice) -> str:
     return "|".join(parts) + "  " + ",".join(f"{o[:3]}:{c}" for o, c in rec.items())
 
 
-def format_ablation(setup: Setup, rows: Sequence[Row], paper: Sequence[float] = ()) -> str:
-    """The ablation as printed by ``bench/paper_scale.py``; ``paper`` aligns the paper's GPU-days with the chain."""
-    base = rows[0].gpu_days
-    chain = [r for r in rows if r.chain]
-    paper_ratio: dict[str, str] = {}
-    if len(paper) == len(chain):
-        paper_ratio = {r.name: f"{p / paper[0]:.3f} ({p:g})" for r, p in zip(chain, paper)}
-    elif len(paper) == 2:  # baseline and full only
-        paper_ratio = {chain[0].name: f"1.000 ({paper[0]:g})", chain[-1].name: f"{paper[1] / paper[0]:.3f} ({paper[1]:g})"}
-    head = (f"{setup.model.name}: PP {setup.pp} x DP {setup.dp} = {setup.gpus} {setup.device.name} GPUs, "
-            f"M = {setup.microbatches} micro-batches of ~{setup.samples_per_microbatch} samples per rank per step "
-            f"(global batch {setup.global_batch}), 1F1B, budget {setup.budget / 1e9:.0f} GB/GPU, "
-            f"{'distributed optimizer' if setup.distributed_optimizer else 'no optimizer sharding'}")
-    cols = ("step", "GPU-days", "ratio", "paper ratio (GPU-days)", "peak GiB", "stages (ViT|LLM layers) recompute")
-    body = []
-    for r in rows:
-        if r.plan is None:
-            body.append((r.name, "-", "-", "-", "-", "no plan fits: " + r.notes.get("error", "")[:60]))
-            continue
-        body.append((r.name, f"{r.gpu_days:.2f}", f"{r.gpu_days / base:.3f}", paper_ratio.get(r.name, "-"),
-                     f"{r.peak_memory_gib:.1f}{'' if r.fits else ' OVER'}", _stage_layout(setup.model, r.plan)))
-    return head + "\n" + format_table([cols, *body], "lrrlrl")
+SPLIT_NAMES = {"uniform": "uniform layer split", "parameters": "parameter-balanced split (DeepSpeed default)",
+               "vit-first": "ViT on stage 0 (Megatron VLM layout)"}
+
+
+def format_ablation(rows: Sequence[Row], paper: Sequence[float] = ()) -> str:
+    """The ablation table of one model (all its baseline splits), as ``bench/paper_scale.py`` prints it.
+
+    ``paper``: the paper's GPU-days (baseline, +data, +model, +memory, or baseline and full only),
+    shown as ratios next to each chain's steps.
+    """
+    paper_ratio: list[str] = ["-"] * 4
+    if len(paper) == 4:
+        paper_ratio = [f"{p / paper[0]:.3f}" for p in paper]
+    elif len(paper) == 2:
+        paper_ratio = ["1.000", "-", "-", f"{paper[1] / paper[0]:.3f}"]
+    cols = ("step (SIMULATED)", "GPU-days", "ratio", "paper", "peak GiB", "stages (ViT|LLM layers) recompute")
+    out = []
+    for split in dict.fromkeys(r.split for r in rows):
+        group = [r for r in rows if r.split == split]
+        base = next(r for r in group if r.chain == "baseline")
+        s = base.setup
+        closest = " <- closest reading of the paper" if (split, "paper") == CLOSEST else ""
+        out.append(f"baseline split: {SPLIT_NAMES.get(split, split)}; {s.layout()}, link {s.pipeline_link}")
+        body = []
+        for r in group:
+            # Position in its chain: 0 for the baseline, 1-3 for the data, model and memory steps.
+            same = [x for x in group if x.chain == r.chain]
+            k = next(i for i, x in enumerate(same) if x is r) + 1 if r.chain in ("paper", "ours") else 0
+            label = {"side": "  ", "baseline": ""}.get(r.chain, f"[{r.chain}] ") + r.name
+            if (split, r.chain) == CLOSEST and k == 3:
+                label += closest
+            paper_cell = paper_ratio[k] if r.chain != "side" else "-"
+            if r.plan is None:
+                body.append((label, "-", "-", paper_cell, "-", "no plan fits: " + r.notes.get("error", "")[:70]))
+                continue
+            body.append((label, f"{r.gpu_days:.2f}", f"{r.gpu_days / base.gpu_days:.3f}", paper_cell,
+                         f"{r.peak_memory_gib:.1f}{'' if r.fits else ' OVER'}", _stage_layout(s.model, r.plan)))
+        out.append(format_table([cols, *body], "lrrrrl"))
+    return "\n".join(out)
+
+
+def format_distance(rows: Sequence[Row], paper: Sequence[float]) -> str:
+    """Each chain's cumulative ratios next to the paper's, and the largest gap (in ratio points)."""
+    if len(paper) == 4:
+        want = [p / paper[0] for p in paper]
+    elif len(paper) == 2:
+        want = [1.0, math.nan, math.nan, paper[1] / paper[0]]
+    else:
+        return ""
+    lines = [("baseline split", "chain", "+data", "+model", "+memory", "largest gap", "final gap")]
+    lines.append(("(paper)", "", *(f"{w:.3f}" if not math.isnan(w) else "-" for w in want[1:]), "", ""))
+    for split in dict.fromkeys(r.split for r in rows):
+        for chain in ("paper", "ours"):
+            got = chain_ratios(rows, split, chain)
+            gaps = [abs(g - w) for g, w in zip(got, want) if not (math.isnan(w) or math.isnan(g))]
+            mark = " *" if (split, chain) == CLOSEST else ""
+            lines.append((split + mark, chain, *(f"{g:.3f}" for g in got[1:]), f"{max(gaps):.3f}" if gaps else "-",
+                          f"{got[-1] - want[-1]:+.3f}" if not math.isnan(got[-1]) else "-"))
+    return format_table(lines, "llrrrrr")

@@ -160,8 +160,8 @@ class LayoutSearch:
     """Every layout considered, best first, then planned by time, not planned, rejected."""
     devices: int
     """Devices laid out."""
-    global_batch: int
-    """Units per optimizer step."""
+    global_batch: int | None
+    """Units per optimizer step (None when the micro-batch count was fixed instead)."""
     memory_budget: float | None
     """Bytes per device (None: unconstrained)."""
     unit: str
@@ -185,11 +185,13 @@ class LayoutSearch:
     def summary(self, limit: int | None = 20) -> str:
         budget = format_size(self.memory_budget) if self.memory_budget is not None else "unconstrained"
         b = self.best
-        head = (f"layout search: {counted(self.devices, 'device')}, global batch {self.global_batch:,} "
-                f"{self.unit}s per step, memory budget {budget} per device; {len(self.candidates)} layouts "
+        batch = (f"global batch {counted(self.global_batch, self.unit)} per step" if self.global_batch is not None
+                 else f"{counted(self.best.layout.num_microbatches, 'micro-batch')} per replica per step")
+        head = (f"layout search: {counted(self.devices, 'device')}, {batch}, memory budget {budget} per device; "
+                f"{len(self.candidates)} layouts "
                 f"considered, {sum(c.planned for c in self.candidates)} planned and simulated, in {self.seconds:.1f} s")
         chosen = (f"chosen: {b.layout.describe()}: predicted {_ms(b.time_per_unit_s)} ms per {self.unit}, "
-                  f"{b.iteration_s:.3f} s per step, bubble {b.bubble_fraction:.1%}, peak {format_size(b.peak_memory_bytes)}")
+                  f"{b.iteration_s:.4g} s per step, bubble {b.bubble_fraction:.1%}, peak {format_size(b.peak_memory_bytes)}")
         return "\n".join([head, *self.notes, self.table(limit), chosen])
 
     def __str__(self) -> str:
@@ -197,7 +199,7 @@ class LayoutSearch:
 
 
 def _ms(seconds: float) -> str:
-    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.3f}"
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.4g}"
 
 
 def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", limit: int | None = None) -> str:
@@ -208,7 +210,7 @@ def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", 
         mem = "-" if math.isnan(c.peak_memory_bytes) else format_size(c.peak_memory_bytes)
         rows.append((
             c.layout.describe(), _ms(c.estimate_s), _ms(c.time_per_unit_s),
-            "-" if math.isnan(c.iteration_s) else f"{c.iteration_s:.3f}",
+            "-" if math.isnan(c.iteration_s) else f"{c.iteration_s:.4g}",
             "-" if math.isnan(c.bubble_fraction) else f"{c.bubble_fraction:.1%}", mem,
             c.status + (f": {c.reason}" if c.reason else ""),
         ))
@@ -320,7 +322,8 @@ def search_layout(
     costs: CostTable | Callable[[int], CostTable],
     *,
     devices: int,
-    global_batch: int,
+    global_batch: int | None = None,
+    num_microbatches: int | None = None,
     memory_budget: float | None = None,
     microbatch_sizes: Sequence[int] = (1,),
     device: DeviceSpec | None = None,
@@ -339,6 +342,7 @@ def search_layout(
             units, or a CostTable of a one-unit micro-batch (larger ones scaled by :func:`scale_costs`).
         devices: N; every layout has PP x DP = N.
         global_batch: units per optimizer step, all replicas together (G = DP x M x b).
+        num_microbatches: instead of ``global_batch``: M fixed, each layout's step holds DP x M x b units.
         memory_budget: bytes per device; None = unconstrained.
         microbatch_sizes: micro-batch sizes b to try (units).
         device: the accelerator, for the topology's links (module glossary); None keeps the table's
@@ -359,8 +363,11 @@ def search_layout(
     start = time.perf_counter()
     if not isinstance(devices, int) or devices < 1:
         raise InputError(f"devices must be a positive integer, got {devices!r}")
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise InputError(f"global_batch must be a positive integer ({unit}s per step), got {global_batch!r}")
+    if (global_batch is None) == (num_microbatches is None):
+        raise InputError("give the layout search global_batch (units per step) or num_microbatches (per replica), one of them")
+    for name, value in (("global_batch", global_batch), ("num_microbatches", num_microbatches)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
     if memory_budget is not None and memory_budget <= 0:
         raise InputError(f"memory_budget must be positive, got {memory_budget}")
     sizes = sorted({int(b) for b in microbatch_sizes})
@@ -403,12 +410,13 @@ def search_layout(
             if v < 1 or (v > 1 and (p == 1 or p * v > n)):
                 continue
             for b in sizes:
-                if global_batch % (dp * b):
+                if global_batch is not None and global_batch % (dp * b):
                     skipped += 1
                     continue
+                m = num_microbatches if global_batch is None else global_batch // (dp * b)
                 for name in (dp_layouts if dp > 1 else dp_layouts[:1]):
                     layouts.append(Layout(pp=p, dp=dp, virtual_stages=v, dp_layout=name, microbatch_size=b,
-                                          num_microbatches=global_batch // (dp * b)))
+                                          num_microbatches=m))
     if skipped:
         notes.append(f"left out: {counted(skipped, 'pipeline depth and micro-batch size pair')} whose DP x b does not "
                      f"divide the global batch of {global_batch}")
@@ -512,3 +520,73 @@ def _nothing_fits(devices: int, budget: float | None, least: tuple[float, Layout
             f"the one that needs least, {lay.describe()}, needs {format_size(need)} per device even with the most "
             f"recomputation allowed. Give a budget of at least {format_size(need)}, more devices, or a smaller "
             "micro-batch (microbatch_sizes).")
+
+
+# -- optimize(devices=...) -------------------------------------------------------------------------
+def job_devices() -> tuple[int, str]:
+    """(devices of this job, where the count comes from): torchrun's ``WORLD_SIZE``, else the visible GPUs,
+    else 1 (said so)."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 0:
+        return int(world), f"{world} devices from torchrun's WORLD_SIZE"
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except ImportError:
+        gpus = 0
+    if gpus:
+        return gpus, f"{counted(gpus, 'visible GPU')}"
+    return 1, "no GPU and no WORLD_SIZE here: 1 device assumed (pass devices=N to plan for N)"
+
+
+def choose_layout(
+    costs: CostTable,
+    *,
+    devices: int,
+    device: DeviceSpec | None = None,
+    global_batch: int | None = None,
+    num_stages: int | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    num_microbatches: int | None = None,
+    dp: int = 1,
+    dp_layout: str | None = None,
+    memory_budget: float | None = None,
+    recompute: str = "auto",
+) -> LayoutSearch:
+    """:func:`search_layout` for ``optimize(devices=...)``: one micro-batch of ``costs`` is the unit, and what the
+    caller fixed is pinned (stages, schedule and chunks, data-parallel degree and layout, micro-batch count).
+
+    Without ``global_batch`` or ``num_microbatches``, a step holds two micro-batches per device (said in the notes).
+    """
+    if schedule == "gpipe":
+        raise InputError("the layout search plans 1F1B and interleaved schedules; for gpipe give num_stages=")
+    if dp > 1 and devices % dp:
+        raise InputError(f"dp={dp} does not divide devices={devices}")
+    pipeline = None
+    if num_stages is not None:
+        if num_stages % virtual_stages:
+            raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
+        pipeline = [num_stages // virtual_stages]
+        if devices % pipeline[0]:
+            raise InputError(f"{pipeline[0]} pipeline devices do not divide devices={devices}")
+    elif dp > 1:
+        pipeline = [devices // dp]
+    if pipeline is not None and dp > 1 and pipeline[0] * dp != devices:
+        raise InputError(f"{pipeline[0]} pipeline devices x dp={dp} is not devices={devices}")
+    pinned_v = num_stages is not None or schedule != "1f1b" or virtual_stages != 1
+    notes = []
+    if global_batch is None and num_microbatches is None:
+        global_batch = 2 * devices
+        notes.append(f"global batch not given: {global_batch} micro-batches per step assumed (2 per device)")
+    result = search_layout(
+        costs, devices=devices, global_batch=global_batch, num_microbatches=num_microbatches,
+        memory_budget=memory_budget, device=device, pipeline=pipeline,
+        virtual_stages=[virtual_stages] if pinned_v else (1, 2),
+        dp_layouts=[dp_layout] if dp_layout is not None else tuple(DP_LAYOUTS), recompute=recompute,
+        unit="micro-batch",
+    )
+    return dataclasses.replace(result, notes=(*notes, *result.notes))

@@ -159,3 +159,37 @@ def test_a_plan_whose_simulated_peak_overflows_is_planned_again_or_rejected():
     assert (again.planned and again.peak_memory_bytes <= tighter) or "over the budget" in again.reason
     assert again.planned  # this chain can trade recomputation for memory
     assert again.time_per_unit_s >= first.time_per_unit_s
+
+
+# -- optimize(devices=...) --------------------------------------------------------------------------
+def test_optimize_chooses_the_layout_for_a_device_count(vlm, capsys):
+    import omnibal_compile as oc
+
+    model, batch = vlm
+    result = oc.optimize(model, batch, devices=4, device="a100-80gb", memory_budget="2GiB")
+    out = capsys.readouterr().out
+    assert "layout search: 4 devices" in out and "chosen: " + result.layout.best.layout.describe() in out
+    best = result.layout.best.layout
+    assert (result.plan.num_stages, result.plan.num_microbatches, result.plan.dp.size) == (
+        best.num_stages, best.num_microbatches, best.dp)
+    assert len(result.stages) == best.num_stages and result.check_parity().ok
+    # the plan is the one the search simulated, on the costs it kept
+    assert simulate(result.plan, result.costs).iteration_time_s == pytest.approx(result.layout.best.iteration_s)
+    # what the caller fixes is pinned: 2 stages of 8 devices leave DP 4
+    pinned = oc.optimize(model, batch, devices=8, num_stages=2, device="a100-80gb")
+    assert pinned.plan.num_stages == 2 and pinned.plan.dp.size == 4
+    assert {c.layout.pp for c in pinned.layout.candidates} == {2}
+
+
+def test_optimize_without_stages_or_devices_says_what_it_assumed(vlm, capsys, monkeypatch):
+    import omnibal_compile as oc
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    model, batch = vlm
+    result = oc.optimize(model, batch, device="a100-80gb")
+    assert "1 device assumed" in capsys.readouterr().out
+    assert result.plan.num_stages == 1 and result.layout.devices == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert oc.optimize(model, batch, device="a100-80gb").layout.devices == 2
+    assert "2 devices from torchrun's WORLD_SIZE" in capsys.readouterr().out

@@ -292,8 +292,9 @@ def _estimate(problem: PartitionProblem, layout: Layout, budget: float | None, c
     The planner's objective with ideal stages: 1F1B ``W + (M - 1) T``, interleaved ``M L + (p - 1) / (p v) W``,
     where W is the replica's work per micro-batch (fastest options plus the least recomputation that fits,
     spread over the devices' total memory), T the largest stage's time and L the largest device's: at least
-    W / S and W / p, and at least the least largest chunk of any contiguous split of the blocks' fastest
-    times into S chunks (what block sizes allow).
+    W / S (W / p), and at least the least largest part of a contiguous split of the blocks' fastest times
+    into S stages (p devices), what block sizes allow. For interleaved schedules a device's two chunks are
+    not contiguous, so its bound is a heuristic: pairing chunks can balance better, or worse.
     """
     P = problem
     p, v, S, M = layout.pp, layout.virtual_stages, layout.num_stages, layout.num_microbatches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from omnibal_compile.units import parse_size
 from omnibal_compile.validate import check_choice, check_number, read_text
 
 if TYPE_CHECKING:  # the kernel pass imports Triton glue; load it only when kernels= is asked for
+    from omnibal_compile.layout import LayoutSearch
     from omnibal_compile.passes.kernels import KernelReport
 
 __all__ = ["optimize", "compile_for_microbatches", "OptimizeResult", "ParityReport", "PassError"]
@@ -105,6 +107,8 @@ class OptimizeResult:
     """Balanced micro-batch shape, sampler and collator when ``optimize(lengths=...)`` was given; None otherwise."""
     kernels: KernelReport | None = None
     """What the kernel pass rewrote when ``optimize(kernels=...)`` was given; None otherwise."""
+    layout: LayoutSearch | None = None
+    """The layout search (chosen layout and every candidate) when optimize() chose the layout; None otherwise."""
 
     def stage_info(self, index: int) -> StageInfo:
         """Inputs, outputs, blocks and parameter names of stage ``index``."""
@@ -166,7 +170,8 @@ class OptimizeResult:
     def summary(self) -> str:
         """The block table, the cost table (when costed) and the plan table."""
         costs = f"\n\n{self.costs.summary()}" if self.costs is not None else ""
-        return f"{self.graph.summary()}{costs}\n\n{self.plan.summary()}"
+        layout = f"\n\n{self.layout.summary(limit=12)}" if self.layout is not None else ""
+        return f"{self.graph.summary()}{costs}{layout}\n\n{self.plan.summary()}"
 
 
 def _unflat(captured: Captured) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -254,7 +259,9 @@ def optimize(
     model: nn.Module,
     example_inputs: Any = None,
     *,
-    num_stages: int,
+    num_stages: int | None = None,
+    devices: int | None = None,
+    global_batch: int | None = None,
     planner: str | Planner | None = None,
     plan: Plan | None = None,
     num_microbatches: int | None = None,
@@ -283,7 +290,15 @@ def optimize(
     Args:
         model: any ``nn.Module``; it is not modified.
         example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``.
-        num_stages: pipeline stages to emit.
+        num_stages: pipeline stages to emit; None (default) lets the layout search choose them.
+        devices, global_batch: choose the layout for ``devices`` devices (default: the job's, see
+            :func:`omnibal_compile.layout.job_devices`): pipeline depth and chunks, data-parallel degree
+            and layout, micro-batch count, with the least predicted time per micro-batch that fits
+            ``memory_budget`` (:func:`omnibal_compile.layout.choose_layout`); ``global_batch`` counts
+            micro-batches of the example's shape per optimizer step (default two per device). What the
+            caller fixes (``num_stages``, an interleaved ``schedule``, ``num_microbatches``, ``dp`` > 1)
+            is pinned. The candidates are printed and kept as ``result.layout``. Needs costs: without
+            ``device`` or ``costs`` the blocks are profiled here.
         planner: a name in :data:`omnibal_compile.solver.PLANNERS`: ``"ilp"`` (default when costs are
             known: cut points and per-block recomputation chosen jointly and optimally), ``"dp"``,
             ``"uniform"``, ``"parameters"`` (default without costs), ``"flops"``, ``"omnibal"`` (the
@@ -357,7 +372,10 @@ def optimize(
         )
     graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
     chosen_schedule = None
-    if plan is None:  # before costing: a bad stage count or schedule should fail fast
+    search_layout = plan is None and (num_stages is None or devices is not None)
+    if search_layout and device is None and costs is None:  # the search needs costs: profile here
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if plan is None and not search_layout:  # before costing: a bad stage count or schedule should fail fast
         check_num_stages(graph, num_stages)
         chosen_schedule = Schedule.for_stages(
             num_stages, kind=kind, num_microbatches=num_microbatches, virtual_stages=chunks
@@ -368,6 +386,37 @@ def optimize(
             "cost", done, timings,
             lambda: annotate_costs(graph, model, device=device, precision=precision, cache=cost_cache, refresh=refresh_costs),
         )
+    layout_search = None
+    if search_layout:
+        from omnibal_compile.devices import PROFILED_DEVICES, get_device
+        from omnibal_compile.layout import choose_layout, job_devices
+
+        assert table is not None
+        count, where = (devices, f"{devices} as given") if devices is not None else job_devices()
+        # a roofline target gives the links (NVLink in a node, InfiniBand across); profiled costs keep the table's
+        spec = get_device(device) if device is not None and str(device).lower() not in PROFILED_DEVICES else None
+        budget_one = _parse_budget(memory_budget)
+        if isinstance(budget_one, list):
+            raise InputError("optimize(devices=...) takes one memory_budget for every device, not a list")
+        layout_search = _run_pass("layout", done, timings, lambda: choose_layout(
+            table, devices=count, device=spec, global_batch=global_batch, num_stages=num_stages, schedule=schedule,
+            virtual_stages=virtual_stages, num_microbatches=num_microbatches, dp=dp,
+            dp_layout=None if dp == 1 else ("ddp" if dp_shard == "ddp" else "fsdp" if dp_reshard_after_forward else "fsdp-kept"),
+            memory_budget=budget_one, recompute=recompute,
+        ))
+        layout_search = dataclasses.replace(layout_search, notes=(f"devices: {where}", *layout_search.notes))
+        print(layout_search.summary(limit=12))
+        best = layout_search.best.layout
+        num_stages, num_microbatches, virtual_stages = best.num_stages, best.num_microbatches, best.virtual_stages
+        schedule, layout, table = best.schedule, best.data_parallel, layout_search.costs
+        if planner is None:  # the search's plan is the planner's (exact for 1F1B); another planner re-plans
+            plan = layout_search.plan
+        else:
+            chosen_schedule = Schedule.for_stages(num_stages, kind=schedule, num_microbatches=num_microbatches,
+                                                  virtual_stages=virtual_stages)
+            memory_budget = budget_one
+    if num_stages is None:
+        raise InputError("optimize() needs num_stages=, or devices= to choose the layout")
     if plan is not None:
         if plan.num_stages != num_stages:
             raise PlanError(f"the given plan has {plan.num_stages} stages but num_stages={num_stages}")
@@ -385,7 +434,7 @@ def optimize(
     stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
         model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=table,
-        data=data_plan, kernels=kernel_report,
+        data=data_plan, kernels=kernel_report, layout=layout_search,
     )
 
 

@@ -13,7 +13,7 @@ Glossary:
                       states, with optional sharding of the last two over data-parallel ranks.
     data parallel     dp replicas of the whole pipeline (DDP or FSDP): divides static bytes as the
                       layout shards them and adds gradient reduction (and FSDP's all-gathers) to
-                      the iteration, over the table's link bandwidth.
+                      the iteration, over the table's data-parallel bandwidth (``CostTable.dp_bandwidth``).
 """
 
 from __future__ import annotations
@@ -261,6 +261,9 @@ class CostTable:
     """Dtype the activations and memory traffic were measured in (``bfloat16``...); "" when not recorded."""
     attention: str = ""
     """The attention kernel the costs assume, in words; "" when not recorded."""
+    dp_link_bandwidth: float | None = None
+    """Bytes per second of one device in data-parallel collectives (all-gather, reduction), when they run
+    over another link than the stages' sends (e.g. InfiniBand between nodes); None = ``link_bandwidth``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -270,10 +273,17 @@ class CostTable:
             raise InputError(f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got {len(self.cut_bytes)}")
         if self.link_bandwidth <= 0:
             raise InputError(f"link_bandwidth must be positive, got {self.link_bandwidth}")
+        if self.dp_link_bandwidth is not None and self.dp_link_bandwidth <= 0:
+            raise InputError(f"dp_link_bandwidth must be positive (or None), got {self.dp_link_bandwidth}")
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(b.name for b in self.blocks)
+
+    @property
+    def dp_bandwidth(self) -> float:
+        """Bytes/s of data-parallel collectives: ``dp_link_bandwidth``, else ``link_bandwidth``."""
+        return self.link_bandwidth if self.dp_link_bandwidth is None else self.dp_link_bandwidth
 
     def send_s(self, cut: int) -> float:
         """Seconds to send what crosses ``cut`` to the next stage."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import omnibal_compile as oc
@@ -89,3 +91,23 @@ def test_plan_command_takes_dp_flags():
 
     args = build_parser().parse_args(["plan", "tiny-vlm", "--dp", "4", "--dp-shard", "fsdp"])
     assert (args.dp, args.dp_shard) == (4, "fsdp")
+
+
+def test_data_parallel_collectives_use_their_own_link():
+    """CostTable.dp_link_bandwidth prices gathers and reductions (planner and simulator); sends keep link_bandwidth."""
+    from omnibal_compile.plan import Plan
+    from omnibal_compile.sim import simulate
+    from omnibal_compile.solver import problem_from_costs
+
+    blocks = tuple(dataclasses.replace(block(), name=f"b{i}") for i in range(2))
+    fast = CostTable(blocks=blocks, cut_bytes=(0, 500, 0), link_bandwidth=1000.0, device="x", source="roofline")
+    slow = dataclasses.replace(fast, dp_link_bandwidth=100.0)
+    assert CostTable.from_json(slow.to_json()) == slow
+    dp = DataParallel(size=4, shard="ddp")
+    p_fast, p_slow = (problem_from_costs(t, num_stages=2, num_microbatches=2, data_parallel=dp) for t in (fast, slow))
+    assert p_slow.sync[0] == pytest.approx(10 * p_fast.sync[0]) and p_slow.cut_time == p_fast.cut_time
+    plan = Plan(block_names=("b0", "b1"), boundaries=(0, 1, 2), num_microbatches=2, data_parallel=4, data_parallel_shard="ddp")
+    reduce_fast = 2 * 3 / 4 * 2000 / 1000.0
+    assert simulate(plan, slow).iteration_time_s - simulate(plan, fast).iteration_time_s == pytest.approx(9 * reduce_fast)
+    with pytest.raises(InputError, match="dp_link_bandwidth"):
+        dataclasses.replace(fast, dp_link_bandwidth=0.0)

@@ -25,6 +25,7 @@ def _loaded_after(code: str) -> set[str]:
         "import omnibal_compile.cost_table",
         "import omnibal_compile.plan",
         "from omnibal_compile.solver import solve, problem_from_costs",
+        "import omnibal_compile.layout",
         "from omnibal_compile.cli import build_parser; build_parser()",  # what `omnibal-compile --help` runs
     ],
 )

@@ -120,3 +120,15 @@ def test_plan_rejects_costs_of_other_blocks(tmp_path, capsys):
     assert main(["plan", "tiny-vlm", "--stages", "2", "--costs", str(other), "--no-pictures", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"cost table {other} does not hold the" in err and "not_a_block" in err
+
+
+def test_plan_chooses_the_layout_for_a_device_count(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["plan", "tiny-vlm", "--devices", "8", "--device", "h100-80gb", "--memory", "1GiB", "--no-pictures",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "layout search: 8 devices" in printed and "predicted ms/micro-batch" in printed
+    plan = Plan.from_json((out / "plan.json").read_text())
+    best = next(line for line in (out / "layout.txt").read_text().splitlines() if line.rstrip().endswith("best"))
+    assert best.startswith(f"PP {plan.num_devices} x DP {plan.dp.size}, ") and f"M {plan.num_microbatches} x b 1" in best
+    assert f"simulated {plan.schedule}: {plan.num_stages} stages on {plan.num_devices} devices" in printed

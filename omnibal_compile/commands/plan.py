@@ -41,10 +41,17 @@ LENGTH_ITERATIONS = 16
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="tiny-vlm | hf:ClassName:config.json | module.path:factory (returning a model or (model, example_batch))")
-    p.add_argument("--stages", type=int_option(min=1), default=4, help="pipeline stages, chunks included (default 4)")
+    p.add_argument("--stages", type=int_option(min=1), default=None,
+                   help="pipeline stages, chunks included (default 4; with --devices, searched)")
+    p.add_argument("--devices", type=int_option(min=1), default=None,
+                   help="choose the layout for this many devices: pipeline depth and chunks, data parallelism, micro-batches "
+                        "(prints the candidates; --stages, --microbatches, --dp pin what they name)")
+    p.add_argument("--global-batch", type=int_option(min=1), default=None,
+                   help="with --devices: micro-batches of the example's shape per optimizer step (default 2 per device)")
     p.add_argument("--virtual-stages", type=int_option(min=1), default=1,
                    help="stage chunks per device, for --schedule interleaved (default 1)")
-    p.add_argument("--microbatches", type=int_option(min=1), default=8, help="micro-batches per iteration (default 8)")
+    p.add_argument("--microbatches", type=int_option(min=1), default=None,
+                   help="micro-batches per iteration (default 8; with --devices, searched)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule (default 1f1b)")
     p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 40GB (default: unconstrained)")
     p.add_argument("--dp", type=int_option(min=1), default=1, help="data-parallel replicas of the pipeline (default 1)")
@@ -121,9 +128,13 @@ def run(args: argparse.Namespace) -> int:
     from omnibal_compile.sim import simulate
     from omnibal_compile.units import format_size, parse_size
 
+    if args.devices is None:  # a fixed layout: the defaults, checked before any work
+        args.stages = 4 if args.stages is None else args.stages
+        args.microbatches = 8 if args.microbatches is None else args.microbatches
     try:
-        Schedule.for_stages(args.stages, kind=args.schedule, num_microbatches=args.microbatches,
-                            virtual_stages=args.virtual_stages)
+        if args.devices is None:
+            Schedule.for_stages(args.stages, kind=args.schedule, num_microbatches=args.microbatches,
+                                virtual_stages=args.virtual_stages)
     except PlanError as e:
         raise InputError(
             f"--stages {args.stages} --schedule {args.schedule} --microbatches {args.microbatches} "
@@ -151,11 +162,17 @@ def run(args: argparse.Namespace) -> int:
                                         meta=args.meta)
         step(f"capture, blocks, costs, planning ({planner})")
         result = oc.optimize(
-            model, batch, num_stages=args.stages, planner=planner, num_microbatches=args.microbatches,
-            schedule=args.schedule, virtual_stages=args.virtual_stages, memory_budget=budget,
-            device=None if args.costs else args.device, costs=args.costs, dp=args.dp, dp_shard=args.dp_shard,
+            model, batch, num_stages=args.stages, planner=None if args.devices and args.planner == "auto" else planner,
+            num_microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
+            memory_budget=budget, device=None if args.costs else args.device, costs=args.costs, dp=args.dp,
+            dp_shard=args.dp_shard, devices=args.devices, global_batch=args.global_batch,
         )
         plan, costs = result.plan, result.costs
+        if result.layout is not None:  # the sweeps re-plan the chosen layout
+            args.stages, args.microbatches = plan.num_stages, plan.num_microbatches
+            args.schedule, args.virtual_stages = plan.schedule, plan.virtual_stages
+            (out / "layout.txt").write_text(result.layout.summary(limit=None) + "\n")
+            written.append(out / "layout.txt")
         cost_note = (f"costs from {args.costs} ({costs.device}, {costs.source})" if args.costs
                      else f"costs from the cost pass on {costs.device} ({costs.source})")
         if costs.activation_dtype:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from omnibal_compile.cost_table import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.passes.blocks import BlockGraph
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule
 from omnibal_compile.solver import (
@@ -44,7 +44,10 @@ __all__ = [
     "plan_from_solution",
 ]
 
-Planner = Callable[[BlockGraph, int], Plan]
+if TYPE_CHECKING:  # the planning functions are torch-free; only the block graph they cut needs torch
+    from omnibal_compile.passes.blocks import BlockGraph
+
+Planner = Callable[["BlockGraph", int], Plan]
 
 
 def check_num_stages(graph: BlockGraph, num_stages: int) -> None:

@@ -200,7 +200,7 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
         blocks = costs.blocks[st.start : st.stop]
         opts = options[st.start : st.stop]
         send = costs.send_s(st.stop) if st.stop < plan.num_blocks else 0.0
-        dpc = [dp.block_cost(b, costs.precision, costs.link_bandwidth) for b in blocks]
+        dpc = [dp.block_cost(b, costs.precision, costs.dp_bandwidth) for b in blocks]
         out.append(
             StageCost(
                 forward_s=scale * sum(b.forward_s for b in blocks),
@@ -424,8 +424,8 @@ def simulate(
             pass evaluated at each balanced pack's shape). Its length sets the micro-batch count.
         schedule: override ``plan.schedule``.
         num_microbatches: override ``plan.num_microbatches``.
-        link_bandwidth: override ``costs.link_bandwidth`` (bytes/s) for sends and data-parallel
-            communication; ``float('inf')`` makes both free.
+        link_bandwidth: override ``costs.link_bandwidth`` (bytes/s) for sends, scaling data-parallel
+            communication (``costs.dp_bandwidth``) by the same factor; ``float('inf')`` makes both free.
         op_overhead_s: runtime cost of every forward and backward action beyond its compute (the
             schedule's Python, send/receive posting, autograd bookkeeping); measure it on the target
             with :func:`omnibal_compile.runtime.measure_overhead`. Counted as busy time.

@@ -307,7 +307,7 @@ def problem_from_costs(
 
     ``recompute``: ``auto`` lets the solver pick per block; ``none``/``selective``/``full`` forces one option.
     ``data_parallel``: replicas of the pipeline and their layout; its per-block costs come from
-    :meth:`~omnibal_compile.cost_table.DataParallel.block_cost` over ``costs.link_bandwidth``.
+    :meth:`~omnibal_compile.cost_table.DataParallel.block_cost` over ``costs.dp_bandwidth``.
     """
     if recompute == "auto":
         allowed = OPTIONS
@@ -326,7 +326,7 @@ def problem_from_costs(
         raise InputError(f"memory budgets must be positive, got {list(budgets)}")
     blocks = costs.blocks
     dp = data_parallel
-    dpc = [dp.block_cost(b, costs.precision, costs.link_bandwidth) for b in blocks]
+    dpc = [dp.block_cost(b, costs.precision, costs.dp_bandwidth) for b in blocks]
     return PartitionProblem(
         names=tuple(b.name for b in blocks),
         kinds=tuple(b.kind for b in blocks),

@@ -41,6 +41,7 @@ KINDS: dict[str, str] = {
     "sim_vs_real.py": "measured and simulated (simulator vs real runs on local CPU ranks)",
     "solver.py": "measured solve times; iteration times predicted by the planners' cost model",
     "paper_scale.py": "SIMULATED (analytic roofline costs, no model runs)",
+    "layout.py": "SIMULATED layouts (analytic roofline costs); search times measured on this CPU",
     "kernels": "measured on this machine (on CPU a correctness run; speed figures need a GPU)",
     "kernels_gpu.sh": "measured on a GPU",
 }
@@ -62,6 +63,7 @@ QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "sim_vs_real.py": ("--steps", "4", "--rounds", "1"),
     "solver.py": ("--quick",),
     "paper_scale.py": ("--quick",),
+    "layout.py": ("--quick",),
 }
 """Cheaper flags used with ``quick``, for scripts that have them."""
 

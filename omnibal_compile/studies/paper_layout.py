@@ -1,0 +1,40 @@
+"""Paper-scale layout search (SIMULATED): analytic block costs per micro-batch size for :func:`omnibal_compile.layout.search_layout`.
+
+A micro-batch of ``b`` samples is costed as a balanced pack of ``b`` samples of the mean shape of the
+length statistics (tiles, LLM tokens and causal attention pairs per sample times ``b``: a pack attends
+within each sample), on a roofline device (:mod:`omnibal_compile.models.analytic`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from omnibal_compile.cost_table import BF16_ADAM, CostTable, Precision
+from omnibal_compile.data.lengths import LengthStats, bundled_length_files, load_lengths
+from omnibal_compile.devices import A100_80G, DeviceSpec
+from omnibal_compile.models.analytic import MicroBatch, VLMSpec, cost_table
+
+__all__ = ["sample_costs", "PAPER_GLOBAL_BATCH", "PAPER_BUDGET_FRACTION"]
+
+PAPER_GLOBAL_BATCH = 1024
+"""Samples per optimizer step of InternVL-1.5 fine-tuning (as in :mod:`omnibal_compile.studies.paper_scale`)."""
+PAPER_BUDGET_FRACTION = 0.9
+"""Share of a device's memory a plan may use (the rest for fragmentation, NCCL buffers, workspace)."""
+
+
+def sample_costs(
+    model: VLMSpec, stats: LengthStats | None = None, *, device: DeviceSpec = A100_80G, precision: Precision = BF16_ADAM,
+) -> Callable[[int], CostTable]:
+    """``b -> CostTable`` of a micro-batch of ``b`` mean samples of ``stats`` (default: the bundled statistics)."""
+    stats = stats if stats is not None else load_lengths(bundled_length_files())
+    tokens = stats.tokens.astype(np.float64)
+    per_sample = (float(stats.tiles.mean()), float(tokens.mean()), float((tokens * (tokens + 1) / 2).mean()))
+
+    def costs(b: int) -> CostTable:
+        tiles, toks, pairs = (b * x for x in per_sample)
+        return cost_table(model, MicroBatch(tiles=round(tiles), tokens=max(1, round(toks)), attention_pairs=pairs),
+                          device=device, precision=precision)
+
+    return costs

@@ -22,31 +22,18 @@ is noisy on a shared machine; the target is under 30 s for 256 devices).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 from omnibal_compile.devices import A100_80G
-from omnibal_compile.layout import Layout, search_layout
+from omnibal_compile.layout import search_layout
 from omnibal_compile.models.analytic import INTERNVL_6B_20B
-from omnibal_compile.passes.partition import plan_from_solution
-from omnibal_compile.sim import simulate
-from omnibal_compile.solver import problem_from_costs
-from omnibal_compile.solver.dp import solve_dp
-from omnibal_compile.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, sample_costs
+from omnibal_compile.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, paper_layout_times, sample_costs
 
 
 def paper_layout(costs, budget: float) -> tuple[float, str]:
     """Best predicted seconds per sample of PP 8 x DP 16, 1F1B, M 16 x b 4 over the data-parallel layouts, and which."""
-    best = (float("inf"), "none fits")
-    for name in ("fsdp", "fsdp-kept", "ddp"):
-        lay = Layout(pp=8, dp=16, dp_layout=name, microbatch_size=4, num_microbatches=16)
-        t = dataclasses.replace(costs(4), link_bandwidth=A100_80G.link_bandwidth("nvlink"),
-                                dp_link_bandwidth=A100_80G.link_bandwidth("infiniband"))
-        problem = problem_from_costs(t, num_stages=8, num_microbatches=16, budget=budget, data_parallel=lay.data_parallel)
-        sim = simulate(plan_from_solution(solve_dp(problem), t, problem), t)
-        if max(sim.peak_memory_bytes) <= budget:
-            best = min(best, (sim.iteration_time_s / PAPER_GLOBAL_BATCH, lay.describe()))
-    return best
+    times = paper_layout_times(costs, budget)
+    return min(((t, how) for how, t in times.items()), default=(float("inf"), "none fits"))
 
 
 def main() -> int:

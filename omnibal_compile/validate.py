@@ -125,27 +125,22 @@ def read_text(path: str | os.PathLike[str], what: str, *, hint: str = "") -> str
 
 def int_option(*, min: int | None = None, max: int | None = None) -> Callable[[str], int]:
     """An argparse ``type=`` for an integer option, checked as :func:`check_int` (argparse names the flag)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        try:
-            return check_int(value, "the value", min=min, max=max)
-        except InputError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return parse
+    return _option(int, "an integer", lambda v: check_int(v, "the value", min=min, max=max))
 
 
 def number_option(*, min: float | None = None, above: float | None = None) -> Callable[[str], float]:
     """An argparse ``type=`` for a finite number, checked as :func:`check_number` (NaN and inf are refused)."""
-    def parse(text: str) -> float:
+    return _option(float, "a number", lambda v: check_number(v, "the value", min=min, above=above))
+
+
+def _option(convert: Callable[[str], Any], noun: str, check: Callable[[Any], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
-            value = float(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
         try:
-            return check_number(value, "the value", min=min, above=above)
+            return check(value)
         except InputError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return parse

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -11,11 +10,10 @@ from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, BlockCost, CostTable
 from omnibal_compile.devices import A100_80G
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.layout import PRUNE_MARGIN, Layout, scale_costs, search_layout
-from omnibal_compile.passes.partition import plan_from_solution
 from omnibal_compile.plan import Plan
+from omnibal_compile.studies.paper_layout import paper_layout_times
 from omnibal_compile.sim import simulate
 from omnibal_compile.solver import problem_from_costs
-from omnibal_compile.solver.dp import solve_dp
 
 MIB = 2**20
 
@@ -119,15 +117,7 @@ def test_internvl_on_128_devices_beats_the_papers_pp8_dp16(internvl_128):
     best = result.best
     assert best.layout.devices == 128 and best.peak_memory_bytes <= budget
     # The paper's layout, planned and simulated here on its own: PP 8 x DP 16, 1F1B, 16 micro-batches of 4 samples.
-    paper = []
-    for name in ("fsdp", "fsdp-kept", "ddp"):
-        lay = Layout(pp=8, dp=16, dp_layout=name, microbatch_size=4, num_microbatches=16)
-        t = dataclasses.replace(costs(4), link_bandwidth=A100_80G.link_bandwidth("nvlink"),
-                                dp_link_bandwidth=A100_80G.link_bandwidth("infiniband"))
-        problem = problem_from_costs(t, num_stages=8, num_microbatches=16, budget=budget, data_parallel=lay.data_parallel)
-        sim = simulate(plan_from_solution(solve_dp(problem), t, problem), t)
-        if max(sim.peak_memory_bytes) <= budget:
-            paper.append(sim.iteration_time_s / 1024)
+    paper = list(paper_layout_times(costs, budget).values())
     assert paper, "the paper's layout fits under some data-parallel layout"
     assert best.time_per_unit_s <= min(paper)
     for c in result.candidates:

@@ -16,7 +16,7 @@ from omnibal_compile.data.lengths import LengthStats, bundled_length_files, load
 from omnibal_compile.devices import A100_80G, DeviceSpec
 from omnibal_compile.models.analytic import MicroBatch, VLMSpec, cost_table
 
-__all__ = ["sample_costs", "PAPER_GLOBAL_BATCH", "PAPER_BUDGET_FRACTION"]
+__all__ = ["sample_costs", "paper_layout_times", "PAPER_GLOBAL_BATCH", "PAPER_BUDGET_FRACTION"]
 
 PAPER_GLOBAL_BATCH = 1024
 """Samples per optimizer step of InternVL-1.5 fine-tuning (as in :mod:`omnibal_compile.studies.paper_scale`)."""
@@ -38,3 +38,26 @@ def sample_costs(
                           device=device, precision=precision)
 
     return costs
+
+
+def paper_layout_times(costs: Callable[[int], CostTable], budget: float, device: DeviceSpec = A100_80G) -> dict[str, float]:
+    """Predicted seconds per sample of the paper's layout (PP 8 x DP 16, 1F1B, 16 micro-batches of 4 samples),
+    planned by the exact DP and simulated, under each data-parallel layout whose simulated peak fits ``budget``."""
+    import dataclasses
+
+    from omnibal_compile.layout import Layout
+    from omnibal_compile.passes.partition import plan_from_solution
+    from omnibal_compile.sim import simulate
+    from omnibal_compile.solver import problem_from_costs
+    from omnibal_compile.solver.dp import solve_dp
+
+    out = {}
+    for name in ("fsdp", "fsdp-kept", "ddp"):
+        lay = Layout(pp=8, dp=16, dp_layout=name, microbatch_size=4, num_microbatches=16)
+        t = dataclasses.replace(costs(4), link_bandwidth=device.link_bandwidth("nvlink"),
+                                dp_link_bandwidth=device.link_bandwidth("infiniband"))
+        problem = problem_from_costs(t, num_stages=8, num_microbatches=16, budget=budget, data_parallel=lay.data_parallel)
+        sim = simulate(plan_from_solution(solve_dp(problem), t, problem), t)
+        if max(sim.peak_memory_bytes) <= budget:
+            out[lay.describe()] = sim.iteration_time_s / PAPER_GLOBAL_BATCH
+    return out

@@ -22,4 +22,4 @@ def test_gpu_check_dry_run_passes_and_writes_its_results(tmp_path):
     assert costs["error_after"]["median"] <= costs["error_before"]["median"]  # the fit can only help its own data
     assert json.loads((tmp_path / "kernels.json").read_text())
     log = (tmp_path / "gpu_check.txt").read_text()
-    assert "kernels exit 0, model checks exit 0" in log and "parity OK" in log
+    assert "kernels exit 0, model checks exit 0" in log and "Parity OK" in log

@@ -10,6 +10,7 @@ a string where a number belongs or a directory given as a file say so in the sam
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import numbers
 import os
@@ -20,8 +21,8 @@ from typing import Any
 from omnibal_compile.errors import InputError, OmnibalError
 
 __all__ = [
-    "check_int", "check_number", "check_seed", "check_choice", "check_int_list", "read_text", "int_option",
-    "number_option", "MAX_SEED",
+    "check_int", "check_number", "check_seed", "check_choice", "check_int_list", "read_text", "json_records",
+    "int_option", "number_option", "MAX_SEED",
 ]
 
 MAX_SEED = 2**63 - 1
@@ -121,6 +122,29 @@ def read_text(path: str | os.PathLike[str], what: str, *, hint: str = "") -> str
         raise InputError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}); is it the right file?") from None
     except OSError as e:
         raise InputError(f"{what} {str(p)!r} cannot be read: {e.strerror or e}") from None
+
+
+def json_records(text: str, name: str, *, lines: bool, expected: str) -> list[tuple[str, Any]]:
+    """The records of a JSON list (``lines=False``) or of JSON Lines, each with a label for messages
+    (``"NAME record I (line L)"``); ``expected`` describes a record for the error when the JSON is not a list."""
+    if lines:
+        out = []
+        for line_no, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{name} line {line_no}: not valid JSON ({e.msg})") from None
+            out.append((f"{name} record {len(out)} (line {line_no})", rec))
+        return out
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{name}: not valid JSON at line {e.lineno} ({e.msg}); use a .jsonl suffix for JSON Lines") from None
+    if not isinstance(data, list):
+        raise InputError(f"{name}: expected a JSON list of {expected}, got {type(data).__name__}")
+    return [(f"{name} record {i}", rec) for i, rec in enumerate(data)]
 
 
 def int_option(*, min: int | None = None, max: int | None = None) -> Callable[[str], int]:

@@ -26,7 +26,6 @@ Glossary:
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import os
@@ -42,6 +41,7 @@ import numpy as np
 
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats
 from omnibal_compile.errors import InputError
+from omnibal_compile.validate import json_records, read_text
 from omnibal_compile.progress import Progress
 
 __all__ = ["TilingOptions", "SkippedRecord", "DatasetLengths", "tile_grid", "count_tiles", "read_image_size",
@@ -173,29 +173,8 @@ def read_records(path: str | os.PathLike[str]) -> list[tuple[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise InputError(f"dataset file {p} does not exist")
-    name = str(p)
-    if p.suffix.lower() in (".jsonl", ".ndjson"):
-        out = []
-        with open(p, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{name} line {line_no}: not valid JSON ({e.msg})") from None
-                out.append((f"{name} record {len(out)} (line {line_no})", rec))
-        return out
-    with open(p, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{name}: not valid JSON at line {e.lineno} ({e.msg}); "
-                             "use a .jsonl suffix for JSON Lines") from None
-    if not isinstance(data, list):
-        raise InputError(f"{name}: expected a JSON list of records with 'conversations' (and 'image'), "
-                         f"got {type(data).__name__}")
-    return [(f"{name} record {i}", rec) for i, rec in enumerate(data)]
+    return json_records(read_text(p, "dataset file"), str(p), lines=p.suffix.lower() in (".jsonl", ".ndjson"),
+                        expected="records with 'conversations' (and 'image')")
 
 
 def _messages(where: str, rec: Any, placeholder: str) -> list[dict[str, str]]:

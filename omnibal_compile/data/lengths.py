@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from omnibal_compile.errors import InputError
-from omnibal_compile.validate import check_int, read_text
+from omnibal_compile.validate import check_int, json_records, read_text
 
 __all__ = ["LengthStats", "load_lengths", "save_lengths", "scale_lengths", "bundled_length_files",
            "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]
@@ -206,29 +206,9 @@ def _load_file(path: Path) -> LengthStats:
         # Header is line 1, so record i sits on line i + 2.
         rows = ((f"{name} record {i} (line {i + 2})", r) for i, r in enumerate(reader))
         return _records_to_stats(rows, name, text=True)
-    if suffix in (".jsonl", ".ndjson"):
-        def rows() -> Iterable[tuple[str, Any]]:
-            i = 0
-            for line_no, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{name} line {line_no}: not valid JSON ({e.msg})") from None
-                yield f"{name} record {i} (line {line_no})", rec
-                i += 1
-        return _records_to_stats(rows(), name)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{name}: not valid JSON at line {e.lineno} ({e.msg}); "
-                         "use a .jsonl suffix for JSON Lines or .csv for CSV") from None
-    if not isinstance(data, list):
-        raise InputError(f"{name}: expected a JSON list of records like "
-                         '{"vit_num": 5, "token_num": 1420, "image_flags": 5}, '
-                         f"got {type(data).__name__}")
-    return _records_to_stats(((f"{name} record {i}", r) for i, r in enumerate(data)), name)
+    records = json_records(text, name, lines=suffix in (".jsonl", ".ndjson"),
+                           expected='records like {"vit_num": 5, "token_num": 1420, "image_flags": 5} (or use .csv for CSV)')
+    return _records_to_stats(records, name)
 
 
 def load_lengths(lengths: Any) -> LengthStats:

@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,19 +47,24 @@ sys.path.insert(0, str(ROOT))
 
 from omnibal_compile.tables import format_table  # noqa: E402
 
+_SOLVER_TESTS = ("tests/test_solver.py", "-k", "not vlm and not real and not cost_planners")
+"""The torch-free solver tests (the ones on the reference VLM capture and cost a model first: minutes)."""
+_RECOMPUTE_RUNTIME = "tests/test_runtime.py::test_build_pipeline_runs_each_blocks_planned_recomputation"
+"""The recompute pass applied through ``build_pipeline``, one rank in the test's process."""
+
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "problem": ("omnibal_compile/solver/problem.py", ("tests/test_solver.py",)),
-    "dp": ("omnibal_compile/solver/dp.py", ("tests/test_solver.py",)),
-    "ilp": ("omnibal_compile/solver/ilp.py", ("tests/test_solver.py",)),
-    "baselines": ("omnibal_compile/solver/baselines.py", ("tests/test_solver.py", "tests/test_partition.py")),
-    "explain": ("omnibal_compile/solver/explain.py", ("tests/test_solver.py",)),
-    "solver": ("omnibal_compile/solver/__init__.py", ("tests/test_solver.py",)),
+    "problem": ("omnibal_compile/solver/problem.py", _SOLVER_TESTS),
+    "dp": ("omnibal_compile/solver/dp.py", _SOLVER_TESTS),
+    "ilp": ("omnibal_compile/solver/ilp.py", _SOLVER_TESTS),
+    "baselines": ("omnibal_compile/solver/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py")),
+    "explain": ("omnibal_compile/solver/explain.py", _SOLVER_TESTS),
+    "solver": ("omnibal_compile/solver/__init__.py", _SOLVER_TESTS),
     "sampler": ("omnibal_compile/data/sampler.py", ("tests/test_data_sampler.py",)),
     "packing": ("omnibal_compile/data/packing.py", ("tests/test_data_balance.py", "tests/test_data_sampler.py")),
     "metrics": ("omnibal_compile/data/metrics.py", ("tests/test_data_balance.py",)),
     "balance": ("omnibal_compile/data/balance.py", ("tests/test_data_balance.py",)),
     "collate": ("omnibal_compile/data/collate.py", ("tests/test_data_collate.py",)),
-    "recompute": ("omnibal_compile/passes/recompute.py", ("tests/test_recompute.py",)),
+    "recompute": ("omnibal_compile/passes/recompute.py", (_RECOMPUTE_RUNTIME, "tests/test_recompute.py")),
     "recompute_policy": ("omnibal_compile/passes/recompute_policy.py", ("tests/test_recompute.py",)),
     "codegen": ("omnibal_compile/passes/codegen.py", ("tests/test_codegen.py",)),
     "partition": ("omnibal_compile/passes/partition.py", ("tests/test_partition.py",)),
@@ -66,9 +72,12 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "schedule": ("omnibal_compile/schedule.py", ("tests/test_schedule.py",)),
     "pipeline": ("omnibal_compile/runtime/pipeline.py", ("tests/test_runtime.py",)),
 }
-"""Module name -> (source file, the test files that cover it)."""
+"""Module name -> (source file, the pytest arguments that run the tests covering it: files, node ids, ``-k``)."""
 
-EQUIVALENT: dict[tuple[str, str, str], str] = {}
+EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("omnibal_compile/data/sampler.py", "if world_size < 1 or not 0 <= rank < world_size:", "1  ->  0"):
+        "world_size 0 still fails (no rank is >= 0 and < 0)",
+}
 """(source file, the mutated line stripped, mutation) -> why the mutant changes no behaviour.
 
 Keyed by the line's text, not its number, so notes survive edits elsewhere in the file."""
@@ -365,6 +374,7 @@ def main() -> int:
         print(format_table(rows, "llrl"))
         return 0
     command = "python bench/mutation.py " + " ".join(sys.argv[1:])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still restores and removes the copy
     copy_root = scratch_copy()
     reports = []
     try:

@@ -232,8 +232,10 @@ def test_loads_and_attention_pairs_against_hand_counts_padded() -> None:
     # every row is padded to the pack's longest sample: rows x longest tokens, rows x L (L + 1) / 2 pairs
     assert loads["computed"].tolist() == [2 * 4, 5, 3 * 6, 2]
     assert loads["pairs"].tolist() == [2 * 10, 15, 3 * 21, 3]
-    m = balance_metrics(_HAND, p, cost=ShapeCost(flops_per_tile=1, flops_per_token=0, flops_per_attention_pair=0))
+    m = balance_metrics(_HAND, p, cost=ShapeCost(flops_per_tile=1, flops_per_token=10, flops_per_attention_pair=100))
     assert m.pad_ratio == pytest.approx((1 + 0 + 9 + 0) / (8 + 5 + 18 + 2))
     # steps: packs (3, 0) then (1, 2); language loads (2, 8) and (5, 18)
     assert m.dist_language == pytest.approx(((8 - 2) / 16 + (18 - 5) / 36) / 2)
-    assert m.dist_vision == m.dist_compute == pytest.approx(((1 - 0) / 2 + (4 - 3) / 8) / 2)
+    assert m.dist_vision == pytest.approx(((1 - 0) / 2 + (4 - 3) / 8) / 2)
+    # FLOPs tiles + 10 computed + 100 pairs per pack: 2081, 1554, 6483, 320
+    assert m.dist_compute == pytest.approx(((2081 - 320) / (2 * 2081) + (6483 - 1554) / (2 * 6483)) / 2)

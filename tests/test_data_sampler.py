@@ -111,14 +111,14 @@ def test_works_as_a_dataloader_batch_sampler() -> None:
     assert got == list(s)
 
 
-def _hand_packer(calls: list[int]):
-    """Packs [0, 1], [2], [3, 4, 5], [6], [7], [8, 9] on 2 ranks, steps written by hand; records its seeds."""
+def _hand_packer(calls: list[int], steps: list[list[int]] | None = None):
+    """Packs [0, 1], [2], [3, 4, 5], [6], [7], [8, 9], steps written by hand (default: on 2 ranks); records its seeds."""
     from omnibal_compile.data.packing import Packing
 
     def packer(seed: int) -> Packing:
         calls.append(seed)
         return Packing(order=np.arange(10), offsets=np.array([0, 2, 3, 6, 7, 8, 10]),
-                       steps=np.array([[2, 0], [5, 3], [1, 4]]), capacity=None, layout="padded",
+                       steps=np.array(steps or [[2, 0], [5, 3], [1, 4]]), capacity=None, layout="padded",
                        oversized=np.zeros(0, np.int64), oversized_policy="error", method="hand")
 
     return packer
@@ -139,6 +139,9 @@ def test_each_ranks_kth_batch_is_the_pack_planned_for_step_k_and_that_rank() -> 
     resumed = BalancedBatchSampler(_hand_packer(calls), num_samples=10, rank=0, world_size=2, seed=7)
     resumed.load_state_dict({"epoch": 0, "step": 1})
     assert list(resumed) == [[8, 9], [2]] and resumed.state_dict()["epoch"] == 1
+    # the defaults: one rank, seed 0
+    alone = BalancedBatchSampler(_hand_packer(calls, [[4], [0], [5], [1], [2], [3]]), num_samples=10)
+    assert list(alone) == [[7], [0, 1], [8, 9], [2], [3, 4, 5], [6]] and calls[-1] == epoch_seed(0, 0)
 
 
 @settings(max_examples=10, deadline=None)

@@ -143,8 +143,10 @@ def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str,
             for prm in model.parameters():
                 prm.grad = None
             pipe = build_pipeline(result, rank=rank, world_size=world)
+            regions = _count_region_calls(pipe, result)
             loss = pipe.step(batch)
             found[name] = {
+                "regions": regions,
                 "loss": loss,
                 "grads": {n: g.clone() for n, g in pipe.named_grads().items() if g is not None},
                 "stages": pipe.stage_indices,
@@ -158,6 +160,37 @@ def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str,
                 except InputError as e:
                     found["shape-error"] = str(e)
         torch.save(found, Path(out) / f"rank{rank}.pt")
+
+
+def _count_region_calls(pipe: Any, result: oc.OptimizeResult) -> list[tuple[str, str, list[int]]]:
+    """(block, option, [calls in forward, calls in backward]) of every checkpoint region of ``pipe``'s
+    stages, in stage order; the counts fill in as the pipeline runs."""
+    from omnibal_compile.passes.recompute import CheckpointedRegion
+
+    found: list[tuple[str, str, list[int]]] = []
+    option = dict(zip(result.plan.block_names, result.plan.block_recompute))
+    for module in pipe.modules:
+        planned = [b for b in oc.stage_info(module).blocks if option[b] != "none"]
+        regions = [m for m in module.modules() if isinstance(m, CheckpointedRegion)]
+        for m, block in zip(regions, planned):
+            calls = [0, 0]
+            forward = m.region.forward
+
+            def counted(*args: Any, forward: Any = forward, calls: list[int] = calls) -> Any:
+                calls[torch._C._current_graph_task_id() != -1] += 1
+                return forward(*args)
+
+            m.region.forward = counted
+            found.append((block, m.option, calls))
+        found += [("<unplanned region>", m.option, [0, 0]) for m in regions[len(planned):]]
+    return found
+
+
+def _planned_regions(plan: Plan, rank: int) -> list[tuple[str, str]]:
+    """(block, option) of every block that recomputes in the stages ``rank`` runs, in stage order."""
+    b = plan.boundaries
+    return [(plan.block_names[i], plan.block_recompute[i]) for s in rank_stages(plan, rank)
+            for i in range(b[s], b[s + 1]) if plan.block_recompute[i] != "none"]
 
 
 def _rebuild(cls: type, config: Any, state: dict[str, torch.Tensor], batch: Any) -> tuple[torch.nn.Module, Any]:
@@ -246,6 +279,15 @@ def test_one_step_matches_unsplit_model(world, parity_models, base_plans, tmp_pa
         assert diff <= TOL, (name, worst, diff)
         expected = [rank_stages(plan, r) for r in range(world)]
         assert [tuple(r[name]["stages"]) for r in ranks] == expected
+        # The plan's recomputation reached every rank: one region per recomputed block with its option,
+        # run once per micro-batch forward and (transformer layers at least) rerun once per backward.
+        for rank, r in enumerate(ranks):
+            assert [(b, o) for b, o, _ in r[name]["regions"]] == _planned_regions(plan, rank), (name, rank)
+            for block, _, (forward, backward) in r[name]["regions"]:
+                assert forward == plan.num_microbatches, (name, rank, block)
+                assert backward in ((plan.num_microbatches,) if ".layers." in block else (0, plan.num_microbatches))
+        if any(o != "none" for o in plan.block_recompute):
+            assert any(backward for r in ranks for *_, (_, backward) in r[name]["regions"]), name
     if world == 2:
         msg = ranks[0]["shape-error"]
         assert msg is not None and "'pixel_values' has shape (2, 3, 16, 16)" in msg and "(4, 3, 16, 16)" in msg

@@ -169,8 +169,8 @@ def _count_region_calls(pipe: Any, result: oc.OptimizeResult) -> list[tuple[str,
 
     found: list[tuple[str, str, list[int]]] = []
     option = dict(zip(result.plan.block_names, result.plan.block_recompute))
-    for module in pipe.modules:
-        planned = [b for b in oc.stage_info(module).blocks if option[b] != "none"]
+    for s, module in zip(pipe.stage_indices, pipe.modules):
+        planned = [b for b in result.stage_info(s).blocks if option[b] != "none"]
         regions = [m for m in module.modules() if isinstance(m, CheckpointedRegion)]
         for m, block in zip(regions, planned):
             calls = [0, 0]

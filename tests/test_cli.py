@@ -1,6 +1,10 @@
 import json
+import os
+import shutil
 import subprocess
-import sys
+import sysconfig
+
+import pytest
 
 from omnibal_compile.cli import main
 
@@ -26,5 +30,18 @@ def test_demo_errors_are_reported_not_raised(capsys):
 
 
 def test_console_script_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "omnibal_compile.cli", "--help"], capture_output=True, text=True)
-    assert proc.returncode == 0 and "demo" in proc.stdout
+    """The installed ``omnibal-compile`` script (what ``pip install`` puts on PATH) runs the CLI."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("omnibal_compile")
+    except metadata.PackageNotFoundError:
+        pytest.skip("omnibal_compile is not installed (pip install -e .): there is no console script to run")
+    (entry,) = [e for e in dist.entry_points if e.group == "console_scripts" and e.name == "omnibal-compile"]
+    assert entry.value == "omnibal_compile.cli:main"
+    script = shutil.which("omnibal-compile", path=os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")]))
+    assert script is not None, "the omnibal-compile script is not on PATH nor in this interpreter's scripts folder"
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "demo" in proc.stdout, proc.stderr
+    proc = subprocess.run([script, "demo", "--stages", "999"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "exceeds" in proc.stderr  # errors reach the shell as exit status 2

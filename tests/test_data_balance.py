@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from omnibal_compile.data import (
     LengthStats,
     PackShape,
+    ShapeCost,
     balance_metrics,
     balance_pack,
     dist_ratio,
@@ -187,3 +188,54 @@ def test_length_grouping_gives_every_rank_a_batch_from_each_mega_batch(n_img: in
     assert (sizes > 0).all()
     # Within a step the ranks' micro-batches differ by at most one sample (one mega-batch per step).
     assert (sizes.max(axis=1) - sizes.min(axis=1) <= 1).all()
+
+
+def _hand_packing(layout: str, steps: list[list[int]], capacity: PackShape | None = None):
+    """Packs [0, 1], [2], [3, 4, 5], [6] scheduled by ``steps`` (hand-written, no balancer involved)."""
+    from omnibal_compile.data.packing import Packing
+
+    return Packing(order=np.array([0, 1, 2, 3, 4, 5, 6]), offsets=np.array([0, 2, 3, 6, 7]), steps=np.array(steps),
+                   capacity=capacity, layout=layout, oversized=np.zeros(0, np.int64), oversized_policy="error",
+                   method="hand")
+
+
+# tiles and tokens of samples 0..6
+_HAND = LengthStats.from_arrays([1, 0, 4, 0, 2, 1, 0], [3, 4, 5, 1, 2, 6, 2])
+
+
+def test_loads_and_attention_pairs_against_hand_counts_packed() -> None:
+    from omnibal_compile.data.metrics import pack_loads
+
+    p = _hand_packing("packed", [[0, 1], [2, 3]], capacity=PackShape(tiles=4, tokens=10))
+    loads = pack_loads(_HAND, p)
+    assert loads["tiles"].tolist() == [1, 4, 3, 0]
+    assert loads["tokens"].tolist() == [7, 5, 9, 2]
+    assert loads["computed"].tolist() == [7, 5, 9, 2]  # a packed row computes its real tokens
+    # causal pairs stay inside each sample: L (L + 1) / 2 per sample
+    assert loads["pairs"].tolist() == [3 * 4 / 2 + 4 * 5 / 2, 15, 1 + 3 + 21, 3]
+    m = balance_metrics(_HAND, p, cost=ShapeCost(flops_per_tile=0, flops_per_token=0, flops_per_attention_pair=1))
+    # shapes are Q_t = 10 tokens per pack: padding (3 + 5 + 1 + 8) of 40
+    assert m.pad_ratio == pytest.approx(17 / 40)
+    # step 0 loads (1, 4), step 1 (3, 0): ((4 - 1) / 8 + (3 - 0) / 6) / 2
+    assert m.dist_vision == pytest.approx((3 / 8 + 3 / 6) / 2)
+    assert m.dist_language == pytest.approx(((7 - 5) / 14 + (9 - 2) / 18) / 2)
+    assert m.dist_compute == pytest.approx(((16 - 15) / 32 + (25 - 3) / 50) / 2)
+    assert (m.samples_per_pack, m.num_steps, m.oversized) == (7 / 4, 2, 0)
+
+
+def test_loads_and_attention_pairs_against_hand_counts_padded() -> None:
+    from omnibal_compile.data.metrics import pack_loads
+
+    p = _hand_packing("padded", [[3, 0], [1, 2]])
+    loads = pack_loads(_HAND, p)
+    assert loads["tokens"].tolist() == [7, 5, 9, 2]
+    # every row is padded to the pack's longest sample: rows x longest tokens, rows x L (L + 1) / 2 pairs
+    assert loads["computed"].tolist() == [2 * 4, 5, 3 * 6, 2]
+    assert loads["pairs"].tolist() == [2 * 10, 15, 3 * 21, 3]
+    m = balance_metrics(_HAND, p, cost=ShapeCost(flops_per_tile=1, flops_per_token=10, flops_per_attention_pair=100))
+    assert m.pad_ratio == pytest.approx((1 + 0 + 9 + 0) / (8 + 5 + 18 + 2))
+    # steps: packs (3, 0) then (1, 2); language loads (2, 8) and (5, 18)
+    assert m.dist_language == pytest.approx(((8 - 2) / 16 + (18 - 5) / 36) / 2)
+    assert m.dist_vision == pytest.approx(((1 - 0) / 2 + (4 - 3) / 8) / 2)
+    # FLOPs tiles + 10 computed + 100 pairs per pack: 2081, 1554, 6483, 320
+    assert m.dist_compute == pytest.approx(((2081 - 320) / (2 * 2081) + (6483 - 1554) / (2 * 6483)) / 2)

@@ -109,3 +109,47 @@ def test_works_as_a_dataloader_batch_sampler() -> None:
     got = [b.tolist() for b in loader]
     s.set_epoch(0)
     assert got == list(s)
+
+
+def _hand_packer(calls: list[int], steps: list[list[int]] | None = None):
+    """Packs [0, 1], [2], [3, 4, 5], [6], [7], [8, 9], steps written by hand (default: on 2 ranks); records its seeds."""
+    from omnibal_compile.data.packing import Packing
+
+    def packer(seed: int) -> Packing:
+        calls.append(seed)
+        return Packing(order=np.arange(10), offsets=np.array([0, 2, 3, 6, 7, 8, 10]),
+                       steps=np.array(steps or [[2, 0], [5, 3], [1, 4]]), capacity=None, layout="padded",
+                       oversized=np.zeros(0, np.int64), oversized_policy="error", method="hand")
+
+    return packer
+
+
+def test_each_ranks_kth_batch_is_the_pack_planned_for_step_k_and_that_rank() -> None:
+    from omnibal_compile.data.sampler import epoch_seed
+
+    calls: list[int] = []
+    ranks = [BalancedBatchSampler(_hand_packer(calls), num_samples=10, rank=r, world_size=2, seed=7) for r in range(2)]
+    assert [len(s) for s in ranks] == [3, 3]
+    assert list(ranks[0]) == [[3, 4, 5], [8, 9], [2]]  # packs 2, 5, 1
+    assert list(ranks[1]) == [[0, 1], [6], [7]]  # packs 0, 3, 4
+    # the packer runs once per epoch, with that epoch's seed, on every rank alike
+    assert calls == [epoch_seed(7, 0)] * 2
+    assert list(ranks[1]) == [[0, 1], [6], [7]] and calls[-1] == epoch_seed(7, 1) != epoch_seed(7, 0)
+    # resuming at step 1 yields the packs of steps 1 and 2
+    resumed = BalancedBatchSampler(_hand_packer(calls), num_samples=10, rank=0, world_size=2, seed=7)
+    resumed.load_state_dict({"epoch": 0, "step": 1})
+    assert list(resumed) == [[8, 9], [2]] and resumed.state_dict()["epoch"] == 1
+    # the defaults: one rank, seed 0
+    alone = BalancedBatchSampler(_hand_packer(calls, [[4], [0], [5], [1], [2], [3]]), num_samples=10)
+    assert list(alone) == [[7], [0, 1], [8, 9], [2], [3, 4, 5], [6]] and calls[-1] == epoch_seed(0, 0)
+
+
+@settings(max_examples=10, deadline=None)
+@given(sizes)
+def test_batches_follow_the_packings_steps_on_real_packers(case: tuple[int, int, int, str]) -> None:
+    n, world, seed, method = case
+    for r in range(world):
+        s = _sampler(n, world, r, seed, method)
+        packing = s.packing()
+        expected = [packing.pack(int(p)).tolist() for p in packing.steps[:, r]]
+        assert list(s) == expected

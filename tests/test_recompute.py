@@ -194,3 +194,22 @@ def test_predicted_memory_bounds_the_measured_peak(option):
     blocks = result.costs.blocks
     predicted = sum(b.activation_bytes[option] for b in blocks) + max(b.workspace_bytes for b in blocks)
     assert live.peak_bytes <= predicted <= 1.2 * live.peak_bytes, (live.peak_bytes, predicted)
+
+
+def test_recompute_pass_keeps_node_metadata(vlm, vlm_result2):
+    """The values a region returns keep the shapes and dtypes the captured graph recorded ("val"), so
+    passes after this one (and readers of the stage graph) see the same metadata as without it."""
+    model, _ = vlm
+    result = vlm_result2
+    plan = dataclasses.replace(result.plan, recompute=("full",) * result.plan.num_blocks)
+    for stage in generate_stages(result.graph, plan, model):
+        before = {n.name: n.meta.get("val") for n in stage.graph.nodes}
+        after = apply_recompute(stage, result.graph, plan)
+        reads = [n for n in after.graph.nodes if n.op == "call_function" and n.args and getattr(n.args[0], "op", "") == "call_module"]
+        assert reads
+        for n in reads:
+            region = after.get_submodule(n.args[0].target).region
+            out = next(o for o in region.graph.nodes if o.op == "output").args[0][n.args[1]]
+            want = before[out.name]
+            assert isinstance(want, torch.Tensor) and isinstance(n.meta.get("val"), torch.Tensor), n.name
+            assert (n.meta["val"].shape, n.meta["val"].dtype) == (want.shape, want.dtype), n.name

@@ -167,6 +167,9 @@ def test_properties_random_plans(times, M, schedule, scales):
     # Dependencies: forward of s after forward of s-1; backward of s after backward of s+1.
     f_end = {(e.stage, e.microbatch): e.end_s for e in res.events if e.kind == "forward"}
     b_ev = {(e.stage, e.microbatch): e for e in res.events if e.kind == "backward"}
+    for e in res.events:
+        if e.kind == "forward" and e.stage > 0:
+            assert e.start_s >= f_end[(e.stage - 1, e.microbatch)] - 1e-9
     for (s, m), e in b_ev.items():
         assert e.start_s >= f_end[(s, m)] - 1e-9
         if s + 1 < S:

@@ -5,7 +5,7 @@ import math
 import random
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from omnibal_compile import InputError, PlanError
@@ -36,11 +36,19 @@ def runnable(kind, M, v, S):
 
 
 @st.composite
-def problems(draw, max_n=5, schedules=("gpipe", "1f1b")):
-    n = draw(st.integers(1, max_n))
-    S = draw(st.integers(1, min(n, 4)))
+def problems(draw, max_n=5, schedules=("gpipe", "1f1b"), virtual=(1,)):
+    """Random problems; two in three drawn memory-bound and multi-stage (see :func:`memory_bound`).
+
+    Interleaved draws v from ``virtual`` and S as a multiple of v that torch can run. A memory-bound
+    draw has S >= 2 and a per-device budget between the least-memory plan's and the no-recompute
+    optimum's, so the budget changes the answer whenever those two differ.
+    """
+    bound = draw(st.integers(0, 2)) > 0
     schedule = draw(st.sampled_from(schedules))
-    M = draw(st.integers(1, 6).filter(lambda m: runnable(schedule, m, 1, S)))
+    v = draw(st.sampled_from(virtual)) if schedule == "interleaved" else 1
+    n = draw(st.integers(max(2 * v, 2) if bound else v, max_n))
+    S = v * draw(st.integers(2 if bound else 1, min(n, 4) // v))
+    M = draw(st.integers(1, 6).filter(lambda m: runnable(schedule, m, v, S)))
     time, act = [], []
     for _ in range(n):
         f = draw(st.floats(0.1, 10))
@@ -51,9 +59,8 @@ def problems(draw, max_n=5, schedules=("gpipe", "1f1b")):
         act.append((a, a_sel, draw(st.integers(0, a_sel))))
     static = [draw(st.integers(0, 4 * GiB)) for _ in range(n)]
     cut_bytes = [0] + [draw(st.integers(0, GiB // 4)) for _ in range(n - 1)] + [0]
-    budget = draw(st.one_of(st.none(), st.floats(2, 40)))
     kinds = tuple(draw(st.sampled_from(["layer", "module"])) for _ in range(n))
-    return PartitionProblem(
+    free = PartitionProblem(
         names=tuple(f"b{i}" for i in range(n)),
         kinds=kinds,
         time=tuple(time),
@@ -66,8 +73,38 @@ def problems(draw, max_n=5, schedules=("gpipe", "1f1b")):
         num_stages=S,
         num_microbatches=M,
         schedule=schedule,
-        budget=(budget * GiB,) * S if budget is not None else (),
+        virtual_stages=v,
     )
+    if bound:
+        least = least_memory_split(free)[2]
+        most = _device_memory(free, _fastest_plan(free))
+        budget = least + draw(st.floats(0, 1, exclude_max=True)) * max(most - least, 0.0)
+    else:
+        budget = draw(st.one_of(st.none(), st.floats(2, 40)))
+        budget = budget * GiB if budget is not None else None
+    return PartitionProblem(**{**free.__dict__, "budget": (budget,) * free.num_devices if budget is not None else ()})
+
+
+def _fastest_plan(P):
+    """The unconstrained optimum (no recomputation: it is never slower); interleaved: the DP's incumbent."""
+    return interleaved_incumbent(P) if P.schedule == "interleaved" else solve_dp(P)
+
+
+def _device_memory(P, sol) -> float:
+    """The per-device budget ``sol`` needs (each of a device's v chunks gets a v-th of it)."""
+    return max(m * P.virtual_stages for m in sol.stage_memory)
+
+
+def memory_bound(P) -> bool:
+    """Multi-stage, some plan fits, and the unconstrained optimum does not: the budget decides."""
+    if P.num_stages < 2 or not P.budget or brute_force(P) is None:
+        return False
+    free = PartitionProblem(**{**P.__dict__, "budget": ()})
+    return not evaluate(P, *_plan_of(_fastest_plan(free))).feasible
+
+
+def _plan_of(sol):
+    return sol.boundaries, sol.recompute
 
 
 def brute_force(P):
@@ -111,12 +148,9 @@ def test_dp_is_exact_and_ilp_matches_it(P):
             assert bounded.iteration_time <= b.iteration_time * (1 + 1e-5), name  # within the solver gap
 
 
-@given(problems(max_n=5, schedules=("interleaved",)), st.sampled_from([1, 2]))
+@given(problems(max_n=5, schedules=("interleaved",), virtual=(1, 2)))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_interleaved_ilp_matches_brute_force(P, v):
-    if not runnable("interleaved", P.num_microbatches, v, P.num_stages):
-        return
-    P = PartitionProblem(**{**P.__dict__, "virtual_stages": v, "budget": P.budget[: P.num_stages // v]})
+def test_interleaved_ilp_matches_brute_force(P):
     oracle = brute_force(P)
     if oracle is None:
         with pytest.raises(PlanError):
@@ -158,7 +192,8 @@ def test_memory_budget_forces_recompute_on_the_stages_that_need_it():
     sol = solve(P, "ilp")
     assert sol.feasible and all(m <= 12 * GiB for m in sol.stage_memory)
     assert sol.recompute[-2:] == ("none", "none") and sol.recompute[0] != "none"
-    assert sol.binding.startswith("memory of stage") or sol.binding.startswith("time of stage")
+    # Every stage that recomputes is slower than one that does not, so the slowest stage recomputes.
+    assert sol.binding.startswith("memory of stage"), sol.binding
     dp = solve(P, "dp")
     assert close(dp.iteration_time, sol.iteration_time)
     # With no choice of recompute allowed, the same budget is explained as infeasible.
@@ -169,6 +204,20 @@ def test_memory_budget_forces_recompute_on_the_stages_that_need_it():
     assert "needs 20.00 GiB on stage 3" in msg and "over by 8.00 GiB" in msg  # 4 layers: 4 x 1 + 1 x 16 GiB
     assert "smallest per-device budget that fits is 20.00 GiB" in msg
     assert "recompute='auto'" in msg
+
+
+def test_binding_names_time_memory_or_recompute_to_fit():
+    P = equal_problem(budget=12 * GiB)
+    b = (0, 2, 4, 6, 8)
+    # Equal stages: the first slowest is named; it recomputes nothing, so time binds.
+    assert evaluate(P, b, ("none",) * 8).binding == "time of stage 0"
+    # The slowest stage recomputes with room to spare: 2 + 1 x (2 + 4) = 8 of 12 GiB.
+    assert evaluate(P, b, ("none",) * 6 + ("selective", "none")).binding == "memory of stage 3 (recomputes to fit)"
+    # Full recomputation everywhere: 2 + 4 in flight x 2 x 0.25 = 4 GiB on stage 0, far below 12 GiB.
+    assert evaluate(P, b, ("full",) * 8).binding == "memory of stage 0 (recomputes to fit)"
+    tight = equal_problem(budget=4.05 * GiB)  # 1.2% headroom: memory binds
+    assert evaluate(tight, b, ("full",) * 8).binding == "memory of stage 0"
+    assert evaluate(equal_problem(), b, ("full",) * 8).binding == "time of stage 0"  # no budget
 
 
 def test_smallest_budget_in_the_explanation_is_tight():
@@ -389,3 +438,58 @@ def test_highs_prints_nothing_unless_asked(capfd):
     solve_ilp(equal_problem(), solver="highs", time_limit=30)
     out, _ = capfd.readouterr()
     assert "HiGHS" not in out and "THIRD_PARTY" not in out  # the C library's banner is kept out
+
+
+def _fraction_memory_bound(strategy, examples: int) -> float:
+    seen: list[bool] = []
+
+    @given(strategy)
+    @settings(max_examples=examples, database=None, derandomize=True, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    def draw(P):
+        seen.append(memory_bound(P))
+
+    draw()
+    return sum(seen) / len(seen)
+
+
+@pytest.mark.parametrize("schedules", [("gpipe", "1f1b"), ("interleaved",)])
+def test_strategies_draw_memory_bound_multi_stage_problems(schedules):
+    """The property tests above see the cases the solver exists for: at least a third of their
+    problems have several stages and a budget that rules out the unconstrained optimum."""
+    virtual = (1, 2) if schedules == ("interleaved",) else (1,)
+    assert _fraction_memory_bound(problems(schedules=schedules, virtual=virtual), 60) >= 1 / 3
+
+
+def test_a_plan_fits_up_to_one_part_in_a_billion_over_its_budget():
+    """The one fitting rule: a plan at its budget fits, and so does one a part in 1e9 (1 byte of 1 GB)
+    over it (float rounding in the solvers' sums); 3 bytes over does not."""
+
+    def one_block(static: int) -> PartitionProblem:
+        return PartitionProblem(
+            names=("b0",), kinds=("layer",), time=((1.0, 1.0, 1.0),), act=((0, 0, 0),), static=(static,),
+            cut_time=(0.0, 0.0), cut_bytes=(0, 0), num_params=(0,), flops=(1.0,), num_stages=1, num_microbatches=1,
+            budget=(1e9,),
+        )
+
+    fits = [evaluate(one_block(10**9 + extra), (0, 1), ("none",)).feasible for extra in (-1, 0, 1, 3)]
+    assert fits == [True, True, True, False]
+
+
+def test_stage_time_bound_is_tight_for_equal_stages_and_cut_times_come_from_the_table():
+    from omnibal_compile.cost_table import BlockCost, CostTable
+    from omnibal_compile.solver import problem_from_costs
+    from omnibal_compile.solver.problem import stage_time_bound
+
+    # Equal 2-layer stages of 2 s: 1F1B (8 + 4 - 1) x 2 s; interleaved 2 x 2 chunks: (2 x 8 + 2 - 1) x 2 s,
+    # a device's two chunks take 4 s. The bound is the optimum's own stage (device) time.
+    assert stage_time_bound(equal_problem(), (8 + 4 - 1) * 2.0) == pytest.approx(2.0)
+    assert stage_time_bound(equal_problem(S=4, schedule="interleaved", v=2), (2 * 8 + 2 - 1) * 2.0) == pytest.approx(4.0)
+    blocks = tuple(BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=0, static_bytes=0, forward_s=1.0,
+                             backward_s=2.0, activation_bytes={"none": 0, "selective": 0, "full": 0},
+                             recompute_s={"none": 0.0, "selective": 0.0, "full": 1.0}) for i in range(3))
+    costs = CostTable(blocks=blocks, cut_bytes=(8, 4, 6, 2), link_bandwidth=2.0, device="test", source="profiled")
+    P = problem_from_costs(costs, num_stages=2, num_microbatches=2)
+    assert P.cut_time == (0.0, 2.0, 3.0, 0.0) and P.cut_bytes == (0, 4, 6, 0)  # the model's own inputs and outputs are not sent
+    sol = evaluate(P, (0, 1, 3), ("none",) * 3)
+    assert (sol.solve_seconds, sol.planner, sol.gap) == (0.0, "", None)  # an evaluation, not a solve

@@ -37,6 +37,7 @@ KINDS: dict[str, str] = {
     "gpu_check.sh": "measured on a GPU (kernels, cost pass vs roofline, optimize and parity on CUDA)",
     "data_balance.py": "measured (balance metrics on the real length statistics; balancer run times on this CPU)",
     "lengths_speed.py": "measured on this CPU (the lengths command on a synthetic LLaVA-style dataset)",
+    "mutation.py": "measured (mutation testing: planted bugs the covering tests catch; sampled modules only)",
     "pipeline_cpu.py": "measured (real pipeline runs on local CPU ranks)",
     "sim_vs_real.py": "measured and simulated (simulator vs real runs on local CPU ranks)",
     "solver.py": "measured solve times; iteration times predicted by the planners' cost model",
@@ -49,6 +50,7 @@ KINDS: dict[str, str] = {
 
 FULL_ARGS: dict[str, tuple[str, ...]] = {
     "data_balance.py": ("--no-progress",),
+    "mutation.py": ("--module", "sampler", "--module", "metrics", "--module", "recompute", "--max-mutants", "8", "--sample"),
     "sim_vs_real.py": ("--ranks", "2", "4"),
 }
 """Flags every run passes (e.g. no progress bars in a log)."""
@@ -59,6 +61,7 @@ QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "cost_stability.py": ("--quick",),
     "data_balance.py": ("--no-progress", "--scale", "300000"),
     "lengths_speed.py": ("--records", "20000"),
+    "mutation.py": ("--module", "sampler", "--max-mutants", "4", "--sample"),
     "pipeline_cpu.py": ("--steps", "5"),
     "sim_vs_real.py": ("--steps", "4", "--rounds", "1"),
     "solver.py": ("--quick",),

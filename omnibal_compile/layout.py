@@ -550,8 +550,8 @@ def choose_layout(
     device: DeviceSpec | None = None,
     global_batch: int | None = None,
     num_stages: int | None = None,
-    schedule: str = "1f1b",
-    virtual_stages: int = 1,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
     num_microbatches: int | None = None,
     dp: int = 1,
     dp_layout: str | None = None,
@@ -568,17 +568,19 @@ def choose_layout(
     if dp > 1 and devices % dp:
         raise InputError(f"dp={dp} does not divide devices={devices}")
     pipeline = None
+    chunks = virtual_stages if virtual_stages is not None else 2 if schedule == "interleaved" else 1
     if num_stages is not None:
-        if num_stages % virtual_stages:
-            raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
-        pipeline = [num_stages // virtual_stages]
+        if num_stages % chunks:
+            raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={chunks}")
+        pipeline = [num_stages // chunks]
         if devices % pipeline[0]:
             raise InputError(f"{pipeline[0]} pipeline devices do not divide devices={devices}")
     elif dp > 1:
         pipeline = [devices // dp]
     if pipeline is not None and dp > 1 and pipeline[0] * dp != devices:
         raise InputError(f"{pipeline[0]} pipeline devices x dp={dp} is not devices={devices}")
-    pinned_v = num_stages is not None or schedule != "1f1b" or virtual_stages != 1
+    # None leaves schedule and chunks to the search (1F1B or interleaved with two chunks)
+    pinned_v = num_stages is not None or schedule is not None or virtual_stages is not None
     notes = []
     if global_batch is None and num_microbatches is None:
         global_batch = 2 * devices
@@ -586,7 +588,7 @@ def choose_layout(
     result = search_layout(
         costs, devices=devices, global_batch=global_batch, num_microbatches=num_microbatches,
         memory_budget=memory_budget, device=device, pipeline=pipeline,
-        virtual_stages=[virtual_stages] if pinned_v else (1, 2),
+        virtual_stages=[chunks] if pinned_v else (1, 2),
         dp_layouts=[dp_layout] if dp_layout is not None else tuple(DP_LAYOUTS), recompute=recompute,
         unit="micro-batch",
     )

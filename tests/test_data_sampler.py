@@ -137,7 +137,8 @@ def test_each_ranks_kth_batch_is_the_pack_planned_for_step_k_and_that_rank() -> 
     assert list(ranks[1]) == [[0, 1], [6], [7]] and calls[-1] == epoch_seed(7, 1) != epoch_seed(7, 0)
     # resuming at step 1 yields the packs of steps 1 and 2
     resumed = BalancedBatchSampler(_hand_packer(calls), num_samples=10, rank=0, world_size=2, seed=7)
-    resumed.load_state_dict({"epoch": 0, "step": 1})
+    saved = BalancedBatchSampler(_hand_packer(calls), num_samples=10, rank=0, world_size=2, seed=7).state_dict()
+    resumed.load_state_dict({**saved, "epoch": 0, "step": 1})  # a state saved after step 0 of epoch 0
     assert list(resumed) == [[8, 9], [2]] and resumed.state_dict()["epoch"] == 1
     # the defaults: one rank, seed 0
     alone = BalancedBatchSampler(_hand_packer(calls, [[4], [0], [5], [1], [2], [3]]), num_samples=10)

@@ -433,7 +433,7 @@ def search_layout(
             Schedule(kind=lay.schedule, num_microbatches=lay.num_microbatches,
                      virtual_stages=lay.virtual_stages).check(lay.num_stages)
         except PlanError as e:
-            results.append(Candidate(layout=lay, status="rejected", reason=_short_schedule_reason(lay, str(e))))
+            results.append(Candidate(layout=lay, status="rejected", reason=str(e).split(";")[0]))  # Schedule's rule
             continue
         table = table_for(lay.microbatch_size, *_links(device, devices_per_node, lay))
         problem = problem_from_costs(table, num_stages=lay.num_stages, num_microbatches=lay.num_microbatches,
@@ -504,12 +504,6 @@ def _plan_and_simulate(problem: PartitionProblem, table: CostTable, lay: Layout,
         problem = dataclasses.replace(problem, budget=(limit,) * len(problem.budget))
     return Candidate(layout=lay, status="rejected", estimate_s=est, peak_memory_bytes=peak,
                      reason=f"simulated peak {format_size(peak)} over the budget")
-
-
-def _short_schedule_reason(lay: Layout, message: str) -> str:
-    if lay.schedule == "1f1b" and lay.num_microbatches < lay.num_stages:
-        return f"1F1B needs M >= {lay.num_stages} stages"
-    return message.split(";")[0]
 
 
 def _nothing_fits(devices: int, budget: float | None, least: tuple[float, Layout] | None, results: list[Candidate]) -> str:

@@ -51,8 +51,10 @@ def measure_overhead(
     ``processors``: cores the ranks share (pass the same number to ``simulate``); None: one each.
     ``rounds``: runs per micro-batch count, alternating; their steps are pooled.
     """
-    import omnibal_compile as oc
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+    from omnibal_compile.passes.blocks import build_blocks
+    from omnibal_compile.passes.capture import capture
+    from omnibal_compile.passes.partition import uniform
     from omnibal_compile.runtime.launch import RunConfig, launch
 
     m1, m2 = microbatches
@@ -66,7 +68,7 @@ def measure_overhead(
     )
     model = TinyVLM(tiny)
     micro = make_example_batch(tiny, batch=1, tiles_per_sample=1, text_tokens=16, seed=0)
-    base = oc.optimize(model, micro, num_stages=ranks, planner="uniform").plan
+    base = uniform(build_blocks(capture(model, micro), model), ranks)  # the passes, not optimize(): no call back
     steps_at: dict[int, list[float]] = {m1: [], m2: []}
     with tempfile.TemporaryDirectory() as tmp:
         # Alternate the two counts over rounds, so drift in the machine's speed hits both alike.

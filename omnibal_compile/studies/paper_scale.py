@@ -70,6 +70,7 @@ from omnibal_compile.data.packing import Packing, length_grouped_batches, random
 from omnibal_compile.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.models.analytic import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
+from omnibal_compile.schedule import Schedule
 from omnibal_compile.sim.simulate import operation_order
 from omnibal_compile.solver import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries
 from omnibal_compile.solver.baselines import min_max_partition
@@ -158,8 +159,10 @@ class Setup:
         per_step = self.dp * self.samples_per_microbatch
         if self.global_batch % per_step or self.global_batch // per_step < 1:
             raise InputError(f"global_batch {self.global_batch} must be a multiple of dp x samples_per_microbatch = {per_step}")
-        if self.microbatches < self.pp:
-            raise InputError(f"{self.microbatches} micro-batches per rank are fewer than {self.pp} stages; 1F1B needs M >= PP")
+        try:  # the study runs 1F1B: the schedule's own rules
+            Schedule(kind="1f1b", num_microbatches=self.microbatches).check(self.pp)
+        except PlanError as e:
+            raise InputError(f"setup: {e}") from None
 
     @property
     def microbatches(self) -> int:

@@ -46,6 +46,7 @@ from omnibal_compile.solver.problem import (
     in_flight,
     lower_bound,
     stage_time_bound,
+    stage_figures,
     stage_transient,
 )
 
@@ -318,6 +319,8 @@ def solve_ilp(
     found_gap = _gap(prob, solver)
     note = _status_note(status, found_gap)
     boundaries, recompute = _read(w, n, S, opts)
+    if frontiers is None and P.budget and not evaluate(P, boundaries, recompute).feasible:
+        frontiers = Frontiers(P)  # the solver's tolerance let a stage go a few bytes over: repair it exactly
     if frontiers is not None:
         recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
     return evaluate(
@@ -507,8 +510,10 @@ def _fastest_fitting(P: PartitionProblem, frontiers: Frontiers, boundaries: Sequ
         best = frontiers.best_stage(s, i, j)
         if best is None:
             continue
-        mine = sum(P.time[b][OPTIONS.index(out[b])] for b in range(i, j))
-        if best[0] - P.cut_time[i] - P.cut_time[j] < mine * (1 - 1e-9):
+        mine = [OPTIONS.index(o) for o in out[i:j]]
+        # the same tolerance can also accept a vector a few bytes over the budget: replace it too
+        over = stage_figures(P, s, i, j, mine)[1] > P.memory_limit(s)
+        if over or best[0] - P.cut_time[i] - P.cut_time[j] < sum(P.time[b][o] for b, o in zip(range(i, j), mine)) * (1 - 1e-9):
             out[i:j] = [OPTIONS[o] for o in frontiers.options(i, j, best[1])]
     return out
 

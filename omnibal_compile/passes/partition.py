@@ -133,6 +133,7 @@ def plan_from_solution(
         virtual_stages=problem.virtual_stages,
         stage_time_s=sol.stage_time,
         stage_memory_bytes=tuple(int(m) for m in sol.stage_memory),
+        stage_peak_bytes=tuple(int(m) for m in sol.stage_peak) if problem.peak else (),
         memory_budget_bytes=(
             tuple(int(problem.stage_budget(s)) for s in range(problem.num_stages)) if problem.budget else ()
         ),

@@ -30,6 +30,7 @@ from omnibal_compile.solver.problem import (
     evaluate,
     in_flight,
     stage_time_bound,
+    stage_io,
     stage_transient,
 )
 
@@ -96,9 +97,8 @@ class Frontiers:
         """(T_s, frontier point) of stage ``s`` running [i, j) with its fastest option vector that fits
         its memory (budget - static - receive buffer, shared by k_s micro-batches), or None."""
         P = self.problem
-        recv = P.cut_bytes[i] if i > 0 else 0
-        transient = stage_transient(P, i, j)
-        cap = (self.budget[s] - (self.prefix_static[j] - self.prefix_static[i]) - transient - recv) / self.in_flight[s]
+        fixed = self.prefix_static[j] - self.prefix_static[i] + stage_transient(P, i, j) + stage_io(P, s, i, j)
+        cap = (self.budget[s] - fixed) / self.in_flight[s]
         k = self.fastest_within(i, j, cap) if cap >= 0 else None
         if k is None:
             return None

@@ -255,10 +255,13 @@ def solve_ilp(
                 pulp.lpSum(x(i, s) * P.static[i] for i in range(n) if lo[i] <= s <= hi[i])
                 + in_flight(P, s) * pulp.lpSum(w[i, s, o] * P.act[i][o] for i in range(n) for o in opts if (i, s, o) in w)
                 + (pulp.lpSum(ends(k, s - 1) * P.cut_bytes[k] for k in cuts) if s > 0 else 0)
+                # the outputs each micro-batch in flight holds until its backward (problem.stage_io)
+                + (in_flight(P, s) * pulp.lpSum(ends(k, s) * P.cut_bytes[k] for k in cuts) if s < S - 1 else 0)
                 + pulp.lpSum(var * stage_transient(P, key[0], key[1]) for key, var in z.items() if key[2] == s)
             )
-            # scale bytes to GiB so coefficients stay in a range the solver handles well
-            prob += (1 / 2**30) * mem <= budget / 2**30, f"memory_{s}"
+            # as a share of the budget, so coefficients stay in a range the solver handles well at any
+            # scale (in GiB, the bytes of a small problem fell below HiGHS's smallest matrix value)
+            prob += (1 / budget) * mem <= 1, f"memory_{s}"
     Tmax = pulp.LpVariable("Tmax", lowBound=0)
     if P.schedule in ("gpipe", "1f1b"):
         for s in range(S):
@@ -489,7 +492,9 @@ def _interval_floors(
                     continue
                 best = frontiers.best_stage(s, i, j)
                 if best is not None and (tau is None or best[0] <= tau * (1 + 1e-9)):
-                    floor[i, j, s] = best[0]
+                    # a hair under the exact value: HiGHS drops matrix entries below 1e-9 (tiny send
+                    # times), so an exact floor can exceed the time row it bounds and cut off the optimum
+                    floor[i, j, s] = best[0] * (1 - 1e-9)
     if not floor:
         raise PlanError("no stage range fits the memory budget within the bound: the ILP has no plan")
     return floor, frontiers

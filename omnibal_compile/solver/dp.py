@@ -61,6 +61,7 @@ class Frontiers:
         fastest = [min(problem.time[b][o] for o in opts) for b in range(n)]
         act = np.asarray(problem.act, dtype=np.float64)[:, opts]  # [n, |opts|]
         tim = np.asarray(problem.time, dtype=np.float64)[:, opts]
+        grid = 1e9 / max(sum(fastest), 1e-300)
         self.acts: list[list[np.ndarray]] = []
         self.times: list[list[np.ndarray]] = []
         self.back: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -75,11 +76,15 @@ class Frontiers:
                 m = len(pa)
                 ca = (pa[None, :] + act[j][:, None]).ravel()  # option-major: [o * m + k]
                 ct = (pt[None, :] + tim[j][:, None]).ravel()
-                order = np.lexsort((ct, ca))
-                ca, ct = ca[order], ct[order]
+                # Slack: times on a grid of 1e-9 of the total work, so that sums of the same times
+                # in another order (the same vectors of identical blocks, permuted) sort and repeat
+                # alike whatever their last bits; lexsort is stable, so the first built is kept.
+                qt = np.round(ct * grid) if slack > 0 else ct
+                order = np.lexsort((qt, ca))
+                ca, ct, qt = ca[order], ct[order], qt[order]
                 prev_best = np.minimum.accumulate(np.concatenate(([np.inf], ct[:-1])))
                 if slack > 0:  # within slack of every point with no more activation, and no repeat
-                    repeat = np.concatenate(([False], (ca[1:] == ca[:-1]) & (ct[1:] == ct[:-1])))
+                    repeat = np.concatenate(([False], (ca[1:] == ca[:-1]) & (qt[1:] == qt[:-1])))
                     keep = (ct * (1 - slack) <= prev_best) & ~repeat
                 else:  # keep strictly faster than every point with no more activation
                     keep = ct < prev_best - 1e-15 * np.maximum(1.0, np.abs(ct))

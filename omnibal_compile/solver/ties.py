@@ -10,9 +10,10 @@ depend on timings:
     stage rule  a stage on blocks [i, j) takes, of the recompute option vectors that fit its memory
                 and are within tol of the fastest one that fits, the one that keeps the most
                 activation bytes (the least recomputation, measured in memory), then the fewest
-                recomputed blocks, then the fastest. The candidates are the DP's frontiers built
-                with slack tol (a vector is dropped only when one keeping no more activation is more
-                than tol faster), so two vectors whose times differ by noise both stay candidates.
+                recomputed blocks, then the lexicographically least options (of identical blocks,
+                the later recompute). Times only decide which vectors are candidates: the DP's
+                frontiers built with slack tol (a vector is dropped only when one keeping no more
+                activation is more than tol faster), so vectors whose times differ by noise all stay.
     key         of the cut points whose plan under the stage rule is predicted within (1 + tol) T*:
                 the most even forward FLOPs (least sum of squared stage FLOPs), then the most even
                 parameter counts, then the lexicographically earliest cut points. Exact integers.
@@ -86,7 +87,7 @@ class StageRule:
             return None
         near = fits[times[fits] <= times[fits].min() * (1 + P.tie_tolerance)]
         options = {int(k): F.options(i, j, int(k)) for k in near}
-        k = min(options, key=lambda k: (-acts[k], sum(o != 0 for o in options[k]), times[k], k))
+        k = min(options, key=lambda k: (-acts[k], sum(o != 0 for o in options[k]), options[k]))
         return float(times[k]) + P.cut_time[i] + P.cut_time[j], options[k]
 
 

@@ -183,6 +183,7 @@ class _Profile:
         self.has_backward = _backward_args(self._forward(None), self.wrt) is not None
         self.fwd: list[float] = []
         self.bwd: list[float] = []
+        self.rerun: list[float] = [_rerun_share(records)]
 
     def _forward(self, _: Any) -> Any:
         with torch.enable_grad():
@@ -191,6 +192,9 @@ class _Profile:
     def run(self, *, warmup: int, repeats: int) -> None:
         kw = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
         self.fwd += timed_runs(self._forward, **kw)
+        for _ in range(repeats):  # the selective share is timed per op: as many samples, their median kept
+            records, _ = record_ops(self.m, self.inputs, sync=torch.cuda.synchronize if self.cuda else None, clock=self.clock)
+            self.rerun.append(_rerun_share(records))
         if self.has_backward:
             self.bwd += timed_runs(
                 lambda st: torch.autograd.grad(st[0], self.wrt, st[1], allow_unused=True),
@@ -202,9 +206,13 @@ class _Profile:
         fwd = statistics.median(self.fwd)
         bwd = statistics.median(self.bwd) if self.bwd else 0.0
         spread = max(relative_spread(self.fwd), relative_spread(self.bwd))
-        total = sum(r.seconds for r in self.records)
-        rerun = sum(r.seconds for r in self.records if r.op_class == "memory")
-        return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * rerun / total if total > 0 else 0.0, spread=spread)
+        return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * statistics.median(self.rerun), spread=spread)
+
+
+def _rerun_share(records: Sequence[OpRecord]) -> float:
+    """Share of a forward's op time in the ops selective recomputation reruns (``memory`` ops)."""
+    total = sum(r.seconds for r in records)
+    return sum(r.seconds for r in records if r.op_class == "memory") / total if total > 0 else 0.0
 
 
 ATTENTION_BACKWARD = 2.5

@@ -103,6 +103,10 @@ class PartitionProblem:
     predicted peak (not the planners' bound) reads it. Empty = not measured."""
     data_parallel: DataParallel = NO_DATA_PARALLEL
     """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in plans)."""
+    tie_tolerance: float = 0.0
+    """Plans predicted within this fraction of the least iteration time count as equal, and
+    :func:`omnibal_compile.solver.ties.break_ties` picks among them by figures that do not depend on
+    timings (0: the fastest plan, exactly; :func:`problem_from_costs` sets it for measured costs)."""
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -118,6 +122,8 @@ class PartitionProblem:
             raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
         if not self.allowed or any(o not in OPTIONS for o in self.allowed):
             raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
+        if not (isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1):
+            raise InputError(f"tie_tolerance must be a fraction in [0, 1), got {self.tie_tolerance!r}")
         for name in ("gathered", "workspace", "sync", "peak"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
@@ -338,13 +344,19 @@ def problem_from_costs(
     budget: float | Sequence[float] | None = None,
     recompute: str = "auto",
     data_parallel: DataParallel = NO_DATA_PARALLEL,
+    tie_tolerance: float | None = None,
 ) -> PartitionProblem:
     """Build the solver's problem from a cost table.
 
     ``recompute``: ``auto`` lets the solver pick per block; ``none``/``selective``/``full`` forces one option.
     ``data_parallel``: replicas of the pipeline and their layout; its per-block costs come from
     :meth:`~omnibal_compile.cost_table.DataParallel.block_cost` over ``costs.dp_bandwidth``.
+    ``tie_tolerance``: see :attr:`PartitionProblem.tie_tolerance`; None takes
+    :func:`~omnibal_compile.solver.ties.tie_tolerance_for` of the costs (a fixed default when the
+    times were measured with a spread, 0 for modelled ones).
     """
+    from omnibal_compile.solver.ties import tie_tolerance_for
+
     if recompute == "auto":
         allowed = OPTIONS
     elif recompute in OPTIONS:
@@ -388,4 +400,5 @@ def problem_from_costs(
         virtual_stages=virtual_stages,
         budget=budgets,
         allowed=allowed,
+        tie_tolerance=tie_tolerance_for(costs) if tie_tolerance is None else tie_tolerance,
     )

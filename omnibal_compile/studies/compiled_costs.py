@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dataclasses
+
 import numpy as np
 
 from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, CostTable, Precision
@@ -56,11 +58,13 @@ from omnibal_compile.models.analytic import (
     VLMSpec,
     table_from_type_costs,
     tensor_parallel_costs,
+    type_costs,
 )
 from omnibal_compile.passes.cost_shapes import FEATURES, BatchShape
+from omnibal_compile.tables import format_table
 
-__all__ = ["FAMILIES", "FIT_SHAPES", "CHECK_SHAPES", "CompiledCosts", "family_of", "hf_config", "block_types",
-           "compile_costs"]
+__all__ = ["FAMILIES", "FIT_SHAPES", "CHECK_SHAPES", "DIFFERENCES", "CompiledCosts", "family_of", "hf_config",
+           "block_types", "compile_costs", "format_difference"]
 
 FAMILIES: tuple[str, ...] = ("internvl", "llava")
 """Hugging Face families the compiled path builds (module glossary)."""
@@ -125,10 +129,10 @@ def hf_config(spec: VLMSpec, *, vision_layers: int, llm_layers: int) -> tuple[st
                                    image_seq_length=spec.image_tokens_per_tile, downsample_ratio=0.5,
                                    vision_feature_layer=-1, tie_word_embeddings=False)
         return "InternVLForConditionalGeneration", config
-    vision = tf.CLIPVisionConfig(hidden_size=v.width, intermediate_size=v.mlp, num_hidden_layers=vision_layers + 1,
+    vision = tf.CLIPVisionConfig(hidden_size=v.width, intermediate_size=v.mlp, num_hidden_layers=vision_layers,
                                  num_attention_heads=v.heads, image_size=image, patch_size=v.patch_size,
                                  hidden_act=v.activation)
-    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=vocab - 1, vision_feature_layer=-2,
+    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=vocab - 1, vision_feature_layer=-1,
                             image_seq_length=spec.image_tokens_per_tile, tie_word_embeddings=False)
     return "LlavaForConditionalGeneration", config
 
@@ -181,6 +185,10 @@ class CompiledCosts:
     """Parameters of one block of each type (a stack's representative layer; the sum of a type's other blocks)."""
     blocks: Mapping[str, tuple[str, ...]]
     """Block type -> the compiled blocks it sums (a stack: its representative; ``a - b``: a's excess over b)."""
+    shapes: int
+    """Micro-batch shapes the fit was made on."""
+    layers: int
+    """Layers per stack of the reduced model that was compiled."""
     fit_error: float
     """Largest relative error of a type's forward + backward time or kept bytes (no recompute) on the fitted shapes."""
     check_error: float
@@ -315,7 +323,8 @@ def compile_costs(spec: VLMSpec, *, device: str | DeviceSpec = "a100-80gb", shap
     target = get_device(device)
     if len(set(shapes)) < len(FEATURES):
         raise InputError(f"fitting {len(FEATURES)} features needs at least {len(FEATURES)} distinct shapes, got {len(set(shapes))}")
-    cls, config = hf_config(spec, vision_layers=3, llm_layers=3)
+    layers = 3
+    cls, config = hf_config(spec, vision_layers=layers, llm_layers=layers)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(folder or tmp) / f"{spec.name}-reduced.json"
         config.to_json_file(str(path))
@@ -336,8 +345,71 @@ def compile_costs(spec: VLMSpec, *, device: str | DeviceSpec = "a100-80gb", shap
     }
     return CompiledCosts(
         model=spec, hf_class=cls, device=target.name, coefficients=coefficients, params=params,
-        blocks={t: tuple(v) for t, v in blocks.items()},
+        blocks={t: tuple(v) for t, v in blocks.items()}, shapes=len(shapes), layers=layers,
         fit_error=_error(coefficients, tpt, measured[:len(shapes)], shapes),
         check_error=_error(coefficients, tpt, measured[len(shapes):], check), seconds=time.perf_counter() - start,
         notes=f"activations in {tables[0].activation_dtype}; attention: {tables[0].attention}",
     )
+
+
+_LLM_DIFFERENCES = {
+    "llm.embed": "the compiled type holds glue the formulas have no op for: splicing the image features into the "
+                 "text (masked_scatter keeps its mask), building the 4-D causal mask and rotary tables",
+    "llm.layer": "eager code (as the 'eager' formulas count): RMSNorm keeps fp32 copies and its output, SwiGLU keeps "
+                 "silu(gate), the masked attention computes every (query, key) pair of a row (FLOPs x 2 on "
+                 "attention); the send also carries the 4-D causal mask and rotary tables",
+    "llm.head": "the final RMSNorm's fp32 copy; the compiler has three blocks here (norm, lm_head, loss), each "
+                "keeping its own input under full recompute",
+}
+DIFFERENCES: dict[str, dict[str, str]] = {
+    "internvl": {
+        "vision.embed": "the patch embedding keeps its bf16 pixels; HF InternVL embeds the text before the ViT, so "
+                        "every ViT-stage send carries the text embeddings too",
+        "vision.layer": "InternViT-6B as HF runs it: QK-norm (two more RMSNorms), RMSNorm with fp32 copies, layer "
+                        "scale products kept; the formulas have LayerNorm-GELU layers with fused norms",
+        "projector": "the send after it also carries the text embeddings and the 4-D causal mask",
+        **_LLM_DIFFERENCES,
+    },
+    "llava": {
+        "vision.embed": "CLIP's pre-LayerNorm keeps its input; the text embeddings ride through the ViT stages' sends",
+        "vision.layer": "QuickGELU keeps its sigmoid and product (the 'eager' formulas count it)",
+        "projector": "the send after it also carries the text embeddings",
+        **_LLM_DIFFERENCES,
+    },
+}
+"""Per family and block type: the difference between the compiled table and the analytic formulas, named."""
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b > 0 else ("=" if a == 0 else "new")
+
+
+def format_difference(compiled: CompiledCosts, shape: MicroBatch, *, device: DeviceSpec) -> str:
+    """Per block type at one micro-batch: the compiled table over the analytic formulas (``fused``, the study's
+    analytic path; ``eager``, the formulas for Hugging Face's unfused code), and the difference named."""
+    args = (np.array([shape.tiles]), np.array([shape.tokens]), np.array([shape.attention_pairs]))
+    c = compiled.type_costs(*args, device=device)
+    fused = type_costs(compiled.model, *args, device=device)
+    eager = type_costs(dataclasses.replace(compiled.model, kernels="eager"), *args, device=device)
+    params = compiled.model.type_params()
+    named = DIFFERENCES[family_of(compiled.model)]
+    lines = [("type", "params", "FLOPs", "fwd+bwd s", "/eager", "kept: none", "/eager", "selective", "full", "send",
+              "named difference (compiled / analytic formulas)")]
+    for t in BLOCK_TYPES:
+        def time(x: TypeCosts) -> float:
+            return float(x.forward_s[t][0] + x.backward_s[t][0])
+
+        def kept(x: TypeCosts, o: str) -> float:
+            return float(x.activation_bytes[t][o][0])
+
+        lines.append((t, _ratio(compiled.params[t], params[t]), _ratio(float(c.flops[t][0]), float(fused.flops[t][0])),
+                      _ratio(time(c), time(fused)), _ratio(time(c), time(eager)), _ratio(kept(c, "none"), kept(fused, "none")),
+                      _ratio(kept(c, "none"), kept(eager, "none")), _ratio(kept(c, "selective"), kept(fused, "selective")),
+                      _ratio(kept(c, "full"), kept(fused, "full")), _ratio(float(c.out_bytes[t][0]), float(fused.out_bytes[t][0])),
+                      named.get(t, "")))
+    head = (f"{compiled.model.name}: {compiled.hf_class} at the spec's widths, {compiled.layers} layers per stack, on "
+            f"meta in bf16, costed for {compiled.device} at {compiled.shapes} shapes in {compiled.seconds:.0f} s; fit "
+            f"error {compiled.fit_error:.1%}, {compiled.check_error:.1%} on unseen shapes; {compiled.notes}\n"
+            f"compiled / analytic per block type at the mean micro-batch ({shape.tiles} tiles, {shape.tokens} tokens; "
+            "'=': both zero, 'new': the formulas have none):")
+    return head + "\n" + format_table(lines, "lrrrrrrrrrl")

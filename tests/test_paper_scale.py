@@ -280,7 +280,7 @@ def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
     """The fitted per-type costs reproduce the compiler's own tables at a study shape, and the replicated chain keeps
     every byte and parameter the compiled chain has."""
     from omnibal_compile.passes.cost import profile_costs
-    from omnibal_compile.studies.compiled_costs import CHECK_SHAPES, _example, block_types, hf_config
+    from omnibal_compile.studies.compiled_costs import CHECK_SHAPES, _example, _per_type, _stack_layers, block_types, hf_config
 
     cc = compiled_small
     assert cc.fit_error < 0.02 and cc.check_error < 0.02  # real widths: the roofline is linear in the shape
@@ -308,6 +308,14 @@ def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
         assert kept[0] == pytest.approx(kept[1], rel=0.02), option
     types = block_types(table.names)
     assert types.count("vision.layer") == 3 and types.count("llm.layer") == 3 and types[-1] == "llm.head"
+    # Exactly (no fit): per-type figures x the reduced model's counts = the compiled chain's totals, the first
+    # and last layers' excess (skip tensors charged to their last reader) included once.
+    per, params, _ = _per_type(table, types, _stack_layers(table.names, types))
+    count = {t: types.count(t) if t in ("vision.layer", "llm.layer") else 1 for t in per}
+    for option in RECOMPUTE_OPTIONS:
+        total = sum(b.activation_bytes[option] for b in table.blocks)
+        assert sum(count[t] * per[t][f"activation:{option}"] for t in per) == pytest.approx(total, rel=1e-12), option
+    assert sum(count[t] * params[t] for t in per) == sum(b.num_params for b in table.blocks)
     # FLOPs are the formulas' (matmuls and attention): the ViT layer and projector as fused, the LLM layer as
     # Hugging Face's masked attention computes them (every pair of a row: the 'eager' formulas).
     args = (np.array([8.0]), np.array([4096.0]), np.array([4 * 1024 * 1025 / 2]))

@@ -34,6 +34,7 @@ stage; that step is not timed.
     python bench/ablation_cpu.py              # one round, 2 timed steps per configuration (~9 minutes here)
     python bench/ablation_cpu.py --quick      # 1 timed step per configuration
     python bench/ablation_cpu.py --rounds 2   # rotating rounds (the order shifts each round)
+    python bench/ablation_cpu.py --plans-only # the plans and their predicted memory, nothing run
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per run; the first 2 are not timed (default 4)")
     p.add_argument("--packs", type=int, default=2, help="packs per dp rank per step (= micro-batches, one pack each)")
     p.add_argument("--samples-per-pack", type=int, default=4)
+    p.add_argument("--plans-only", action="store_true", help="profile and print the plans with their predicted memory, run nothing")
     args = p.parse_args(argv)
     rounds = args.rounds
     nsteps = args.steps or (3 if args.quick else 4)
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{[round(m / 2**20, 1) for m in plan.stage_peak_bytes]} MiB, planned bound "
                   f"{[round(m / 2**20, 1) for m in plan.stage_memory_bytes]} MiB (budget {budget / 2**20:.1f} MiB)")
 
+    if args.plans_only:
+        return 0
     # Runtime overheads (near-empty model) per pipeline depth, under the same core sharing.
     overheads = {}
     for pp in sorted({pp for _, pp in LAYOUTS}):

@@ -25,7 +25,8 @@ Throughput counts real tokens: the LLM tokens of the samples of each timed step 
 image tokens, padding excluded), summed, over the summed step times. Configurations run in
 rotating rounds, so drift of this shared machine's speed hits all alike. Each configuration is
 also simulated (``omnibal_compile.simulate``) from block costs profiled here at its micro-batch
-shape plus the runtime overheads of ``runtime.measure_overhead``; ranks sharing the cores are
+shape plus the runtime overheads of ``runtime.measure_overhead`` and the links' speeds of
+``runtime.links.measure_links`` (sends and FSDP collectives on gloo here); ranks sharing the cores are
 modelled with ``processors`` = cores per pipeline replica. One step of each run (the second:
 optimizer states exist) measures each rank's peak live tensor bytes (``RunConfig.memory_steps``,
 the cost pass's storage accounting), compared with the plan's predicted memory of that rank's
@@ -61,6 +62,7 @@ from omnibal_compile.models import TinyVLM
 from omnibal_compile.passes.cost import annotate_costs
 from omnibal_compile.passes.partition import plan_with_costs
 from omnibal_compile.runtime import measure_overhead
+from omnibal_compile.runtime.links import effective_sizes, measure_links
 from omnibal_compile.runtime.launch import RunConfig, launch, packed_source
 
 LAYOUTS = ((2, 1), (1, 2), (2, 2))
@@ -115,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         shape = {k: tuple(v.shape) for k, v in mb.items() if k in ("pixel_values", "input_ids")}
         print(f"profiled {batching} micro-batch {shape}: forward+backward "
               f"{sum(b.forward_s + b.backward_s for b in costs.blocks) * 1e3:.0f} ms", flush=True)
+
+    # The links as they are here (gloo on loopback), at the sizes this model sends and gathers: the
+    # planner and the simulator charge pipeline sends and FSDP's collectives at these speeds.
+    base_costs = profiles["balanced"]
+    sizes = effective_sizes(base_costs.cut_bytes, [b.num_params * FP32_ADAMW.weight_bytes for b in base_costs.blocks])
+    links = measure_links(send_bytes=sizes[0], collective_bytes=sizes[1])
+    print(f"links: sends {links.send_bytes_per_s / 1e9:.2f} GB/s at {sizes[0] / 2**20:.1f} MiB, all-gather and "
+          f"reduce-scatter {links.collective_bytes_per_s / 1e9:.2f} GB/s at {sizes[1] / 2**20:.1f} MiB", flush=True)
+    profiles = {k: dataclasses.replace(c, link_bandwidth=links.send_bytes_per_s,
+                                       dp_link_bandwidth=links.collective_bytes_per_s) for k, c in profiles.items()}
 
     # Plans: (dp, pp, step) -> (plan, costs, batching).
     configs: dict[tuple[int, int, str], tuple[oc.Plan, object, str]] = {}

@@ -28,7 +28,8 @@ from torch import nn
 from omnibal_compile.errors import InputError
 from omnibal_compile.labels import IGNORE_INDEX
 
-__all__ = ["HF_FAMILIES", "hf_example_batch", "hf_data_facts", "hf_family"]
+__all__ = ["HF_FAMILIES", "GRID_FAMILIES", "hf_example_batch", "hf_data_facts", "hf_family", "hf_pack_inputs",
+           "stacked_positions"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -211,27 +212,161 @@ def hf_family(model: nn.Module) -> str:
 
 
 def hf_data_facts(model: nn.Module) -> dict[str, Any]:
-    """Tokens per tile, image placeholder id, tile shape and vocabulary of a Hugging Face VLM whose images are
-    fixed-size tiles (``pixel_values`` of shape ``(tiles, channels, size, size)``: Llava, InternVL, ...).
+    """What the data balancer packs a Hugging Face VLM's images as: fixed-size tiles, with their placeholders per
+    tile, the image placeholder id, the tile's (channels, height, width) and the vocabulary. Empty for a text-only
+    model or a vision model whose layout is unknown.
 
-    Empty for a text-only model. Families that lay images out otherwise (Qwen2-VL's patches with
-    ``image_grid_thw``, Mistral3's ``image_sizes``) need their own packing collator.
+    Tiled families (Llava, InternVL, PaliGemma, Gemma 3) take their tile from the vision config; the others
+    count a tile as the family's images are counted (see :func:`hf_pack_inputs`, which lays a pack out):
+
+    - Qwen2-VL, Qwen2.5-VL: a square image of 2 x 2 merged patches, its 4 placeholders with the
+      ``<|vision_start|>``/``<|vision_end|>`` tokens around them counted as placeholders (6);
+    - Mistral 3: a square image of r x r merged patches, r = image_size // (patch x merge), with its r
+      ``[IMG_BREAK]``/``[IMG_END]`` tokens counted as placeholders (r x (r + 1));
+    - Idefics3, SmolVLM: one image slot, its patches pixel-shuffled by ``scale_factor`` per side.
     """
     cfg = getattr(model, "config", None)
     vision = getattr(cfg, "vision_config", None)
     image_token = getattr(cfg, "image_token_id", getattr(cfg, "image_token_index", None))
-    if cfg is None or vision is None or image_token is None or not hasattr(vision, "image_size"):
+    if cfg is None or vision is None or image_token is None:
+        return {}
+    kind = str(getattr(cfg, "model_type", ""))
+    channels = int(getattr(vision, "num_channels", getattr(vision, "in_channels", 3)))
+    vocab = int(cfg.get_text_config().vocab_size)
+    if kind in GRID_FAMILIES:
+        side = 2 * int(vision.spatial_merge_size) * int(vision.patch_size)
+        return {"tokens_per_tile": 2 * 2 + 2, "image_token_id": int(image_token), "image_shape": (channels, side, side),
+                "vocab_size": vocab}
+    if not hasattr(vision, "image_size"):
         return {}
     size, patch = _pair(vision.image_size), _pair(vision.patch_size)
+    if kind == "mistral3":
+        unit = patch * int(cfg.spatial_merge_size)
+        r = size // unit
+        return {"tokens_per_tile": r * (r + 1), "image_token_id": int(image_token),
+                "image_shape": (channels, r * unit, r * unit), "vocab_size": vocab}
     tokens = getattr(cfg, "mm_tokens_per_image", None) or getattr(cfg, "image_seq_length", None)  # Gemma 3, PaliGemma
-    if tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
+    if kind in ("idefics3", "smolvlm"):
+        tokens = idefics3_tokens_per_image(cfg)
+    elif tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
         tokens = (size // patch) ** 2 + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
-    return {
-        "tokens_per_tile": int(tokens),
-        "image_token_id": int(image_token),
-        "image_shape": (int(getattr(vision, "num_channels", 3)), size, size),
-        "vocab_size": int(cfg.get_text_config().vocab_size),
-    }
+    return {"tokens_per_tile": int(tokens), "image_token_id": int(image_token), "image_shape": (channels, size, size),
+            "vocab_size": vocab}
+
+
+GRID_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+"""Families whose images are flattened patches with ``image_grid_thw`` and 3-D rotary positions."""
+
+
+def stacked_positions(model: nn.Module) -> bool:
+    """Whether a pack's ``position_ids`` for ``model`` are (4, 1, L) per row, stacked along dim 0 (Qwen2-VL's
+    text row plus 3-D rotary rows), so that a step splits into micro-batches of one row each only."""
+    return str(getattr(getattr(model, "config", None), "model_type", "")) in GRID_FAMILIES
+
+
+def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One collated pack in the reference layout (``data.collate``: tiles, placeholders ``tokens_per_tile`` per
+    tile as :func:`hf_data_facts` counts them, ``position_ids`` restarting per sample, ``segment_ids``) -> the
+    inputs a Hugging Face model takes, with the pack's samples kept apart.
+
+    Keys the model's ``forward`` does not name are dropped; under ``sdpa``/``eager`` the row gets the 4-D
+    block-causal ``attention_mask`` of its segments (flash attention reads the restarting ``position_ids``).
+    Per family, as its processor lays images out:
+
+    - Qwen2-VL, Qwen2.5-VL: each tile becomes an image of flattened patches (the image processor's order,
+      the tile repeated over the temporal patch) between ``<|vision_start|>`` and ``<|vision_end|>``,
+      ``image_grid_thw`` per image, ``mm_token_type_ids``, and
+      ``position_ids`` of shape (4, 1, L): the text positions, then each sample's 3-D rotary positions as if
+      it ran alone;
+    - Mistral 3: ``image_sizes`` per tile, the last placeholder of each row of merged patches turned into
+      ``[IMG_BREAK]``, the tile's last into ``[IMG_END]`` (stand-in ids);
+    - Idefics3, SmolVLM: ``pixel_values`` of shape (1, tiles, C, H, W) with ``pixel_attention_mask``; a dummy
+      tile (all zeros, which the model would take for an empty slot) gets pixels of 1 so that every tile's
+      placeholders get features;
+    - Gemma 3: ``token_type_ids`` 1 on image tokens; PaliGemma: 0 on image tokens (the prefix), 1 elsewhere;
+      both get their bidirectional blocks in the mask (:func:`_pack_mask`).
+    """
+    import inspect
+
+    from omnibal_compile.data.hf_collate import is_varlen, mrope_positions
+
+    cfg = getattr(model, "config", None)
+    kind = str(getattr(cfg, "model_type", ""))
+    params = inspect.signature(model.forward).parameters
+    out = {k: v for k, v in row.items() if k in params}
+    impl = str(getattr(cfg, "_attn_implementation", None) or "sdpa")
+    if "segment_ids" in row and "attention_mask" in params and not is_varlen(impl):
+        out["attention_mask"] = _pack_mask(model, row)
+    if getattr(cfg, "vision_config", None) is None or "pixel_values" not in row:
+        return out
+    ids, pixels, image = row["input_ids"], row["pixel_values"], _image_token(cfg)
+    n_tiles, channels, side = pixels.shape[0], pixels.shape[1], pixels.shape[-1]
+    if kind in GRID_FAMILIES:
+        vision = cfg.vision_config
+        m, p, t = int(vision.spatial_merge_size), int(vision.patch_size), int(vision.temporal_patch_size)
+        g = side // p
+        x = pixels[:, None].expand(n_tiles, t, channels, side, side)
+        x = x.reshape(n_tiles, t, channels, g // m, m, p, g // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        out["pixel_values"] = x.reshape(n_tiles * g * g, channels * t * p * p)
+        ids = ids.clone()  # each tile's first and last placeholder: the processor's vision start and end
+        where = (ids[0] == image).nonzero().flatten().reshape(n_tiles, -1)
+        ids[0, where[:, 0]], ids[0, where[:, -1]] = int(cfg.vision_start_token_id), int(cfg.vision_end_token_id)
+        out["input_ids"] = ids
+        grid = torch.tensor([[1, g, g]] * n_tiles, dtype=torch.long)
+        out["image_grid_thw"] = grid
+        if "mm_token_type_ids" in params:
+            out["mm_token_type_ids"] = (ids == image).int()
+        seg = row["segment_ids"][0]
+        rope, used = [], 0
+        for k in range(int(seg.max()) + 1):
+            part = ids[0][seg == k]
+            n = int((part == image).sum()) // (g * g // m**2)
+            rope.append(mrope_positions(part, grid[used:used + n], image_token_id=image, merge=m))
+            used += n
+        out["position_ids"] = torch.cat([row["position_ids"], torch.cat(rope, dim=1)])[:, None]
+    elif kind == "mistral3":
+        r = int(side) // (_pair(cfg.vision_config.patch_size) * int(cfg.spatial_merge_size))
+        brk, end = _stand_ins(cfg, 2)
+        ids = ids.clone()
+        where = (ids[0] == image).nonzero().flatten().reshape(n_tiles, r, r + 1)
+        ids[0, where[:, :, -1].flatten()] = brk
+        ids[0, where[:, -1, -1]] = end
+        out["input_ids"] = ids
+        out["image_sizes"] = torch.tensor([[side, side]] * n_tiles, dtype=torch.long)
+    elif kind in ("idefics3", "smolvlm"):
+        empty = (pixels == 0).flatten(1).all(1)
+        out["pixel_values"] = torch.where(empty[:, None, None, None], torch.ones_like(pixels), pixels)[None]
+        out["pixel_attention_mask"] = torch.ones(1, n_tiles, side, side, dtype=torch.long)
+    elif kind == "gemma3":
+        out["token_type_ids"] = (ids == image).long()
+    elif kind == "paligemma":
+        out["token_type_ids"] = (ids != image).long()
+    return out
+
+
+def _pack_mask(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4-D additive mask of a pack: each sample sees itself as the model would mask it alone.
+
+    Causal within each sample, plus the family's bidirectional blocks: Gemma 3's images (each run of image
+    tokens), PaliGemma's prefix (the sample's image tokens). A language model with sliding-window layers
+    (``layer_types``) gets one mask per layer type, ``{"full_attention": ..., "sliding_attention": ...}``, as its
+    forward takes them.
+    """
+    from omnibal_compile.data.hf_collate import block_ids, segment_mask
+
+    cfg = getattr(model, "config", None)
+    kind = str(getattr(cfg, "model_type", ""))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    seg = row["segment_ids"]
+    blocks = None
+    if kind in ("gemma3", "paligemma") and "input_ids" in row:
+        blocks = block_ids(seg, row["input_ids"] == _image_token(cfg))
+    full = segment_mask(seg, dtype=dtype, blocks=blocks)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else None
+    window = getattr(text, "sliding_window", None)
+    if window is None or "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+        return full
+    return {"full_attention": full, "sliding_attention": segment_mask(seg, dtype=dtype, blocks=blocks, window=int(window))}
 
 
 def hf_example_batch(model: nn.Module, *, batch: int, text: int, seed: int) -> Batch:

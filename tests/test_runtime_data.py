@@ -134,3 +134,24 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengt
         loss.backward()
         opt.step()
     assert len(logged) == 2
+
+
+def test_qwen2_vl_packs_need_one_row_per_microbatch(tmp_path, lengths_file):
+    """Its position_ids are (4, 1, L) per row, stacked along dim 0: only one-row micro-batches split right."""
+    pytest.importorskip("transformers")
+    from hf_families import build
+
+    from omnibal_compile.models.load import load_model
+
+    config_file = tmp_path / "qwen2_vl.json"
+    build("qwen2_vl")[0].config.to_json_file(config_file)
+    spec = f"hf:Qwen2VLForConditionalGeneration:{config_file}"
+    model = load_model(spec).model
+    micro = batch_source(RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1), model)(0)
+    (tmp_path / "plan.json").write_text(oc.optimize(model, micro, num_stages=2, planner="uniform").plan.to_json())
+    config = RunConfig(plan=str(tmp_path / "plan.json"), model=spec, lengths=(lengths_file,), batch_size=4,
+                       num_microbatches=2)
+    with pytest.raises(InputError, match=r"one row only.*--batch-size.*\(2\), got 4"):
+        batch_source(config, model)
+    two = batch_source(dataclasses.replace(config, batch_size=2), model)(0)
+    assert two["position_ids"].shape[:2] == (8, 1) and two["input_ids"].shape[0] == 2

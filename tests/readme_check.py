@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_LANGS = {"python": "python", "bash": "bash", "sh": "bash"}
 TEXT_LANGS = {"", "text", "console", "output"}
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
-SAVE_AS = re.compile(r"#\s*save as\s+(\S+)\s*$")
+SAVE_AS = re.compile(r"#\s*save as\s+([\w./-]*\w)")
 TAIL_LINES = 25
 
 

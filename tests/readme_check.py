@@ -51,6 +51,8 @@ class Block:
 
     line: int
     """The line of its opening fence (1-based)."""
+    end: int
+    """The line of its closing fence."""
     lang: str
     """Its language tag, lower case; "" for none."""
     code: str
@@ -102,7 +104,7 @@ def parse_blocks(text: str) -> list[Block]:
         while prev >= 0 and not lines[prev].strip():
             prev -= 1
         marker = NOT_RUN.search(lines[prev]) if prev >= 0 else None
-        blocks.append(Block(line=start + 1, lang=m.group(3).lower(), code="\n".join(lines[start + 1:j]) + "\n",
+        blocks.append(Block(line=start + 1, end=j + 1, lang=m.group(3).lower(), code="\n".join(lines[start + 1:j]) + "\n",
                             not_run=marker.group(1) if marker else None, setup=not blocks))
         i = j + 1
     for b in blocks:
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the blocks and how each is checked; run nothing")
     ap.add_argument("--setup-commands", action="store_true", help="print the set-up block's commands, one a line")
     ap.add_argument("--only", type=int, nargs="+", metavar="LINE",
-                    help="run only the blocks opening at these lines (files saved by '# save as' blocks are still saved)")
+                    help="run only the blocks holding these lines (files of '# save as' blocks are still saved)")
     ap.add_argument("--workdir", type=Path, help="run in this folder (default: a scratch copy of the repository)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one block may take (default 600)")
     ap.add_argument("--verbose", action="store_true", help="print every block's output, not only failures'")
@@ -193,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"line {b.line:>5}  {b.lang or '(none)':<7} {b.how()}")
         return 0
     if args.only:
-        unknown = sorted(set(args.only) - {b.line for b in blocks})
+        unknown = [n for n in args.only if not any(b.line <= n <= b.end for b in blocks)]
         if unknown:
-            print(f"readme_check: no block opens at line(s) {unknown}; see --list", file=sys.stderr)
+            print(f"readme_check: no block holds line(s) {unknown}; see --list", file=sys.stderr)
             return 2
     runnable = [b for b in blocks if not b.setup and not b.not_run and (b.lang in RUN_LANGS or b.lang == "json")]
     with tempfile.TemporaryDirectory(prefix="readme-check-") as tmp:
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"README examples of {args.readme}, run in {work}")
         failed, ran, t_all = [], 0, time.perf_counter()
         for b in runnable:
-            if args.only and b.line not in args.only and not b.save_as:
+            if args.only and not b.save_as and not any(b.line <= n <= b.end for n in args.only):
                 continue
             t0 = time.perf_counter()
             ok, out = run_block(b, work, scripts, args.timeout)
@@ -219,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(b.line)
             if out.strip() and (not ok or args.verbose):
                 print(tail(out, TAIL_LINES if not args.verbose else 10**6), flush=True)
-        skipped = len(blocks) - len(runnable)
         print(f"{ran} blocks checked in {time.perf_counter() - t_all:.0f} s, {len(failed)} failed"
               + (f" (lines {', '.join(map(str, failed))})" if failed else "")
-              + f"; {skipped} not run (set-up, output, or marked; --list says which)")
+              + f"; {len(blocks) - len(runnable)} of the README's {len(blocks)} blocks are not run"
+              " (set-up, output, or marked; --list says which)")
     return 1 if failed else 0
 
 

@@ -90,3 +90,27 @@ def test_the_readme_opens_with_its_two_setup_commands() -> None:
     assert len(cmds) == 2 and cmds[0].endswith("omnibal-compile demo") and cmds[1].endswith("python -m pytest tests")
     reasons = [b.not_run for b in blocks if b.not_run]
     assert len(reasons) <= 3, reasons  # exceptions stay few; each gives its reason in the README
+
+
+@pytest.mark.slow
+def test_the_ci_step_fails_when_an_example_fails(tmp_path: Path) -> None:
+    """.ci/readme_clone on a small repository (cheap set-up commands) whose README has one broken example:
+    it clones, makes a venv, runs both set-up commands and the examples, and exits 1 naming the phase."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / ".ci").mkdir()
+    shutil.copy(R.ROOT / "tests" / "readme_check.py", repo / "tests")
+    shutil.copy(R.ROOT / ".ci" / "readme_clone", repo / ".ci")
+    readme = "# t\n\n```bash\necho one > one.txt\ntest -f one.txt\n```\n\n```python\nprint('ok')\n```\n\n"
+    (repo / "README.md").write_text(readme + "```python\nraise SystemExit('planted failure')\n```\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "t"], check=True)
+    proc = subprocess.run(["bash", str(repo / ".ci" / "readme_clone")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "=== README set-up command 1: passed" in proc.stdout and "=== README set-up command 2: passed" in proc.stdout
+    assert "planted failure" in proc.stdout and "failed: README examples" in proc.stdout

@@ -1,6 +1,7 @@
 """How fast ``omnibal-compile lengths`` measures a LLaVA-style dataset.
 
     python bench/lengths_speed.py [--records 100000] [--images 300] [--workdir DIR]
+    python bench/lengths_speed.py --build-only --records 2000 --images 20 --workdir DIR   # only the data, kept in DIR
 
 Builds, in a temporary folder: ``images`` small image files of many aspect ratios (PNG and JPEG),
 a byte-level BPE tokenizer (8k vocabulary, trained here on the generated text) with a ChatML chat
@@ -130,8 +131,12 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="build the dataset here (default: a temporary folder)")
     ap.add_argument("--workers", type=int, default=None, help="the command's --workers (default: its own default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--build-only", action="store_true",
+                    help="build the images, tokenizer and datasets in --workdir and stop (a sample to try the command on)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    if args.build_only and not args.workdir:
+        ap.error("--build-only keeps what it builds in --workdir DIR; give DIR")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -144,6 +149,9 @@ def main() -> int:
         _dataset(work / "distinct.jsonl", args.records, names, rng, distinct=links)
         print(f"built {args.records:,} records x 2 datasets, {args.images} image files and a tokenizer in "
               f"{time.perf_counter() - t0:.1f} s (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+        if args.build_only:
+            print(f"in {work}: shared.jsonl, distinct.jsonl (datasets), images/, links/, tokenizer/")
+            return 0
         rows = []
         for label in ("shared", "distinct"):
             load = os.getloadavg()[0]

@@ -24,6 +24,13 @@ def test_demo_runs_and_reports_parity(tmp_path, capsys):
     assert len(json.loads(plan_path.read_text())["boundaries"]) == 4
 
 
+def test_demo_default_budget_fits_two_stages(tmp_path, capsys):
+    """The README's `omnibal-compile demo --stages 2`: the default budget scales with the stages (a fixed 16 MiB
+    per device did not fit half of the model on one device)."""
+    assert main(["demo", "--stages", "2", "--save-plan", str(tmp_path / "plan.json")]) == 0, capsys.readouterr().err
+    assert "/ 32.0" in capsys.readouterr().out  # 64 MiB / 2 stages, in the plan table's memory column
+
+
 def test_demo_errors_are_reported_not_raised(capsys):
     assert main(["demo", "--stages", "999"]) == 2
     assert "exceeds" in capsys.readouterr().err

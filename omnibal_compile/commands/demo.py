@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default="cpu", help="cost source: 'cpu' profiles here (default), or a roofline target such as a100-80gb"
     )
     p.add_argument(
-        "--memory", default="16MiB", help="memory budget per device (default 16MiB: tight enough that some blocks recompute)"
+        "--memory", default=None,
+        help="memory budget per device (default 64MiB / stages: 16MiB for 4 stages, tight enough that some blocks recompute)"
     )
     p.add_argument("--batch", type=int_option(min=1), default=2, help="samples in the example micro-batch (default 2)")
     p.add_argument("--tiles", type=int_option(min=0), default=2, help="image tiles per sample (default 2)")
@@ -47,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from omnibal_compile.tables import counted, format_table
     from omnibal_compile.units import parse_size
 
+    if args.memory is None:  # a device holds about 1/stages of the model: a fixed default would not fit 2 stages
+        args.memory = f"{64 / args.stages:g}MiB"
     torch.manual_seed(args.seed)
     cfg = TinyVLMConfig()
     model = TinyVLM(cfg)

@@ -1,0 +1,232 @@
+"""Run every example of README.md as a new user would, and say which pass.
+
+    python tests/readme_check.py                 # run every example, in order, in a scratch copy of the repository
+    python tests/readme_check.py --list          # each block: its line, language and how it is checked
+    python tests/readme_check.py --only 131 163  # the blocks opening at these lines (and the files they need)
+    python tests/readme_check.py --setup-commands  # the README's set-up commands, one a line (for .ci/readme_clone)
+
+How each fenced block is checked, by its language tag:
+
+    python      run as a fresh interpreter (``python block.py``); a block whose first line is
+                ``# save as NAME`` is written to NAME instead, for a later block to run
+    bash, sh    run with ``bash -e -o pipefail`` (a failing command fails the block)
+    json        parsed as JSON
+    text, none  not run: command output, listings, tables
+
+A block right after ``<!-- not run: REASON -->`` is not run, and the listing gives the reason.
+The README's first block is its set-up commands (install, demo; install, tests): the checker does
+not run it; ``.ci/readme_clone`` runs those commands in a fresh clone before the checker.
+
+Every block runs in one scratch folder, a copy of the repository's files (so the README's paths,
+``omnibal_compile/data/stats/*.json`` and the like, resolve), in the README's order, so a file one
+block writes is there for the next. The package itself is imported from where it is installed.
+Exit status: 0 when every block that runs passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_LANGS = {"python": "python", "bash": "bash", "sh": "bash"}
+TEXT_LANGS = {"", "text", "console", "output"}
+NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
+SAVE_AS = re.compile(r"#\s*save as\s+([\w./-]*\w)")
+TAIL_LINES = 25
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """One fenced block of the README."""
+
+    line: int
+    """The line of its opening fence (1-based)."""
+    end: int
+    """The line of its closing fence."""
+    lang: str
+    """Its language tag, lower case; "" for none."""
+    code: str
+    """Its text, without the fences."""
+    not_run: str | None = None
+    """The reason given in a ``<!-- not run: ... -->`` line before it."""
+    setup: bool = False
+    """Whether it is the README's set-up block (its first)."""
+
+    @property
+    def save_as(self) -> str | None:
+        """The file a ``# save as NAME`` python block is written to."""
+        first = self.code.split("\n", 1)[0]
+        m = SAVE_AS.match(first) if self.lang == "python" else None
+        return m.group(1) if m else None
+
+    def how(self) -> str:
+        """How the checker treats this block, in words."""
+        if self.setup:
+            return "set-up commands: not run here (.ci/readme_clone runs them in a fresh clone first)"
+        if self.not_run:
+            return f"not run: {self.not_run}"
+        if self.save_as:
+            return f"saved as {self.save_as} (a later block runs it)"
+        if self.lang in RUN_LANGS:
+            return f"run ({RUN_LANGS[self.lang]})"
+        if self.lang == "json":
+            return "parsed as JSON"
+        return "text (output or listing): not run"
+
+
+def parse_blocks(text: str) -> list[Block]:
+    """Every fenced block of a markdown text, in order; the first is the set-up block."""
+    lines = text.split("\n")
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, start = m.group(2), i
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            j += 1
+        if j == len(lines):
+            raise ValueError(f"README line {start + 1}: the block opened here is never closed")
+        prev = start - 1
+        while prev >= 0 and not lines[prev].strip():
+            prev -= 1
+        marker = NOT_RUN.search(lines[prev]) if prev >= 0 else None
+        blocks.append(Block(line=start + 1, end=j + 1, lang=m.group(3).lower(), code="\n".join(lines[start + 1:j]) + "\n",
+                            not_run=marker.group(1) if marker else None, setup=not blocks))
+        i = j + 1
+    for b in blocks:
+        if b.lang not in RUN_LANGS and b.lang not in TEXT_LANGS and b.lang != "json":
+            raise ValueError(f"README line {b.line}: block language {b.lang!r} is not one this checker knows "
+                             f"({', '.join(sorted(set(RUN_LANGS) | {'json', 'text'}))})")
+    return blocks
+
+
+def setup_commands(blocks: list[Block]) -> list[str]:
+    """The set-up block's commands, one per line (continuation lines joined)."""
+    code = blocks[0].code.replace("\\\n", " ")
+    return [ln.strip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+
+
+def scratch_copy(dest: Path) -> None:
+    """Copy the repository's files (tracked, and untracked but not ignored) into ``dest``."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             check=True, capture_output=True, text=True).stdout
+        files = [f for f in out.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts]
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def run_block(block: Block, work: Path, scripts: Path, timeout: float) -> tuple[bool, str]:
+    """Run one block in ``work``; (passed, output tail)."""
+    if block.lang == "json":
+        try:
+            json.loads(block.code)
+            return True, ""
+        except json.JSONDecodeError as e:
+            return False, f"not valid JSON: {e}"
+    if block.save_as:
+        target = work / block.save_as
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(block.code)
+        return True, ""
+    if RUN_LANGS[block.lang] == "python":
+        script = scripts / f"readme_line_{block.line}.py"
+        script.write_text(block.code)
+        cmd = [sys.executable, str(script)]
+    else:
+        cmd = ["bash", "-e", "-o", "pipefail", "-c", block.code]
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return False, out + f"\n(timed out after {timeout:.0f} s)"
+    return proc.returncode == 0, proc.stdout + ("" if proc.returncode == 0 else f"\n(exit status {proc.returncode})")
+
+
+def tail(text: str, n: int = TAIL_LINES) -> str:
+    return "\n".join("    " + ln for ln in text.rstrip().splitlines()[-n:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run every example of README.md and report each block's result.")
+    ap.add_argument("readme", nargs="?", type=Path, default=ROOT / "README.md")
+    ap.add_argument("--list", action="store_true", help="list the blocks and how each is checked; run nothing")
+    ap.add_argument("--setup-commands", action="store_true", help="print the set-up block's commands, one a line")
+    ap.add_argument("--only", type=int, nargs="+", metavar="LINE",
+                    help="run only the blocks holding these lines (files of '# save as' blocks are still saved)")
+    ap.add_argument("--workdir", type=Path, help="run in this folder (default: a scratch copy of the repository)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one block may take (default 600)")
+    ap.add_argument("--verbose", action="store_true", help="print every block's output, not only failures'")
+    args = ap.parse_args(argv)
+    try:
+        blocks = parse_blocks(args.readme.read_text())
+    except (OSError, ValueError) as e:
+        print(f"readme_check: {e}", file=sys.stderr)
+        return 2
+    if not blocks:
+        print(f"readme_check: {args.readme} has no fenced block", file=sys.stderr)
+        return 2
+    if args.setup_commands:
+        print("\n".join(setup_commands(blocks)))
+        return 0
+    if args.list:
+        for b in blocks:
+            print(f"line {b.line:>5}  {b.lang or '(none)':<7} {b.how()}")
+        return 0
+    if args.only:
+        unknown = [n for n in args.only if not any(b.line <= n <= b.end for b in blocks)]
+        if unknown:
+            print(f"readme_check: no block holds line(s) {unknown}; see --list", file=sys.stderr)
+            return 2
+    runnable = [b for b in blocks if not b.setup and not b.not_run and (b.lang in RUN_LANGS or b.lang == "json")]
+    with tempfile.TemporaryDirectory(prefix="readme-check-") as tmp:
+        work = args.workdir or Path(tmp) / "work"
+        scripts = Path(tmp) / "blocks"
+        scripts.mkdir()
+        if args.workdir is None:
+            work.mkdir()
+            scratch_copy(work)
+        print(f"README examples of {args.readme}, run in {work}")
+        failed, ran, t_all = [], 0, time.perf_counter()
+        for b in runnable:
+            if args.only and not b.save_as and not any(b.line <= n <= b.end for n in args.only):
+                continue
+            t0 = time.perf_counter()
+            ok, out = run_block(b, work, scripts, args.timeout)
+            ran += 1
+            print(f"line {b.line:>5}  {b.lang:<6} {'pass' if ok else 'FAIL'}  {time.perf_counter() - t0:6.1f} s"
+                  f"  {b.how()}", flush=True)
+            if not ok:
+                failed.append(b.line)
+            if out.strip() and (not ok or args.verbose):
+                print(tail(out, TAIL_LINES if not args.verbose else 10**6), flush=True)
+        print(f"{ran} blocks checked in {time.perf_counter() - t_all:.0f} s, {len(failed)} failed"
+              + (f" (lines {', '.join(map(str, failed))})" if failed else "")
+              + f"; {len(blocks) - len(runnable)} of the README's {len(blocks)} blocks are not run"
+              " (set-up, output, or marked; --list says which)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""tests/readme_check.py: which README blocks it runs, and that a failing example fails it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import readme_check as R  # noqa: E402
+
+SETUP = "# title\n\n```bash\npip install -e . && omnibal-compile demo\npip install -e '.[test]' && \\\n  python -m pytest tests\n```\n"
+
+
+def _check(tmp_path: Path, body: str, *extra: str) -> int:
+    readme = tmp_path / "README.md"
+    readme.write_text(SETUP + body)
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return R.main([str(readme), "--workdir", str(work), *extra])
+
+
+def test_each_kind_of_block_is_told_apart() -> None:
+    text = SETUP + (
+        "```python\nprint(1)\n```\n"
+        "```python\n# save as pkg/mod.py: a module\nX = 1\n```\n"
+        "<!-- not run: needs two nodes -->\n\n```bash\ntorchrun ...\n```\n"
+        "```\n$ some output\n```\n"
+        "```text\na table\n```\n"
+        '```json\n{"a": 1}\n```\n'
+        "````sh\necho ```\n````\n"
+    )
+    blocks = R.parse_blocks(text)
+    assert [b.line for b in blocks] == [3, 8, 11, 17, 20, 23, 26, 29]
+    how = [b.how() for b in blocks]
+    assert how[0].startswith("set-up commands") and blocks[0].setup
+    assert how[1:] == ["run (python)", "saved as pkg/mod.py (a later block runs it)", "not run: needs two nodes",
+                       "text (output or listing): not run", "text (output or listing): not run", "parsed as JSON",
+                       "run (bash)"]
+    assert blocks[-1].code == "echo ```\n"  # a longer fence holds a shorter one
+    assert R.setup_commands(blocks) == ["pip install -e . && omnibal-compile demo",
+                                        "pip install -e '.[test]' &&    python -m pytest tests"]
+
+
+def test_unknown_language_and_unclosed_block_are_errors() -> None:
+    with pytest.raises(ValueError, match="line 9: block language 'rust'"):
+        R.parse_blocks(SETUP + "\n```rust\nfn main() {}\n```\n")
+    with pytest.raises(ValueError, match="line 9: the block opened here is never closed"):
+        R.parse_blocks(SETUP + "\n```python\nprint(1)\n")
+
+
+def test_blocks_run_in_order_in_one_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = ("```python\n# save as helper.py\nVALUE = 41\n```\n"
+            "```python\nimport sys; sys.path.insert(0, '.')\nimport helper\nopen('out.txt', 'w').write(str(helper.VALUE + 1))\n```\n"
+            "```bash\ntest \"$(cat out.txt)\" = 42\n```\n"
+            '```json\n{"ok": true}\n```\n')
+    assert _check(tmp_path, body) == 0
+    out = capsys.readouterr().out
+    assert out.count(" pass ") == 4 and "0 failed" in out and "set-up" in out
+
+
+@pytest.mark.parametrize("broken", [
+    "```python\nraise ValueError('planted')\n```\n",
+    "```bash\nfalse\necho after\n```\n",           # a failing command in the middle of a block
+    "```bash\nfalse | cat\n```\n",                 # ... or inside a pipe
+    '```json\n{"a": 1,}\n```\n',
+])
+def test_a_failing_block_fails_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str], broken: str) -> None:
+    body = "```python\nprint('fine')\n```\n" + broken + "```bash\necho still runs\n```\n"
+    assert _check(tmp_path, body) == 1
+    out = capsys.readouterr().out
+    assert "1 failed (lines 11)" in out and out.count(" pass ") == 2
+    if "planted" in broken:
+        assert "ValueError: planted" in out  # the error tail is shown
+
+
+def test_only_and_timeout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = "```python\nimport time; time.sleep(30)\n```\n```python\nprint('second')\n```\n"
+    assert _check(tmp_path, body, "--only", "13") == 0  # the second block only (line 13 is inside it)
+    assert _check(tmp_path, body, "--timeout", "1", "--only", "8") == 1
+    assert "timed out after 1 s" in capsys.readouterr().out
+    assert _check(tmp_path, body, "--only", "99") == 2
+
+
+def test_the_readme_opens_with_its_two_setup_commands() -> None:
+    blocks = R.parse_blocks((R.ROOT / "README.md").read_text())
+    assert blocks[0].line == 3 and blocks[0].lang == "bash"
+    cmds = R.setup_commands(blocks)
+    assert len(cmds) == 2 and cmds[0].endswith("omnibal-compile demo") and cmds[1].endswith("python -m pytest tests")
+    reasons = [b.not_run for b in blocks if b.not_run]
+    assert len(reasons) <= 3, reasons  # exceptions stay few; each gives its reason in the README
+
+
+@pytest.mark.slow
+def test_the_ci_step_fails_when_an_example_fails(tmp_path: Path) -> None:
+    """.ci/readme_clone on a small repository (cheap set-up commands) whose README has one broken example:
+    it clones, makes a venv, runs both set-up commands and the examples, and exits 1 naming the phase."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / ".ci").mkdir()
+    shutil.copy(R.ROOT / "tests" / "readme_check.py", repo / "tests")
+    shutil.copy(R.ROOT / ".ci" / "readme_clone", repo / ".ci")
+    readme = "# t\n\n```bash\necho one > one.txt\ntest -f one.txt\n```\n\n```python\nprint('ok')\n```\n\n"
+    (repo / "README.md").write_text(readme + "```python\nraise SystemExit('planted failure')\n```\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "t"], check=True)
+    proc = subprocess.run(["bash", str(repo / ".ci" / "readme_clone")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "=== README set-up command 1: passed" in proc.stdout and "=== README set-up command 2: passed" in proc.stdout
+    assert "planted failure" in proc.stdout and "failed: README examples" in proc.stdout

@@ -219,9 +219,10 @@ def _node_mutations(node: ast.AST) -> Iterator[tuple[ast.AST, str, str]]:
             yield node.upper, f"({ast.unparse(node.upper)} - 1)", "slice upper bound - 1"
 
 
-def find_mutants(path: str) -> list[Mutant]:
-    """Every mutation site of the file at ``path`` (relative to the repository root), in source order."""
-    text = (ROOT / path).read_text()
+def find_mutants(path: str, text: str | None = None) -> list[Mutant]:
+    """Every mutation site of the file at ``path`` (relative to the repository root; or of ``text``, named
+    ``path``), in source order."""
+    text = (ROOT / path).read_text() if text is None else text
     lines = text.splitlines()
     tree = ast.parse(text)
     skip = _skipped_nodes(tree)

@@ -493,12 +493,15 @@ def collect_coverage(server: Server, copy_root: Path, name: str) -> Coverage:
 
 
 def mutate_module(name: str, *, server: Server, copy_root: Path, max_mutants: int = 0, sample: bool = False,
-                  seed: int = 0, timeout_factor: float = 3.0, log: bool = True) -> dict:
-    """Run every selected mutant of module ``name``; a dict for the report."""
+                  seed: int = 0, timeout_factor: float = 3.0, lines: frozenset[int] = frozenset(),
+                  log: bool = True) -> dict:
+    """Run every selected mutant of module ``name`` (those on ``lines`` when given); a dict for the report."""
     path, tests = MODULES[name]
     original = (ROOT / path).read_text()
     mutants = find_mutants(path)
     total_sites = len(mutants)
+    if lines:
+        mutants = [m for m in mutants if m.line in lines]
     if max_mutants and len(mutants) > max_mutants:
         mutants = sorted(random.Random(seed).sample(mutants, max_mutants), key=lambda m: m.start) if sample else mutants[:max_mutants]
     started = time.monotonic()
@@ -542,7 +545,7 @@ def mutate_module(name: str, *, server: Server, copy_root: Path, max_mutants: in
     live = len(outcomes) - counts["equivalent"]
     return {
         "module": name, "path": path, "tests": list(tests), "sites": total_sites, "mutants": len(outcomes),
-        "sampled": bool(max_mutants and total_sites > max_mutants), **counts,
+        "sampled": bool(lines) or bool(max_mutants and total_sites > max_mutants), **counts,
         "score": (counts["killed"] + counts["timeout"]) / live if live else 1.0,
         "minutes": (time.monotonic() - started) / 60, "outcomes": [asdict(o) for o in outcomes],
     }
@@ -593,6 +596,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of --sample")
     ap.add_argument("--timeout-factor", type=float, default=3.0, metavar="F",
                     help="a mutant's tests may take F x their unmutated time + 2 x start-up + 10 s")
+    ap.add_argument("--lines", default="", metavar="L,L",
+                    help="only the mutants on these source lines (to recheck survivors after adding tests)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "mutation_out", metavar="DIR")
     ap.add_argument("--list", action="store_true", help="list the modules, their tests and mutation sites, and exit")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the forking test server (internal)
@@ -618,7 +623,8 @@ def main() -> int:
     try:
         for name in names:
             reports.append(mutate_module(name, server=server, copy_root=copy_root, max_mutants=args.max_mutants,
-                                         sample=args.sample, seed=args.seed, timeout_factor=args.timeout_factor))
+                                         sample=args.sample, seed=args.seed, timeout_factor=args.timeout_factor,
+                                         lines=frozenset(int(x) for x in args.lines.split(",") if x)))
             write_report(reports, args.out, command)
             print(summary_table(reports[-1:]), flush=True)
     finally:

@@ -98,6 +98,11 @@ def test_state_mismatch_and_bad_rank_are_named() -> None:
         s.load_state_dict({"epoch": 0})
     with pytest.raises(InputError, match="rank"):
         _sampler(40, 2, 2, seed=1)
+    # each count is checked against its own rule, and the message names that rule
+    with pytest.raises(InputError, match="world_size must be an integer >= 1, got 0"):
+        BalancedBatchSampler(lambda s: None, num_samples=4, rank=0, world_size=0)
+    with pytest.raises(InputError, match="num_samples must be an integer >= 1, got 0"):
+        BalancedBatchSampler(lambda s: None, num_samples=0)
 
 
 def test_works_as_a_dataloader_batch_sampler() -> None:

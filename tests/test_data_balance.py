@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -239,3 +241,27 @@ def test_loads_and_attention_pairs_against_hand_counts_padded() -> None:
     assert m.dist_vision == pytest.approx(((1 - 0) / 2 + (4 - 3) / 8) / 2)
     # FLOPs tiles + 10 computed + 100 pairs per pack: 2081, 1554, 6483, 320
     assert m.dist_compute == pytest.approx(((2081 - 320) / (2 * 2081) + (6483 - 1554) / (2 * 6483)) / 2)
+
+
+def test_pack_shape_limits_and_the_unpackable_sample_check_are_inclusive() -> None:
+    from contracts import assert_frozen_keyword_only
+
+    from omnibal_compile.data.packing import MAX_PACK_TILES, MAX_PACK_TOKENS, Packing, refuse_unpackable
+
+    assert (MAX_PACK_TILES, MAX_PACK_TOKENS) == (4096, 2_097_152)  # the limits README's error table states
+    edge = PackShape(tiles=4096, tokens=2_097_152)  # the largest shape allowed
+    assert (edge.tiles, edge.tokens) == (4096, 2_097_152) and PackShape(tiles=0, tokens=1).tiles == 0
+    for tiles, tokens, what in ((4097, 10, "tiles"), (-1, 10, "tiles"), (4, 2_097_153, "tokens"), (4, 0, "tokens")):
+        with pytest.raises(InputError, match=f"pack shape {what}"):
+            PackShape(tiles=tiles, tokens=tokens)
+    assert_frozen_keyword_only(edge)
+    # a sample exactly at the limits fits; one tile or token more is refused, naming the first such sample
+    refuse_unpackable(LengthStats.from_arrays([4096, 1], [2_097_152, 5]))
+    for tiles, tokens in (([1, 4097, 4097], [5, 5, 5]), ([1, 1, 1], [5, 2_097_153, 2_097_153])):
+        with pytest.raises(InputError, match=r"sample 1 has .* \(4,096 tiles, 2,097,152 tokens; 2 such sample"):
+            refuse_unpackable(LengthStats.from_arrays(tiles, tokens))
+    refuse_unpackable(LengthStats.from_arrays([1, 4097], [5, 5]), ids=[0])  # only the given ids are checked
+    # a Packing holds arrays: compared and hashed by identity, never element-wise
+    p = balance_pack(LengthStats.from_arrays([1, 2, 0, 1], [10, 20, 30, 5]), dp=2, samples_per_pack=1)
+    assert isinstance(p, Packing) and p == p and p != dataclasses.replace(p) and {p: 1}[p] == 1
+    assert_frozen_keyword_only(p)

@@ -1,7 +1,11 @@
 """The two-chunk interleaved search: least bottleneck and bounds against brute force."""
 
+import dataclasses
 import itertools
 import math
+
+import pytest
+from contracts import assert_frozen_keyword_only
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -99,3 +103,9 @@ def test_recompute_options_of_the_plan_are_real():
     found = two_chunk_search(P, start)
     assert found.solution.feasible and set(found.solution.recompute) <= set(OPTIONS)
     assert found.gap <= 1e-6 or found.lower_bound < found.solution.iteration_time
+    # the gap by hand: (iteration time - bound) / iteration time, never negative, 0 for a zero-time plan
+    it = found.solution.iteration_time
+    assert dataclasses.replace(found, lower_bound=0.75 * it).gap == pytest.approx(0.25)
+    assert dataclasses.replace(found, lower_bound=1.5 * it).gap == 0.0
+    assert dataclasses.replace(found, solution=dataclasses.replace(found.solution, iteration_time=0.0)).gap == 0.0
+    assert_frozen_keyword_only(found)

@@ -88,6 +88,9 @@ def test_two_chunk_search_brackets_the_optimum_and_finds_the_least_bottleneck(P)
     assert sol.iteration_time >= best_it * (1 - 1e-9)  # a real plan: never better than the optimum
     assert found.lower_bound <= best_it * (1 + 1e-9)  # a real bound: never above it
     assert found.bottleneck <= best_max * (1 + 1e-5)  # the least largest device time, found
+    assert found.bottleneck >= best_max * (1 - 1e-9)  # and a real one: no plan has a smaller largest device time
+    assert found.solution.feasible and found.solution.iteration_time >= best_it * (1 - 1e-9)  # a real plan
+    assert found.lower_bound <= found.solution.iteration_time * (1 + 1e-9)
     # and the planner as a whole is exact on these (the ILP closes what the search leaves open)
     assert math.isclose(solve(P, "ilp").iteration_time, best_it, rel_tol=1e-5)
 

@@ -265,3 +265,43 @@ def test_pack_shape_limits_and_the_unpackable_sample_check_are_inclusive() -> No
     p = balance_pack(LengthStats.from_arrays([1, 2, 0, 1], [10, 20, 30, 5]), dp=2, samples_per_pack=1)
     assert isinstance(p, Packing) and p == p and p != dataclasses.replace(p) and {p: 1}[p] == 1
     assert_frozen_keyword_only(p)
+
+
+def _hand_packing(steps: list[list[int]], order: list[int] | None = None):
+    from omnibal_compile.data.packing import Packing
+
+    return Packing(order=np.array(order or [0, 1, 2, 3, 4]), offsets=np.array([0, 2, 2, 5]), steps=np.array(steps),
+                   capacity=None, layout="padded", oversized=np.zeros(0, np.int64), oversized_policy="error",
+                   method="hand")
+
+
+def test_packing_helpers_by_hand() -> None:
+    from omnibal_compile.data.packing import even_groups, split_oversized
+
+    p = _hand_packing([[0], [1], [2]], order=[4, 3, 2, 1, 0])  # packs [4, 3], [], [2, 1, 0]
+    assert p.pack_max(np.array([5, 1, 7, 2, 9])).tolist() == [9, 0, 7]  # the empty pack's maximum is 0
+    assert p.samples_per_pack() == 5 / 3
+    empty = dataclasses.replace(p, order=np.zeros(0, np.int64), offsets=np.array([0]), steps=np.zeros((0, 1), np.int64))
+    assert empty.samples_per_pack() == 0.0 and empty.pack_max(np.zeros(0, np.int64)).tolist() == []
+    # the digest: 16 hex digits; equal for equal packs in the same step order, different otherwise
+    d = p.digest()
+    assert len(d) == 16 and int(d, 16) >= 0 and d == _hand_packing([[0], [1], [2]], order=[4, 3, 2, 1, 0]).digest()
+    assert d != _hand_packing([[1], [0], [2]], order=[4, 3, 2, 1, 0]).digest()  # steps reordered
+    assert d != _hand_packing([[0], [1], [2]], order=[3, 4, 2, 1, 0]).digest()  # order within a pack
+    # consecutive groups whose sizes differ by at most one, the larger first
+    assert even_groups(7, 3).tolist() == [0, 3, 5, 7] and even_groups(6, 3).tolist() == [0, 2, 4, 6]
+    # oversized samples: strictly over the shape in tiles or tokens; a sample exactly at the shape fits
+    stats = LengthStats.from_arrays([2, 3, 2, 1, 1, 1, 1, 1], [10, 10, 11, 10, 11, 11, 11, 11])
+    cap = PackShape(tiles=2, tokens=10)
+    kept, big = split_oversized(stats, cap, "own-pack")
+    assert big.tolist() == [1, 2, 4, 5, 6, 7] and kept is stats
+    kept, big = split_oversized(stats, cap, "truncate")
+    assert kept.tiles.tolist() == [2, 2, 2, 1, 1, 1, 1, 1] and kept.tokens.max() == 10 and big.size == 6
+    with pytest.raises(InputError, match=r"6 sample\(s\) exceed the pack shape \(2 tiles, 10 tokens\)") as err:
+        split_oversized(stats, cap, "error")
+    assert "e.g. 1 (3 tiles, 10 tokens), 2 (2 tiles, 11 tokens), 4 (1 tiles, 11 tokens), 5 (" in str(err.value)
+    assert "6 (1 tiles, 11 tokens); raise" in str(err.value) and "7 (" not in str(err.value)  # the first five
+    small = LengthStats.from_arrays([1, 2], [5, 10])
+    assert split_oversized(small, cap, "error")[1].size == 0 and split_oversized(small, cap, "truncate")[0] is small
+    with pytest.raises(InputError, match="more than any pack may hold"):  # own-pack still refuses the unpackable
+        split_oversized(LengthStats.from_arrays([1, 5000], [5, 5]), cap, "own-pack")

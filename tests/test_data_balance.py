@@ -305,3 +305,37 @@ def test_packing_helpers_by_hand() -> None:
     assert split_oversized(small, cap, "error")[1].size == 0 and split_oversized(small, cap, "truncate")[0] is small
     with pytest.raises(InputError, match="more than any pack may hold"):  # own-pack still refuses the unpackable
         split_oversized(LengthStats.from_arrays([1, 5000], [5, 5]), cap, "own-pack")
+
+
+def test_groups_steps_and_baselines_by_hand() -> None:
+    from omnibal_compile.data.packing import _split_even_chunks, assign_steps, make_divisible, packing_from_groups
+
+    # split the largest group until the count divides by dp; refused only when too few samples
+    assert make_divisible(np.array([3, 1]), 4).tolist() == [1, 1, 1, 1]
+    assert make_divisible(np.array([4, 2]), 2).tolist() == [4, 2]
+    with pytest.raises(InputError, match="3 samples cannot fill whole steps of 4"):
+        make_divisible(np.array([2, 1]), 4)
+    # empty groups are dropped; steps are random (assign_steps with the seed) unless in_order
+    kw = dict(dp=2, capacity=None, layout="padded", oversized=np.zeros(0, np.int64), policy="error", method="m")
+    p = packing_from_groups(np.arange(6), np.array([2, 0, 1, 2, 1]), seed=3, **kw)
+    assert p.offsets.tolist() == [0, 2, 3, 5, 6] and p.steps.tolist() == assign_steps(4, 2, seed=3).tolist()
+    p = packing_from_groups(np.arange(6), np.array([2, 0, 1, 2, 1]), seed=3, in_order=True, **kw)
+    assert p.steps.tolist() == [[0, 1], [2, 3]]
+    # the greedy split: longest first to the least-loaded rank with room; round-robin when uneven
+    tokens = np.array([9, 8, 5, 4, 1, 1])
+    assert [c.tolist() for c in _split_even_chunks(np.arange(6), tokens, 2, 3)] == [[0, 3, 4], [1, 2, 5]]
+    assert [c.tolist() for c in _split_even_chunks(np.arange(5), tokens, 2, 3)] == [[0, 2, 4], [1, 3]]
+    # the baselines' counts are checked; dp samples exactly fill dp ranks
+    s = LengthStats.from_arrays([1, 0, 1, 0], [10, 20, 30, 40])
+    for f in (random_batches, length_grouped_batches):
+        with pytest.raises(InputError, match="dp must be an integer >= 1, got 0"):
+            f(s, dp=0, batch_size=1)
+        with pytest.raises(InputError, match="batch_size must be an integer >= 1, got 0"):
+            f(s, dp=1, batch_size=0)
+    assert length_grouped_batches(s, dp=4, batch_size=1).num_steps == 1
+    with pytest.raises(InputError, match="4 samples cannot fill 5 data-parallel ranks"):
+        length_grouped_batches(s, dp=5, batch_size=1)
+    # a modality's tail of exactly dp samples is a mega-batch of its own: 2 image samples, 2 text-only, dp 2
+    p = length_grouped_batches(s, dp=2, batch_size=2, seed=0)
+    assert sorted(sorted(int(x) for x in p.pack(k)) for k in range(p.num_packs)) == [[0], [1], [2], [3]]
+    assert {frozenset(int(p.pack(int(k))[0]) for k in step) for step in p.steps} == {frozenset({0, 2}), frozenset({1, 3})}

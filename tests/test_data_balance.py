@@ -267,7 +267,7 @@ def test_pack_shape_limits_and_the_unpackable_sample_check_are_inclusive() -> No
     assert_frozen_keyword_only(p)
 
 
-def _hand_packing(steps: list[list[int]], order: list[int] | None = None):
+def _three_packs(steps: list[list[int]], order: list[int] | None = None):
     from omnibal_compile.data.packing import Packing
 
     return Packing(order=np.array(order or [0, 1, 2, 3, 4]), offsets=np.array([0, 2, 2, 5]), steps=np.array(steps),
@@ -278,16 +278,16 @@ def _hand_packing(steps: list[list[int]], order: list[int] | None = None):
 def test_packing_helpers_by_hand() -> None:
     from omnibal_compile.data.packing import even_groups, split_oversized
 
-    p = _hand_packing([[0], [1], [2]], order=[4, 3, 2, 1, 0])  # packs [4, 3], [], [2, 1, 0]
+    p = _three_packs([[0], [1], [2]], order=[4, 3, 2, 1, 0])  # packs [4, 3], [], [2, 1, 0]
     assert p.pack_max(np.array([5, 1, 7, 2, 9])).tolist() == [9, 0, 7]  # the empty pack's maximum is 0
     assert p.samples_per_pack() == 5 / 3
     empty = dataclasses.replace(p, order=np.zeros(0, np.int64), offsets=np.array([0]), steps=np.zeros((0, 1), np.int64))
     assert empty.samples_per_pack() == 0.0 and empty.pack_max(np.zeros(0, np.int64)).tolist() == []
     # the digest: 16 hex digits; equal for equal packs in the same step order, different otherwise
     d = p.digest()
-    assert len(d) == 16 and int(d, 16) >= 0 and d == _hand_packing([[0], [1], [2]], order=[4, 3, 2, 1, 0]).digest()
-    assert d != _hand_packing([[1], [0], [2]], order=[4, 3, 2, 1, 0]).digest()  # steps reordered
-    assert d != _hand_packing([[0], [1], [2]], order=[3, 4, 2, 1, 0]).digest()  # order within a pack
+    assert len(d) == 16 and int(d, 16) >= 0 and d == _three_packs([[0], [1], [2]], order=[4, 3, 2, 1, 0]).digest()
+    assert d != _three_packs([[1], [0], [2]], order=[4, 3, 2, 1, 0]).digest()  # steps reordered
+    assert d != _three_packs([[0], [1], [2]], order=[3, 4, 2, 1, 0]).digest()  # order within a pack
     # consecutive groups whose sizes differ by at most one, the larger first
     assert even_groups(7, 3).tolist() == [0, 3, 5, 7] and even_groups(6, 3).tolist() == [0, 2, 4, 6]
     # oversized samples: strictly over the shape in tiles or tokens; a sample exactly at the shape fits

@@ -58,3 +58,27 @@ def test_too_many_stages(graph):
         uniform(graph, 6)
     with pytest.raises(PlanError, match="positive integer"):
         parameters(graph, 0)
+
+
+def test_stage_counts_up_to_one_block_each_and_the_largest_stage_is_noted(graph):
+    plan = parameters(graph, graph.num_blocks)  # as many stages as blocks: one block each
+    assert [st.stop - st.start for st in plan.stages] == [1] * graph.num_blocks
+    for s in range(1, 6):
+        for p in (parameters(graph, s), uniform(graph, s)):
+            sums = [sum(p.block_params[st.start : st.stop]) for st in p.stages]
+            assert p.notes["max_stage_params"] == max(sums)
+
+
+def test_costs_must_hold_the_graphs_blocks_in_order(graph):
+    from types import SimpleNamespace
+
+    from omnibal_compile.errors import InputError
+    from omnibal_compile.passes.partition import check_costs
+
+    check_costs(graph, SimpleNamespace(names=tuple(graph.names)), "costs.json")
+    names = list(graph.names)
+    names[1] = "other"
+    with pytest.raises(InputError, match=rf"costs.json does not hold the {graph.num_blocks} blocks .*#1: model "):
+        check_costs(graph, SimpleNamespace(names=tuple(names)), "costs.json")
+    with pytest.raises(InputError, match=rf"it has {graph.num_blocks - 1}\)"):  # a prefix: no differences to list
+        check_costs(graph, SimpleNamespace(names=tuple(graph.names[:-1])), "costs.json")

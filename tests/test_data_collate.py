@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from contracts import assert_frozen_keyword_only
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +101,12 @@ def test_own_pack_sample_gets_its_own_shape_and_errors_are_named() -> None:
     assert own["pixel_values"].shape[0] == 3 and own["input_ids"].shape == (1, 40)
     with pytest.raises(InputError, match="over the shape"):
         _collator(tiles=2, tokens=20)([_sample(3, 40, 0)])
+    # over in tiles alone, or in tokens alone, is over; exactly at the shape is not
+    for tiles, tokens in ((3, 20), (2, 21 + 2 * TPT)):
+        with pytest.raises(InputError, match=f"has {tiles} tiles and .* over the shape"):
+            _collator(tiles=2, tokens=20 + 2 * TPT)([_sample(tiles, tokens, 0)])
+    assert _collator(tiles=2, tokens=20 + 2 * TPT)([_sample(2, 20 + 2 * TPT, 0)])["pixel_values"].shape[0] == 2
+    assert_frozen_keyword_only(_collator())
     bad = _sample(1, 9, 0)
     bad["pixel_values"] = bad["pixel_values"].repeat(2, 1, 1, 1)
     with pytest.raises(InputError, match="sample 1: input_ids hold 4 image tokens but it has 2 tiles"):

@@ -113,3 +113,25 @@ def test_own_pack_sample_gets_its_own_shape_and_errors_are_named() -> None:
         _collator()([_sample(1, 9, 1), bad])
     with pytest.raises(InputError, match="dummy tiles"):
         _collator(seq_len=9 + 5 * TPT - 1)([_sample(0, 9, 1)])
+
+
+def test_each_samples_fields_are_checked_and_labels_default_to_the_text() -> None:
+    c = _collator()
+    s = _sample(1, 9, 0)
+    del s["labels"]
+    out = c([s])
+    ids, labels = out["input_ids"][0, :9], out["labels"][0, :9]
+    assert torch.equal(labels, torch.where(ids == IMG, -100, ids))  # image placeholders are never targets
+    assert (labels == -100).sum() == TPT and (labels != -100).sum() == 9 - TPT
+    for bad, message in (
+        ({"pixel_values": torch.zeros(SHAPE3)}, r"sample 0: pixel_values has shape \(3, 16, 16\)"),
+        ({"pixel_values": torch.zeros(1, 1, 16, 16)}, r"pixel_values has shape \(1, 1, 16, 16\), expected"),
+        ({"labels": torch.zeros(8, dtype=torch.long)}, "labels has 8 entries but input_ids 9"),
+    ):
+        with pytest.raises(InputError, match=message):
+            c([{**_sample(1, 9, 0), **bad}])
+    with pytest.raises(InputError, match="sample 0: input_ids is empty"):
+        c([{"input_ids": torch.zeros(0, dtype=torch.long)}])
+    text_only = c([{"input_ids": torch.arange(5)}])  # no pixel_values: a text-only sample
+    assert text_only["input_ids"][0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert c([{"input_ids": torch.tensor([7])}])["input_ids"][0, 0] == 7  # one token is a sample

@@ -135,3 +135,17 @@ def test_each_samples_fields_are_checked_and_labels_default_to_the_text() -> Non
     text_only = c([{"input_ids": torch.arange(5)}])  # no pixel_values: a text-only sample
     assert text_only["input_ids"][0, :5].tolist() == [0, 1, 2, 3, 4]
     assert c([{"input_ids": torch.tensor([7])}])["input_ids"][0, 0] == 7  # one token is a sample
+
+
+def test_synthetic_samples_by_hand() -> None:
+    s = synthetic_sample(2, 2 * TPT + 1, tokens_per_tile=TPT, image_token_id=5, vocab_size=6, image_shape=SHAPE3,
+                         generator=torch.Generator().manual_seed(0))
+    ids = s["input_ids"]
+    assert ids.tolist()[: 2 * TPT] == [5] * (2 * TPT) and ids[-1] != 5  # placeholders first, then text
+    assert s["labels"].tolist() == [-100] * (2 * TPT) + [int(ids[-1])] and s["pixel_values"].shape == (2, *SHAPE3)
+    # text never holds the image token (a vocabulary of 6 with the image token last draws it often)
+    many = synthetic_sample(0, 400, tokens_per_tile=TPT, image_token_id=5, vocab_size=6, image_shape=SHAPE3,
+                            generator=torch.Generator().manual_seed(1))["input_ids"]
+    assert 5 not in many.tolist() and set(many.tolist()) == {0, 1, 2, 3, 4}
+    with pytest.raises(InputError, match=f"a sample with 2 tiles needs more than {2 * TPT} tokens, got {2 * TPT}"):
+        synthetic_sample(2, 2 * TPT, tokens_per_tile=TPT, image_token_id=5, vocab_size=6, image_shape=SHAPE3)

@@ -493,3 +493,40 @@ def test_stage_time_bound_is_tight_for_equal_stages_and_cut_times_come_from_the_
     assert P.cut_time == (0.0, 2.0, 3.0, 0.0) and P.cut_bytes == (0, 4, 6, 0)  # the model's own inputs and outputs are not sent
     sol = evaluate(P, (0, 1, 3), ("none",) * 3)
     assert (sol.solve_seconds, sol.planner, sol.gap) == (0.0, "", None)  # an evaluation, not a solve
+
+
+@pytest.mark.parametrize("schedule,S,v", [("1f1b", 2, 1), ("gpipe", 2, 1), ("interleaved", 4, 2)])
+def test_a_slow_link_moves_the_cut_in_every_planner(schedule, S, v):
+    # Equal blocks; the link after block k costs cut_time[k] on both sides. The best cuts avoid the slow links,
+    # which every planner sees only through its stage-time terms (cut times are a few ms in the strategies).
+    import dataclasses
+
+    n = 6
+    base = equal_problem(n=n, S=S, M=4, schedule=schedule, v=v)
+    slow = [0.0] + [4.0] * (n - 1) + [0.0]
+    fast = {3} if S == 2 else {1, 3, 5}  # the cuts of the unique best plan
+    for k in fast:
+        slow[k] = 0.25
+    P = dataclasses.replace(base, cut_time=tuple(slow))
+    oracle = brute_force(P)
+    assert set(oracle.boundaries[1:-1]) == fast
+    for planner in ("dp", "ilp") if schedule != "interleaved" else ("ilp",):
+        sol = solve(P, planner)
+        assert set(sol.boundaries[1:-1]) == fast and close(sol.iteration_time, oracle.iteration_time), planner
+
+
+def test_cut_times_count_on_both_sides_of_a_cut_by_hand():
+    # 1F1B, M = 4, S = 2: iteration = sum of stage times + (M - 1) x the largest. Blocks 1.1, 1.8, 1.5, 2.5 s;
+    # links after blocks 1, 2, 3 cost 0.6, 1.0, 1.2 s on both stages they join.
+    #   cut at 1: 1.1 + 0.6 = 1.7, 5.8 + 0.6 = 6.4 -> 8.1 + 3 x 6.4 = 27.3
+    #   cut at 2: 2.9 + 1.0 = 3.9, 4.0 + 1.0 = 5.0 -> 8.9 + 3 x 5.0 = 23.9   (best)
+    #   cut at 3: 4.4 + 1.2 = 5.6, 2.5 + 1.2 = 3.7 -> 9.3 + 3 x 5.6 = 26.1
+    import dataclasses
+
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=4), time=tuple((f, 1.2 * f, 2 * f) for f in (1.1, 1.8, 1.5, 2.5)),
+                            cut_time=(0.0, 0.6, 1.0, 1.2, 0.0))
+    for b, want in (((0, 1, 4), 27.3), ((0, 2, 4), 23.9), ((0, 3, 4), 26.1)):
+        assert evaluate(P, b, ("none",) * 4).iteration_time == pytest.approx(want)
+    for planner in ("dp", "ilp"):
+        sol = solve(P, planner)
+        assert sol.boundaries == (0, 2, 4) and sol.iteration_time == pytest.approx(23.9), planner

@@ -112,3 +112,7 @@ def test_recompute_options_of_the_plan_are_real():
     assert dataclasses.replace(found, lower_bound=1.5 * it).gap == 0.0
     assert dataclasses.replace(found, solution=dataclasses.replace(found.solution, iteration_time=0.0)).gap == 0.0
     assert_frozen_keyword_only(found)
+    # the first stage receives nothing: bytes given for the model's input link change no plan
+    sent = dataclasses.replace(P, cut_bytes=(100 * GiB,) + P.cut_bytes[1:])
+    again = two_chunk_search(sent, start)
+    assert again.solution.iteration_time == pytest.approx(it) and again.bottleneck == pytest.approx(found.bottleneck)

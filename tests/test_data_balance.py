@@ -339,3 +339,26 @@ def test_groups_steps_and_baselines_by_hand() -> None:
     p = length_grouped_batches(s, dp=2, batch_size=2, seed=0)
     assert sorted(sorted(int(x) for x in p.pack(k)) for k in range(p.num_packs)) == [[0], [1], [2], [3]]
     assert {frozenset(int(p.pack(int(k))[0]) for k in step) for step in p.steps} == {frozenset({0, 2}), frozenset({1, 3})}
+
+
+def test_baseline_defaults_tails_digests_and_truncation_by_hand() -> None:
+    from omnibal_compile.data.packing import split_oversized
+
+    s = LengthStats.from_arrays([k % 3 for k in range(40)], [10 + 7 * k for k in range(40)])
+    for f in (random_batches, length_grouped_batches):
+        p = f(s, dp=2, batch_size=2)
+        assert p.digest() == f(s, dp=2, batch_size=2, seed=0).digest() != f(s, dp=2, batch_size=2, seed=1).digest()
+        assert p.oversized.size == 0 and p.oversized_policy == "error"
+    # 5 image samples, dp 2, batch 2: mega-batches of 4; the tail of 1 (< dp) joins the last one -> one
+    # uneven mega-batch of 5, dealt round-robin into 2 packs (3 and 2 samples): one step
+    five = LengthStats.from_arrays([1] * 5, [10, 20, 30, 40, 50])
+    p = length_grouped_batches(five, dp=2, batch_size=2)
+    assert (p.num_steps, p.num_packs, sorted(np.diff(p.offsets).tolist())) == (1, 2, [2, 3])
+    # the digest separates its arrays: the same bytes split differently are another packing
+    a = dataclasses.replace(p, order=np.array([0, 1, 2]), offsets=np.array([0, 3]), steps=np.array([[0]]))
+    b = dataclasses.replace(p, order=np.array([0, 1, 2, 0]), offsets=np.array([3]), steps=np.array([[0]]))
+    assert a.digest() != b.digest()
+    # truncation clips a sample even beyond the pack limits (only own-pack keeps its size)
+    huge = LengthStats.from_arrays([5000, 1], [10, 10])
+    kept, big = split_oversized(huge, PackShape(tiles=4, tokens=10), "truncate")
+    assert kept.tiles.tolist() == [4, 1] and big.tolist() == [0]

@@ -530,3 +530,17 @@ def test_cut_times_count_on_both_sides_of_a_cut_by_hand():
     for planner in ("dp", "ilp"):
         sol = solve(P, planner)
         assert sol.boundaries == (0, 2, 4) and sol.iteration_time == pytest.approx(23.9), planner
+
+
+def test_dp_weighs_the_largest_stage_by_m_minus_one():
+    # Budgeted 1F1B, M = 4: two Pareto plans trade sum for max; iteration = sum + (M - 1) x max picks the
+    # first (31.28 s), a weight of M + 1 would pick the second (31.36 s). Found by search, checked by brute force.
+    import dataclasses
+
+    P = dataclasses.replace(equal_problem(n=5, S=2, M=4, budget=8 * GiB),
+                            time=tuple((f, 1.2 * f, 2 * f) for f in (2.2, 1.4, 0.6, 1.6, 2.8)))
+    oracle = brute_force(P)
+    assert oracle.boundaries == (0, 3, 5) and oracle.iteration_time == pytest.approx(31.28)
+    for planner in ("dp", "ilp"):
+        sol = solve(P, planner)
+        assert sol.boundaries == (0, 3, 5) and sol.iteration_time == pytest.approx(31.28), planner

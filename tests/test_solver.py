@@ -544,3 +544,8 @@ def test_dp_weighs_the_largest_stage_by_m_minus_one():
     for planner in ("dp", "ilp"):
         sol = solve(P, planner)
         assert sol.boundaries == (0, 3, 5) and sol.iteration_time == pytest.approx(31.28), planner
+    import time
+
+    start = time.perf_counter()
+    sol = solve_dp(P)
+    assert 0 < sol.solve_seconds <= time.perf_counter() - start  # the time it took, measured

@@ -532,7 +532,7 @@ def test_cut_times_count_on_both_sides_of_a_cut_by_hand():
         assert sol.boundaries == (0, 2, 4) and sol.iteration_time == pytest.approx(23.9), planner
 
 
-def test_dp_weighs_the_largest_stage_by_m_minus_one():
+def test_dp_weighs_the_largest_stage_by_m_minus_one_and_reports_what_it_did():
     # Budgeted 1F1B, M = 4: two Pareto plans trade sum for max; iteration = sum + (M - 1) x max picks the
     # first (31.28 s), a weight of M + 1 would pick the second (31.36 s). Found by search, checked by brute force.
     import dataclasses
@@ -549,3 +549,10 @@ def test_dp_weighs_the_largest_stage_by_m_minus_one():
     start = time.perf_counter()
     sol = solve_dp(P)
     assert 0 < sol.solve_seconds <= time.perf_counter() - start  # the time it took, measured
+    assert (sol.status, sol.gap, sol.planner) == ("optimal", 0.0, "dp")
+    # the first stage receives nothing: bytes given for the model's input link change no plan
+    sent = solve_dp(dataclasses.replace(P, cut_bytes=(100 * GiB,) + P.cut_bytes[1:]))
+    assert sent.boundaries == (0, 3, 5) and sent.iteration_time == pytest.approx(31.28)
+    start = time.perf_counter()
+    inc = interleaved_incumbent(equal_problem(n=6, S=4, M=4, schedule="interleaved", v=2))
+    assert 0 < inc.solve_seconds <= time.perf_counter() - start and inc.feasible

@@ -112,6 +112,12 @@ def test_recompute_options_of_the_plan_are_real():
     assert dataclasses.replace(found, lower_bound=1.5 * it).gap == 0.0
     assert dataclasses.replace(found, solution=dataclasses.replace(found.solution, iteration_time=0.0)).gap == 0.0
     assert_frozen_keyword_only(found)
+    # memory-bound (and with gathered parameters): the least bottleneck is brute force's, the bound below it
+    for Q in (P, dataclasses.replace(P, gathered=(0,) * 4 + (6 * GiB,) + (0,) * 3)):
+        best_it, best_max = brute_force(Q)
+        got = two_chunk_search(Q, min((f(Q) for f in BASELINES.values()), key=lambda s: s.iteration_time))
+        assert got.bottleneck == pytest.approx(best_max, rel=1e-5) and got.lower_bound <= best_it * (1 + 1e-9)
+        assert got.solution.feasible and got.solution.iteration_time >= best_it * (1 - 1e-9)
     # the first stage receives nothing: bytes given for the model's input link change no plan
     sent = dataclasses.replace(P, cut_bytes=(100 * GiB,) + P.cut_bytes[1:])
     again = two_chunk_search(sent, start)

@@ -556,3 +556,24 @@ def test_dp_weighs_the_largest_stage_by_m_minus_one_and_reports_what_it_did():
     start = time.perf_counter()
     inc = interleaved_incumbent(equal_problem(n=6, S=4, M=4, schedule="interleaved", v=2))
     assert 0 < inc.solve_seconds <= time.perf_counter() - start and inc.feasible
+
+
+@pytest.mark.parametrize("planner", ["dp", "ilp"])
+def test_the_largest_stage_sync_counts_by_hand(planner):
+    # GPipe, M = 2: iteration = sum of stage times + (M - 1) x the largest + the largest stage sync (the sum
+    # of its blocks' sync times). Blocks 1.9, 1.6, 2.2 s; sync 3.0, 2.8, 2.4 s.
+    #   cut at 1: 1.9, 3.8 -> 5.7 + 3.8 + max(3.0, 5.2) = 14.7   (best)
+    #   cut at 2: 3.5, 2.2 -> 5.7 + 3.5 + max(5.8, 2.4) = 15.0
+    import dataclasses
+
+    P = dataclasses.replace(equal_problem(n=3, S=2, M=2, schedule="gpipe"),
+                            time=tuple((f, 1.2 * f, 2 * f) for f in (1.9, 1.6, 2.2)), sync=(3.0, 2.8, 2.4))
+    assert [evaluate(P, b, ("none",) * 3).iteration_time for b in ((0, 1, 3), (0, 2, 3))] == pytest.approx([14.7, 15.0])
+    sol = solve(P, planner)
+    assert sol.boundaries == (0, 1, 3) and sol.iteration_time == pytest.approx(14.7)
+    # three stages: sync sums over a stage's blocks (found by search, checked by brute force)
+    Q = dataclasses.replace(equal_problem(n=4, S=3, M=3, schedule="gpipe"),
+                            time=tuple((f, 1.2 * f, 2 * f) for f in (2.9, 1.7, 2.8, 2.6)), sync=(2.9, 1.1, 2.7, 0.7))
+    assert brute_force(Q).boundaries == (0, 1, 3, 4)
+    sol = solve(Q, planner)
+    assert sol.boundaries == (0, 1, 3, 4) and sol.iteration_time == pytest.approx(22.8)

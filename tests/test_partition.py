@@ -139,3 +139,29 @@ def test_plan_stages_with_and_without_costs(graph):
         plan_stages(graph, num_stages=2, schedule=sched, planner=lambda g, s: 3)
     with pytest.raises(InputError, match="a name or a callable, got int"):
         plan_stages(graph, num_stages=2, schedule=sched, planner=3)
+
+
+def test_plan_from_solution_notes_and_plan_stages_checks(graph):
+    import dataclasses
+
+    from omnibal_compile.errors import InputError
+    from omnibal_compile.passes.partition import plan_from_solution, plan_stages, plan_with_costs
+    from omnibal_compile.schedule import Schedule
+    from omnibal_compile.solver import problem_from_costs, solve
+
+    costs = _hand_costs(graph)
+    plan = plan_with_costs(costs, num_stages=2, num_microbatches=4)  # defaults: ILP, 1F1B, one chunk per device
+    assert (plan.planner, plan.schedule, plan.virtual_stages) == ("ilp", "1f1b", 1)
+    P = problem_from_costs(costs, num_stages=2, num_microbatches=4)
+    sol = dataclasses.replace(solve(P, "dp"), solve_seconds=0.12345)
+    assert plan_from_solution(sol, costs, P).notes == {"binding": sol.binding, "status": sol.status,
+                                                       "solve seconds": 0.123, "gap": 0.0}
+    assert "gap" not in plan_from_solution(dataclasses.replace(sol, gap=None), costs, P).notes
+    sched = Schedule(num_microbatches=4)
+    with pytest.raises(PlanError, match="exceeds the"):
+        plan_stages(graph, num_stages=graph.num_blocks + 1, schedule=sched, costs=costs)
+    for with_costs in (costs, None):
+        with pytest.raises(PlanError, match="at least one micro-batch per stage"):
+            plan_stages(graph, num_stages=3, schedule=Schedule(num_microbatches=2), costs=with_costs)
+    with pytest.raises(InputError, match="unknown planner 'magic'"):
+        plan_stages(graph, num_stages=2, schedule=sched, costs=costs, planner="magic")

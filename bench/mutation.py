@@ -498,14 +498,17 @@ def collect_coverage(server: Server, copy_root: Path, name: str) -> Coverage:
 
 def mutate_module(name: str, *, server: Server, copy_root: Path, max_mutants: int = 0, sample: bool = False,
                   seed: int = 0, timeout_factor: float = 3.0, lines: frozenset[int] = frozenset(),
-                  log: bool = True) -> dict:
-    """Run every selected mutant of module ``name`` (those on ``lines`` when given); a dict for the report."""
+                  only: frozenset[tuple[int, int, str]] | None = None, log: bool = True) -> dict:
+    """Run every selected mutant of module ``name`` (those on ``lines``, or the (line, column, mutation)
+    triples in ``only``, when given); a dict for the report."""
     path, tests = MODULES[name]
     original = (ROOT / path).read_text()
     mutants = find_mutants(path)
     total_sites = len(mutants)
     if lines:
         mutants = [m for m in mutants if m.line in lines]
+    if only is not None:
+        mutants = [m for m in mutants if (m.line, m.start[1], m.mutation) in only]
     if max_mutants and len(mutants) > max_mutants:
         mutants = sorted(random.Random(seed).sample(mutants, max_mutants), key=lambda m: m.start) if sample else mutants[:max_mutants]
     started = time.monotonic()
@@ -549,7 +552,7 @@ def mutate_module(name: str, *, server: Server, copy_root: Path, max_mutants: in
     live = len(outcomes) - counts["equivalent"]
     return {
         "module": name, "path": path, "tests": list(tests), "sites": total_sites, "mutants": len(outcomes),
-        "sampled": bool(lines) or bool(max_mutants and total_sites > max_mutants), **counts,
+        "sampled": bool(lines) or only is not None or bool(max_mutants and total_sites > max_mutants), **counts,
         "score": (counts["killed"] + counts["timeout"]) / live if live else 1.0,
         "minutes": (time.monotonic() - started) / 60, "outcomes": [asdict(o) for o in outcomes],
     }
@@ -602,6 +605,8 @@ def main() -> int:
                     help="a mutant's tests may take F x their unmutated time + 2 x start-up + 10 s")
     ap.add_argument("--lines", default="", metavar="L,L",
                     help="only the mutants on these source lines (to recheck survivors after adding tests)")
+    ap.add_argument("--not-killed-in", type=Path, metavar="JSON",
+                    help="only the mutants a previous report (mutation.json) did not kill: rerun after adding tests")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "mutation_out", metavar="DIR")
     ap.add_argument("--list", action="store_true", help="list the modules, their tests and mutation sites, and exit")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the forking test server (internal)
@@ -621,6 +626,13 @@ def main() -> int:
     read_equivalent()  # a malformed note stops the run before it starts
     command = "python bench/mutation.py " + " ".join(sys.argv[1:])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still restores and removes the copy
+    previous: dict[str, frozenset[tuple[int, int, str]]] = {}
+    if args.not_killed_in:
+        for r in json.loads(args.not_killed_in.read_text())["modules"]:
+            previous[r["module"]] = frozenset(
+                (o["mutant"]["line"], o["mutant"]["start"][1], o["mutant"]["mutation"])
+                for o in r["outcomes"] if o["status"] in ("survived", "not covered", "equivalent"))
+        names = [n for n in names if n in previous]
     copy_root = scratch_copy()
     server = Server(copy_root)
     reports = []
@@ -628,7 +640,8 @@ def main() -> int:
         for name in names:
             reports.append(mutate_module(name, server=server, copy_root=copy_root, max_mutants=args.max_mutants,
                                          sample=args.sample, seed=args.seed, timeout_factor=args.timeout_factor,
-                                         lines=frozenset(int(x) for x in args.lines.split(",") if x)))
+                                         lines=frozenset(int(x) for x in args.lines.split(",") if x),
+                                         only=previous.get(name) if args.not_killed_in else None))
             write_report(reports, args.out, command)
             print(summary_table(reports[-1:]), flush=True)
     finally:

@@ -9,8 +9,8 @@ temporary folder, so the working tree is never touched):
 
 1. **Coverage, once per module.** The module's tests run once unmutated under coverage.py with one
    context per test, which records the tests that execute each line and each test's time. A line run
-   at import (a ``def`` line's defaults, a class body, a module constant) counts as covered by every
-   test of the module.
+   at import (outside function bodies: a ``def`` line's defaults, a class body, a module constant)
+   counts as covered by every test of the module, also when a test imports the module lazily.
 2. **One mutant at a time.** The mutant is written into the copy and only the tests that execute the
    mutated statement run, fastest first, with ``-x`` (``-p no:randomly``, ``--hypothesis-seed=0``, no
    hypothesis database or deadline). A mutant on a line no test executes is reported ``not covered``
@@ -317,6 +317,19 @@ def statement_lines(text: str) -> dict[int, int]:
     return out
 
 
+def import_time_lines(text: str) -> set[int]:
+    """Lines that run when the module is imported: everything outside function bodies (module and class
+    bodies, decorators, ``def`` lines with their defaults). A test file may import the module inside its
+    first test, so coverage would credit that test alone with them."""
+    tree = ast.parse(text)
+    in_body: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            body = node.body if isinstance(node.body, list) else [node.body]
+            in_body.update(range(body[0].lineno, node.end_lineno + 1))
+    return set(range(1, len(text.splitlines()) + 1)) - in_body
+
+
 @dataclass(frozen=True, kw_only=True)
 class Coverage:
     """What the unmutated tests of one module executed."""
@@ -328,12 +341,14 @@ class Coverage:
     startup_s: float
     """Seconds of the run outside the tests (start-up, collection)."""
 
-    def tests_for(self, m: Mutant, stmt_of: dict[int, int]) -> list[str]:
+    def tests_for(self, m: Mutant, stmt_of: dict[int, int], import_time: set[int] = frozenset()) -> list[str]:
         """The tests that execute mutant ``m``'s statement, fastest first (all the module's tests when the
-        statement runs at import time); empty when none does."""
+        statement runs at import time: on ``import_time`` lines or in no test's context); empty when none does."""
         hits: set[str] = set()
         for line in range(m.start[0], m.end[0] + 1):
             hits.update(self.lines.get(stmt_of.get(line, line), ()))
+        if hits and any(line in import_time for line in range(m.start[0], m.end[0] + 1)):
+            hits.add("")
         if "" in hits:
             hits = set(self.durations)
         return sorted(hits & set(self.durations), key=lambda t: (self.durations[t], t))
@@ -514,6 +529,7 @@ def mutate_module(name: str, *, server: Server, copy_root: Path, max_mutants: in
     started = time.monotonic()
     cov = collect_coverage(server, copy_root, name)
     stmt_of = statement_lines(original)
+    import_time = import_time_lines(original)
     notes = read_equivalent()
     if log:
         print(f"{name}: {len(mutants)} of {total_sites} mutants; {len(cov.durations)} tests "
@@ -523,7 +539,7 @@ def mutate_module(name: str, *, server: Server, copy_root: Path, max_mutants: in
     outcomes: list[Outcome] = []
     try:
         for k, m in enumerate(mutants, 1):
-            selected = cov.tests_for(m, stmt_of)
+            selected = cov.tests_for(m, stmt_of, import_time)
             note = notes.get((name, m.mutation, m.source_line, m.start[1]))
             if not selected:
                 outcome = Outcome(mutant=m, status="equivalent" if note else "not covered", seconds=0.0,

@@ -49,6 +49,20 @@ def test_statement_lines_map_a_continuation_line_to_its_statement():
     assert stmt[5] == 5
 
 
+def test_import_time_lines_are_outside_function_bodies():
+    lines = mutation.import_time_lines(SOURCE)
+    assert {1, 2, 5} <= lines and not lines & {6, 7, 8, 9, 10}  # docstring, constant, def line; the body
+
+
+def test_an_import_time_line_selects_every_test_even_when_its_import_ran_in_one_test():
+    ms = {(m.line, m.mutation): m for m in mutation.find_mutants("toy.py", SOURCE)}
+    cov = mutation.Coverage(lines={2: ("t_fast",), 6: ("t_fast",)}, durations={"t_slow": 2.0, "t_fast": 0.1},
+                            startup_s=1.0)
+    stmt, imported = mutation.statement_lines(SOURCE), mutation.import_time_lines(SOURCE)
+    assert cov.tests_for(ms[(2, "3  ->  4")], stmt, imported) == ["t_fast", "t_slow"]
+    assert cov.tests_for(ms[(6, "<  ->  <=")], stmt, imported) == ["t_fast"]
+
+
 def _coverage() -> mutation.Coverage:
     return mutation.Coverage(
         lines={2: ("",), 5: ("",), 6: ("t_slow", "t_fast"), 8: ("t_fast",)},

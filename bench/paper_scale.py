@@ -2,6 +2,7 @@
 
     python bench/paper_scale.py                  # 1.2M samples (the paper's InternVL-1.2 set size)
     python bench/paper_scale.py --quick          # 200k samples, same configurations
+    python bench/paper_scale.py --no-compiled    # the analytic cost tables only
 
 Nothing here runs a model: block costs are analytic (``omnibal_compile.models.analytic``) on the
 A100-80GB roofline of ``omnibal_compile.devices``, the data are the bundled real length statistics
@@ -13,6 +14,12 @@ Each model is ablated against every baseline split (uniform layers, parameter-ba
 stage 0 at the smallest PP x TP that fits), from InternVL's length-grouped batching, along two
 chains: the paper's steps (ISF, its search partition, one recompute option per stage) and ours
 (our balancer, ILP partition, per-block recompute). The assumptions are printed first.
+
+Each model's ablation then runs a second time on cost tables the compiler produced from Hugging
+Face model code (``omnibal_compile.studies.compiled_costs``: InternVL's and LLaVA's HF classes at the
+models' widths, 3 layers per stack, on the meta device in bf16, costed for the same A100 roofline at
+8 micro-batch shapes and fitted per block type), printed next to the analytic rows with the
+difference between the two tables named per block type.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from omnibal_compile.studies.paper_scale import (
     Setup,
     chain_ratios,
     format_ablation,
+    format_cost_sources,
     format_distance,
     make_batches,
     pack_cost,
@@ -89,6 +97,7 @@ def main() -> int:
                     help="re-tile the statistics to InternVL-1.5's limits (default) or keep them")
     ap.add_argument("--ilp-time-limit", type=float, default=5.0, help="seconds per ILP solve (warm-started at the DP optimum)")
     ap.add_argument("--no-sensitivity", action="store_true", help="main configurations only")
+    ap.add_argument("--no-compiled", action="store_true", help="skip the rows on compiler-produced cost tables")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     start = time.perf_counter()
@@ -112,16 +121,50 @@ def main() -> int:
                                       cost=pack_cost(setup.model), seed=args.seed, isf_search_samples=20_000)
         return cache[key]
 
+    def compiled_batches_for(data: LengthStats, setup: Setup, tag: str) -> dict:
+        """The analytic run's batchings, with our balancer's packs grouped by the compiled costs instead."""
+        key = (setup.per_step, tag + setup.model.name + ":compiled")
+        if key not in cache:
+            ours = make_batches(data, per_step=setup.per_step, samples_per_microbatch=setup.samples_per_microbatch,
+                                cost=pack_cost(setup.model, costs=setup.costs), seed=args.seed, methods=("ours",))
+            cache[key] = {**batches_for(data, setup, tag), **ours}
+        return cache[key]
+
     def ablate(data: LengthStats, setup: Setup, tag: str) -> list:
-        batches = batches_for(data, setup, tag)
+        batches = (compiled_batches_for if setup.costs is not None else batches_for)(data, setup, tag)
         rows = run_ablation(setups_for(setup, batches), batches)
         for split in SPLITS:
             ours = chain_ratios(rows, split, "ours")
             steps[0] += len(ours) - 1
             steps[1] += sum(b < a * (1 - 0.01) for a, b in zip(ours, ours[1:]))
             if not all(b <= a * (1 + 1e-9) for a, b in zip(ours, ours[1:])):
-                failures.append(f"{tag} {setup.model.name} {split}: our chain {[round(x, 3) for x in ours]}")
+                failures.append(f"{tag} {setup.model.name} {split} ({setup.cost_source}): our chain {[round(x, 3) for x in ours]}")
         return rows
+
+    compiled_summary: list[tuple] = []
+
+    def compiled_rows(data: LengthStats, setup: Setup, tag: str, analytic: list, paper: tuple = ()) -> None:
+        """The same ablation on compiler-produced tables, printed next to the analytic rows."""
+        from omnibal_compile.studies.compiled_costs import compile_costs, format_difference
+
+        costs = compile_costs(setup.model, device=setup.device)
+        csetup = dataclasses.replace(setup, costs=costs)
+        rows = ablate(data, csetup, tag)
+        mean = compiled_batches_for(data, csetup, tag)["ours"].mean_shape()
+        print(f"-- {setup.model.name} on cost tables the compiler produced from Hugging Face code")
+        print(format_difference(costs, mean, device=setup.device))
+        print()
+        print(format_ablation(rows, paper))
+        print(f"\nanalytic vs compiled cost tables ({setup.model.name}), same batchings and planners:")
+        print(format_cost_sources(analytic, rows))
+        if paper:
+            print(f"\ndistance from the paper's ratios ({setup.model.name}, compiled tables):")
+            print(format_distance(rows, paper))
+        for split in SPLITS:
+            a, c = chain_ratios(analytic, split, "ours"), chain_ratios(rows, split, "ours")
+            pa, pc = chain_ratios(analytic, split, "paper"), chain_ratios(rows, split, "paper")
+            compiled_summary.append((setup.model.name, split, f"{pa[-1]:.3f}", f"{pc[-1]:.3f}", f"{a[-1]:.3f}", f"{c[-1]:.3f}"))
+        print(f"elapsed {time.perf_counter() - start:.0f} s\n")
 
     base = {"internvl-6b-20b": Setup(model=INTERNVL_6B_20B, pp=8, dp=16, ilp_time_limit=args.ilp_time_limit),
             "internvl-6b-34b": Setup(model=INTERNVL_6B_34B, pp=8, dp=16, ilp_time_limit=args.ilp_time_limit)}
@@ -134,16 +177,25 @@ def main() -> int:
         print(f"\ndistance from the paper's ratios ({name}; * = closest reading):")
         print(format_distance(rows, paper))
         print(f"elapsed {time.perf_counter() - start:.0f} s\n")
+        if not args.no_compiled:
+            compiled_rows(stats, setup, "main", rows, paper)
     lb = batches_for(stats, base["internvl-6b-20b"], "main")
     print("batchings (6+20B micro-batches): " + "; ".join(
         f"{k}: mean {b.tiles.mean():.1f} tiles, {b.tokens.mean():.0f} tokens computed, {b.steps.shape[0]} steps"
         + (f" ({b.notes})" if b.notes else "") for k, b in lb.items()) + "\n")
 
     llava = llava_lengths(raw)
-    rows = ablate(llava, Setup(model=LLAVA15_13B, pp=4, dp=32, ilp_time_limit=args.ilp_time_limit), "llava")
+    llava_setup = Setup(model=LLAVA15_13B, pp=4, dp=32, ilp_time_limit=args.ilp_time_limit)
+    rows = ablate(llava, llava_setup, "llava")
     print("== llava-1.5-13b (no paper figures; one 576-token image per sample with images)")
     print(format_ablation(rows))
     print(f"elapsed {time.perf_counter() - start:.0f} s\n")
+    if not args.no_compiled:
+        compiled_rows(llava, llava_setup, "llava", rows)
+        print("final ratio of each chain (baseline = 1), analytic vs compiled cost tables:")
+        print(format_table([("model", "baseline split", "paper's steps: analytic", "compiled", "ours: analytic",
+                             "compiled"), *compiled_summary], "llrrrr"))
+        print()
 
     if not args.no_sensitivity:
         print("sensitivity (6+20B): cumulative ratios of each chain under one changed assumption")

@@ -26,6 +26,7 @@ from omnibal_compile.cost_table import (
 from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
+from omnibal_compile.models.examples import ExampleInputs, describe_batch, example_inputs_for
 from omnibal_compile.passes.blocks import BlockGraph, build_blocks
 from omnibal_compile.passes.capture import (
     Captured,
@@ -109,6 +110,8 @@ class OptimizeResult:
     """What the kernel pass rewrote when ``optimize(kernels=...)`` was given; None otherwise."""
     layout: LayoutSearch | None = None
     """The layout search (chosen layout and every candidate) when optimize() chose the layout; None otherwise."""
+    example: ExampleInputs | None = None
+    """The batch the model was captured with and where it came from (``example.synthesized``: optimize() built it)."""
 
     def stage_info(self, index: int) -> StageInfo:
         """Inputs, outputs, blocks and parameter names of stage ``index``."""
@@ -171,7 +174,8 @@ class OptimizeResult:
         """The block table, the cost table (when costed) and the plan table."""
         costs = f"\n\n{self.costs.summary()}" if self.costs is not None else ""
         layout = f"\n\n{self.layout.summary(limit=12)}" if self.layout is not None else ""
-        return f"{self.graph.summary()}{costs}{layout}\n\n{self.plan.summary()}"
+        example = f"{self.example.summary()}\n\n" if self.example is not None else ""
+        return f"{example}{self.graph.summary()}{costs}{layout}\n\n{self.plan.summary()}"
 
 
 def _unflat(captured: Captured) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -289,7 +293,12 @@ def optimize(
 
     Args:
         model: any ``nn.Module``; it is not modified.
-        example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``.
+        example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``. None
+            (default): one balanced pack when ``lengths`` is given, else synthesized from the model
+            (:func:`omnibal_compile.models.examples.example_inputs_for`: the reference VLM's own
+            example, the model's ``example_inputs()``, or a batch built from a Hugging Face config as
+            the family's processor lays it out). What was synthesized is printed and kept as
+            ``result.example``.
         num_stages: pipeline stages to emit; None (default) lets the layout search choose them.
         devices, global_batch: choose the layout for ``devices`` devices (default: the job's, see
             :func:`omnibal_compile.layout.job_devices`): pipeline depth and chunks, data-parallel degree
@@ -353,15 +362,22 @@ def optimize(
     done: list[str] = []
     if device is not None and costs is not None:
         raise InputError("give device= (cost the blocks) or costs= (reuse a cost table), not both")
-    data_plan = None
+    data_plan, example = None, None
     if lengths is not None:
         data_plan = _run_pass("data", done, timings, lambda: plan_data(lengths, data, model=model))
         if example_inputs is None:
-            example_inputs = data_plan.example_batch()
+            shape = f"{data_plan.shape.tiles} tiles, {data_plan.shape.tokens} tokens"
+            example = describe_batch(data_plan.example_batch(), synthesized=True,
+                                     source=f"one balanced pack of lengths= ({shape}, row {data_plan.seq_len})")
     elif data is not None:
         raise InputError("optimize(data=...) needs lengths=... (the dataset's length statistics)")
-    if example_inputs is None:
-        raise InputError("optimize() needs example_inputs, or lengths=... to build a batch of the balanced shape")
+    if example is None and example_inputs is None:
+        example = example_inputs_for(model)
+    if example is not None:
+        print(example.summary())
+        example_inputs = example.batch
+    else:
+        example = describe_batch(example_inputs, source="given as example_inputs", synthesized=False)
     captured = _run_pass("capture", done, timings, lambda: capture(model, example_inputs, method=capture_method))
     kernel_report = None
     if kernels is not None:
@@ -434,7 +450,7 @@ def optimize(
     stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
         model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=table,
-        data=data_plan, kernels=kernel_report, layout=layout_search,
+        data=data_plan, kernels=kernel_report, layout=layout_search, example=example,
     )
 
 

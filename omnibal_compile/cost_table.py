@@ -19,7 +19,7 @@ Glossary:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from omnibal_compile.tables import format_table
 
 __all__ = [
     "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
-    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "COMPUTE_DTYPES",
+    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "COMPUTE_DTYPES", "running_peak",
 ]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
@@ -62,7 +62,12 @@ class BlockCost:
     workspace_bytes: int = 0
     """Bytes the block holds only while it computes, on top of what it keeps for backward: forward
     temporaries, the backward's incoming gradient and scratch, and the activations a recomputing
-    block rebuilds (the largest over the recompute options; measured by the cost pass, 0 if not)."""
+    block rebuilds (the largest over the recompute options; measured by the cost pass, 0 if not).
+    The planners' memory bound charges it whatever option the block runs under."""
+    peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Peak live bytes of one forward and backward of the block alone, per recompute option (what it
+    keeps plus its workspace under that option); empty when not measured. The predicted peak of a
+    stage (:func:`running_peak`) reads it."""
     signature: str = ""
     """Hash of the block's computation and input shapes (:func:`omnibal_compile.passes.signature.block_signature`);
     blocks with the same signature cost the same. Empty when not known."""
@@ -76,7 +81,9 @@ class BlockCost:
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
         object.__setattr__(self, "recompute_s", dict(self.recompute_s))
-        for what, d in (("activation_bytes", self.activation_bytes), ("recompute_s", self.recompute_s)):
+        object.__setattr__(self, "peak_bytes", dict(self.peak_bytes))
+        measured = [("activation_bytes", self.activation_bytes), ("recompute_s", self.recompute_s)]
+        for what, d in (*measured, *([("peak_bytes", self.peak_bytes)] if self.peak_bytes else [])):
             missing = [o for o in RECOMPUTE_OPTIONS if o not in d]
             if missing:
                 raise InputError(f"block '{self.name}': {what} lacks recompute options {missing}")
@@ -84,6 +91,22 @@ class BlockCost:
                 raise InputError(f"block '{self.name}': {what} has a negative entry {d}")
         if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0 or self.workspace_bytes < 0:
             raise InputError(f"block '{self.name}': times and bytes must be non-negative")
+
+
+def running_peak(kept: Sequence[float], peak: Sequence[float]) -> float:
+    """Most bytes one micro-batch holds on a stage while it runs through the stage's blocks:
+    ``max_b (sum(kept[:b]) + peak[b])``, with ``kept[b]`` what block b keeps for backward and
+    ``peak[b]`` its own peak (kept plus workspace, under its recompute option).
+
+    In the forward, the blocks before b have kept theirs when b runs; in the backward, the blocks
+    after b have already freed theirs (the last block's backward runs first). Either way block b
+    adds its own peak to what the blocks before it keep. 0 for an empty stage.
+    """
+    total, best = 0.0, 0.0
+    for k, p in zip(kept, peak, strict=True):
+        best = max(best, total + p)
+        total += k
+    return best
 
 
 DP_SHARDS: tuple[str, ...] = ("fsdp", "ddp")

@@ -224,7 +224,7 @@ def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", 
 
 # -- costs -----------------------------------------------------------------------------------------
 def scale_costs(costs: CostTable, factor: float) -> CostTable:
-    """``costs`` for a micro-batch ``factor`` times as large: times, FLOPs, activations, workspace and sent
+    """``costs`` for a micro-batch ``factor`` times as large: times, FLOPs, activations, workspace, peaks and sent
     bytes scale, weights and optimizer states do not (the rule of ``simulate(microbatch_costs=[scale])``)."""
     if factor == 1:
         return costs
@@ -235,6 +235,7 @@ def scale_costs(costs: CostTable, factor: float) -> CostTable:
         activation_bytes={o: int(round(v * factor)) for o, v in b.activation_bytes.items()},
         recompute_s={o: v * factor for o, v in b.recompute_s.items()},
         workspace_bytes=int(round(b.workspace_bytes * factor)),
+        peak_bytes={o: int(round(v * factor)) for o, v in b.peak_bytes.items()},
     ) for b in costs.blocks)
     return dataclasses.replace(costs, blocks=blocks, cut_bytes=tuple(int(round(c * factor)) for c in costs.cut_bytes),
                                batch_shape={k: round(v * factor) for k, v in costs.batch_shape.items()})

@@ -83,7 +83,11 @@ class Plan:
     stage_time_s: tuple[float, ...] = ()
     """Predicted time per micro-batch of each stage (forward + backward + recompute + send)."""
     stage_memory_bytes: tuple[int, ...] = ()
-    """Predicted peak memory of each stage under the schedule."""
+    """The planner's memory bound of each stage under the schedule: what it fitted under the budget
+    (every block charged its largest workspace whatever its recompute option)."""
+    stage_peak_bytes: tuple[int, ...] = ()
+    """Predicted peak memory of each stage (at most the bound; see ``omnibal_compile.solver.problem``);
+    empty when the blocks' peaks were not measured."""
     memory_budget_bytes: tuple[int, ...] = ()
     """Memory budget of each stage's device; empty when unconstrained."""
     iteration_time_s: float | None = None
@@ -101,7 +105,7 @@ class Plan:
         # Every field is checked with its type, so a plan file's cut of 12.5 or "3" is refused, not truncated.
         for name in ("block_names", "block_kinds", "recompute"):
             object.__setattr__(self, name, _str_list(getattr(self, name), name))
-        for name in ("boundaries", "block_params", "stage_memory_bytes", "memory_budget_bytes"):
+        for name in ("boundaries", "block_params", "stage_memory_bytes", "stage_peak_bytes", "memory_budget_bytes"):
             values = check_int_list(getattr(self, name), f"plan field {name}", min=0, error=PlanError)
             object.__setattr__(self, name, values)
         object.__setattr__(self, "stage_time_s", _number_list(self.stage_time_s, "stage_time_s"))
@@ -149,6 +153,7 @@ class Plan:
         for name, values in (
             ("stage_time_s", self.stage_time_s),
             ("stage_memory_bytes", self.stage_memory_bytes),
+            ("stage_peak_bytes", self.stage_peak_bytes),
             ("memory_budget_bytes", self.memory_budget_bytes),
         ):
             if values and len(values) != self.num_stages:
@@ -243,6 +248,8 @@ class Plan:
             header.append("time ms")
         if self.stage_memory_bytes:
             header.append("memory MiB" + (" / budget" if self.memory_budget_bytes else ""))
+        if self.stage_peak_bytes:
+            header.append("peak MiB")
         rows: list[list[str]] = [header]
         for st in self.stages:
             layers = sum(1 for k in self.block_kinds[st.start : st.stop] if k == "layer") if self.block_kinds else "-"
@@ -257,8 +264,10 @@ class Plan:
                 if self.memory_budget_bytes:
                     mem += f" / {self.memory_budget_bytes[st.index] / 2**20:.1f}"
                 row.append(mem)
+            if self.stage_peak_bytes:
+                row.append(f"{self.stage_peak_bytes[st.index] / 2**20:.1f}")
             rows.append(row)
-        numeric = {0, 4, 5, 7, 8}
+        numeric = {0, 4, 5, 7, 8, 9}
         lines = [
             f"Plan by '{self.planner}': {counted(self.num_blocks, 'block')} in {counted(self.num_stages, 'stage')}, "
             f"schedule {self.schedule}, {counted(self.num_microbatches, 'micro-batch')}",
@@ -271,6 +280,9 @@ class Plan:
                 lines.append(f"parameter imbalance (max/mean): {max(loads) / mean:.3f}")
         if self.data_parallel > 1:
             lines.append(f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction")
+        if self.stage_peak_bytes:
+            lines.append("Memory is the bound the plan was fitted under; peak is the predicted peak, which charges each "
+                         "block the workspace of its own recompute option where it runs.")
         if self.iteration_time_s is not None:
             lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms (the schedule's closed form).")
         lines.extend(_note_sentences(self.notes))

@@ -48,8 +48,8 @@ def test_optimize_data_errors_are_named() -> None:
     model = TinyVLM(SMALL_VLM)
     with pytest.raises(InputError, match="needs lengths"):
         oc.optimize(model, num_stages=2, data=DataOptions())
-    with pytest.raises(InputError, match="needs example_inputs"):
-        oc.optimize(model, num_stages=2)
+    with pytest.raises(InputError, match="cannot build example inputs"):  # a model with no way to build them
+        oc.optimize(torch.nn.Sequential(torch.nn.Linear(2, 2)), num_stages=1)
     with pytest.raises(InputError, match="tokens_per_tile"):
         plan_data(_lengths(), DataOptions(source_tokens_per_tile=None), model=torch.nn.Linear(2, 2))
     with pytest.raises(InputError, match="method"):

@@ -262,3 +262,100 @@ def test_bench_all_runs_every_script_and_records_failures(tmp_path):
     assert "_helper" not in page and "notes.txt" not in page
     assert "test bench all" in page and f"{__import__('os').cpu_count()} CPUs" in page and "torch" in page
     assert sys.executable not in page  # commands are shown as a reader types them
+
+
+@pytest.fixture(scope="module")
+def compiled_small():
+    """InternVL-6+20B's widths with 4 + 4 layers, compiled (3 per stack) on meta at 5 shapes and checked on one."""
+    pytest.importorskip("transformers")
+    from omnibal_compile.studies.compiled_costs import CHECK_SHAPES, FIT_SHAPES, compile_costs
+
+    spec = dataclasses.replace(INTERNVL_6B_20B, name="internvl-small",
+                               vision=dataclasses.replace(INTERNVL_6B_20B.vision, layers=4),
+                               llm=dataclasses.replace(INTERNLM2_20B, layers=4))
+    return compile_costs(spec, shapes=FIT_SHAPES[:5], check=CHECK_SHAPES[:1])
+
+
+def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
+    """The fitted per-type costs reproduce the compiler's own tables at a study shape, and the replicated chain keeps
+    every byte and parameter the compiled chain has."""
+    from omnibal_compile.passes.cost import profile_costs
+    from omnibal_compile.studies.compiled_costs import CHECK_SHAPES, _example, _per_type, _stack_layers, block_types, hf_config
+
+    cc = compiled_small
+    assert cc.fit_error < 0.02 and cc.check_error < 0.02  # real widths: the roofline is linear in the shape
+    assert "bfloat16" in cc.notes and "flash" in cc.notes
+    # The compiled reduced model (3 layers per stack) at an unseen shape, costed directly ...
+    shape = CHECK_SHAPES[0]
+    cls, config = hf_config(cc.model, vision_layers=3, llm_layers=3)
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = getattr(transformers, cls)(config).to(torch.bfloat16)
+    table = profile_costs(model, _example(cc.model, shape, config.image_token_id), device="a100-80gb")
+    # ... against the fitted chain of the same layer counts, at that shape in the study's terms.
+    three = dataclasses.replace(cc.model, vision=dataclasses.replace(cc.model.vision, layers=3),
+                                llm=dataclasses.replace(cc.model.llm, layers=3))
+    rows, per_row = shape.sequences, (shape.tiles * 256 + shape.text_tokens) // shape.sequences
+    study = MicroBatch(tiles=shape.tiles, tokens=rows * per_row, attention_pairs=rows * per_row * (per_row + 1) / 2)
+    fitted = dataclasses.replace(cc, model=three).cost_table(study, device=A100_80G, precision=Precision(), link="nvlink")
+    assert sum(b.num_params for b in fitted.blocks) == sum(b.num_params for b in table.blocks)
+    for got, want in ((lambda t: sum(b.flops for b in t.blocks)), 1e-3), ((lambda t: sum(b.forward_s + b.backward_s for b in t.blocks)), 0.02):
+        assert got(fitted) == pytest.approx(got(table), rel=want)
+    for option in RECOMPUTE_OPTIONS:
+        kept = [sum(b.activation_bytes[option] for b in t.blocks) for t in (fitted, table)]
+        assert kept[0] == pytest.approx(kept[1], rel=0.02), option
+    types = block_types(table.names)
+    assert types.count("vision.layer") == 3 and types.count("llm.layer") == 3 and types[-1] == "llm.head"
+    # Exactly (no fit): per-type figures x the reduced model's counts = the compiled chain's totals, the first
+    # and last layers' excess (skip tensors charged to their last reader) included once.
+    per, params, _ = _per_type(table, types, _stack_layers(table.names, types))
+    count = {t: types.count(t) if t in ("vision.layer", "llm.layer") else 1 for t in per}
+    for option in RECOMPUTE_OPTIONS:
+        total = sum(b.activation_bytes[option] for b in table.blocks)
+        assert sum(count[t] * per[t][f"activation:{option}"] for t in per) == pytest.approx(total, rel=1e-12), option
+    assert sum(count[t] * params[t] for t in per) == sum(b.num_params for b in table.blocks)
+    # FLOPs are the formulas' (matmuls and attention): the ViT layer and projector as fused, the LLM layer as
+    # Hugging Face's masked attention computes them (every pair of a row: the 'eager' formulas).
+    args = (np.array([8.0]), np.array([4096.0]), np.array([4 * 1024 * 1025 / 2]))
+    c = cc.type_costs(*args, device=A100_80G)
+    fused = type_costs(cc.model, *args)
+    eager = type_costs(dataclasses.replace(cc.model, kernels="eager"), *args)
+    for t, ref in (("vision.layer", fused), ("projector", fused), ("llm.layer", eager), ("llm.head", fused)):
+        assert c.flops[t][0] == pytest.approx(ref.flops[t][0], rel=0.01), t
+    assert c.activation_bytes["llm.layer"]["none"][0] == pytest.approx(eager.activation_bytes["llm.layer"]["none"][0], rel=0.02)
+    two = cc.type_costs(*args, device=A100_80G, tensor_parallel=2)  # the analytic path's Megatron rule
+    assert two.flops["llm.layer"][0] == pytest.approx(c.flops["llm.layer"][0] / 2)
+    assert two.forward_s["llm.layer"][0] > c.forward_s["llm.layer"][0] / 2
+    with pytest.raises(InputError, match="compile for it"):
+        cc.type_costs(*args, device=dataclasses.replace(A100_80G, name="h100-80gb"))
+
+
+def test_ablation_runs_on_compiled_tables_next_to_the_analytic_row(compiled_small):
+    """Both cost sources give a full ablation; the compiled one costs more (eager kernels) but not wildly, and the
+    chains end within 0.1 of each other."""
+    from omnibal_compile.studies.compiled_costs import format_difference
+    from omnibal_compile.studies.paper_scale import format_cost_sources
+
+    analytic = Setup(model=compiled_small.model, pp=2, dp=4, planner="dp", global_batch=64)
+    compiled = dataclasses.replace(analytic, costs=compiled_small)
+    assert compiled.cost_source.startswith("compiled from Hugging Face code")
+    stats = _stats(2_000)
+    batches = make_batches(stats, per_step=analytic.per_step, samples_per_microbatch=4, cost=pack_cost(analytic.model))
+    ours = make_batches(stats, per_step=analytic.per_step, samples_per_microbatch=4, methods=("ours",),
+                        cost=pack_cost(compiled.model, costs=compiled_small))
+    a_rows = run_ablation({s: analytic for s in SPLITS}, batches)
+    c_rows = run_ablation({s: compiled for s in SPLITS}, {**batches, **ours})
+    assert len(c_rows) == len(a_rows) == 8 * len(SPLITS) and all(r.plan is not None and r.fits for r in c_rows)
+    for split in SPLITS:
+        a_base = next(r for r in a_rows if r.split == split and r.chain == "baseline")
+        c_base = next(r for r in c_rows if r.split == split and r.chain == "baseline")
+        assert 1.05 < c_base.gpu_days / a_base.gpu_days < 1.6, split  # eager HF code does more than the fused formulas
+        for chain in ("paper", "ours"):
+            assert chain_ratios(c_rows, split, chain)[-1] == pytest.approx(chain_ratios(a_rows, split, chain)[-1], abs=0.1)
+    text = format_cost_sources(a_rows, c_rows)
+    assert "compiled GPU-days" in text and all(r.name in text for r in c_rows)
+    assert "costs: compiled from Hugging Face code" in format_ablation(c_rows)
+    diff = format_difference(compiled_small, batches["ours"].mean_shape(), device=A100_80G)
+    assert "QK-norm" in diff and "llm.layer" in diff

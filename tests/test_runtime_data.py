@@ -59,9 +59,33 @@ def test_two_ranks_train_on_balanced_packs_like_the_unsplit_model(tmp_path, leng
         opt.step()
 
 
+HF_VLMS = ["llava", "internvl", "qwen2_vl", "qwen2_5_vl", "mistral3", "idefics3", "paligemma", "gemma3"]
+"""Every Hugging Face VLM class the tests build (tests/hf_families.py, plus the conftest's Llava)."""
+FAMILY_KEYS = {"qwen2_vl": {"image_grid_thw", "mm_token_type_ids"}, "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
+               "mistral3": {"image_sizes"}, "idefics3": {"pixel_attention_mask"}, "paligemma": {"token_type_ids"},
+               "gemma3": {"token_type_ids"}}
+
+
+def _microbatch_loss(model, batch, parts):
+    """The unsplit model's loss of a step run as the pipeline splits it: ``parts`` micro-batches along dim 0, each
+    one's mean loss weighted by its share of the step's labelled tokens (the whole-batch mean for Llava-like rows)."""
+    from omnibal_compile.passes.capture import split_batch
+
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(batch)
+    total, weights = 0.0, 0
+    for part in split_batch(leaves, parts):
+        mb = pytree.tree_unflatten(list(part), spec)
+        n = int((mb["labels"][:, 1:] != -100).sum())
+        total = total + model(**mb).loss * n
+        weights += n
+    return total / weights
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["llava", "internvl"])
+@pytest.mark.parametrize("family", HF_VLMS)
 def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengths_file, tiny_llava, monkeypatch, family):
     """`omnibal-compile run --model hf:CLASS:config.json --lengths ...` on 2 ranks, from the current directory."""
     from hf_families import build
@@ -77,15 +101,24 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengt
     probe = RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1)
     model = load_model(spec).model
     micro = batch_source(probe, model)(0)
-    assert set(micro) == {"pixel_values", "input_ids", "labels", "position_ids", "attention_mask"}  # the keys Llava takes
+    want_keys = {"pixel_values", "input_ids", "labels", "position_ids", "attention_mask"} | FAMILY_KEYS.get(family, set())
+    assert set(micro) == want_keys  # the keys the family's processor emits, the samples kept apart by the mask
     # the pack's samples kept apart: the block-causal mask of the samples the positions restart at
     from omnibal_compile.data.hf_collate import block_causal_mask
 
-    starts = (micro["position_ids"][0] == 0).nonzero().flatten().tolist() + [micro["position_ids"].shape[1]]
+    text_positions = micro["position_ids"][0].reshape(-1)  # Qwen2-VL's (4, 1, L): the first row is the text's
+    starts = (text_positions == 0).nonzero().flatten().tolist() + [text_positions.numel()]
     assert len(starts) > 2  # several samples in the pack
     want = block_causal_mask([b - a for a, b in zip(starts, starts[1:])])
-    assert torch.equal(micro["attention_mask"], want)
-    (tmp_path / "plan.json").write_text(oc.optimize(model, micro, num_stages=2, planner="uniform").plan.to_json())
+    mask = micro["attention_mask"]
+    if family in ("gemma3", "paligemma"):  # plus each image's bidirectional block (tests/test_hf_inputs.py)
+        mask = mask["full_attention"] if isinstance(mask, dict) else mask
+        assert bool(((mask == 0) | (want != 0)).all()) and bool((mask != want).any())
+    else:
+        assert torch.equal(mask, want)
+    result = oc.optimize(model, micro, num_stages=2, planner="uniform")
+    assert result.check_parity().ok  # the pack's stages reproduce the unsplit model
+    (tmp_path / "plan.json").write_text(result.plan.to_json())
     assert main(["run", "--plan", "plan.json", "--model", spec, "--lengths", lengths_file, "--batch-size", "2",
                  "--microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",
                  "--timeout", "300"]) == 0
@@ -96,8 +129,29 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengt
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step, entry in enumerate(logged):
         opt.zero_grad()
-        loss = model(**source(step)).loss
+        loss = _microbatch_loss(model, source(step), 2)
         assert abs(float(loss.detach()) - entry) <= TOL, (step, float(loss), entry)
         loss.backward()
         opt.step()
     assert len(logged) == 2
+
+
+def test_qwen2_vl_packs_need_one_row_per_microbatch(tmp_path, lengths_file):
+    """Its position_ids are (4, 1, L) per row, stacked along dim 0: only one-row micro-batches split right."""
+    pytest.importorskip("transformers")
+    from hf_families import build
+
+    from omnibal_compile.models.load import load_model
+
+    config_file = tmp_path / "qwen2_vl.json"
+    build("qwen2_vl")[0].config.to_json_file(config_file)
+    spec = f"hf:Qwen2VLForConditionalGeneration:{config_file}"
+    model = load_model(spec).model
+    micro = batch_source(RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1), model)(0)
+    (tmp_path / "plan.json").write_text(oc.optimize(model, micro, num_stages=2, planner="uniform").plan.to_json())
+    config = RunConfig(plan=str(tmp_path / "plan.json"), model=spec, lengths=(lengths_file,), batch_size=4,
+                       num_microbatches=2)
+    with pytest.raises(InputError, match=r"one row only.*--batch-size.*\(2\), got 4"):
+        batch_source(config, model)
+    two = batch_source(dataclasses.replace(config, batch_size=2), model)(0)
+    assert two["position_ids"].shape[:2] == (8, 1) and two["input_ids"].shape[0] == 2

@@ -136,8 +136,26 @@ def test_stage_costs_sum_blocks():
     sc = stage_costs(plan, costs)
     assert sc[0].forward_s == 6.0 and sc[0].backward_s == 12.0 and sc[0].recompute_s == pytest.approx(2.0 / 4)
     assert sc[0].send_s == 2.0 and sc[1].send_s == 0.0
-    assert sc[0].activation_bytes == 1000 + 500 + 1000 and sc[0].workspace_bytes == 200 and sc[1].workspace_bytes == 300
+    # the first stage also holds its output (8 bytes across the cut) until the micro-batch's backward
+    assert sc[0].activation_bytes == 1000 + 500 + 1000 + 8 and sc[0].workspace_bytes == 200 and sc[1].workspace_bytes == 300
     assert sc[1].activation_bytes == 100 and sc[1].static_bytes == 50
+    assert sc[0].running_bytes is None  # no measured peaks: the workspace bound applies
+
+
+def test_stage_costs_running_peak_from_measured_peaks():
+    """With the blocks' peaks: the running micro-batch holds what the blocks before the running one keep
+    plus its own peak, and the stage's output (cut bytes) whenever it is in flight."""
+    import dataclasses
+
+    blocks = [dataclasses.replace(block(i), peak_bytes={"none": 1500, "selective": 1200, "full": 1100}) for i in range(3)]
+    plan = Plan(block_names=["b0", "b1", "b2"], boundaries=(0, 2, 3), recompute=("none", "full", "none"))
+    sc = stage_costs(plan, table(blocks, cut=8))
+    assert sc[0].activation_bytes == 1000 + 100 + 8
+    assert sc[0].running_bytes == 8 + max(1500, 1000 + 1100)
+    assert sc[1].running_bytes == 1500 and sc[1].activation_bytes == 1000
+    res = simulate(dataclasses.replace(plan, num_microbatches=2, schedule="gpipe"), table(blocks, cut=8))
+    # two micro-batches in flight on device 0: one keeps all, the running one holds its running peak
+    assert res.peak_activation_bytes[0] == (1000 + 100 + 8) + (8 + 2100)
 
 
 @settings(max_examples=40, deadline=None)

@@ -47,7 +47,7 @@ from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
 from omnibal_compile.labels import IGNORE_INDEX
 
-__all__ = ["HFPackingCollator", "MASK_ATTENTION", "VARLEN_ATTENTION", "hf_lengths"]
+__all__ = ["HFPackingCollator", "MASK_ATTENTION", "VARLEN_ATTENTION", "hf_lengths", "mrope_positions", "segment_mask", "block_ids"]
 
 MASK_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
 """Attention implementations that get a 4-D additive block-causal mask."""
@@ -239,26 +239,30 @@ class HFPackingCollator:
         return ids, labels
 
     def _rope_positions(self, s: _Sample) -> torch.Tensor:
-        """Qwen2-VL's 3-D rotary positions of one sample run alone: text advances all three by one, an image
-        spans its merged (t, h, w) grid from the current position and then advances it by max(h, w)."""
-        assert s.grids is not None and self.spatial_merge_size is not None
-        m = self.spatial_merge_size
-        out = torch.zeros(3, s.ids.numel(), dtype=torch.long)
-        is_img = (s.ids == self.image_token_id).tolist()
-        grids = iter(s.grids.tolist())
-        j, cur = 0, 0
-        while j < len(is_img):
-            if not is_img[j]:
-                out[:, j] = cur
-                j, cur = j + 1, cur + 1
-                continue
-            t, h, w = next(grids)
-            h, w = h // m, w // m
-            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-            span = t * h * w
-            out[:, j:j + span] = torch.stack([tt, hh, ww]).reshape(3, -1) + cur
-            j, cur = j + span, cur + max(h, w)
-        return out
+        assert s.grids is not None and self.spatial_merge_size is not None and self.image_token_id is not None
+        return mrope_positions(s.ids, s.grids, image_token_id=self.image_token_id, merge=self.spatial_merge_size)
+
+
+def mrope_positions(ids: torch.Tensor, grids: torch.Tensor, *, image_token_id: int, merge: int) -> torch.Tensor:
+    """Qwen2-VL's 3-D rotary positions (3, T) of one sample run alone: text advances all three by one, an image
+    (the next row of ``grids``, (t, h, w) patches) spans its merged grid from the current position and then
+    advances it by max(h, w) / merge."""
+    out = torch.zeros(3, ids.numel(), dtype=torch.long)
+    is_img = (ids == image_token_id).tolist()
+    rows = iter(grids.tolist())
+    j, cur = 0, 0
+    while j < len(is_img):
+        if not is_img[j]:
+            out[:, j] = cur
+            j, cur = j + 1, cur + 1
+            continue
+        t, h, w = next(rows)
+        h, w = h // merge, w // merge
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        span = t * h * w
+        out[:, j:j + span] = torch.stack([tt, hh, ww]).reshape(3, -1) + cur
+        j, cur = j + span, cur + max(h, w)
+    return out
 
 
 def block_causal_mask(lengths: Sequence[int], *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -266,13 +270,33 @@ def block_causal_mask(lengths: Sequence[int], *, dtype: torch.dtype = torch.floa
     return segment_mask(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))[None], dtype=dtype)
 
 
-def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32, blocks: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """(B, 1, L, L) additive mask of (B, L) segment ids: 0 where query and key share a segment and the
-    key is not later, the dtype's minimum elsewhere (what ``sdpa`` and ``eager`` need: see the module doc)."""
+    key is not later, the dtype's minimum elsewhere (what ``sdpa`` and ``eager`` need: see the module doc).
+
+    ``blocks``: (B, L) ids of bidirectional blocks (image tokens, a prefix), -1 outside any: within a
+    segment, a query also sees every key of its own block, later ones included (Gemma 3's images,
+    PaliGemma's prefix). ``window``: a sliding window, keys closer than ``window`` positions only.
+    """
     n = segment_ids.shape[-1]
     causal = torch.ones(n, n, dtype=torch.bool, device=segment_ids.device).tril()
+    if blocks is not None:
+        causal = causal | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
+    if window is not None:
+        q, k = torch.arange(n, device=segment_ids.device)[:, None], torch.arange(n, device=segment_ids.device)[None, :]
+        causal = causal & (k > q - window)
     allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
     return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def block_ids(segment_ids: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """(B, L) ids of the contiguous runs of ``inside`` tokens that do not cross a segment boundary, -1 elsewhere."""
+    prev_inside = torch.roll(inside, 1, dims=-1)
+    prev_segment = torch.roll(segment_ids, 1, dims=-1)
+    starts = inside & (~prev_inside | (prev_segment != segment_ids))
+    starts[..., 0] = inside[..., 0]
+    return torch.where(inside, torch.cumsum(starts.long(), dim=-1) - 1, -1)
 
 
 def _image_facts(config: Any) -> dict[str, Any]:

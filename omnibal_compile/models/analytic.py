@@ -52,6 +52,7 @@ Glossary:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +82,9 @@ __all__ = [
     "SCALE_MODELS",
     "layer_activation_bytes",
     "type_costs",
+    "tensor_parallel_costs",
     "cost_table",
+    "table_from_type_costs",
 ]
 
 BLOCK_TYPES: tuple[str, ...] = ("vision.embed", "vision.layer", "projector", "llm.embed", "llm.layer", "llm.head")
@@ -289,36 +292,28 @@ def layer_activation_bytes(
 
 
 class _Ops:
-    """Accumulates a block's ops as (class, FLOPs, bytes) arrays and costs them on a device."""
+    """Accumulates a block's ops as (class, FLOPs, bytes) arrays and costs them on a device (one GPU, no
+    tensor parallelism: :func:`tensor_parallel_costs` splits the totals)."""
 
-    def __init__(self, spec: DeviceSpec, tp: int = 1) -> None:
+    def __init__(self, spec: DeviceSpec) -> None:
         self.spec = spec
-        self.tp = tp
         self.flops = 0.0
         self.forward = 0.0
         self.memory = 0.0
-        self.comm = 0.0
 
     def _time(self, op_class: str, flops: np.ndarray | float, nbytes: np.ndarray | float) -> np.ndarray:
-        # The roofline of DeviceSpec.op_time, on arrays; tensor parallelism splits every op k ways.
+        # The roofline of DeviceSpec.op_time, on arrays.
         ideal = np.maximum(np.asarray(flops) / self.spec.peak_flops, np.asarray(nbytes) / self.spec.memory_bandwidth)
-        return ideal / self.spec.calibration[op_class] / self.tp
-
-    def collective(self, nbytes: np.ndarray | float, count: int = 1) -> None:
-        """``count`` tensor-parallel all-gathers / reduce-scatters of a ``nbytes`` activation (ring, NVLink)."""
-        if self.tp > 1:
-            dt = count * (self.tp - 1) / self.tp * np.asarray(nbytes, dtype=np.float64) / self.spec.link_bandwidth("nvlink")
-            self.comm = self.comm + dt
-            self.forward = self.forward + dt
+        return ideal / self.spec.calibration[op_class]
 
     def linear(self, t: np.ndarray, n_in: int, n_out: int) -> None:
         f = 2.0 * t * n_in * n_out
-        self.flops = self.flops + f / self.tp
+        self.flops = self.flops + f
         self.forward = self.forward + self._time("matmul", f, 2.0 * (t * n_in + n_in * n_out + t * n_out))
 
     def attention(self, t: np.ndarray, pairs: np.ndarray, width: int, kv_width: int) -> None:
         f = 4.0 * width * pairs
-        self.flops = self.flops + f / self.tp
+        self.flops = self.flops + f
         self.forward = self.forward + self._time("attention", f, 2.0 * t * (2 * width + 2 * kv_width))
 
     def elementwise(self, nbytes: np.ndarray, *, rerun: bool) -> None:
@@ -332,20 +327,22 @@ def _zeros(x: np.ndarray) -> np.ndarray:
     return np.zeros_like(x, dtype=np.float64)
 
 
+def _check_shapes(tiles: np.ndarray, tokens: np.ndarray, attention_pairs: np.ndarray) -> tuple[np.ndarray, ...]:
+    tiles = np.atleast_1d(np.asarray(tiles, dtype=np.float64))
+    tokens = np.atleast_1d(np.asarray(tokens, dtype=np.float64))
+    pairs = np.atleast_1d(np.asarray(attention_pairs, dtype=np.float64))
+    if not tiles.shape == tokens.shape == pairs.shape:
+        raise InputError(f"tiles, tokens and pairs differ in shape: {tiles.shape}, {tokens.shape}, {pairs.shape}")
+    return tiles, tokens, pairs
+
+
 def type_costs(
     model: VLMSpec, tiles: np.ndarray, tokens: np.ndarray, attention_pairs: np.ndarray, *, device: DeviceSpec = A100_80G,
     tensor_parallel: int = 1,
 ) -> TypeCosts:
     """Costs of one block of every type for each micro-batch shape (arrays of equal length), per device of
     ``tensor_parallel`` (module glossary)."""
-    tp = tensor_parallel
-    if not isinstance(tp, int) or tp < 1:
-        raise InputError(f"tensor_parallel must be a positive integer, got {tp!r}")
-    tiles = np.atleast_1d(np.asarray(tiles, dtype=np.float64))
-    tokens = np.atleast_1d(np.asarray(tokens, dtype=np.float64))
-    pairs = np.atleast_1d(np.asarray(attention_pairs, dtype=np.float64))
-    if not tiles.shape == tokens.shape == pairs.shape:
-        raise InputError(f"tiles, tokens and pairs differ in shape: {tiles.shape}, {tokens.shape}, {pairs.shape}")
+    tiles, tokens, pairs = _check_shapes(tiles, tokens, attention_pairs)
     v, p, m = model.vision, model.projector, model.llm
     eager = model.kernels == "eager"
     flops: dict[str, np.ndarray] = {}
@@ -358,22 +355,21 @@ def type_costs(
     def store(name: str, ops: _Ops, activation: dict[str, np.ndarray], out_bytes: np.ndarray) -> None:
         flops[name] = ops.flops + _zeros(tiles)
         fwd[name] = ops.forward + _zeros(tiles)
-        bwd[name] = 2 * (ops.forward - ops.comm) + ops.comm + _zeros(tiles)
+        bwd[name] = 2 * ops.forward + _zeros(tiles)
         sel[name] = ops.memory + _zeros(tiles)
-        act[name] = {o: np.maximum(activation[o], 0.0) / tp + _zeros(tiles) for o in RECOMPUTE_OPTIONS}
-        out[name] = out_bytes / tp + _zeros(tiles)
+        act[name] = {o: np.maximum(activation[o], 0.0) + _zeros(tiles) for o in RECOMPUTE_OPTIONS}
+        out[name] = out_bytes + _zeros(tiles)
 
     # Vision: every tile is its own sequence of P tokens, attended bidirectionally.
     P = v.tokens_per_tile
     tv = tiles * P
-    ops = _Ops(device, tp)
+    ops = _Ops(device)
     ops.linear(tiles * (P - 1), 3 * v.patch_size**2, v.width)  # patch conv as a matmul
     ops.elementwise(tv * 6 * v.width, rerun=False)  # class token, position embedding add
-    ops.collective(2.0 * tv * v.width)  # scatter into the sequence-parallel layout
     nothing = {o: _zeros(tiles) for o in RECOMPUTE_OPTIONS}  # pixels are a model input, not charged
     store("vision.embed", ops, nothing, 2.0 * tv * v.width)
 
-    ops = _Ops(device, tp)
+    ops = _Ops(device)
     ops.linear(tv, v.width, 3 * v.width)
     ops.attention(tv, tiles * P * P, v.width, v.width)
     ops.linear(tv, v.width, v.width)
@@ -382,7 +378,6 @@ def type_costs(
     ops.elementwise(tv * 2 * 4 * v.width, rerun=True)  # two norms: read and write 2w bytes each
     ops.elementwise(tv * 4 * v.mlp, rerun=True)  # GELU
     ops.elementwise(tv * 2 * 6 * v.width, rerun=False)  # two residual adds (layer scale folded in)
-    ops.collective(2.0 * tv * v.width, count=4)
     layer = layer_activation_bytes(tv, tiles * P * P, width=v.width, kv_width=v.width, mlp=v.mlp, heads=v.heads,
                                    swiglu=False, flash=model.flash_attention, dropout=model.dropout, eager=eager,
                                    quick_gelu=v.activation == "quick_gelu")
@@ -390,15 +385,13 @@ def type_costs(
 
     # Projector on the image tokens after pixel shuffle.
     ti = tiles * model.image_tokens_per_tile
-    ops = _Ops(device, tp)
+    ops = _Ops(device)
     ops.elementwise(ti * 4 * p.in_width, rerun=False)  # pixel shuffle copy
     if p.norm:
         ops.elementwise(ti * 4 * p.in_width, rerun=True)
     ops.linear(ti, p.in_width, p.hidden)
     ops.elementwise(ti * 4 * p.hidden, rerun=True)
     ops.linear(ti, p.hidden, p.out_width)
-    ops.collective(2.0 * ti * p.in_width)  # gather the input
-    ops.collective(2.0 * ti * p.out_width)  # scatter the output
     none = ti * (2 * p.in_width * (2 if p.norm else 1) + 4 * p.hidden)
     dropped = ti * (2 * p.in_width * (1 if p.norm else 0) + 2 * p.hidden)
     cached = 2.0 * ti * p.out_width  # the second linear's output: a matmul output, kept by the policy
@@ -407,12 +400,11 @@ def type_costs(
 
     # LLM.
     kvd = m.width // m.heads * m.kv_heads
-    ops = _Ops(device, tp)
+    ops = _Ops(device)
     ops.elementwise(tokens * 2 * m.width * 2, rerun=False)  # gather + image-feature scatter
-    ops.collective(2.0 * tokens * m.width)  # vocab-parallel embedding: reduce-scatter
     store("llm.embed", ops, {o: _zeros(tiles) for o in RECOMPUTE_OPTIONS}, 2.0 * tokens * m.width)
 
-    ops = _Ops(device, tp)
+    ops = _Ops(device)
     ops.linear(tokens, m.width, m.width + 2 * kvd)
     ops.elementwise(tokens * 4 * (m.width + kvd), rerun=True)  # rotary on q and k
     # Eager code attends under an explicit causal mask: the kernel computes every pair, s^2 per sequence.
@@ -423,24 +415,59 @@ def type_costs(
     ops.elementwise(tokens * 2 * 4 * m.width, rerun=True)  # two RMSNorms
     ops.elementwise(tokens * 6 * m.mlp, rerun=True)  # silu(gate) * up
     ops.elementwise(tokens * 2 * 6 * m.width, rerun=False)  # two residual adds
-    ops.collective(2.0 * tokens * m.width, count=4)
     # sum of s^2 over sequences from causal pairs sum s(s+1)/2: 2 pairs - tokens
     layer = layer_activation_bytes(tokens, 2 * pairs - tokens, width=m.width, kv_width=kvd, mlp=m.mlp, heads=m.heads,
                                    swiglu=True, flash=model.flash_attention, dropout=model.dropout, eager=eager,
                                    rms_norm=True)
     store("llm.layer", ops, layer, 2.0 * tokens * m.width)
 
-    ops = _Ops(device, tp)
+    ops = _Ops(device)
     ops.elementwise(tokens * 4 * m.width, rerun=True)  # final RMSNorm
     ops.linear(tokens, m.width, m.vocab)
     ops.elementwise(tokens * m.vocab * 10.0, rerun=False)  # logits to fp32, softmax cross-entropy
-    ops.collective(2.0 * tokens * m.width)  # gather the sequence-parallel input
     none = tokens * (4 * m.width + 4 * m.vocab + (6 * m.width if eager else 0))  # norm in, head in, fp32 logits
     # (eager: the final RMSNorm's fp32 copy and normalised output too)
     # selective: norm in, head in and the 16-bit logits (a matmul output) kept; the fp32 logits rerun.
     store("llm.head", ops, {"none": none, "selective": tokens * (4.0 * m.width + 2.0 * m.vocab), "full": 2.0 * tokens * m.width},
           _zeros(tiles))
-    return TypeCosts(flops=flops, forward_s=fwd, backward_s=bwd, selective_s=sel, activation_bytes=act, out_bytes=out)
+    one_gpu = TypeCosts(flops=flops, forward_s=fwd, backward_s=bwd, selective_s=sel, activation_bytes=act, out_bytes=out)
+    return tensor_parallel_costs(one_gpu, model, tiles, tokens, tensor_parallel=tensor_parallel, device=device)
+
+
+def tensor_parallel_costs(
+    costs: TypeCosts, model: VLMSpec, tiles: np.ndarray, tokens: np.ndarray, *, tensor_parallel: int,
+    device: DeviceSpec = A100_80G,
+) -> TypeCosts:
+    """One GPU's ``costs`` (of micro-batches of ``tiles`` and ``tokens``) as one device of a Megatron
+    tensor-parallel group of ``tensor_parallel`` with sequence parallelism (module glossary): work, memory
+    and sends / k, plus the group's collectives in the forward and again in the backward. The one rule
+    for the analytic costs and for tables the compiler produced (:mod:`omnibal_compile.studies.compiled_costs`)."""
+    tp = tensor_parallel
+    if not isinstance(tp, int) or tp < 1:
+        raise InputError(f"tensor_parallel must be a positive integer, got {tp!r}")
+    if tp == 1:
+        return costs
+    tiles = np.atleast_1d(np.asarray(tiles, dtype=np.float64))
+    tokens = np.atleast_1d(np.asarray(tokens, dtype=np.float64))
+    v, p, m = model.vision, model.projector, model.llm
+    tv, ti = tiles * v.tokens_per_tile, tiles * model.image_tokens_per_tile
+    # 16-bit activation bytes each block all-gathers or reduce-scatters per forward: a layer 4 times
+    # (before and after attention and MLP), the embeddings once (into or out of the sequence-parallel
+    # layout), the projector twice (its input gathered, its output scattered), the head once.
+    moved = {
+        "vision.embed": 2.0 * tv * v.width, "vision.layer": 4 * 2.0 * tv * v.width,
+        "projector": 2.0 * ti * p.in_width + 2.0 * ti * p.out_width, "llm.embed": 2.0 * tokens * m.width,
+        "llm.layer": 4 * 2.0 * tokens * m.width, "llm.head": 2.0 * tokens * m.width,
+    }
+    comm = {t: (tp - 1) / tp * b / device.link_bandwidth("nvlink") for t, b in moved.items()}
+    return TypeCosts(
+        flops={t: f / tp for t, f in costs.flops.items()},
+        forward_s={t: f / tp + comm[t] for t, f in costs.forward_s.items()},
+        backward_s={t: b / tp + comm[t] for t, b in costs.backward_s.items()},
+        selective_s={t: s / tp for t, s in costs.selective_s.items()},
+        activation_bytes={t: {o: a / tp for o, a in per.items()} for t, per in costs.activation_bytes.items()},
+        out_bytes={t: o / tp for t, o in costs.out_bytes.items()},
+    )
 
 
 _TABLES: dict[tuple, CostTable] = {}
@@ -462,26 +489,36 @@ def _cost_table(model: VLMSpec, shape: MicroBatch, *, device: DeviceSpec, precis
                 tp: int) -> CostTable:
     tc = type_costs(model, np.array([shape.tiles]), np.array([shape.tokens]), np.array([shape.attention_pairs]),
                     device=device, tensor_parallel=tp)
-    params = {k: round(v / tp) for k, v in model.type_params().items()}
+    return table_from_type_costs(model, tc, model.type_params(), shape, device=device, precision=precision, link=link,
+                                 tensor_parallel=tp, source="roofline")
+
+
+def table_from_type_costs(
+    model: VLMSpec, costs: TypeCosts, params: Mapping[str, int], shape: MicroBatch, *, device: DeviceSpec,
+    precision: Precision, link: str, tensor_parallel: int, source: str,
+) -> CostTable:
+    """The :class:`CostTable` of ``model``'s block chain from per-type ``costs`` of the one micro-batch ``shape``
+    (already per device of ``tensor_parallel``) and per-type parameter counts of the whole model."""
+    params = {k: round(v / tensor_parallel) for k, v in params.items()}
     blocks = []
     for name, kind in zip(model.block_names(), model.block_types()):
-        f = float(tc.forward_s[kind][0])
+        f = float(costs.forward_s[kind][0])
         blocks.append(BlockCost(
             name=name,
             kind="layer" if kind.endswith(".layer") else "module",
-            flops=float(tc.flops[kind][0]),
+            flops=float(costs.flops[kind][0]),
             num_params=params[kind],
             static_bytes=round(params[kind] * precision.bytes_per_param),
             forward_s=f,
-            backward_s=float(tc.backward_s[kind][0]),
-            activation_bytes={o: int(tc.activation_bytes[kind][o][0]) for o in RECOMPUTE_OPTIONS},
-            recompute_s={"none": 0.0, "selective": float(tc.selective_s[kind][0]), "full": f},
+            backward_s=float(costs.backward_s[kind][0]),
+            activation_bytes={o: int(costs.activation_bytes[kind][o][0]) for o in RECOMPUTE_OPTIONS},
+            recompute_s={"none": 0.0, "selective": float(costs.selective_s[kind][0]), "full": f},
         ))
     types = model.block_types()
-    cuts = [0] + [int(tc.out_bytes[types[k - 1]][0]) for k in range(1, len(types))] + [0]
+    cuts = [0] + [int(costs.out_bytes[types[k - 1]][0]) for k in range(1, len(types))] + [0]
     return CostTable(
         blocks=tuple(blocks), cut_bytes=tuple(cuts), link_bandwidth=device.link_bandwidth(link), device=device.name,
-        source="roofline",
+        source=source,
         batch_shape={"tiles": shape.tiles, "tokens": shape.tokens, "attention_pairs": int(shape.attention_pairs)},
         precision=precision,
     )

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from omnibal_compile.errors import InputError
-from omnibal_compile.labels import IGNORE_INDEX
+from omnibal_compile.models.hf_inputs import hf_data_facts, hf_example_batch
 from omnibal_compile.validate import read_text
 
-__all__ = ["LoadedModel", "load_model", "hf_data_facts", "import_from_spec"]
+__all__ = ["LoadedModel", "load_model", "hf_data_facts", "hf_example_batch", "import_from_spec"]
 
 TINY_VLM = ("tiny-vlm", "tinyvlm")
 
@@ -84,8 +84,8 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
         if len(parts) != 3 or not parts[1] or not parts[2]:
             raise InputError(f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json")
         model = _hf_model(parts[1], parts[2], meta=meta)
-        example = hf_example_batch(model, batch=batch, text=text, seed=seed)
-        return LoadedModel(model=model, example_batch=_on_meta(example) if meta else example, name=parts[1])
+        example = _hf_example(model, batch=batch, text=text, seed=seed)
+        return LoadedModel(model=model, example_batch=_on_meta(example) if meta and example else example, name=parts[1])
     if ":" not in spec:
         raise InputError(f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json or module.path:factory")
     made = import_from_spec(spec, "model factory")(**config)
@@ -95,7 +95,7 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
             f"model factory {spec!r} returned {type(made).__name__}; it must return an nn.Module or (model, example_batch)"
         )
     if example is None and hasattr(getattr(model, "config", None), "to_dict"):
-        example = hf_example_batch(model, batch=batch, text=text, seed=seed)
+        example = _hf_example(model, batch=batch, text=text, seed=seed)
     return LoadedModel(model=model, example_batch=example, name=spec)
 
 
@@ -118,50 +118,15 @@ def _hf_model(class_name: str, config_path: str, *, meta: bool = False) -> nn.Mo
     return cls(config)  # use_cache is turned off by capture
 
 
+def _hf_example(model: nn.Module, *, batch: int, text: int, seed: int) -> dict[str, torch.Tensor] | None:
+    """The example batch of a Hugging Face model, or None for a family whose layout is unknown (the run then needs
+    data=, and plan says what to pass)."""
+    try:
+        return hf_example_batch(model, batch=batch, text=text, seed=seed)
+    except InputError:
+        return None
+
+
 def _on_meta(example: dict[str, Any]) -> dict[str, Any]:
     """An example batch on the meta device, floats in bf16 (as the model ``meta=True`` builds)."""
     return {k: v.to(device="meta", dtype=torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in example.items()}
-
-
-def hf_data_facts(model: nn.Module) -> dict[str, Any]:
-    """Tokens per tile, image placeholder id, tile shape and vocabulary of a Hugging Face VLM whose images are
-    fixed-size tiles (``pixel_values`` of shape ``(tiles, channels, size, size)``: Llava, InternVL, ...).
-
-    Empty for a text-only model. Families that lay images out otherwise (Qwen2-VL's patches with
-    ``image_grid_thw``, Mistral3's ``image_sizes``) need their own packing collator.
-    """
-    cfg = getattr(model, "config", None)
-    vision = getattr(cfg, "vision_config", None)
-    image_token = getattr(cfg, "image_token_id", getattr(cfg, "image_token_index", None))
-    if cfg is None or vision is None or image_token is None or not hasattr(vision, "image_size"):
-        return {}
-    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
-    patch = vision.patch_size if isinstance(vision.patch_size, int) else vision.patch_size[0]
-    tokens = getattr(cfg, "mm_tokens_per_image", None) or getattr(cfg, "image_seq_length", None)  # Gemma 3, PaliGemma
-    if tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
-        tokens = (int(size) // int(patch)) ** 2 + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
-    return {
-        "tokens_per_tile": int(tokens),
-        "image_token_id": int(image_token),
-        "image_shape": (int(getattr(vision, "num_channels", 3)), int(size), int(size)),
-        "vocab_size": int(cfg.get_text_config().vocab_size),
-    }
-
-
-def hf_example_batch(model: nn.Module, *, batch: int, text: int, seed: int) -> dict[str, torch.Tensor]:
-    """A training batch for a Hugging Face model from its config: one tile per row for a tiled VLM
-    (placeholders first, labels -100 on them), random text otherwise."""
-    g = torch.Generator().manual_seed(seed)
-    facts = hf_data_facts(model)
-    if not facts:
-        vocab = int(model.config.get_text_config().vocab_size)  # type: ignore[union-attr]
-        ids = torch.randint(0, vocab, (batch, text), generator=g)
-        return {"input_ids": ids, "labels": ids.clone()}
-    n_image, image_token = facts["tokens_per_tile"], facts["image_token_id"]
-    high = min(facts["vocab_size"], image_token) if image_token > 0 else facts["vocab_size"]
-    ids = torch.randint(0, max(1, high), (batch, n_image + text), generator=g)
-    ids[:, :n_image] = image_token
-    labels = ids.clone()
-    labels[:, :n_image] = IGNORE_INDEX
-    pixels = torch.randn(batch, *facts["image_shape"], generator=g)
-    return {"pixel_values": pixels, "input_ids": ids, "labels": labels}

@@ -80,8 +80,8 @@ __all__ = [
     "measured_step_time",
 ]
 
-COST_MODEL = 2
-"""Version of what a cost table measures, part of every cache key (2: ``workspace_bytes``)."""
+COST_MODEL = 3
+"""Version of what a cost table measures, part of every cache key (2: ``workspace_bytes``; 3: ``peak_bytes``)."""
 
 CPU_LINK_BANDWIDTH = 5e9
 """Bytes/s assumed between pipeline stages on CPU (gloo over shared memory; override per call)."""
@@ -183,6 +183,7 @@ class _Profile:
         self.has_backward = _backward_args(self._forward(None), self.wrt) is not None
         self.fwd: list[float] = []
         self.bwd: list[float] = []
+        self.rerun: list[float] = [_rerun_share(records)]
 
     def _forward(self, _: Any) -> Any:
         with torch.enable_grad():
@@ -191,6 +192,9 @@ class _Profile:
     def run(self, *, warmup: int, repeats: int) -> None:
         kw = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
         self.fwd += timed_runs(self._forward, **kw)
+        for _ in range(repeats):  # the selective share is timed per op: as many samples, their median kept
+            records, _ = record_ops(self.m, self.inputs, sync=torch.cuda.synchronize if self.cuda else None, clock=self.clock)
+            self.rerun.append(_rerun_share(records))
         if self.has_backward:
             self.bwd += timed_runs(
                 lambda st: torch.autograd.grad(st[0], self.wrt, st[1], allow_unused=True),
@@ -202,9 +206,13 @@ class _Profile:
         fwd = statistics.median(self.fwd)
         bwd = statistics.median(self.bwd) if self.bwd else 0.0
         spread = max(relative_spread(self.fwd), relative_spread(self.bwd))
-        total = sum(r.seconds for r in self.records)
-        rerun = sum(r.seconds for r in self.records if r.op_class == "memory")
-        return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * rerun / total if total > 0 else 0.0, spread=spread)
+        return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * statistics.median(self.rerun), spread=spread)
+
+
+def _rerun_share(records: Sequence[OpRecord]) -> float:
+    """Share of a forward's op time in the ops selective recomputation reruns (``memory`` ops)."""
+    total = sum(r.seconds for r in records)
+    return sum(r.seconds for r in records if r.op_class == "memory") / total if total > 0 else 0.0
 
 
 ATTENTION_BACKWARD = 2.5
@@ -246,27 +254,34 @@ def _roofline_blocks(
         if key not in done:
             records, flops = record_ops(m, inputs)
             records_all += records
-            done[key] = (float(flops), _roofline_times(records, spec), *_memory(m, inputs, charged), block.name)
-        flops, timing, activation, workspace, first = done[key]
-        blocks.append(_block_cost(block, precision, flops, timing, activation, workspace, signature=signature,
+            done[key] = (float(flops), _roofline_times(records, spec), _memory(m, inputs, charged), block.name)
+        flops, timing, memory, first = done[key]
+        blocks.append(_block_cost(block, precision, flops, timing, memory, signature=signature,
                                   profiled_as="" if first == block.name else first))
     return blocks, attention_kernel(records_all)
 
 
-def _memory(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool]) -> tuple[dict[str, int], int]:
-    """Bytes kept for backward per recompute option, and the block's workspace."""
+_Memory = tuple[dict[str, int], int, dict[str, int]]
+"""(kept bytes per option, workspace bytes, peak bytes per option) of one block."""
+
+
+def _memory(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool]) -> _Memory:
+    """Bytes kept for backward per recompute option, the block's peak under each, and its workspace."""
     activation = {opt: kept_bytes(with_recompute(m, opt), inputs, charged) for opt in RECOMPUTE_OPTIONS}
     params = [p for p in m.parameters() if p.requires_grad]
     # A recomputing block rebuilds its activations before the same backward, so its peak is the
-    # plain block's; beyond what it keeps, that is the most for the option keeping the least.
-    workspace = peak_bytes(m, inputs, charged, params) - min(activation.values())
-    return activation, max(0, workspace)
+    # plain block's (measured on CPU: equal under full, within 1 MiB of 40 under selective); beyond
+    # what it keeps, that is the most for the option keeping the least.
+    plain = peak_bytes(m, inputs, charged, params)
+    peak = {opt: max(plain, kept) for opt, kept in activation.items()}
+    return activation, max(0, plain - min(activation.values())), peak
 
 
 def _block_cost(
-    block: Block, precision: Precision, flops: float, timing: _Timing, activation: Mapping[str, int], workspace: int,
+    block: Block, precision: Precision, flops: float, timing: _Timing, memory: _Memory,
     *, signature: str = "", profiled_as: str = "",
 ) -> BlockCost:
+    activation, workspace, peak = memory
     return BlockCost(
         name=block.name,
         kind=block.kind,
@@ -278,6 +293,7 @@ def _block_cost(
         activation_bytes=activation,
         recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
         workspace_bytes=workspace,
+        peak_bytes=peak,
         signature=signature,
         profiled_as=profiled_as,
         time_spread=timing.spread,
@@ -410,7 +426,7 @@ def annotate_costs(
     flops_of: dict[str, float] = {}
     profiles: dict[str, _Profile] = {}
     timings: dict[str, _Timing] = {}
-    rows: list[tuple[str, str, dict[str, int], int]] = []  # (signature, block timed for it, activation, workspace bytes)
+    rows: list[tuple[str, str, _Memory]] = []  # (signature, block timed for it, its memory)
     with _threads(threads if not cuda else None):
         all_inputs = block_inputs(graph, modules)
         if spec is not None:
@@ -425,14 +441,14 @@ def annotate_costs(
                     first_of[signature] = k
                     records, flops_of[signature] = record_ops(m, inputs, sync=sync, clock=clock)
                     profiles[signature] = _Profile(m, inputs, records, cuda=cuda, clock=clock)
-                rows.append((signature, graph.blocks[first_of[signature]].name, *_memory(m, inputs, charged)))
+                rows.append((signature, graph.blocks[first_of[signature]].name, _memory(m, inputs, charged)))
             per_round = -(-repeats // PROFILE_ROUNDS)
             for r in track(range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)):
                 for prof in profiles.values():
                     prof.run(warmup=warmup if r == 0 else 1, repeats=min(per_round, repeats - r * per_round) or 1)
             timings = {sig: prof.timing() for sig, prof in profiles.items()}
-            for block, (signature, timed, activation, workspace) in zip(graph.blocks, rows):
-                blocks.append(_block_cost(block, precision, flops_of[signature], timings[signature], activation, workspace,
+            for block, (signature, timed, memory) in zip(graph.blocks, rows):
+                blocks.append(_block_cost(block, precision, flops_of[signature], timings[signature], memory,
                                           signature=signature, profiled_as="" if timed == block.name else timed))
     n = graph.num_blocks
     table = CostTable(

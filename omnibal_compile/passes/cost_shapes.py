@@ -25,7 +25,7 @@ import numpy as np
 from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, BlockCost, CostTable
 from omnibal_compile.errors import InputError
 
-__all__ = ["BatchShape", "ShapeCostModel", "fit_shape_model", "fit_shape_costs"]
+__all__ = ["BatchShape", "ShapeCostModel", "fit_nonnegative", "fit_shape_model", "fit_shape_costs"]
 
 FEATURES: tuple[str, ...] = ("1", "tiles", "text_tokens", "attention")
 
@@ -56,7 +56,7 @@ class BatchShape:
         return {"tiles": self.tiles, "text_tokens": self.text_tokens, "sequences": self.sequences}
 
 
-def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares on relative error with coefficients >= 0 (drop the most negative, refit)."""
     w = 1.0 / np.maximum(np.abs(y), max(float(np.abs(y).max()), 1e-30) * 1e-6)
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # column scaling for conditioning
@@ -184,7 +184,7 @@ def fit_shape_model(tables: Sequence[CostTable], shapes: Sequence[BatchShape], *
     coefficients: dict[str, tuple[tuple[float, ...], ...]] = {}
     for q in per_table[0]:
         y = np.array([pt[q] for pt in per_table])  # shapes x items
-        coefficients[q] = tuple(tuple(float(v) for v in _fit_nonneg(x, y[:, i])) for i in range(y.shape[1]))
+        coefficients[q] = tuple(tuple(float(v) for v in fit_nonnegative(x, y[:, i])) for i in range(y.shape[1]))
     model = ShapeCostModel(
         template=tables[0], tokens_per_tile=tokens_per_tile, coefficients=coefficients, shapes=tuple(shapes), fit_error=0.0
     )

@@ -31,6 +31,7 @@ from omnibal_compile.solver import (
     problem_from_costs,
     solve,
 )
+from omnibal_compile.solver.ties import describe as describe_tie_break
 
 __all__ = [
     "uniform",
@@ -121,6 +122,8 @@ def plan_from_solution(
         notes = {"binding": sol.binding, "status": sol.status, "solve seconds": round(sol.solve_seconds, 3)}
         if sol.gap is not None:
             notes["gap"] = sol.gap
+        if "tie_break" in sol.extra:
+            notes["tie-break"] = describe_tie_break(sol.extra["tie_break"])
     return Plan(
         block_names=costs.names,
         boundaries=sol.boundaries,
@@ -133,6 +136,7 @@ def plan_from_solution(
         virtual_stages=problem.virtual_stages,
         stage_time_s=sol.stage_time,
         stage_memory_bytes=tuple(int(m) for m in sol.stage_memory),
+        stage_peak_bytes=tuple(int(m) for m in sol.stage_peak) if problem.peak else (),
         memory_budget_bytes=(
             tuple(int(problem.stage_budget(s)) for s in range(problem.num_stages)) if problem.budget else ()
         ),
@@ -160,12 +164,15 @@ def plan_with_costs(
     solver: str = "auto",
     time_limit: float | None = 60.0,
     data_parallel: DataParallel = NO_DATA_PARALLEL,
+    tie_tolerance: float | None = None,
 ) -> Plan:
     """Plan from measured or modelled costs with any planner of :mod:`omnibal_compile.solver`.
 
     ``memory_budget`` is bytes per device (one number or one per device); ``recompute`` is
     ``auto`` (the planner chooses per block) or one option forced everywhere; ``data_parallel``
     replicates the pipeline (memory per device and iteration time follow its layout).
+    ``tie_tolerance``: plans predicted within this fraction of the fastest count as equal
+    (:mod:`omnibal_compile.solver.ties`); None: 2% for measured costs, 0 for modelled ones.
     """
     problem = problem_from_costs(
         costs,
@@ -176,6 +183,7 @@ def plan_with_costs(
         budget=memory_budget,
         recompute=recompute,
         data_parallel=data_parallel,
+        tie_tolerance=tie_tolerance,
     )
     sol = solve(problem, planner, solver=solver, time_limit=time_limit)
     return plan_from_solution(sol, costs, problem)

@@ -330,9 +330,20 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     the packing, of near-equal cost. Deterministic in (seed, step): every rank builds the same
     batches. ``source.packs(step, r)`` gives rank r's sample ids; ``dp_rank=None``: every rank's rows.
     """
+    from torch.utils import _pytree as pytree
+
     from omnibal_compile.data.data_plan import DataOptions, plan_data
     from omnibal_compile.models.load import hf_data_facts
 
+    from omnibal_compile.models.hf_inputs import stacked_positions
+
+    rows_per_rank = config.batch_size // config.dp
+    if stacked_positions(model) and Path(config.plan).is_file() and read_plan(config).num_microbatches != rows_per_rank:
+        raise InputError(
+            f"{type(model).__name__} packs carry position_ids of shape (4, 1, L) per row, which split into "
+            f"micro-batches of one row only: set batch_size (--batch-size) to dp x micro-batches "
+            f"({config.dp * read_plan(config).num_microbatches}), got {config.batch_size}"
+        )
     method = "ours" if config.batching == "balanced" else "random"
     options = DataOptions(dp=config.dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
                           **hf_data_facts(model))
@@ -359,7 +370,7 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
                 j = step * rows + i
                 g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * config.dp + r)
                 out.append(model_inputs(model, data.synthetic_batch(ids, generator=g)))
-        return {k: torch.cat([row[k] for row in out]) for k in out[0]}
+        return pytree.tree_map(lambda *rows: torch.cat(rows), *out)  # a mask per layer type is a dict
 
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
     source.packs = packs  # type: ignore[attr-defined]
@@ -371,24 +382,16 @@ def model_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, to
 
     The packing collator (``data.collate``) lays a pack out for the reference VLM: ``pixel_values``
     (tiles), ``input_ids``, ``labels``, ``position_ids`` restarting per sample, ``segment_ids``. A
-    Hugging Face model takes the keys its ``forward`` names, and, having no ``segment_ids``, the
-    pack's samples kept apart as ``data.hf_collate`` keeps them: a 4-D block-causal
-    ``attention_mask`` under ``sdpa``/``eager``; under flash attention the restarting
-    ``position_ids`` alone.
+    Hugging Face model gets its family's own keys, with the pack's samples kept apart
+    (:func:`omnibal_compile.models.hf_inputs.hf_pack_inputs`).
     """
     import inspect
 
-    from omnibal_compile.data.hf_collate import is_varlen, segment_mask
-
-    params = inspect.signature(model.forward).parameters
-    if "segment_ids" in params:  # the reference layout
+    if "segment_ids" in inspect.signature(model.forward).parameters:  # the reference layout
         return row
-    out = {k: v for k, v in row.items() if k in params}
-    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa")
-    if "segment_ids" in row and "attention_mask" in params and not is_varlen(impl):
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        out["attention_mask"] = segment_mask(row["segment_ids"], dtype=dtype)
-    return out
+    from omnibal_compile.models.hf_inputs import hf_pack_inputs
+
+    return hf_pack_inputs(model, row)
 
 
 def precheck(config: RunConfig) -> Plan:

@@ -27,9 +27,12 @@ Glossary:
                    not finished; their activations are alive. Peak activation memory of a device is
                    the peak over time of the in-flight activation bytes of its stages.
     workspace      what a block holds only while it computes, beyond its kept activations
-                   (temporaries, the backward's scratch, what recomputation rebuilds):
-                   ``BlockCost.workspace_bytes``; the device's largest is added on top of the
-                   in-flight bytes, as the planner adds it (``solver.problem.stage_transient``).
+                   (temporaries, the backward's scratch, what recomputation rebuilds). With the
+                   blocks' measured peaks (``BlockCost.peak_bytes``) the micro-batch that runs on a
+                   stage holds ``running_peak`` of it instead of all it keeps, as the plan's
+                   predicted peak counts it (``solver.problem.stage_peak``); without them the
+                   device's largest ``BlockCost.workspace_bytes`` is added on top of the in-flight
+                   bytes, as the planner's bound adds it (``solver.problem.stage_transient``).
 
 Schedules (the operation order per device; the same orders as torch.distributed.pipelining):
     gpipe        all forwards (micro-batch 0..M-1), then all backwards (0..M-1) (``ScheduleGPipe``).
@@ -68,7 +71,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from omnibal_compile.cost_table import CostTable
+from omnibal_compile.cost_table import CostTable, running_peak
 from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.plan import Plan
 from omnibal_compile.schedule import Schedule
@@ -92,9 +95,13 @@ class StageCost:
     send_s: float
     """Time to send what crosses the cut after the stage (0 for the last stage); gradients come back in the same time."""
     activation_bytes: int
-    """Bytes kept from forward to backward under the chosen recompute options."""
+    """Bytes kept from forward to backward under the chosen recompute options, the stage's outputs included
+    (the pipeline holds them until the micro-batch's backward)."""
     workspace_bytes: int
     """Bytes held only while one of its blocks computes, beyond kept activations (largest ``BlockCost.workspace_bytes``)."""
+    running_bytes: int | None = None
+    """Most bytes one micro-batch holds while it runs through the stage (``cost_table.running_peak`` of the
+    blocks' kept and peak bytes under their options); None when the blocks' peaks were not measured."""
     static_bytes: int
     """Weights, gradients and optimizer states of the stage (as the plan's data-parallel layout holds them)."""
     gathered_bytes: int = 0
@@ -200,6 +207,8 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
         blocks = costs.blocks[st.start : st.stop]
         opts = options[st.start : st.stop]
         send = costs.send_s(st.stop) if st.stop < plan.num_blocks else 0.0
+        # its outputs, which the pipeline holds per micro-batch until that micro-batch's backward
+        held = costs.cut_bytes[st.stop] if st.stop < plan.num_blocks else 0
         dpc = [dp.block_cost(b, costs.precision, costs.dp_bandwidth) for b in blocks]
         out.append(
             StageCost(
@@ -207,8 +216,11 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
                 backward_s=scale * sum(b.backward_s for b in blocks),
                 recompute_s=scale * sum(b.recompute_s[o] for b, o in zip(blocks, opts)),
                 send_s=scale * send,
-                activation_bytes=int(round(scale * sum(b.activation_bytes[o] for b, o in zip(blocks, opts)))),
+                activation_bytes=int(round(scale * (sum(b.activation_bytes[o] for b, o in zip(blocks, opts)) + held))),
                 workspace_bytes=int(round(scale * max(b.workspace_bytes for b in blocks))),
+                running_bytes=int(round(scale * (held + running_peak(
+                    [b.activation_bytes[o] for b, o in zip(blocks, opts)], [b.peak_bytes[o] for b, o in zip(blocks, opts)]
+                )))) if all(b.peak_bytes for b in blocks) else None,
                 static_bytes=int(round(sum(c.static_bytes for c in dpc))),
                 gathered_bytes=int(round(max(c.gathered_bytes for c in dpc))),
                 op_gather_s=sum(c.op_gather_s(dp) for c in dpc),
@@ -217,6 +229,11 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
             )
         )
     return tuple(out)
+
+
+def _running_excess(c: StageCost) -> int:
+    """Bytes a stage's running micro-batch holds beyond its kept activations (the workspace bound without peaks)."""
+    return c.workspace_bytes if c.running_bytes is None else c.running_bytes - c.activation_bytes
 
 
 Op = tuple[str, int, int]
@@ -530,8 +547,10 @@ def simulate(
             live += nbytes
             peak_inflight[s] = max(peak_inflight[s], count[s])
             peak_act[d] = max(peak_act[d], live)
-        workspace = max((per_mb[m][s].workspace_bytes for s in range(d, S, D) for m in range(M)), default=0)
-        peak_act[d] += workspace
+        # what one running micro-batch holds beyond all it keeps (negative when the blocks after the
+        # running one free more than it needs), or the largest workspace on top
+        excess = max((_running_excess(per_mb[m][s]) for s in range(d, S, D) for m in range(M)), default=0)
+        peak_act[d] += excess
     static = [
         sum(per_mb[0][s].static_bytes for s in range(d, S, D)) + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
         for d in range(D)

@@ -22,6 +22,7 @@ from omnibal_compile.solver.explain import explain_infeasible, least_memory_spli
 from omnibal_compile.solver import interleaved as two_chunks
 from omnibal_compile.solver.ilp import _status_note, solve_ilp
 from omnibal_compile.solver.problem import PartitionProblem, Solution, evaluate, in_flight, lower_bound, problem_from_costs
+from omnibal_compile.solver.ties import PROFILED_TIE_TOLERANCE, break_ties
 
 __all__ = [
     "PartitionProblem",
@@ -42,6 +43,8 @@ __all__ = [
     "least_memory_split",
     "min_max_partition",
     "uniform_boundaries",
+    "break_ties",
+    "PROFILED_TIE_TOLERANCE",
 ]
 
 
@@ -122,6 +125,10 @@ PLANNERS: dict[str, PlannerInfo] = {
 """Every planner by name: the one table optimize(), the commands and the benches read."""
 
 
+EXACT_PLANNERS = ("ilp", "dp")
+"""Planners that minimise the predicted iteration time; their plans go through the tie-break."""
+
+
 def planner_help(default: str) -> str:
     """Help text of a ``--planner`` option: every planner, what it does, whether it needs costs."""
     lines = [f"{p.name}: {p.about}{'' if p.needs_costs else ' (no costs needed)'}" for p in PLANNERS.values()]
@@ -143,13 +150,20 @@ def solve(
     time_limit: float | None = 60.0,
     gap: float = 1e-6,
 ) -> Solution:
-    """Plan ``problem`` with ``planner``; raise an explained ``PlanError`` when nothing fits."""
+    """Plan ``problem`` with ``planner``; raise an explained ``PlanError`` when nothing fits.
+
+    The exact planners' plan goes through :func:`~omnibal_compile.solver.ties.break_ties`: with
+    ``problem.tie_tolerance`` > 0 it is the deterministic choice among the plans within that
+    tolerance of the fastest (the fastest itself when the tolerance is 0).
+    """
     info = planner_info(planner)
     if problem.budget:
         _, _, needed = least_memory_split(problem)
         if any(needed / problem.virtual_stages > problem.memory_limit(s) for s in range(problem.num_stages)):
             raise PlanError(explain_infeasible(problem))
     sol = info.solve(problem, solver=solver, time_limit=time_limit, gap=gap)
+    if planner in EXACT_PLANNERS:  # near-equal plans: the one deterministic choice (solver.ties)
+        sol = break_ties(problem, sol)
     if planner in BASELINES and not sol.feasible:  # the exact planners raise when nothing fits
         over = [s for s, m in enumerate(sol.stage_memory) if m > problem.memory_limit(s)]
         raise PlanError(

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from omnibal_compile.errors import PlanError
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, stage_static
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, stage_io, stage_static
 
 __all__ = [
     "min_max_partition",
@@ -90,7 +90,7 @@ def least_recompute(problem: PartitionProblem, boundaries: Sequence[int], *, per
         mem = (
             stage_static(problem, i, j)
             + in_flight(problem, s) * sum(problem.act[b][o] for b in range(i, j))
-            + (problem.cut_bytes[i] if i > 0 else 0)
+            + stage_io(problem, s, i, j)
         )
         return mem <= problem.memory_limit(s)
 

@@ -30,6 +30,7 @@ from omnibal_compile.solver.problem import (
     evaluate,
     in_flight,
     stage_time_bound,
+    stage_io,
     stage_transient,
 )
 
@@ -43,8 +44,13 @@ class Frontiers:
     shifted by each option of block j (numpy; a point survives if no other is both smaller and faster).
     """
 
-    def __init__(self, problem: PartitionProblem, *, max_time: float = math.inf) -> None:
-        """``max_time``: ranges whose fastest time exceeds it can never be a stage; they are not built."""
+    def __init__(self, problem: PartitionProblem, *, max_time: float = math.inf, slack: float = 0.0) -> None:
+        """``max_time``: ranges whose fastest time exceeds it can never be a stage; they are not built.
+
+        ``slack`` > 0 keeps near-optimal points too (for :mod:`omnibal_compile.solver.ties`): a point
+        is dropped only when one with no more activation is more than ``slack`` (relative) faster,
+        or when it repeats an earlier point exactly. Times then need not fall along a frontier.
+        """
         self.problem = problem
         self.prefix_static = [0.0]
         for w in problem.static:
@@ -56,6 +62,7 @@ class Frontiers:
         fastest = [min(problem.time[b][o] for o in opts) for b in range(n)]
         act = np.asarray(problem.act, dtype=np.float64)[:, opts]  # [n, |opts|]
         tim = np.asarray(problem.time, dtype=np.float64)[:, opts]
+        grid = 1e9 / max(sum(fastest), 1e-300)
         self.acts: list[list[np.ndarray]] = []
         self.times: list[list[np.ndarray]] = []
         self.back: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -70,11 +77,18 @@ class Frontiers:
                 m = len(pa)
                 ca = (pa[None, :] + act[j][:, None]).ravel()  # option-major: [o * m + k]
                 ct = (pt[None, :] + tim[j][:, None]).ravel()
-                order = np.lexsort((ct, ca))
-                ca, ct = ca[order], ct[order]
-                # keep strictly faster than every point with no more activation
+                # Slack: times on a grid of 1e-9 of the total work, so that sums of the same times
+                # in another order (the same vectors of identical blocks, permuted) sort and repeat
+                # alike whatever their last bits; lexsort is stable, so the first built is kept.
+                qt = np.round(ct * grid) if slack > 0 else ct
+                order = np.lexsort((qt, ca))
+                ca, ct, qt = ca[order], ct[order], qt[order]
                 prev_best = np.minimum.accumulate(np.concatenate(([np.inf], ct[:-1])))
-                keep = ct < prev_best - 1e-15 * np.maximum(1.0, np.abs(ct))
+                if slack > 0:  # within slack of every point with no more activation, and no repeat
+                    repeat = np.concatenate(([False], (ca[1:] == ca[:-1]) & (qt[1:] == qt[:-1])))
+                    keep = (ct * (1 - slack) <= prev_best) & ~repeat
+                else:  # keep strictly faster than every point with no more activation
+                    keep = ct < prev_best - 1e-15 * np.maximum(1.0, np.abs(ct))
                 sel = order[keep]
                 pa, pt = ca[keep], ct[keep]
                 acts_i.append(pa)
@@ -96,13 +110,18 @@ class Frontiers:
         """(T_s, frontier point) of stage ``s`` running [i, j) with its fastest option vector that fits
         its memory (budget - static - receive buffer, shared by k_s micro-batches), or None."""
         P = self.problem
-        recv = P.cut_bytes[i] if i > 0 else 0
-        transient = stage_transient(P, i, j)
-        cap = (self.budget[s] - (self.prefix_static[j] - self.prefix_static[i]) - transient - recv) / self.in_flight[s]
+        cap = self.capacity(s, i, j)
         k = self.fastest_within(i, j, cap) if cap >= 0 else None
         if k is None:
             return None
         return float(self.times[i][j - i - 1][k]) + P.cut_time[i] + P.cut_time[j], k
+
+    def capacity(self, s: int, i: int, j: int) -> float:
+        """Activation bytes per micro-batch stage ``s`` can keep on [i, j): (budget - static - transient
+        - receive buffer - outputs held) / k_s; negative when even no activations fit."""
+        P = self.problem
+        fixed = self.prefix_static[j] - self.prefix_static[i] + stage_transient(P, i, j) + stage_io(P, s, i, j)
+        return (self.budget[s] - fixed) / self.in_flight[s]
 
     def options(self, i: int, j: int, k: int) -> list[int]:
         """Option index of every block of [i, j) at frontier point k."""

@@ -46,6 +46,7 @@ from omnibal_compile.solver.problem import (
     in_flight,
     lower_bound,
     stage_time_bound,
+    stage_figures,
     stage_transient,
 )
 
@@ -254,10 +255,13 @@ def solve_ilp(
                 pulp.lpSum(x(i, s) * P.static[i] for i in range(n) if lo[i] <= s <= hi[i])
                 + in_flight(P, s) * pulp.lpSum(w[i, s, o] * P.act[i][o] for i in range(n) for o in opts if (i, s, o) in w)
                 + (pulp.lpSum(ends(k, s - 1) * P.cut_bytes[k] for k in cuts) if s > 0 else 0)
+                # the outputs each micro-batch in flight holds until its backward (problem.stage_io)
+                + (in_flight(P, s) * pulp.lpSum(ends(k, s) * P.cut_bytes[k] for k in cuts) if s < S - 1 else 0)
                 + pulp.lpSum(var * stage_transient(P, key[0], key[1]) for key, var in z.items() if key[2] == s)
             )
-            # scale bytes to GiB so coefficients stay in a range the solver handles well
-            prob += (1 / 2**30) * mem <= budget / 2**30, f"memory_{s}"
+            # as a share of the budget, so coefficients stay in a range the solver handles well at any
+            # scale (in GiB, the bytes of a small problem fell below HiGHS's smallest matrix value)
+            prob += (1 / budget) * mem <= 1, f"memory_{s}"
     Tmax = pulp.LpVariable("Tmax", lowBound=0)
     if P.schedule in ("gpipe", "1f1b"):
         for s in range(S):
@@ -318,6 +322,8 @@ def solve_ilp(
     found_gap = _gap(prob, solver)
     note = _status_note(status, found_gap)
     boundaries, recompute = _read(w, n, S, opts)
+    if frontiers is None and P.budget and not evaluate(P, boundaries, recompute).feasible:
+        frontiers = Frontiers(P)  # the solver's tolerance let a stage go a few bytes over: repair it exactly
     if frontiers is not None:
         recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
     return evaluate(
@@ -486,7 +492,9 @@ def _interval_floors(
                     continue
                 best = frontiers.best_stage(s, i, j)
                 if best is not None and (tau is None or best[0] <= tau * (1 + 1e-9)):
-                    floor[i, j, s] = best[0]
+                    # a hair under the exact value: HiGHS drops matrix entries below 1e-9 (tiny send
+                    # times), so an exact floor can exceed the time row it bounds and cut off the optimum
+                    floor[i, j, s] = best[0] * (1 - 1e-9)
     if not floor:
         raise PlanError("no stage range fits the memory budget within the bound: the ILP has no plan")
     return floor, frontiers
@@ -507,8 +515,10 @@ def _fastest_fitting(P: PartitionProblem, frontiers: Frontiers, boundaries: Sequ
         best = frontiers.best_stage(s, i, j)
         if best is None:
             continue
-        mine = sum(P.time[b][OPTIONS.index(out[b])] for b in range(i, j))
-        if best[0] - P.cut_time[i] - P.cut_time[j] < mine * (1 - 1e-9):
+        mine = [OPTIONS.index(o) for o in out[i:j]]
+        # the same tolerance can also accept a vector a few bytes over the budget: replace it too
+        over = stage_figures(P, s, i, j, mine)[1] > P.memory_limit(s)
+        if over or best[0] - P.cut_time[i] - P.cut_time[j] < sum(P.time[b][o] for b, o in zip(range(i, j), mine)) * (1 - 1e-9):
             out[i:j] = [OPTIONS[o] for o in frontiers.options(i, j, best[1])]
     return out
 

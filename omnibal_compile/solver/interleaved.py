@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal_compile.solver.dp import Frontiers
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate
+from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, Solution, evaluate, stage_transient
 
 __all__ = ["TwoChunkResult", "two_chunk_search", "applies"]
 
@@ -82,12 +82,12 @@ class _Intervals:
         budget = np.array(F.budget)
         in_flight = np.array(F.in_flight)
         for i in range(n):
-            recv = P.cut_bytes[i] if i > 0 else 0
             for a in range(1, min(len(F.acts[i]), n - i) + 1):
                 j = i + a
-                gathered = max(P.gathered[i:j], default=0.0)
-                fixed = F.prefix_static[j] - F.prefix_static[i] + gathered + recv
-                cap = (budget - fixed) / in_flight
+                # Frontiers.best_stage's memory for every stage at once (stage_io's k_s differs by stage)
+                fixed = F.prefix_static[j] - F.prefix_static[i] + stage_transient(P, i, j) + (P.cut_bytes[i] if i > 0 else 0)
+                out = in_flight * (P.cut_bytes[j] if j < n else 0)
+                cap = (budget - fixed - out) / in_flight
                 acts = F.acts[i][a - 1]
                 k = np.searchsorted(acts, cap * (1 + 1e-12) + 1e-9, side="right") - 1
                 ok = (cap >= 0) & (k >= 0)

@@ -9,10 +9,19 @@ Torch-free. Notation (as in the ILP):
     c_k = bytes_k / bandwidth   time to send what crosses cut k (c_0 = c_n = 0);
     u_i                         bytes of block i's weights gathered while it computes (FSDP), else 0;
     q_i                         workspace: bytes block i holds only while it computes, beyond a_io;
-    d_i                         seconds of data-parallel communication block i adds once per iteration.
+    d_i                         seconds of data-parallel communication block i adds once per iteration;
+    p_io                        peak bytes of one forward and backward of block i alone under option o
+                                (a_io plus what it holds while it computes; p_io <= a_io + q_i).
 Stage s running blocks [i, j):
     T_s = sum t_io + c_j + c_i            (sends forward activations at its end, gradients at its start)
-    Mem_s = sum w_i + max u_i + max q_i + k_s * sum a_io + bytes_i   (k_s micro-batches in flight; a receive buffer)
+    Mem_s = sum w_i + max u_i + max q_i + k_s * sum a_io + bytes_i + k_s * bytes_j
+            (k_s micro-batches in flight; a receive buffer; the outputs each micro-batch in flight holds
+            until its backward, which torch's pipelining keeps to run that backward)
+Mem_s is what every planner fits under the budget: a bound, linear in the options, with one
+interval constant (max q_i). The predicted peak a plan reports is tighter:
+    Peak_s = sum w_i + max u_i + (k_s - 1) A + max_b (A_<b + p_bo) + bytes_i + k_s * bytes_j,   A = sum a_io,
+the micro-batch that runs holding only what the blocks before b keep plus b's own peak
+(:func:`omnibal_compile.cost_table.running_peak`); Peak_s <= Mem_s. Without p (not measured) Peak_s = Mem_s.
 In flight k_s: GPipe M; 1F1B min(S - s, M); interleaved 1F1B with p = S / v devices and v chunks
 per device: device d = s mod p keeps min(2 (p - d - 1) + (v - 1) p + 1, v M) micro-batch chunks at
 its peak (Megatron's warm-up count + 1), shared evenly by its v chunks, each chunk given 1/v of the
@@ -37,13 +46,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from omnibal_compile.cost_table import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel
+from omnibal_compile.cost_table import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.schedule import Schedule
 
 __all__ = [
     "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
-    "stage_static", "sync_time",
+    "stage_static", "sync_time", "stage_peak", "stage_io",
 ]
 
 OPTIONS = RECOMPUTE_OPTIONS
@@ -89,8 +98,15 @@ class PartitionProblem:
     """q_i: bytes block i holds only while it computes, beyond its activations; a stage adds its largest. Empty = none."""
     sync: tuple[float, ...] = ()
     """d_i: data-parallel seconds block i adds once per iteration; a device adds its blocks' sum. Empty = none."""
+    peak: tuple[tuple[float, float, float], ...] = ()
+    """p_io: peak bytes of one forward and backward of block i alone under none / selective / full; the
+    predicted peak (not the planners' bound) reads it. Empty = not measured."""
     data_parallel: DataParallel = NO_DATA_PARALLEL
     """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in plans)."""
+    tie_tolerance: float = 0.0
+    """Plans predicted within this fraction of the least iteration time count as equal, and
+    :func:`omnibal_compile.solver.ties.break_ties` picks among them by figures that do not depend on
+    timings (0: the fastest plan, exactly; :func:`problem_from_costs` sets it for measured costs)."""
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -106,7 +122,9 @@ class PartitionProblem:
             raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
         if not self.allowed or any(o not in OPTIONS for o in self.allowed):
             raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
-        for name in ("gathered", "workspace", "sync"):
+        if not (isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1):
+            raise InputError(f"tie_tolerance must be a fraction in [0, 1), got {self.tie_tolerance!r}")
+        for name in ("gathered", "workspace", "sync", "peak"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
 
@@ -165,7 +183,7 @@ class Solution:
     stage_time: tuple[float, ...]
     """T_s per micro-batch."""
     stage_memory: tuple[float, ...]
-    """Mem_s."""
+    """Mem_s: the memory bound every planner fits under the budget."""
     iteration_time: float
     """The schedule's iteration time."""
     feasible: bool
@@ -184,6 +202,8 @@ class Solution:
     """D: data-parallel seconds the iteration time includes (see the module docstring); 0 without dp."""
     extra: dict = field(default_factory=dict)
     """Solver-specific notes."""
+    stage_peak: tuple[float, ...] = ()
+    """Peak_s: the predicted peak memory of each stage (<= Mem_s; see the module docstring)."""
 
 
 def _iteration_time(problem: PartitionProblem, stage_time: Sequence[float]) -> float:
@@ -217,8 +237,28 @@ def stage_figures(problem: PartitionProblem, s: int, i: int, j: int, options: Se
     """(T_s, Mem_s) of stage ``s`` running blocks [i, j) with option index ``options[b - i]`` each."""
     t = sum(problem.time[b][o] for b, o in zip(range(i, j), options)) + problem.cut_time[i] + problem.cut_time[j]
     a = sum(problem.act[b][o] for b, o in zip(range(i, j), options))
-    mem = stage_static(problem, i, j) + in_flight(problem, s) * a + (problem.cut_bytes[i] if i > 0 else 0)
+    mem = stage_static(problem, i, j) + in_flight(problem, s) * a + stage_io(problem, s, i, j)
     return t, mem
+
+
+def stage_io(problem: PartitionProblem, s: int, i: int, j: int) -> float:
+    """bytes_i + k_s bytes_j: stage ``s`` on [i, j) receives its input into one buffer, and every micro-batch
+    in flight holds the stage's outputs until its backward (the pipeline runs that backward from them)."""
+    recv = problem.cut_bytes[i] if i > 0 else 0
+    return recv + (in_flight(problem, s) * problem.cut_bytes[j] if j < problem.n else 0.0)
+
+
+def stage_peak(problem: PartitionProblem, s: int, i: int, j: int, options: Sequence[int]) -> float:
+    """Peak_s of stage ``s`` running blocks [i, j) with option index ``options[b - i]`` each; Mem_s
+    when the blocks' peaks are not known."""
+    if not problem.peak:
+        return stage_figures(problem, s, i, j, options)[1]
+    kept = [problem.act[b][o] for b, o in zip(range(i, j), options)]
+    own = [problem.peak[b][o] for b, o in zip(range(i, j), options)]
+    # the other micro-batches in flight keep all (k_s - 1 of them; fewer than one with interleaved's share)
+    others = (in_flight(problem, s) - 1) * sum(kept)
+    return (sum(problem.static[i:j]) + max(problem.gathered[i:j], default=0.0) + others + running_peak(kept, own)
+            + stage_io(problem, s, i, j))
 
 
 def evaluate(
@@ -239,11 +279,12 @@ def evaluate(
     if len(recompute) != problem.n:
         raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
     opts = [OPTIONS.index(r) for r in recompute]
-    times, mems = [], []
+    times, mems, peaks = [], [], []
     for s in range(problem.num_stages):
         t, m = stage_figures(problem, s, b[s], b[s + 1], opts[b[s] : b[s + 1]])
         times.append(t)
         mems.append(m)
+        peaks.append(stage_peak(problem, s, b[s], b[s + 1], opts[b[s] : b[s + 1]]))
     feasible = all(m <= problem.memory_limit(s) for s, m in enumerate(mems))
     slow = max(range(len(times)), key=times.__getitem__)
     binding = f"time of stage {slow}"
@@ -268,6 +309,7 @@ def evaluate(
         binding=binding,
         sync_time=sync_time(problem, b),
         extra=dict(extra or {}),
+        stage_peak=tuple(peaks),
     )
 
 
@@ -302,13 +344,19 @@ def problem_from_costs(
     budget: float | Sequence[float] | None = None,
     recompute: str = "auto",
     data_parallel: DataParallel = NO_DATA_PARALLEL,
+    tie_tolerance: float | None = None,
 ) -> PartitionProblem:
     """Build the solver's problem from a cost table.
 
     ``recompute``: ``auto`` lets the solver pick per block; ``none``/``selective``/``full`` forces one option.
     ``data_parallel``: replicas of the pipeline and their layout; its per-block costs come from
     :meth:`~omnibal_compile.cost_table.DataParallel.block_cost` over ``costs.dp_bandwidth``.
+    ``tie_tolerance``: see :attr:`PartitionProblem.tie_tolerance`; None takes
+    :func:`~omnibal_compile.solver.ties.tie_tolerance_for` of the costs (a fixed default when the
+    times were measured with a spread, 0 for modelled ones).
     """
+    from omnibal_compile.solver.ties import tie_tolerance_for
+
     if recompute == "auto":
         allowed = OPTIONS
     elif recompute in OPTIONS:
@@ -338,6 +386,8 @@ def problem_from_costs(
         static=tuple(int(round(c.static_bytes)) for c in dpc),
         gathered=tuple(c.gathered_bytes for c in dpc) if dp.gathers else (),
         workspace=tuple(float(b.workspace_bytes) for b in blocks) if any(b.workspace_bytes for b in blocks) else (),
+        peak=tuple(tuple(float(b.peak_bytes[o]) for o in OPTIONS) for b in blocks)  # type: ignore[misc]
+        if all(b.peak_bytes for b in blocks) else (),
         sync=tuple(c.step_gather_s(dp) + c.reduce_s for c in dpc) if dp.size > 1 else (),
         data_parallel=dp,
         cut_time=tuple(costs.send_s(k) if 0 < k < len(blocks) else 0.0 for k in range(len(blocks) + 1)),
@@ -350,4 +400,5 @@ def problem_from_costs(
         virtual_stages=virtual_stages,
         budget=budgets,
         allowed=allowed,
+        tie_tolerance=tie_tolerance_for(costs) if tie_tolerance is None else tie_tolerance,
     )

@@ -39,10 +39,10 @@ def fit_calibration(ideal: list[dict[str, float]], measured: list[float], classe
     """
     import numpy as np
 
-    from omnibal_compile.passes.cost_shapes import _fit_nonneg  # the one non-negative relative-error fit
+    from omnibal_compile.passes.cost_shapes import fit_nonnegative  # the one non-negative relative-error fit
 
     x = np.array([[row.get(c, 0.0) for c in classes] for row in ideal])
-    inv = _fit_nonneg(x, np.array(measured))
+    inv = fit_nonnegative(x, np.array(measured))
     return {c: float(min(1.0, max(1e-3, 1 / v))) if v > 0 and x[:, k].any() else 1.0 for k, (c, v) in enumerate(zip(classes, inv))}
 
 

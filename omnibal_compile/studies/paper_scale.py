@@ -58,6 +58,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -75,6 +76,9 @@ from omnibal_compile.sim.simulate import operation_order
 from omnibal_compile.solver import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries
 from omnibal_compile.solver.baselines import min_max_partition
 from omnibal_compile.tables import format_table
+
+if TYPE_CHECKING:
+    from omnibal_compile.studies.compiled_costs import CompiledCosts
 
 __all__ = [
     "Setup",
@@ -99,6 +103,7 @@ __all__ = [
     "chain_ratios",
     "format_ablation",
     "format_distance",
+    "format_cost_sources",
 ]
 
 PAPER_GPU_DAYS: dict[str, tuple[float, ...]] = {
@@ -115,6 +120,14 @@ CLOSEST = ("vit-first", "paper")
 """(baseline split, chain) read as the paper's own setup: Table 5 is on the Megatron backend, whose
 VLM layout puts the vision encoder on the first stage, under "3D parallelism" (TP as needed to fit),
 and the paper's steps are ISF, its search partition and per-stage recomputation."""
+
+
+def _source_costs(model: VLMSpec, costs: CompiledCosts | None, tiles: np.ndarray, tokens: np.ndarray, pairs: np.ndarray, *,
+                  device: DeviceSpec, tensor_parallel: int) -> TypeCosts:
+    """Per-type costs from compiled tables when given, else from the analytic formulas of ``model``."""
+    if costs is not None:
+        return costs.type_costs(tiles, tokens, pairs, device=device, tensor_parallel=tensor_parallel)
+    return type_costs(model, tiles, tokens, pairs, device=device, tensor_parallel=tensor_parallel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +167,13 @@ class Setup:
     planner: str = "ilp"
     """Our planner: ``ilp``, or ``dp``, the exact dynamic programme the ILP is warm-started from (same
     optimum, no ILP solve: for quick tests)."""
+    costs: CompiledCosts | None = None
+    """Block costs: None for the analytic formulas of ``model``; else the cost tables the compiler produced
+    from Hugging Face code of the same shapes (:mod:`omnibal_compile.studies.compiled_costs`)."""
 
     def __post_init__(self) -> None:
+        if self.costs is not None and self.costs.model != self.model:
+            raise InputError(f"the compiled costs are of {self.costs.model.name}, the setup's model is {self.model.name}")
         per_step = self.dp * self.samples_per_microbatch
         if self.global_batch % per_step or self.global_batch // per_step < 1:
             raise InputError(f"global_batch {self.global_batch} must be a multiple of dp x samples_per_microbatch = {per_step}")
@@ -193,8 +211,23 @@ class Setup:
     def budget(self) -> float:
         return self.memory_fraction * self.device.memory_bytes
 
+    @property
+    def cost_source(self) -> str:
+        """Where the block costs come from, in words."""
+        if self.costs is None:
+            return "analytic formulas"
+        return f"compiled from Hugging Face code ({self.costs.hf_class} on meta)"
+
     def layout(self) -> str:
         return f"PP {self.pp} x TP {self.tp} x DP {self.dp} = {self.gpus} GPUs, M = {self.microbatches}"
+
+    def type_costs(self, tiles: np.ndarray, tokens: np.ndarray, pairs: np.ndarray) -> TypeCosts:
+        """Per-type costs of micro-batches of these shapes on one device of this layout, from the setup's cost source."""
+        return _source_costs(self.model, self.costs, tiles, tokens, pairs, device=self.device, tensor_parallel=self.tp)
+
+    def type_params(self) -> dict[str, int]:
+        """Parameters of one block of each type, from the setup's cost source."""
+        return dict(self.costs.params) if self.costs is not None else self.model.type_params()
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -402,13 +435,14 @@ def make_batches(
     return out
 
 
-def pack_cost(model: VLMSpec, *, device: DeviceSpec = A100_80G) -> Callable[..., np.ndarray]:
-    """Predicted forward + backward seconds of a pack, for our balancer's grouping of packs into steps."""
+def pack_cost(model: VLMSpec, *, device: DeviceSpec = A100_80G, costs: CompiledCosts | None = None) -> Callable[..., np.ndarray]:
+    """Predicted forward + backward seconds of a pack, for our balancer's grouping of packs into steps
+    (from ``costs`` when given, else the analytic formulas)."""
     types = model.block_types()
     counts = {t: types.count(t) for t in set(types)}
 
     def cost(tiles: np.ndarray, tokens: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-        tc = type_costs(model, tiles, tokens, pairs, device=device)
+        tc = _source_costs(model, costs, tiles, tokens, pairs, device=device, tensor_parallel=1)
         return sum((tc.forward_s[t] + tc.backward_s[t]) * c for t, c in counts.items())
 
     return cost
@@ -445,6 +479,9 @@ def stage_times(model: VLMSpec, costs: TypeCosts, plan: PlanChoice, link_bandwid
 
 
 def _table(setup: Setup, shape: MicroBatch):
+    if setup.costs is not None:
+        return setup.costs.cost_table(shape, device=setup.device, precision=setup.precision, link=setup.dp_link,
+                                      tensor_parallel=setup.tp)
     return cost_table(setup.model, shape, device=setup.device, precision=setup.precision, link=setup.dp_link,
                       tensor_parallel=setup.tp)
 
@@ -481,8 +518,7 @@ def epoch_seconds(setup: Setup, batches: MicroBatches, costs: TypeCosts, plan: P
 
 def _replay(setup: Setup, plan: PlanChoice, shape: MicroBatch) -> float:
     """Iteration seconds of ``plan`` with every micro-batch of ``shape`` (the acceptance check)."""
-    costs = type_costs(setup.model, np.array([shape.tiles]), np.array([shape.tokens]),
-                       np.array([shape.attention_pairs]), device=setup.device, tensor_parallel=setup.tp)
+    costs = setup.type_costs(np.array([shape.tiles]), np.array([shape.tokens]), np.array([shape.attention_pairs]))
     f, b, s = stage_times(setup.model, costs, plan, setup.device.link_bandwidth(setup.pipeline_link))
     idx = np.zeros((1, setup.microbatches), dtype=np.int64)
     gather, reduce = data_parallel_times(setup, plan)
@@ -514,12 +550,12 @@ def vit_first_boundaries(model: VLMSpec, pp: int) -> tuple[int, ...]:
     return (*bounds, model.num_blocks)
 
 
-def baseline_boundaries(model: VLMSpec, split: str, pp: int) -> tuple[int, ...]:
-    """Cut points of a baseline split (:data:`SPLITS`)."""
+def baseline_boundaries(model: VLMSpec, split: str, pp: int, *, params: Mapping[str, int] | None = None) -> tuple[int, ...]:
+    """Cut points of a baseline split (:data:`SPLITS`); ``params``: per-type parameters (default: the analytic counts)."""
     if split == "uniform":
         return tuple(uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()], pp))
     if split == "parameters":
-        params = model.type_params()
+        params = params or model.type_params()
         return tuple(min_max_partition([params[t] for t in model.block_types()], pp)[0])
     if split == "vit-first":
         return vit_first_boundaries(model, pp)
@@ -584,7 +620,8 @@ def run_ablation(setups: Mapping[str, Setup], batches: Mapping[str, MicroBatches
     rows: list[Row] = []
     for split, setup in setups.items():
         n = setup.model.num_blocks
-        base = PlanChoice(boundaries=baseline_boundaries(setup.model, split, setup.pp), recompute=("full",) * n,
+        base = PlanChoice(boundaries=baseline_boundaries(setup.model, split, setup.pp, params=setup.type_params()),
+                          recompute=("full",) * n,
                           planner=split)
         key = (setup.pp, setup.tp, setup.dp)
         if key not in solved:  # the planners' plans depend on the layout, not on the baseline
@@ -616,9 +653,9 @@ def run_ablation(setups: Mapping[str, Setup], batches: Mapping[str, MicroBatches
                                 notes={"error": plan}))
                 continue
             b = batches[batching]
-            ck = (batching, setup.tp)
+            ck = (batching, setup.tp, id(setup.costs))
             if ck not in costs:
-                costs[ck] = type_costs(setup.model, b.tiles, b.tokens, b.pairs, device=setup.device, tensor_parallel=setup.tp)
+                costs[ck] = setup.type_costs(b.tiles, b.tokens, b.pairs)
             epoch = epoch_seconds(setup, b, costs[ck], plan)
             peak, fits = _memory(setup, plan, b.planning_shape())
             rows.append(Row(name=name, split=split, chain=chain, batching=batching, setup=setup, plan=plan, epoch_s=epoch,
@@ -667,7 +704,8 @@ def format_ablation(rows: Sequence[Row], paper: Sequence[float] = ()) -> str:
         base = next(r for r in group if r.chain == "baseline")
         s = base.setup
         closest = " <- closest reading of the paper" if (split, "paper") == CLOSEST else ""
-        out.append(f"baseline split: {SPLIT_NAMES.get(split, split)}; {s.layout()}, link {s.pipeline_link}")
+        out.append(f"baseline split: {SPLIT_NAMES.get(split, split)}; {s.layout()}, link {s.pipeline_link}; "
+                   f"costs: {s.cost_source}")
         body = []
         for r in group:
             # Position in its chain: 0 for the baseline, 1-3 for the data, model and memory steps.
@@ -704,3 +742,24 @@ def format_distance(rows: Sequence[Row], paper: Sequence[float]) -> str:
             lines.append((split + mark, chain, *(f"{g:.3f}" for g in got[1:]), f"{max(gaps):.3f}" if gaps else "-",
                           f"{got[-1] - want[-1]:+.3f}" if not math.isnan(got[-1]) else "-"))
     return format_table(lines, "llrrrrr")
+
+
+def format_cost_sources(analytic: Sequence[Row], compiled: Sequence[Row]) -> str:
+    """The same ablation on two cost sources, row by row: GPU-days and ratios of each, and their quotient."""
+    lines = [("baseline split", "step (SIMULATED)", "analytic GPU-days", "ratio", "compiled GPU-days", "ratio",
+              "compiled / analytic", "same plan")]
+    for split in dict.fromkeys(r.split for r in analytic):
+        a_rows = [r for r in analytic if r.split == split]
+        c_rows = [r for r in compiled if r.split == split]
+        if [r.name for r in a_rows] != [r.name for r in c_rows]:
+            raise InputError(f"the two ablations differ in their {split} rows")
+        a_base = next(r for r in a_rows if r.chain == "baseline")
+        c_base = next(r for r in c_rows if r.chain == "baseline")
+        for i, (a, c) in enumerate(zip(a_rows, c_rows)):
+            label = {"side": "  ", "baseline": ""}.get(a.chain, f"[{a.chain}] ") + a.name
+            same = "-" if a.plan is None or c.plan is None else (
+                "yes" if (a.plan.boundaries, a.plan.recompute) == (c.plan.boundaries, c.plan.recompute) else "no")
+            lines.append((split if i == 0 else "", label, f"{a.gpu_days:.2f}", f"{a.gpu_days / a_base.gpu_days:.3f}",
+                          f"{c.gpu_days:.2f}", f"{c.gpu_days / c_base.gpu_days:.3f}", f"{c.gpu_days / a.gpu_days:.3f}",
+                          same))
+    return format_table(lines, "llrrrrrl")

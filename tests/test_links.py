@@ -1,0 +1,31 @@
+"""Link speeds of local gloo ranks (runtime/links.py): measured, positive, sized from the model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from omnibal_compile.errors import InputError
+from omnibal_compile.runtime.links import effective_sizes, measure_links
+
+
+@pytest.mark.distributed
+def test_measure_links_on_two_ranks():
+    speed = measure_links(send_bytes=1 << 16, collective_bytes=1 << 18, repeats=3)
+    assert speed.ranks == 2 and speed.send_bytes == 1 << 16 and speed.collective_bytes == 1 << 18
+    for bw in (speed.send_bytes_per_s, speed.collective_bytes_per_s):
+        assert math.isfinite(bw) and 1e5 < bw < 1e12, speed  # loopback: far above 100 kB/s, below 1 TB/s
+
+
+def test_effective_sizes_take_the_median_cut_and_the_block_with_the_median_weight_byte():
+    # cuts 0 at both ends are left out; weights: 10 + 10 + 100 = 120, the 60th byte lies in the 100-byte block
+    assert effective_sizes([0, 8, 32, 16, 0], [10, 0, 10, 100]) == (16, 100)
+    assert effective_sizes([0, 0], []) == (1 << 20, 1 << 20)  # nothing to go by: 1 MiB
+
+
+def test_measure_links_refuses_bad_sizes():
+    with pytest.raises(InputError, match="send_bytes"):
+        measure_links(send_bytes=0, collective_bytes=1 << 10)
+    with pytest.raises(InputError, match="ranks"):
+        measure_links(send_bytes=1 << 10, collective_bytes=1 << 10, ranks=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -239,3 +241,124 @@ def test_loads_and_attention_pairs_against_hand_counts_padded() -> None:
     assert m.dist_vision == pytest.approx(((1 - 0) / 2 + (4 - 3) / 8) / 2)
     # FLOPs tiles + 10 computed + 100 pairs per pack: 2081, 1554, 6483, 320
     assert m.dist_compute == pytest.approx(((2081 - 320) / (2 * 2081) + (6483 - 1554) / (2 * 6483)) / 2)
+
+
+def test_pack_shape_limits_and_the_unpackable_sample_check_are_inclusive() -> None:
+    from contracts import assert_frozen_keyword_only
+
+    from omnibal_compile.data.packing import MAX_PACK_TILES, MAX_PACK_TOKENS, Packing, refuse_unpackable
+
+    assert (MAX_PACK_TILES, MAX_PACK_TOKENS) == (4096, 2_097_152)  # the limits README's error table states
+    edge = PackShape(tiles=4096, tokens=2_097_152)  # the largest shape allowed
+    assert (edge.tiles, edge.tokens) == (4096, 2_097_152) and PackShape(tiles=0, tokens=1).tiles == 0
+    for tiles, tokens, what in ((4097, 10, "tiles"), (-1, 10, "tiles"), (4, 2_097_153, "tokens"), (4, 0, "tokens")):
+        with pytest.raises(InputError, match=f"pack shape {what}"):
+            PackShape(tiles=tiles, tokens=tokens)
+    assert_frozen_keyword_only(edge)
+    # a sample exactly at the limits fits; one tile or token more is refused, naming the first such sample
+    refuse_unpackable(LengthStats.from_arrays([4096, 1], [2_097_152, 5]))
+    for tiles, tokens in (([1, 4097, 4097], [5, 5, 5]), ([1, 1, 1], [5, 2_097_153, 2_097_153])):
+        with pytest.raises(InputError, match=r"sample 1 has .* \(4,096 tiles, 2,097,152 tokens; 2 such sample"):
+            refuse_unpackable(LengthStats.from_arrays(tiles, tokens))
+    refuse_unpackable(LengthStats.from_arrays([1, 4097], [5, 5]), ids=[0])  # only the given ids are checked
+    # a Packing holds arrays: compared and hashed by identity, never element-wise
+    p = balance_pack(LengthStats.from_arrays([1, 2, 0, 1], [10, 20, 30, 5]), dp=2, samples_per_pack=1)
+    assert isinstance(p, Packing) and p == p and p != dataclasses.replace(p) and {p: 1}[p] == 1
+    assert_frozen_keyword_only(p)
+
+
+def _three_packs(steps: list[list[int]], order: list[int] | None = None):
+    from omnibal_compile.data.packing import Packing
+
+    return Packing(order=np.array(order or [0, 1, 2, 3, 4]), offsets=np.array([0, 2, 2, 5]), steps=np.array(steps),
+                   capacity=None, layout="padded", oversized=np.zeros(0, np.int64), oversized_policy="error",
+                   method="hand")
+
+
+def test_packing_helpers_by_hand() -> None:
+    from omnibal_compile.data.packing import even_groups, split_oversized
+
+    p = _three_packs([[0], [1], [2]], order=[4, 3, 2, 1, 0])  # packs [4, 3], [], [2, 1, 0]
+    assert p.pack_max(np.array([5, 1, 7, 2, 9])).tolist() == [9, 0, 7]  # the empty pack's maximum is 0
+    assert p.samples_per_pack() == 5 / 3
+    empty = dataclasses.replace(p, order=np.zeros(0, np.int64), offsets=np.array([0]), steps=np.zeros((0, 1), np.int64))
+    assert empty.samples_per_pack() == 0.0 and empty.pack_max(np.zeros(0, np.int64)).tolist() == []
+    # the digest: 16 hex digits; equal for equal packs in the same step order, different otherwise
+    d = p.digest()
+    assert len(d) == 16 and int(d, 16) >= 0 and d == _three_packs([[0], [1], [2]], order=[4, 3, 2, 1, 0]).digest()
+    assert d != _three_packs([[1], [0], [2]], order=[4, 3, 2, 1, 0]).digest()  # steps reordered
+    assert d != _three_packs([[0], [1], [2]], order=[3, 4, 2, 1, 0]).digest()  # order within a pack
+    # consecutive groups whose sizes differ by at most one, the larger first
+    assert even_groups(7, 3).tolist() == [0, 3, 5, 7] and even_groups(6, 3).tolist() == [0, 2, 4, 6]
+    # oversized samples: strictly over the shape in tiles or tokens; a sample exactly at the shape fits
+    stats = LengthStats.from_arrays([2, 3, 2, 1, 1, 1, 1, 1], [10, 10, 11, 10, 11, 11, 11, 11])
+    cap = PackShape(tiles=2, tokens=10)
+    kept, big = split_oversized(stats, cap, "own-pack")
+    assert big.tolist() == [1, 2, 4, 5, 6, 7] and kept is stats
+    kept, big = split_oversized(stats, cap, "truncate")
+    assert kept.tiles.tolist() == [2, 2, 2, 1, 1, 1, 1, 1] and kept.tokens.max() == 10 and big.size == 6
+    with pytest.raises(InputError, match=r"6 sample\(s\) exceed the pack shape \(2 tiles, 10 tokens\)") as err:
+        split_oversized(stats, cap, "error")
+    assert "e.g. 1 (3 tiles, 10 tokens), 2 (2 tiles, 11 tokens), 4 (1 tiles, 11 tokens), 5 (" in str(err.value)
+    assert "6 (1 tiles, 11 tokens); raise" in str(err.value) and "7 (" not in str(err.value)  # the first five
+    small = LengthStats.from_arrays([1, 2], [5, 10])
+    assert split_oversized(small, cap, "error")[1].size == 0 and split_oversized(small, cap, "truncate")[0] is small
+    with pytest.raises(InputError, match="more than any pack may hold"):  # own-pack still refuses the unpackable
+        split_oversized(LengthStats.from_arrays([1, 5000], [5, 5]), cap, "own-pack")
+
+
+def test_groups_steps_and_baselines_by_hand() -> None:
+    from omnibal_compile.data.packing import _split_even_chunks, assign_steps, make_divisible, packing_from_groups
+
+    # split the largest group until the count divides by dp; refused only when too few samples
+    assert make_divisible(np.array([3, 1]), 4).tolist() == [1, 1, 1, 1]
+    assert make_divisible(np.array([4, 2]), 2).tolist() == [4, 2]
+    with pytest.raises(InputError, match="3 samples cannot fill whole steps of 4"):
+        make_divisible(np.array([2, 1]), 4)
+    # empty groups are dropped; steps are random (assign_steps with the seed) unless in_order
+    kw = dict(dp=2, capacity=None, layout="padded", oversized=np.zeros(0, np.int64), policy="error", method="m")
+    p = packing_from_groups(np.arange(6), np.array([2, 0, 1, 2, 1]), seed=3, **kw)
+    assert p.offsets.tolist() == [0, 2, 3, 5, 6] and p.steps.tolist() == assign_steps(4, 2, seed=3).tolist()
+    p = packing_from_groups(np.arange(6), np.array([2, 0, 1, 2, 1]), seed=3, in_order=True, **kw)
+    assert p.steps.tolist() == [[0, 1], [2, 3]]
+    # the greedy split: longest first to the least-loaded rank with room; round-robin when uneven
+    tokens = np.array([9, 8, 5, 4, 1, 1])
+    assert [c.tolist() for c in _split_even_chunks(np.arange(6), tokens, 2, 3)] == [[0, 3, 4], [1, 2, 5]]
+    assert [c.tolist() for c in _split_even_chunks(np.arange(5), tokens, 2, 3)] == [[0, 2, 4], [1, 3]]
+    # the baselines' counts are checked; dp samples exactly fill dp ranks
+    s = LengthStats.from_arrays([1, 0, 1, 0], [10, 20, 30, 40])
+    for f in (random_batches, length_grouped_batches):
+        with pytest.raises(InputError, match="dp must be an integer >= 1, got 0"):
+            f(s, dp=0, batch_size=1)
+        with pytest.raises(InputError, match="batch_size must be an integer >= 1, got 0"):
+            f(s, dp=1, batch_size=0)
+    assert length_grouped_batches(s, dp=4, batch_size=1).num_steps == 1
+    with pytest.raises(InputError, match="4 samples cannot fill 5 data-parallel ranks"):
+        length_grouped_batches(s, dp=5, batch_size=1)
+    # a modality's tail of exactly dp samples is a mega-batch of its own: 2 image samples, 2 text-only, dp 2
+    p = length_grouped_batches(s, dp=2, batch_size=2, seed=0)
+    assert sorted(sorted(int(x) for x in p.pack(k)) for k in range(p.num_packs)) == [[0], [1], [2], [3]]
+    assert {frozenset(int(p.pack(int(k))[0]) for k in step) for step in p.steps} == {frozenset({0, 2}), frozenset({1, 3})}
+
+
+def test_baseline_defaults_tails_digests_and_truncation_by_hand() -> None:
+    from omnibal_compile.data.packing import split_oversized
+
+    s = LengthStats.from_arrays([k % 3 for k in range(40)], [10 + 7 * k for k in range(40)])
+    for f in (random_batches, length_grouped_batches):
+        p = f(s, dp=2, batch_size=2)
+        assert p.digest() == f(s, dp=2, batch_size=2, seed=0).digest() != f(s, dp=2, batch_size=2, seed=1).digest()
+        assert p.oversized.size == 0 and p.oversized_policy == "error"
+    # 5 image samples, dp 2, batch 2: mega-batches of 4; the tail of 1 (< dp) joins the last one -> one
+    # uneven mega-batch of 5, dealt round-robin into 2 packs (3 and 2 samples): one step
+    five = LengthStats.from_arrays([1] * 5, [10, 20, 30, 40, 50])
+    p = length_grouped_batches(five, dp=2, batch_size=2)
+    assert (p.num_steps, p.num_packs, sorted(np.diff(p.offsets).tolist())) == (1, 2, [2, 3])
+    # the digest separates its arrays: the same bytes split differently are another packing
+    a = dataclasses.replace(p, order=np.array([0, 1, 2]), offsets=np.array([0, 3]), steps=np.array([[0]]))
+    b = dataclasses.replace(p, order=np.array([0, 1, 2, 0]), offsets=np.array([3]), steps=np.array([[0]]))
+    assert a.digest() != b.digest()
+    # truncation clips a sample even beyond the pack limits (only own-pack keeps its size)
+    huge = LengthStats.from_arrays([5000, 1], [10, 10])
+    kept, big = split_oversized(huge, PackShape(tiles=4, tokens=10), "truncate")
+    assert kept.tiles.tolist() == [4, 1] and big.tolist() == [0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from contracts import assert_frozen_keyword_only
 import torch
 import torch.nn.functional as F
 
@@ -80,6 +81,8 @@ def test_fixed_shape_positions_segments_and_cu_seqlens() -> None:
 
 
 def test_truncate_cuts_tiles_and_tokens_consistently() -> None:
+    over_in_tiles = _collator(tiles=4, tokens=60, oversized="truncate")([_sample(5, 30, 0)])  # tokens fit
+    assert over_in_tiles["pixel_values"].shape[0] == 4 and (over_in_tiles["input_ids"] == IMG).sum() == 4 * TPT
     c = _collator(tiles=2, tokens=20, oversized="truncate")
     big = _sample(3, 3 * TPT + 30, 0)  # 3 tiles, 42 tokens: over both limits
     batch = c([big])
@@ -100,9 +103,51 @@ def test_own_pack_sample_gets_its_own_shape_and_errors_are_named() -> None:
     assert own["pixel_values"].shape[0] == 3 and own["input_ids"].shape == (1, 40)
     with pytest.raises(InputError, match="over the shape"):
         _collator(tiles=2, tokens=20)([_sample(3, 40, 0)])
+    # over in tiles alone, or in tokens alone, is over; exactly at the shape is not
+    for tiles, tokens in ((3, 20), (2, 21 + 2 * TPT)):
+        with pytest.raises(InputError, match=f"has {tiles} tiles and .* over the shape"):
+            _collator(tiles=2, tokens=20 + 2 * TPT)([_sample(tiles, tokens, 0)])
+    assert _collator(tiles=2, tokens=20 + 2 * TPT)([_sample(2, 20 + 2 * TPT, 0)])["pixel_values"].shape[0] == 2
+    assert_frozen_keyword_only(_collator())
     bad = _sample(1, 9, 0)
     bad["pixel_values"] = bad["pixel_values"].repeat(2, 1, 1, 1)
     with pytest.raises(InputError, match="sample 1: input_ids hold 4 image tokens but it has 2 tiles"):
         _collator()([_sample(1, 9, 1), bad])
     with pytest.raises(InputError, match="dummy tiles"):
         _collator(seq_len=9 + 5 * TPT - 1)([_sample(0, 9, 1)])
+
+
+def test_each_samples_fields_are_checked_and_labels_default_to_the_text() -> None:
+    c = _collator()
+    s = _sample(1, 9, 0)
+    del s["labels"]
+    out = c([s])
+    ids, labels = out["input_ids"][0, :9], out["labels"][0, :9]
+    assert torch.equal(labels, torch.where(ids == IMG, -100, ids))  # image placeholders are never targets
+    assert (labels == -100).sum() == TPT and (labels != -100).sum() == 9 - TPT
+    for bad, message in (
+        ({"pixel_values": torch.zeros(SHAPE3)}, r"sample 0: pixel_values has shape \(3, 16, 16\)"),
+        ({"pixel_values": torch.zeros(1, 1, 16, 16)}, r"pixel_values has shape \(1, 1, 16, 16\), expected"),
+        ({"labels": torch.zeros(8, dtype=torch.long)}, "labels has 8 entries but input_ids 9"),
+    ):
+        with pytest.raises(InputError, match=message):
+            c([{**_sample(1, 9, 0), **bad}])
+    with pytest.raises(InputError, match="sample 0: input_ids is empty"):
+        c([{"input_ids": torch.zeros(0, dtype=torch.long)}])
+    text_only = c([{"input_ids": torch.arange(5)}])  # no pixel_values: a text-only sample
+    assert text_only["input_ids"][0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert c([{"input_ids": torch.tensor([7])}])["input_ids"][0, 0] == 7  # one token is a sample
+
+
+def test_synthetic_samples_by_hand() -> None:
+    s = synthetic_sample(2, 2 * TPT + 1, tokens_per_tile=TPT, image_token_id=5, vocab_size=6, image_shape=SHAPE3,
+                         generator=torch.Generator().manual_seed(0))
+    ids = s["input_ids"]
+    assert ids.tolist()[: 2 * TPT] == [5] * (2 * TPT) and ids[-1] != 5  # placeholders first, then text
+    assert s["labels"].tolist() == [-100] * (2 * TPT) + [int(ids[-1])] and s["pixel_values"].shape == (2, *SHAPE3)
+    # text is drawn from the whole vocabulary but never holds the image token
+    many = synthetic_sample(0, 400, tokens_per_tile=TPT, image_token_id=3, vocab_size=6, image_shape=SHAPE3,
+                            generator=torch.Generator().manual_seed(1))["input_ids"]
+    assert set(many.tolist()) == {0, 1, 2, 4, 5}
+    with pytest.raises(InputError, match=f"a sample with 2 tiles needs more than {2 * TPT} tokens, got {2 * TPT}"):
+        synthetic_sample(2, 2 * TPT, tokens_per_tile=TPT, image_token_id=5, vocab_size=6, image_shape=SHAPE3)

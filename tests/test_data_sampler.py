@@ -98,6 +98,11 @@ def test_state_mismatch_and_bad_rank_are_named() -> None:
         s.load_state_dict({"epoch": 0})
     with pytest.raises(InputError, match="rank"):
         _sampler(40, 2, 2, seed=1)
+    # each count is checked against its own rule, and the message names that rule
+    with pytest.raises(InputError, match="world_size must be an integer >= 1, got 0"):
+        BalancedBatchSampler(lambda s: None, num_samples=4, rank=0, world_size=0)
+    with pytest.raises(InputError, match="num_samples must be an integer >= 1, got 0"):
+        BalancedBatchSampler(lambda s: None, num_samples=0)
 
 
 def test_works_as_a_dataloader_batch_sampler() -> None:
@@ -154,3 +159,27 @@ def test_batches_follow_the_packings_steps_on_real_packers(case: tuple[int, int,
         packing = s.packing()
         expected = [packing.pack(int(p)).tolist() for p in packing.steps[:, r]]
         assert list(s) == expected
+
+
+def test_a_state_is_checked_field_by_field_before_it_resumes() -> None:
+    import json
+
+    def make(settings: dict) -> BalancedBatchSampler:
+        return BalancedBatchSampler(_hand_packer([]), num_samples=10, rank=0, world_size=2, seed=7, settings=settings)
+
+    settings = {"shape": (4, 120), "options": {"refine": 6}}
+    saved = json.loads(json.dumps(make(settings).state_dict()))  # tuples come back as lists
+    resumed = make(settings)
+    resumed.load_state_dict({**saved, "step": 1})
+    assert resumed.step == 1 and list(resumed) == [[8, 9], [2]]
+    for key in ("epoch", "step"):
+        with pytest.raises(InputError, match=f"sampler state '{key}' must be an integer >= 0, got -1"):
+            make(settings).load_state_dict({**saved, key: -1})
+    # a setting that differs is named, also inside tuples and dicts
+    with pytest.raises(InputError, match=r"shape=\[4, 120\] but this sampler has shape=\(4, 100\)"):
+        make({**settings, "shape": (4, 100)}).load_state_dict(saved)
+    with pytest.raises(InputError, match="options=.* but this sampler has options="):
+        make({**settings, "options": {"refine": 5}}).load_state_dict(saved)
+    # a state saved without one of this sampler's settings cannot be checked
+    with pytest.raises(InputError, match=r"lacks \['shape'\]"):
+        make(settings).load_state_dict({**saved, "settings": {"options": {"refine": 6}}})

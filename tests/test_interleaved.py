@@ -1,7 +1,11 @@
 """The two-chunk interleaved search: least bottleneck and bounds against brute force."""
 
+import dataclasses
 import itertools
 import math
+
+import pytest
+from contracts import assert_frozen_keyword_only
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -84,6 +88,9 @@ def test_two_chunk_search_brackets_the_optimum_and_finds_the_least_bottleneck(P)
     assert sol.iteration_time >= best_it * (1 - 1e-9)  # a real plan: never better than the optimum
     assert found.lower_bound <= best_it * (1 + 1e-9)  # a real bound: never above it
     assert found.bottleneck <= best_max * (1 + 1e-5)  # the least largest device time, found
+    assert found.bottleneck >= best_max * (1 - 1e-9)  # and a real one: no plan has a smaller largest device time
+    assert found.solution.feasible and found.solution.iteration_time >= best_it * (1 - 1e-9)  # a real plan
+    assert found.lower_bound <= found.solution.iteration_time * (1 + 1e-9)
     # and the planner as a whole is exact on these (the ILP closes what the search leaves open)
     assert math.isclose(solve(P, "ilp").iteration_time, best_it, rel_tol=1e-5)
 
@@ -99,3 +106,19 @@ def test_recompute_options_of_the_plan_are_real():
     found = two_chunk_search(P, start)
     assert found.solution.feasible and set(found.solution.recompute) <= set(OPTIONS)
     assert found.gap <= 1e-6 or found.lower_bound < found.solution.iteration_time
+    # the gap by hand: (iteration time - bound) / iteration time, never negative, 0 for a zero-time plan
+    it = found.solution.iteration_time
+    assert dataclasses.replace(found, lower_bound=0.75 * it).gap == pytest.approx(0.25)
+    assert dataclasses.replace(found, lower_bound=1.5 * it).gap == 0.0
+    assert dataclasses.replace(found, solution=dataclasses.replace(found.solution, iteration_time=0.0)).gap == 0.0
+    assert_frozen_keyword_only(found)
+    # memory-bound (and with gathered parameters): the least bottleneck is brute force's, the bound below it
+    for Q in (P, dataclasses.replace(P, gathered=(0,) * 4 + (6 * GiB,) + (0,) * 3)):
+        best_it, best_max = brute_force(Q)
+        got = two_chunk_search(Q, min((f(Q) for f in BASELINES.values()), key=lambda s: s.iteration_time))
+        assert got.bottleneck == pytest.approx(best_max, rel=1e-5) and got.lower_bound <= best_it * (1 + 1e-9)
+        assert got.solution.feasible and got.solution.iteration_time >= best_it * (1 - 1e-9)
+    # the first stage receives nothing: bytes given for the model's input link change no plan
+    sent = dataclasses.replace(P, cut_bytes=(100 * GiB,) + P.cut_bytes[1:])
+    again = two_chunk_search(sent, start)
+    assert again.solution.iteration_time == pytest.approx(it) and again.bottleneck == pytest.approx(found.bottleneck)

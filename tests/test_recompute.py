@@ -217,3 +217,10 @@ def test_recompute_pass_keeps_node_metadata(vlm, vlm_result2):
             want = before[out.name]
             assert isinstance(want, torch.Tensor) and isinstance(n.meta.get("val"), torch.Tensor), n.name
             assert (n.meta["val"].shape, n.meta["val"].dtype) == (want.shape, want.dtype), n.name
+        from omnibal_compile.passes.codegen import stage_info
+
+        a, b = stage_info(after), stage_info(stage)  # still a generated stage, with the same interface
+        assert (a.index, a.num_stages, a.blocks, a.input_names, a.output_names) == (
+            b.index, b.num_stages, b.blocks, b.input_names, b.output_names)
+        # parameters used only inside a region live there: the outer graph reads no attribute it does not use
+        assert all(n.users for n in after.graph.nodes if n.op == "get_attr"), after.graph

@@ -496,6 +496,90 @@ def test_stage_time_bound_is_tight_for_equal_stages_and_cut_times_come_from_the_
     assert (sol.solve_seconds, sol.planner, sol.gap) == (0.0, "", None)  # an evaluation, not a solve
 
 
+@pytest.mark.parametrize("schedule,S,v", [("1f1b", 2, 1), ("gpipe", 2, 1), ("interleaved", 4, 2)])
+def test_a_slow_link_moves_the_cut_in_every_planner(schedule, S, v):
+    # Equal blocks; the link after block k costs cut_time[k] on both sides. The best cuts avoid the slow links,
+    # which every planner sees only through its stage-time terms (cut times are a few ms in the strategies).
+    import dataclasses
+
+    n = 6
+    base = equal_problem(n=n, S=S, M=4, schedule=schedule, v=v)
+    slow = [0.0] + [4.0] * (n - 1) + [0.0]
+    fast = {3} if S == 2 else {1, 3, 5}  # the cuts of the unique best plan
+    for k in fast:
+        slow[k] = 0.25
+    P = dataclasses.replace(base, cut_time=tuple(slow))
+    oracle = brute_force(P)
+    assert set(oracle.boundaries[1:-1]) == fast
+    for planner in ("dp", "ilp") if schedule != "interleaved" else ("ilp",):
+        sol = solve(P, planner)
+        assert set(sol.boundaries[1:-1]) == fast and close(sol.iteration_time, oracle.iteration_time), planner
+
+
+def test_cut_times_count_on_both_sides_of_a_cut_by_hand():
+    # 1F1B, M = 4, S = 2: iteration = sum of stage times + (M - 1) x the largest. Blocks 1.1, 1.8, 1.5, 2.5 s;
+    # links after blocks 1, 2, 3 cost 0.6, 1.0, 1.2 s on both stages they join.
+    #   cut at 1: 1.1 + 0.6 = 1.7, 5.8 + 0.6 = 6.4 -> 8.1 + 3 x 6.4 = 27.3
+    #   cut at 2: 2.9 + 1.0 = 3.9, 4.0 + 1.0 = 5.0 -> 8.9 + 3 x 5.0 = 23.9   (best)
+    #   cut at 3: 4.4 + 1.2 = 5.6, 2.5 + 1.2 = 3.7 -> 9.3 + 3 x 5.6 = 26.1
+    import dataclasses
+
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=4), time=tuple((f, 1.2 * f, 2 * f) for f in (1.1, 1.8, 1.5, 2.5)),
+                            cut_time=(0.0, 0.6, 1.0, 1.2, 0.0))
+    for b, want in (((0, 1, 4), 27.3), ((0, 2, 4), 23.9), ((0, 3, 4), 26.1)):
+        assert evaluate(P, b, ("none",) * 4).iteration_time == pytest.approx(want)
+    for planner in ("dp", "ilp"):
+        sol = solve(P, planner)
+        assert sol.boundaries == (0, 2, 4) and sol.iteration_time == pytest.approx(23.9), planner
+
+
+def test_dp_weighs_the_largest_stage_by_m_minus_one_and_reports_what_it_did():
+    # Budgeted 1F1B, M = 4: two Pareto plans trade sum for max; iteration = sum + (M - 1) x max picks the
+    # first (31.28 s), a weight of M + 1 would pick the second (31.36 s). Found by search, checked by brute force.
+    import dataclasses
+
+    P = dataclasses.replace(equal_problem(n=5, S=2, M=4, budget=8 * GiB),
+                            time=tuple((f, 1.2 * f, 2 * f) for f in (2.2, 1.4, 0.6, 1.6, 2.8)))
+    oracle = brute_force(P)
+    assert oracle.boundaries == (0, 3, 5) and oracle.iteration_time == pytest.approx(31.28)
+    for planner in ("dp", "ilp"):
+        sol = solve(P, planner)
+        assert sol.boundaries == (0, 3, 5) and sol.iteration_time == pytest.approx(31.28), planner
+    import time
+
+    start = time.perf_counter()
+    sol = solve_dp(P)
+    assert 0 < sol.solve_seconds <= time.perf_counter() - start  # the time it took, measured
+    assert (sol.status, sol.gap, sol.planner) == ("optimal", 0.0, "dp")
+    # the first stage receives nothing: bytes given for the model's input link change no plan
+    sent = solve_dp(dataclasses.replace(P, cut_bytes=(100 * GiB,) + P.cut_bytes[1:]))
+    assert sent.boundaries == (0, 3, 5) and sent.iteration_time == pytest.approx(31.28)
+    start = time.perf_counter()
+    inc = interleaved_incumbent(equal_problem(n=6, S=4, M=4, schedule="interleaved", v=2))
+    assert 0 < inc.solve_seconds <= time.perf_counter() - start and inc.feasible
+
+
+@pytest.mark.parametrize("planner", ["dp", "ilp"])
+def test_the_largest_stage_sync_counts_by_hand(planner):
+    # GPipe, M = 2: iteration = sum of stage times + (M - 1) x the largest + the largest stage sync (the sum
+    # of its blocks' sync times). Blocks 1.9, 1.6, 2.2 s; sync 3.0, 2.8, 2.4 s.
+    #   cut at 1: 1.9, 3.8 -> 5.7 + 3.8 + max(3.0, 5.2) = 14.7   (best)
+    #   cut at 2: 3.5, 2.2 -> 5.7 + 3.5 + max(5.8, 2.4) = 15.0
+    import dataclasses
+
+    P = dataclasses.replace(equal_problem(n=3, S=2, M=2, schedule="gpipe"),
+                            time=tuple((f, 1.2 * f, 2 * f) for f in (1.9, 1.6, 2.2)), sync=(3.0, 2.8, 2.4))
+    assert [evaluate(P, b, ("none",) * 3).iteration_time for b in ((0, 1, 3), (0, 2, 3))] == pytest.approx([14.7, 15.0])
+    sol = solve(P, planner)
+    assert sol.boundaries == (0, 1, 3) and sol.iteration_time == pytest.approx(14.7)
+    # three stages: sync sums over a stage's blocks (found by search, checked by brute force)
+    Q = dataclasses.replace(equal_problem(n=4, S=3, M=3, schedule="gpipe"),
+                            time=tuple((f, 1.2 * f, 2 * f) for f in (2.9, 1.7, 2.8, 2.6)), sync=(2.9, 1.1, 2.7, 0.7))
+    assert brute_force(Q).boundaries == (0, 1, 3, 4)
+    sol = solve(Q, planner)
+    assert sol.boundaries == (0, 1, 3, 4) and sol.iteration_time == pytest.approx(22.8)
+
+
 def test_cold_ilp_never_returns_a_plan_bytes_over_the_budget():
     """The ILP's memory rows are in GiB, so its feasibility tolerance lets a stage go a few bytes over
     a tiny budget (found by hypothesis: one byte kept under a zero budget); the result is repaired by

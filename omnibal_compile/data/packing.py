@@ -281,8 +281,8 @@ def length_grouped_batches(stats: LengthStats, *, dp: int, batch_size: int, seed
             else:
                 leftover = np.concatenate([leftover, tail])
         megas += pieces
-    if leftover.size:
-        megas[-1] = np.concatenate([megas[-1], leftover])
+    if leftover.size:  # with no mega-batch of either modality (each has fewer than dp samples), they form one
+        megas = [*megas[:-1], np.concatenate([megas[-1], leftover])] if megas else [leftover]
     groups: list[np.ndarray] = []
     for i in rng.permutation(len(megas)):
         mega = megas[i][np.argsort(-stats.tokens[megas[i]], kind="stable")]

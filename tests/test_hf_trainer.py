@@ -105,6 +105,12 @@ trainer.train()
 rank = trainer.args.process_index
 total = sum(float(p.detach().double().sum()) for p in model.parameters())
 (out / f"rank{rank}.json").write_text(json.dumps({"world": trainer.args.world_size, "seen": seen, "params": total}))
+# end the process group before exit: gloo's threads torn down at interpreter exit can abort a rank
+# ("terminate called without an active exception", SIGABRT) after training finished
+import torch.distributed as dist
+if dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()
 '''
 
 

@@ -9,6 +9,7 @@ and SIGUSR1 prints its Python stack (see :mod:`omnibal_compile.runtime.processes
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import traceback
@@ -55,7 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         config = RunConfig.from_json(Path(args[0]).read_text())
         init_process_group(config)
         train(config)
-        dist.destroy_process_group()  # on success only: after a failure it may wait on the others
+        # On success only (after a failure it may wait on the others): every rank past its last
+        # collective and the stages' DDP/FSDP state freed before the groups go, then out without the
+        # interpreter's teardown, where a gloo thread still joinable aborted a finished DDP rank
+        # ("terminate called without an active exception", SIGABRT; seen once in a README run).
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+        _exit_now(0)
     except SystemExit as e:
         if e.code in (0, None):
             raise

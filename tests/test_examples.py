@@ -71,6 +71,18 @@ def test_hugging_face_models_get_their_family_batch(family, tiny_llava, tiny_lla
     assert bool((batch["labels"][batch["input_ids"] == image] == -100).all())
 
 
+@pytest.mark.parametrize("family", ["llava", "llama", "qwen2_vl"])
+def test_bare_optimize_on_hugging_face_models(family, tiny_llava, tiny_llama, capsys):
+    """``optimize(model)`` and nothing else: the batch from the config, the layout from the search."""
+    pytest.importorskip("transformers")
+    from hf_families import build
+
+    model = {"llava": lambda: tiny_llava[0], "llama": lambda: tiny_llama[0]}.get(family, lambda: build(family)[0])()
+    result = oc.optimize(model)
+    assert result.layout is not None  # no num_stages: the layout search chose
+    _check(result, capsys, f"built from the {type(model).__name__} config")
+
+
 def test_bare_optimize_on_a_hugging_face_llama(tiny_llama, capsys):
     result = oc.optimize(tiny_llama[0], devices=2, num_stages=2)
     _check(result, capsys, "text only")

@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from omnibal_compile.errors import InputError
 
@@ -55,7 +56,7 @@ def measure_links(
         out = os.path.join(tmp, "result.txt")
         mp.start_processes(_rank, args=(ranks, tmp, out, send_bytes, collective_bytes, repeats, timeout_s),
                            nprocs=ranks, join=True, start_method="spawn")
-        send_s, gather_s, scatter_s = (float(x) for x in open(out).read().split())
+        send_s, gather_s, scatter_s = (float(x) for x in Path(out).read_text().split())
     r = (ranks - 1) / ranks
     collective = r * collective_bytes / ((gather_s + scatter_s) / 2)
     return LinkSpeed(send_bytes_per_s=send_bytes / send_s, send_bytes=send_bytes, collective_bytes_per_s=collective,
@@ -100,8 +101,7 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
         gather = timed(lambda: dist.all_gather_into_tensor(whole, shard))
         scatter = timed(lambda: dist.reduce_scatter_tensor(shard, whole))
         if rank == 0:
-            with open(out, "w") as f:
-                f.write(f"{send} {gather} {scatter}")
+            Path(out).write_text(f"{send} {gather} {scatter}")
     finally:
         dist.destroy_process_group()
 

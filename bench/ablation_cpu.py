@@ -237,14 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     return report(record)
 
 
-def report(record: dict) -> int:
-    """Simulate each configuration of a run's record and print the table and the targets."""
-    cores, micro, rounds, nsteps = record["cores"], record["micro"], record["rounds"], record["steps"]
+def table_rows(record: dict) -> list[tuple]:
+    """Per configuration of a run's record: ((dp, pp, step), measured tokens/s, simulated tokens/s,
+    measured peak bytes per rank, predicted peak bytes per rank, fraction of the cores kept busy)."""
+    cores = record["cores"]
     profiles = {b: CostTable.from_dict(c) for b, c in record["costs"].items()}
     overheads = {int(q): o for q, o in record["overheads"].items()}
     tokens = {tuple(_key(k)): v for k, v in record["tokens"].items()}
-    samples = {tuple(_key(k)): v for k, v in record["samples"].items()}
-    budgets = record["budgets"]
     configs = {(c["dp"], c["pp"], c["step"]): (Plan.from_dict(c["plan"]), profiles[c["batching"]], c["batching"])
                for c in record["configs"]}
     timed = {(c["dp"], c["pp"], c["step"]): c["timed"] for c in record["configs"]}
@@ -272,7 +271,15 @@ def report(record: dict) -> int:
         # Cores kept busy: the ranks' CPU seconds over the cores' wall seconds, timed steps pooled.
         busy = sum(map(sum, cpu[k])) / (min(cores, dp * pp) * sum(s for _, s in timed[k])) if cpu[k] else float("nan")
         rows.append((k, measured, sim, peak, predicted, busy))
+    return rows
 
+
+def report(record: dict) -> int:
+    """Simulate each configuration of a run's record and print the table and the targets."""
+    cores, micro, rounds, nsteps = record["cores"], record["micro"], record["rounds"], record["steps"]
+    samples = {tuple(_key(k)): v for k, v in record["samples"].items()}
+    budgets = record["budgets"]
+    rows = table_rows(record)
     def fmt_mib(xs: list[int]) -> str:
         return "/".join(f"{x / 2**20:.0f}" for x in xs)
 

@@ -72,7 +72,7 @@ _RECOMPUTE_RUNTIME = "tests/test_runtime.py::test_build_pipeline_runs_each_block
 """The recompute pass applied through ``build_pipeline``, one rank in the test's process."""
 
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "problem": ("omnibal_compile/solver/problem.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
+    "problem": ("omnibal_compile/solver/problem.py", (*_SOLVER_TESTS, "tests/test_interleaved.py", "tests/test_problem.py")),
     "dp": ("omnibal_compile/solver/dp.py", _SOLVER_TESTS),
     "ilp": ("omnibal_compile/solver/ilp.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
     "interleaved": ("omnibal_compile/solver/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),

@@ -106,6 +106,8 @@ def test_transient_io_and_peak_by_hand():
     # running: block 2 alone peaks at 400; block 3 runs over block 2's kept 300: 300 + 200 = 500
     expected = (3000 + 4000) + 2.0 + (k1 - 1) * (300 + 40) + 500 + stage_io(P, 1, 2, 4)
     assert stage_peak(P, 1, 2, 4, (0, 2)) == expected
+    # stage 0 on [0, 2) with (full, none): the larger gathered is the last block's (5); running max(200, 10 + 400)
+    assert stage_peak(P, 0, 0, 2, (2, 0)) == (1000 + 2000) + 5.0 + (k0 - 1) * (10 + 200) + 410 + stage_io(P, 0, 0, 2)
 
 
 def test_boundaries_must_be_contiguous_non_empty_stages():

@@ -75,26 +75,6 @@ def test_collective_call_latency_by_hand():
         DataParallel(size=4, shard="fsdp").block_cost(b, BF16_ADAM, bw, -1.0)
 
 
-def test_cost_tables_latency_reaches_planner_and_simulator():
-    """CostTable.dp_link_latency_s: the problem's sync and the simulated iteration both pay it per block and call."""
-    from omnibal_compile.plan import Plan
-    from omnibal_compile.sim import simulate
-    from omnibal_compile.solver import problem_from_costs
-
-    blocks = tuple(dataclasses.replace(block(), name=f"b{i}") for i in range(2))
-    base = CostTable(blocks=blocks, cut_bytes=(0, 500, 0), link_bandwidth=1000.0, device="x", source="roofline")
-    late = dataclasses.replace(base, dp_link_latency_s=0.5)
-    assert CostTable.from_json(late.to_json()) == late
-    dp = DataParallel(size=4, shard="ddp")
-    p0, p1 = (problem_from_costs(t, num_stages=2, num_microbatches=2, data_parallel=dp) for t in (base, late))
-    assert [y - x for x, y in zip(p0.sync, p1.sync)] == pytest.approx([0.5, 0.5])
-    plan = Plan(block_names=("b0", "b1"), boundaries=(0, 1, 2), num_microbatches=2, data_parallel=4, data_parallel_shard="ddp")
-    # DDP: one reduction per block after its stage's last backward; the later stage's ends the iteration
-    assert simulate(plan, late).iteration_time_s - simulate(plan, base).iteration_time_s == pytest.approx(0.5)
-    with pytest.raises(InputError, match="dp_link_latency_s"):
-        dataclasses.replace(base, dp_link_latency_s=-1e-3)
-
-
 def test_bad_layouts_name_the_input():
     with pytest.raises(InputError, match=r"dp\) must be a positive integer"):
         DataParallel(size=0, shard="ddp")
@@ -147,3 +127,12 @@ def test_data_parallel_collectives_use_their_own_link():
     assert simulate(plan, slow).iteration_time_s - simulate(plan, fast).iteration_time_s == pytest.approx(9 * reduce_fast)
     with pytest.raises(InputError, match="dp_link_bandwidth"):
         dataclasses.replace(fast, dp_link_bandwidth=0.0)
+    # CostTable.dp_link_latency_s: both pay it per block and call; DDP reduces each block once after its
+    # stage's last backward, and the first stage's reduction ends the iteration
+    late = dataclasses.replace(fast, dp_link_latency_s=0.5)
+    assert CostTable.from_json(late.to_json()) == late
+    p_late = problem_from_costs(late, num_stages=2, num_microbatches=2, data_parallel=dp)
+    assert [y - x for x, y in zip(p_fast.sync, p_late.sync)] == pytest.approx([0.5, 0.5])
+    assert simulate(plan, late).iteration_time_s - simulate(plan, fast).iteration_time_s == pytest.approx(0.5)
+    with pytest.raises(InputError, match="dp_link_latency_s"):
+        dataclasses.replace(fast, dp_link_latency_s=-1e-3)

@@ -122,3 +122,58 @@ def test_without_two_chunks_the_ilp_starts_from_the_dp(spies):
     P3 = prob(n=8, num_stages=6, virtual_stages=3, schedule="interleaved", num_microbatches=4)  # three chunks
     solve(P3, "ilp")
     assert spies["search"] == [] and spies["ilp"][-1]["upper_bound"] is not None
+
+
+def dp_beats_baselines() -> PartitionProblem:
+    """Interleaved, two chunks, where the DP's incumbent (94.25) beats every baseline (at best 102.25)."""
+    fwd = (4.0, 9.0, 3.0, 6.0, 8.0, 2.0, 1.0, 8.0)
+    return prob(n=8, num_stages=4, virtual_stages=2, schedule="interleaved", num_microbatches=4,
+                time=tuple((f, 1.2 * f, 1.5 * f) for f in fwd), flops=(5.0, 9.0, 4.0, 4.0, 8.0, 9.0, 9.0, 8.0))
+
+
+def test_the_search_starts_from_the_dp_incumbent_when_it_is_best(spies):
+    P = dp_beats_baselines()
+    assert interleaved_incumbent(P).iteration_time == 94.25
+    assert min(b(P).iteration_time for b in BASELINES.values()) == 102.25
+    solve(P, "ilp", gap=0.01)
+    assert spies["search"][0]["incumbent"].iteration_time == 94.25
+
+
+def test_the_search_starts_from_the_best_baseline_without_a_dp_incumbent(spies, monkeypatch):
+    def none(problem):
+        raise PlanError("no incumbent")
+
+    monkeypatch.setattr(solver_module, "interleaved_incumbent", none)
+    P = dp_beats_baselines()
+    solve(P, "ilp", gap=0.01)
+    assert spies["search"][0]["incumbent"].iteration_time == 102.25
+
+
+def test_a_search_gap_equal_to_the_one_asked_for_is_enough(spies):
+    P = interleaved()
+    found = two_chunks.two_chunk_search(P, interleaved_incumbent(P), tolerance=1e-4, time_limit=None)
+    spies["search"].clear()
+    solve(P, "ilp", gap=found.gap)  # tolerance max(gap / 2, 1e-4) = 1e-4: the same search again
+    assert spies["search"][0]["found"].gap == found.gap and spies["ilp"] == []
+
+
+def test_the_ilp_gets_the_time_the_search_left(spies):
+    import time
+
+    P = interleaved()
+    spies["widen"] = lambda found: dataclasses.replace(found, lower_bound=0.5 * found.lower_bound)
+    start = time.perf_counter()
+    sol = solve(P, "ilp", gap=1e-6, time_limit=30.0)
+    wall = time.perf_counter() - start
+    assert 30.0 - wall <= spies["ilp"][0]["time_limit"] <= 30.0 and sol.solve_seconds <= wall
+    spies["ilp"].clear()
+    solve(P, "ilp", gap=1e-6, time_limit=0.5)
+    assert spies["ilp"][0]["time_limit"] == 1.0  # never under a second
+
+
+def test_planner_help_lists_every_planner():
+    from omnibal_compile.solver import planner_help
+
+    text = planner_help("ilp")
+    assert text.endswith(" (default ilp)") and text.count("; ") == len(PLANNERS) - 1
+    assert "uniform: equal numbers of layer blocks per stage (Megatron, torchtitan) (no costs needed)" in text

@@ -4,15 +4,18 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import pytest
 from contracts import assert_frozen_keyword_only
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile.solver import PartitionProblem, solve
+from omnibal_compile.solver import PartitionProblem, least_memory_split, solve
+from omnibal_compile.solver import interleaved
 from omnibal_compile.solver.baselines import BASELINES
-from omnibal_compile.solver.interleaved import applies, two_chunk_search
+from omnibal_compile.solver.dp import interleaved_incumbent
+from omnibal_compile.solver.interleaved import _Intervals, _least_sum, _plan, _polish, _reachable, applies, two_chunk_search
 from omnibal_compile.solver.problem import OPTIONS, evaluate, stage_figures
 
 GiB = 2**30
@@ -122,3 +125,254 @@ def test_recompute_options_of_the_plan_are_real():
     sent = dataclasses.replace(P, cut_bytes=(100 * GiB,) + P.cut_bytes[1:])
     again = two_chunk_search(sent, start)
     assert again.solution.iteration_time == pytest.approx(it) and again.bottleneck == pytest.approx(found.bottleneck)
+
+
+# -- the search's internal tables against brute force ------------------------------------------------
+# Integer block times (and cut times in quarters) keep every sum exact, so ties and "exactly at the
+# bound" cases are common and the tables can be compared with ==.
+
+
+@st.composite
+def exact_problems(draw):
+    """Two-chunk problems with integer times, memory that binds in most draws, optional transients."""
+    p = draw(st.integers(1, 3))
+    S = 2 * p
+    n = draw(st.integers(S, S + (3 if p < 3 else 2)))
+    M = p * draw(st.integers(1, 2))
+    time, act = [], []
+    for _ in range(n):
+        f = float(draw(st.integers(1, 4)))
+        sel = f + draw(st.integers(0, 1))
+        time.append((f, sel, sel + draw(st.integers(0, 2))))
+        a = draw(st.integers(0, 8)) * GiB // 2
+        a_sel = draw(st.integers(0, a // (GiB // 2))) * GiB // 2
+        act.append((a, a_sel, draw(st.integers(0, a_sel // (GiB // 2))) * GiB // 2))
+    static = [draw(st.integers(0, 4)) * GiB // 2 for _ in range(n)]
+    cut_q = [0] + [draw(st.integers(0, 2)) for _ in range(n - 1)] + [0]
+    transient = draw(st.booleans())
+    free = PartitionProblem(
+        names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=tuple(time), act=tuple(act),
+        static=tuple(static), cut_time=tuple(q / 4 for q in cut_q), cut_bytes=tuple(q * GiB // 4 for q in cut_q),
+        num_params=(1,) * n, flops=tuple(t[0] for t in time), num_stages=S, num_microbatches=M,
+        schedule="interleaved", virtual_stages=2,
+        gathered=tuple(draw(st.integers(0, 2)) * GiB // 2 for _ in range(n)) if transient else (),
+        workspace=tuple(draw(st.integers(0, 2)) * GiB // 4 for _ in range(n)) if transient else (),
+    )
+    if draw(st.integers(0, 3)) == 0:
+        return free
+    # a device budget from just above the least-memory plan's up to the unconstrained plan's
+    least = least_memory_split(free)[2]
+    most = max(m * 2 for m in interleaved_incumbent(free).stage_memory)
+    u = draw(st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]))
+    return dataclasses.replace(free, budget=(least + u * max(most - least, 0.0),) * p)
+
+
+def stage_least_times(P, max_time):
+    """{(s, i, j): least time of stage s on [i, j) over option vectors that fit, or inf}, by enumeration."""
+    out = {}
+    opts = P.option_indices()
+    for i in range(P.n):
+        for j in range(i + 1, P.n + 1):
+            figures = {s: math.inf for s in range(P.num_stages)}
+            for choice in itertools.product(opts, repeat=j - i):
+                for s in range(P.num_stages):
+                    t, m = stage_figures(P, s, i, j, choice)
+                    if m <= P.memory_limit(s) and t <= max_time * (1 + 1e-9):
+                        figures[s] = min(figures[s], t)
+            for s, t in figures.items():
+                out[s, i, j] = t
+    return out
+
+
+def paths(P):
+    for cuts in itertools.combinations(range(1, P.n), P.num_stages - 1):
+        yield (0, *cuts, P.n)
+
+
+def table_time(iv, b, s):
+    a = b[s + 1] - b[s]
+    return iv.T[s, a, b[s]] if a <= iv.L else math.inf
+
+
+def device_times(P, iv, b):
+    p = P.num_devices
+    t = [table_time(iv, b, s) for s in range(P.num_stages)]
+    return [t[d] + t[p + d] for d in range(p)], t
+
+
+def least_bottleneck(P, iv):
+    return min((max(device_times(P, iv, b)[0]) for b in paths(P)), default=math.inf)
+
+
+def reachable_by_hand(P, iv, tau):
+    """The reachability sets the search should build: states (m, i, j) after devices 0..d-1 of plans
+    with every device time <= tau, less those whose remaining blocks cannot fit the remaining devices
+    (fastest work within (p - d - 1) tau, a block per stage)."""
+    n, p = P.n, P.num_devices
+    fast = [0.0]
+    for b in range(n):
+        fast.append(fast[-1] + min(P.time[b][o] for o in P.option_indices()))
+    sets = [{(m, 0, m) for m in range(p, n - p + 1)}]
+    for d in range(p):
+        left = p - d - 1
+        nxt = set()
+        for m, i, j in sets[-1]:
+            for a in range(1, n - i + 1):
+                for b in range(1, n - j + 1):
+                    ta = iv.T[d, a, i] if a <= iv.L else math.inf
+                    tb = iv.T[p + d, b, j] if b <= iv.L else math.inf
+                    if not ta + tb <= tau:
+                        continue
+                    i2, j2 = i + a, j + b
+                    rest = (fast[m] - fast[i2]) + (fast[n] - fast[j2])
+                    if rest <= left * tau * (1 + 1e-9) and m - i2 >= left and n - j2 >= left:
+                        nxt.add((m, i2, j2))
+        sets.append(nxt)
+    return sets
+
+
+def score_by_hand(P, iv, b):
+    """The polish's objective: (iteration time, sum of squared device times) from the table; inf off it."""
+    S, p = P.num_stages, P.num_devices
+    if len(b) != S + 1 or b[0] != 0 or b[-1] != P.n or any(y <= x or y - x > iv.L for x, y in zip(b, b[1:])):
+        return (math.inf, math.inf)
+    dev, t = device_times(P, iv, b)
+    if math.isinf(max(t)):
+        return (math.inf, math.inf)
+    return (P.num_microbatches * max(dev) + (p - 1) / (2 * p) * sum(t), sum(x * x for x in dev))
+
+
+def some_max_time(P, data):
+    """inf, or a stage-time cap that cuts some intervals out of the table."""
+    if data.draw(st.booleans(), label="capped"):
+        return math.inf
+    total = sum(max(t) for t in P.time)
+    return data.draw(st.sampled_from([total / 4, total / 3, total / 2]), label="max_time")
+
+
+@given(exact_problems(), st.data())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_interval_table_and_least_sum_against_brute_force(P, data):
+    max_time = some_max_time(P, data)
+    iv = _Intervals(P, max_time)
+    oracle = stage_least_times(P, max_time)
+    built = [len(a) for a in iv.frontiers.acts]
+    assert iv.L == max(built) and iv.T.shape == (P.num_stages, iv.L + 1, P.n + 1) == iv.point.shape
+    assert np.isinf(iv.T[:, 0, :]).all()
+    for (s, i, j), t in oracle.items():
+        a = j - i
+        if a > iv.L:
+            assert math.isinf(t) or a > built[i]  # an interval longer than any built: no stage can be it
+            continue
+        assert iv.T[s, a, i] == t, (s, i, j)
+        if math.isfinite(t):  # its options are real: that time, within the stage's memory
+            opts = iv.options(s, i, j)
+            ft, fm = stage_figures(P, s, i, j, opts)
+            assert ft == t and fm <= P.memory_limit(s)
+        else:
+            assert iv.point[s, a, i] == -1
+    # Sigma_min: the least sum of stage times over every cut path
+    sums = [sum(device_times(P, iv, b)[1]) for b in paths(P)]
+    assert _least_sum(P, iv) == min(sums)
+
+
+@given(exact_problems(), st.data())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_reachability_sets_and_read_back_plan_against_brute_force(P, data):
+    iv = _Intervals(P, some_max_time(P, data))
+    maxima = sorted({max(device_times(P, iv, b)[0]) for b in paths(P)} - {math.inf})
+    if not maxima:
+        assert _reachable(P, iv, 1e9) is None
+        return
+    star = maxima[0]
+    taus = {star, star * (1 - 1e-6), data.draw(st.sampled_from(maxima), label="tau"), maxima[-1] * 2}
+    for tau in sorted(taus):
+        expected = reachable_by_hand(P, iv, tau)
+        history = _reachable(P, iv, tau)
+        splits = [m for m, i, j in expected[-1] if i == m and j == P.n]
+        if tau < star:
+            assert history is None and not splits
+            continue
+        assert history is not None and len(history) == P.num_devices + 1
+        for d, (R, want) in enumerate(zip(history, expected)):
+            assert {tuple(int(x) for x in k) for k in np.argwhere(R)} == want, (d, tau)
+        sol = _plan(P, iv, tau, history)
+        b = sol.boundaries
+        assert len(b) == P.num_stages + 1 and b[0] == 0 and b[-1] == P.n and b[P.num_devices] == min(splits)
+        dev, t = device_times(P, iv, b)
+        assert max(dev) <= tau and sol.feasible and list(sol.stage_time) == t
+
+
+@given(exact_problems(), st.data())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_polish_ends_at_a_local_optimum_no_worse_than_its_start(P, data):
+    iv = _Intervals(P, some_max_time(P, data))
+    starts = [list(b) for b in paths(P) if math.isfinite(score_by_hand(P, iv, b)[0])]
+    if not starts:
+        return
+    start = data.draw(st.sampled_from(starts), label="start")  # a plan on the table, as the search's are
+    got = _polish(P, iv, list(start))
+    assert score_by_hand(P, iv, got) <= score_by_hand(P, iv, start)
+    S = P.num_stages
+    best = score_by_hand(P, iv, got)
+    for k in range(1, S):
+        for last in range(k, S):
+            for delta in (1, -1):
+                cand = got[:k] + [x + delta for x in got[k : last + 1]] + got[last + 1 :]
+                assert not score_by_hand(P, iv, cand) < best, (got, cand)
+
+
+def random_incumbent(P, data):
+    """A feasible plan drawn at random (random cuts, each stage at a random option vector that fits)."""
+    opts = P.option_indices()
+    for _ in range(5):
+        b = data.draw(st.sampled_from(list(paths(P))), label="cuts")
+        choice = [OPTIONS[data.draw(st.sampled_from(opts))] for _ in range(P.n)]
+        sol = evaluate(P, b, choice)
+        if sol.feasible:
+            return sol
+    return min((s for s in (f(P) for f in BASELINES.values()) if s.feasible), key=lambda s: s.iteration_time,
+               default=None)
+
+
+@given(exact_problems(), st.data())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_search_from_any_incumbent_brackets_the_least_bottleneck(P, data):
+    start = random_incumbent(P, data)
+    if start is None:
+        return
+    tol = data.draw(st.sampled_from([1e-4, 1e-2]), label="tolerance")
+    full = _Intervals(P, math.inf)
+    star, sigma = least_bottleneck(P, full), _least_sum(P, full)
+    calls = []
+    real = interleaved._reachable
+
+    def counted(*args):
+        calls.append(args[2])
+        return real(*args)
+
+    interleaved._reachable = counted
+    try:
+        found = two_chunk_search(P, start, tolerance=tol) if tol != 1e-4 else two_chunk_search(P, start)
+    finally:
+        interleaved._reachable = real
+    sol = found.solution
+    p, M = P.num_devices, P.num_microbatches
+    c = (p - 1) / (2 * p)
+    assert found.decisions == len(calls)
+    assert star <= found.bottleneck <= star * (1 + tol)  # the bracket closed on tau*
+    # the bound: M tau_lo + c Sigma_min with tau_lo within the tolerance below tau*, never above the plan
+    assert found.lower_bound <= sol.iteration_time
+    assert found.lower_bound >= min(M * star * (1 - tol) + c * sigma, sol.iteration_time) * (1 - 1e-12)
+    assert found.lower_bound <= M * star + c * sigma or found.lower_bound == sol.iteration_time
+    # the plan: real, never worse than the start, and the start itself unless strictly bettered
+    again = evaluate(P, sol.boundaries, sol.recompute)
+    assert again.feasible and again.iteration_time == sol.iteration_time
+    assert sol is start or sol.iteration_time < start.iteration_time
+    # decisions: galloping then bisecting takes logarithmically many
+    assert found.decisions <= 2 * math.ceil(math.log2(1 / tol)) + 10
+    # a generous time limit changes nothing; none at all stops before the first decision
+    later = two_chunk_search(P, start, tolerance=tol, time_limit=3600.0)
+    assert (later.bottleneck, later.lower_bound, later.decisions) == (found.bottleneck, found.lower_bound, found.decisions)
+    now = two_chunk_search(P, start, tolerance=tol, time_limit=0.0)
+    assert now.decisions == 0 or math.isclose(now.bottleneck, found.bottleneck)

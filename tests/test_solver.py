@@ -638,3 +638,47 @@ def test_predicted_peak_by_hand():
     assert sol.stage_peak == (12 + 60,) and sol.stage_memory == (12 + 30 + 30,)
     two = evaluate(dataclasses.replace(P, num_microbatches=3, schedule="gpipe"), (0, 2), ["none", "none"])
     assert two.stage_peak == (12 + 2 * 30 + 60,)  # two more micro-batches keep all they keep
+
+
+def test_dp_compares_stage_times_and_syncs_below_one_second():
+    # 1F1B, M = 8, blocks 0.1, 0.1, 0.4 s, two stages: cut at 1 -> 0.1 | 0.5 (max 0.5), cut at 2 ->
+    # 0.2 | 0.4 (max 0.4, best: 0.6 + 7 x 0.4 = 3.4 s against 4.1 s). Every figure is below one second,
+    # so a state that starts from a largest stage time (or sync) of 1 instead of 0 cannot tell them apart.
+    P = dataclasses.replace(equal_problem(n=3, S=2, M=8), time=tuple((f, 1.2 * f, 2 * f) for f in (0.1, 0.1, 0.4)))
+    sol = solve_dp(P)
+    assert sol.boundaries == (0, 2, 3) and sol.iteration_time == pytest.approx(3.4)
+    # GPipe, M = 3, four 1 s blocks in three stages: every plan has sum 4 and max 2, the sync term D (the
+    # largest stage's sum of d_i, all below 1 s) decides: d = 0.3, 0.1, 0.5, 0.2 -> cuts (1, 2): D = 0.7,
+    # (1, 3): 0.6, (2, 3): 0.5 (best); the reversed d -> cuts (1, 2) best (D = 0.5)
+    for sync, cuts in (((0.3, 0.1, 0.5, 0.2), (2, 3)), ((0.2, 0.5, 0.1, 0.3), (1, 2))):
+        Q = dataclasses.replace(equal_problem(n=4, S=3, M=3, schedule="gpipe"), sync=sync)
+        assert brute_force(Q).boundaries[1:-1] == cuts
+        got = solve_dp(Q)
+        assert got.boundaries[1:-1] == cuts and got.sync_time == pytest.approx(min(0.7, 0.6, 0.5)), sync
+
+
+def test_a_stage_that_fills_its_budget_to_the_allowance_fits():
+    # One block keeping no activations, its weights and gathered parameters exactly the memory limit
+    # (budget + the rounding allowance): the headroom for activations is exactly 0 bytes, and it fits.
+    base = dataclasses.replace(equal_problem(n=1, S=1, M=2, budget=float(GiB)), act=((0, 0, 0),), static=(GiB // 2,))
+    limit = base.memory_limit(0)
+    P = dataclasses.replace(base, gathered=(limit - GiB // 2,))
+    assert evaluate(P, (0, 1), ("none",)).stage_memory[0] == limit  # exactly at the limit
+    assert solve_dp(P).feasible and solve(P, "ilp").feasible
+
+
+def test_a_stage_starting_at_block_one_holds_its_receive_buffer_by_hand():
+    # 1F1B, M = 4, three 1 GiB-static blocks, cuts after blocks 1 and 2 carry 0.5 and 0.25 GiB. Stage 1 on
+    # [1, 3) (k_1 = 1 micro-batch in flight): 2 GiB static + 2 x 1 GiB activations (none) + 0.5 GiB received
+    # = 4.5 GiB; stage 0 on [0, 1) (k_0 = 2): 1 + 2 x 1 + 2 x 0.5 GiB of outputs held = 4 GiB.
+    P = dataclasses.replace(equal_problem(n=3, S=2, M=4), act=((GiB, GiB // 2, 0),) * 3,
+                            cut_bytes=(0, GiB // 2, GiB // 4, 0))
+    sol = evaluate(P, (0, 1, 3), ("none",) * 3)
+    assert sol.stage_memory == (4 * GiB, 4.5 * GiB)
+    # a 4.25 GiB budget: [1, 3) must recompute (selective: 2 + 1 + 0.5 = 3.5 GiB); without the receive
+    # buffer it would fit as is
+    Q = dataclasses.replace(P, budget=(4.25 * GiB,) * 2)
+    for planner in ("dp", "ilp"):
+        got = solve(Q, planner)
+        assert got.feasible and max(got.stage_memory) <= 4.25 * GiB * (1 + 1e-9), planner
+        assert got.iteration_time == pytest.approx(brute_force(Q).iteration_time), planner

@@ -13,7 +13,7 @@ temporary folder, so the working tree is never touched):
    counts as covered by every test of the module, also when a test imports the module lazily.
 2. **One mutant at a time.** The mutant is written into the copy and only the tests that execute the
    mutated statement run, fastest first, with ``-x`` (``-p no:randomly``, ``--hypothesis-seed=0``, no
-   hypothesis database or deadline). A mutant on a line no test executes is reported ``not covered``
+   hypothesis database, deadline or shrinking). A mutant on a line no test executes is reported ``not covered``
    without running anything. A long-lived server process imports torch, pytest and the other
    third-party packages once and forks one child per mutant, which imports the package from the
    mutated copy; the time limit per mutant is ``--timeout-factor`` times the covering tests' unmutated
@@ -384,9 +384,11 @@ def _pytest_args(tests: list[str]) -> list[str]:
 def _child(request: dict, result_path: str) -> int:
     """In the forked child: run pytest on the request's tests (under coverage for a ``collect`` request)."""
     import pytest
-    from hypothesis import settings
+    from hypothesis import Phase, settings
 
-    settings.register_profile("mutation", deadline=None, database=None, print_blob=False)
+    # no shrinking: a mutant is killed by the first failing example; shrinking it only costs time
+    settings.register_profile("mutation", deadline=None, database=None, print_blob=False,
+                              phases=[Phase.explicit, Phase.reuse, Phase.generate])
     settings.load_profile("mutation")
     cov = None
     if request.get("collect"):

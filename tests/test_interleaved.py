@@ -114,6 +114,8 @@ def test_recompute_options_of_the_plan_are_real():
     assert dataclasses.replace(found, lower_bound=0.75 * it).gap == pytest.approx(0.25)
     assert dataclasses.replace(found, lower_bound=1.5 * it).gap == 0.0
     assert dataclasses.replace(found, solution=dataclasses.replace(found.solution, iteration_time=0.0)).gap == 0.0
+    short = dataclasses.replace(found.solution, iteration_time=0.5)  # an iteration under a second
+    assert dataclasses.replace(found, solution=short, lower_bound=0.25).gap == pytest.approx(0.5)
     assert_frozen_keyword_only(found)
     # memory-bound (and with gathered parameters): the least bottleneck is brute force's, the bound below it
     for Q in (P, dataclasses.replace(P, gathered=(0,) * 4 + (6 * GiB,) + (0,) * 3)):

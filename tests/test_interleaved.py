@@ -160,8 +160,18 @@ def exact_problems(draw):
         gathered=tuple(draw(st.integers(0, 2)) * GiB // 2 for _ in range(n)) if transient else (),
         workspace=tuple(draw(st.integers(0, 2)) * GiB // 4 for _ in range(n)) if transient else (),
     )
-    if draw(st.integers(0, 3)) == 0:
+    kind = draw(st.integers(0, 4))
+    if kind == 0:
         return free
+    if kind == 1:
+        # a device budget half a byte above or below one stage's memory (allowance included): the fit
+        # is decided at the byte
+        s = draw(st.integers(0, S - 1))
+        i = draw(st.integers(0, n - 1))
+        j = draw(st.integers(i + 1, n))
+        choice = [draw(st.sampled_from(range(3))) for _ in range(i, j)]
+        need = stage_figures(free, s, i, j, choice)[1] + draw(st.sampled_from([-0.5, 0.5]))
+        return dataclasses.replace(free, budget=(2 * (need - 1e-6) / (1 + 1e-9),) * p)
     # a device budget from just above the least-memory plan's up to the unconstrained plan's
     least = least_memory_split(free)[2]
     most = max(m * 2 for m in interleaved_incumbent(free).stage_memory)
@@ -378,3 +388,117 @@ def test_search_from_any_incumbent_brackets_the_least_bottleneck(P, data):
     assert (later.bottleneck, later.lower_bound, later.decisions) == (found.bottleneck, found.lower_bound, found.decisions)
     now = two_chunk_search(P, start, tolerance=tol, time_limit=0.0)
     assert now.decisions == 0 or math.isclose(now.bottleneck, found.bottleneck)
+
+
+def uniform_blocks(n, p, M=2):
+    """n blocks of 1 s whatever the option, no memory bound, two chunks on each of p devices."""
+    return PartitionProblem(
+        names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=((1.0, 1.0, 1.0),) * n,
+        act=((2, 1, 0),) * n, static=(0,) * n, cut_time=(0.0,) * (n + 1), cut_bytes=(0,) * (n + 1),
+        num_params=(1,) * n, flops=(1.0,) * n, num_stages=2 * p, num_microbatches=M, schedule="interleaved",
+        virtual_stages=2,
+    )
+
+
+def test_reachability_by_hand_at_exactly_the_bound():
+    # Five 1 s blocks, 2 devices x 2 chunks: every plan has stages 1, 1, 1, 2 in some order and largest
+    # device time 3 s. At tau = 3 from (m, 0, m), m in {2, 3}, device 0 takes a + b <= 3 blocks; a state
+    # is kept when the rest fits device 1 (fastest work <= 3 s: (m - i) + (5 - j) <= 3, exactly 3 for
+    # (2, 1, 3) and (3, 1, 4)) and leaves a block per stage (m - i >= 1, 5 - j >= 1).
+    P = uniform_blocks(5, 2)
+    iv = _Intervals(P, math.inf)
+    assert iv.L == 5 and _least_sum(P, iv) == 5.0
+    history = _reachable(P, iv, 3.0)
+    states = [{tuple(int(x) for x in k) for k in np.argwhere(R)} for R in history]
+    assert states == [{(2, 0, 2), (3, 0, 3)}, {(2, 1, 3), (2, 1, 4), (3, 1, 4), (3, 2, 4)}, {(2, 2, 5), (3, 3, 5)}]
+    assert _reachable(P, iv, 3.0 * (1 - 1e-9)) is None
+    # read back: the least split (2); device 1 from (2, 5) takes one block of each half first (to
+    # (2, 1, 4)), device 0 then one and two blocks
+    assert _plan(P, iv, 3.0, history).boundaries == (0, 1, 2, 4, 5)
+    # the search: sigma / p = 2.5 s below, 3 s found; the bound M x tau_lo + c x sigma within the tolerance
+    start = evaluate(P, (0, 1, 2, 3, 5), ("none",) * 5)
+    found = two_chunk_search(P, start)
+    assert found.bottleneck == 3.0 and found.solution is start and found.decisions > 0
+    assert 2 * 3.0 * (1 - 1e-4) + 0.25 * 5 <= found.lower_bound <= start.iteration_time == 7.25
+
+
+def test_search_closes_at_once_when_the_average_is_reached():
+    # Four 1 s blocks on 2 devices x 2 chunks: one plan, every device 2 s = sigma / p. The bracket
+    # [sigma / p (1 - 1e-12), 2] is closed before any decision; the bound is the plan's time to 1e-12.
+    P = uniform_blocks(4, 2)
+    start = evaluate(P, (0, 1, 2, 3, 4), ("none",) * 4)
+    found = two_chunk_search(P, start)
+    assert found.decisions == 0 and found.bottleneck == 2.0 and found.solution is start
+    assert 0 <= found.gap <= 1e-11
+
+
+@given(exact_problems(), st.data())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_search_gallops_then_bisects_and_keeps_the_first_best_plan(P, data):
+    """The search's documented rule, step by step: hi starts at the best polished plan's largest device
+    time (at most the interval cap), lo at sigma / p; each decision asks tau = max(midpoint, hi (1 - step))
+    with step = tolerance x 4^k while every answer was yes, the midpoint after the first no; a no raises
+    lo to tau, a yes lowers hi to the found plan's largest device time; it stops when hi - lo <= tol hi.
+    It returns the first plan of least iteration time among the incumbent and every plan it evaluated."""
+    start = random_incumbent(P, data)
+    if start is None:
+        return
+    tol = data.draw(st.sampled_from([1e-4, 1e-2, 0.3]), label="tolerance")
+    seen = {"caps": [], "sigma": [], "decisions": [], "device_max": [], "plans": []}
+    real = {k: getattr(interleaved, k) for k in ("_Intervals", "_least_sum", "_reachable", "_device_max")}
+
+    class Recorded(real["_Intervals"]):
+        def __init__(self, problem, max_time):
+            seen["caps"].append(max_time)
+            super().__init__(problem, max_time)
+
+        def plan(self, problem, bounds):
+            sol = super().plan(problem, bounds)
+            seen["plans"].append(sol)
+            return sol
+
+    def least_sum(*args):
+        seen["sigma"].append(real["_least_sum"](*args))
+        return seen["sigma"][-1]
+
+    def reachable(P_, iv, tau):
+        history = real["_reachable"](P_, iv, tau)
+        seen["decisions"].append((tau, history is not None))
+        return history
+
+    def device_max(*args):
+        seen["device_max"].append(real["_device_max"](*args))
+        return seen["device_max"][-1]
+
+    fakes = {"_Intervals": Recorded, "_least_sum": least_sum, "_reachable": reachable, "_device_max": device_max}
+    for k, f in fakes.items():
+        setattr(interleaved, k, f)
+    try:
+        found = two_chunk_search(P, start, tolerance=tol)
+    finally:
+        for k, f in real.items():
+            setattr(interleaved, k, f)
+    p, M = P.num_devices, P.num_microbatches
+    c = (p - 1) / (2 * p)
+    work = sum(min(t) for t in P.time)
+    [cap], [sigma] = seen["caps"], seen["sigma"]
+    assert cap == (start.iteration_time - c * work) / M * (1 + 1e-9)  # better plans' stages are below it
+    lo, hi, step = sigma / p * (1 - 1e-12), min(cap, seen["device_max"][0]), tol
+    maxima = iter(seen["device_max"][1:])
+    for tau, yes in seen["decisions"]:
+        assert hi - lo > tol * hi
+        assert tau == (max((lo + hi) / 2, hi * (1 - step)) if step else (lo + hi) / 2)
+        step *= 4
+        if yes:
+            hi = min(hi, next(maxima))
+        else:
+            lo, step = tau, 0.0
+    assert not hi - lo > tol * hi and next(maxima, None) is None
+    assert found.decisions == len(seen["decisions"]) and found.bottleneck == hi
+    assert found.lower_bound == min(M * lo + c * sigma, found.solution.iteration_time)
+    # the plans evaluated: the polished incumbent, then per yes the read-back plan and its polished one
+    plans = seen["plans"]
+    assert len(plans) == 1 + 2 * sum(yes for _, yes in seen["decisions"])
+    candidates = [start] + [s for s in [plans[0]] + plans[2::2] if s.feasible]
+    least = min(s.iteration_time for s in candidates)
+    assert found.solution is next(s for s in candidates if s.iteration_time == least)

@@ -682,3 +682,27 @@ def test_a_stage_starting_at_block_one_holds_its_receive_buffer_by_hand():
         got = solve(Q, planner)
         assert got.feasible and max(got.stage_memory) <= 4.25 * GiB * (1 + 1e-9), planner
         assert got.iteration_time == pytest.approx(brute_force(Q).iteration_time), planner
+
+
+def test_dp_counts_a_slow_link_on_the_stage_before_it_too():
+    # GPipe, M = 4, blocks 2, 3, 1, 3 s, the link after block 2 costs 2 s on both stages it joins:
+    #   cut at 1: 2 | 7 -> 9 + 3 x 7 = 30;  cut at 2: 5 + 2 | 4 + 2 -> 13 + 3 x 7 = 34;  cut at 3: 6 | 3 -> 27 (best).
+    # Without the link on the stage before it, the cut at 2 would look like 3 | 6 -> 27, a tie.
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=4, schedule="gpipe"), time=tuple((f, f, f) for f in (2.0, 3.0, 1.0, 3.0)),
+                            cut_time=(0.0, 0.0, 2.0, 0.0, 0.0))
+    for b, want in (((0, 1, 4), 30.0), ((0, 2, 4), 34.0), ((0, 3, 4), 27.0)):
+        assert evaluate(P, b, ("none",) * 4).iteration_time == pytest.approx(want)
+    sol = solve_dp(P)
+    assert sol.boundaries == (0, 3, 4) and sol.iteration_time == pytest.approx(27.0)
+
+
+def test_dp_without_data_parallelism_adds_no_sync_term():
+    # 1F1B, M = 3, blocks 0.25, 0.25, 0.25, 1.25 s (selective x 1.5, full x 2), 1 GiB static and 4, 2,
+    # 0.25 GiB kept each, 12 GiB per device. Two Pareto plans:
+    #   cut at 3: [0, 3) none, full, full: 3 + 2 x 4.5 = 12 GiB, 1.25 s | 1.25 s -> 2.5 + 2 x 1.25 = 5.0 s (best)
+    #   cut at 2: [0, 2) selective x 2: 2 + 2 x 4 = 10 GiB, 0.75 s | [2, 4) none 1.5 s -> 2.25 + 2 x 1.5 = 5.25 s
+    # A sync term of one per block (D = the larger stage's block count, 3 against 2) would pick the second.
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=3, budget=12 * GiB), time=tuple((f, 1.5 * f, 2 * f) for f in (0.25, 0.25, 0.25, 1.25)))
+    assert evaluate(P, (0, 2, 4), ("selective", "selective", "none", "none")).iteration_time == pytest.approx(5.25)
+    sol = solve_dp(P)
+    assert sol.boundaries == (0, 3, 4) and sol.iteration_time == pytest.approx(5.0)  # (which block keeps all is a tie)

@@ -438,6 +438,10 @@ def test_reachability_by_hand_at_exactly_the_bound():
     found = two_chunk_search(P, start)
     assert found.bottleneck == 3.0 and found.solution is start and found.decisions > 0
     assert 2 * 3.0 * (1 - 1e-4) + 0.25 * 5 <= found.lower_bound <= start.iteration_time == 7.25
+    # at a 10% tolerance: [2.5, 3], the first decision is the midpoint 2.75 (above 3 x 0.9), a no; the bracket
+    # [2.75, 3] is then within 10% of 3, so the bound is 2 x 2.75 + 0.25 x 5 = 6.75
+    coarse = two_chunk_search(P, start, tolerance=0.1)
+    assert coarse.decisions == 1 and coarse.bottleneck == 3.0 and coarse.lower_bound == pytest.approx(6.75)
 
 
 def test_search_closes_at_once_when_the_average_is_reached():
@@ -451,7 +455,7 @@ def test_search_closes_at_once_when_the_average_is_reached():
 
 
 @given(exact_problems(), st.data())
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_search_gallops_then_bisects_and_keeps_the_first_best_plan(P, data):
     """The search's documented rule, step by step: hi starts at the best polished plan's largest device
     time (at most the interval cap), lo at sigma / p; each decision asks tau = max(midpoint, hi (1 - step))
@@ -461,7 +465,7 @@ def test_search_gallops_then_bisects_and_keeps_the_first_best_plan(P, data):
     start = random_incumbent(P, data)
     if start is None:
         return
-    tol = data.draw(st.sampled_from([1e-4, 1e-2, 0.3]), label="tolerance")
+    tol = data.draw(st.sampled_from([1e-4, 1e-2, 0.1, 0.3]), label="tolerance")
     seen = {"caps": [], "sigma": [], "decisions": [], "device_max": [], "plans": []}
     real = {k: getattr(interleaved, k) for k in ("_Intervals", "_least_sum", "_reachable", "_device_max")}
 
@@ -489,6 +493,9 @@ def test_search_gallops_then_bisects_and_keeps_the_first_best_plan(P, data):
         return seen["device_max"][-1]
 
     fakes = {"_Intervals": Recorded, "_least_sum": least_sum, "_reachable": reachable, "_device_max": device_max}
+    if data.draw(st.booleans(), label="without the polish"):  # it gallops far from a plan the polish leaves be
+        real["_polish"] = interleaved._polish
+        fakes["_polish"] = lambda P_, iv, bounds: bounds
     for k, f in fakes.items():
         setattr(interleaved, k, f)
     try:

@@ -527,3 +527,16 @@ def test_search_gallops_then_bisects_and_keeps_the_first_best_plan(P, data):
     candidates = [start] + [s for s in [plans[0]] + plans[2::2] if s.feasible]
     least = min(s.iteration_time for s in candidates)
     assert found.solution is next(s for s in candidates if s.iteration_time == least)
+
+
+def test_read_back_plan_keeps_every_device_within_tau_with_slow_links():
+    # Blocks 1, 2, 1, 3, 3, 3 s, links after blocks 2 and 4 cost 0.75 and 0.25 s on both sides: the least
+    # largest device time is 7 s (brute force). The remaining-work filter counts no link time, so a state
+    # it keeps can have predecessors that are reachable but too slow: the read-back must check the times.
+    P = dataclasses.replace(uniform_blocks(6, 2), time=tuple((float(t),) * 3 for t in (1, 2, 1, 3, 3, 3)),
+                            cut_time=(0.0, 0.0, 0.75, 0.0, 0.25, 0.0, 0.0))
+    iv = _Intervals(P, math.inf)
+    assert least_bottleneck(P, iv) == 7.0
+    sol = _plan(P, iv, 7.0, _reachable(P, iv, 7.0))
+    assert max(device_times(P, iv, sol.boundaries)[0]) <= 7.0 and max(
+        sol.stage_time[d] + sol.stage_time[2 + d] for d in range(2)) <= 7.0

@@ -151,10 +151,13 @@ def exact_problems(draw):
         act.append((a, a_sel, draw(st.integers(0, a_sel // (GiB // 2))) * GiB // 2))
     static = [draw(st.integers(0, 4)) * GiB // 2 for _ in range(n)]
     cut_q = [0] + [draw(st.integers(0, 2)) for _ in range(n - 1)] + [0]
+    # bytes on the model's input and output links: no stage receives or sends them
+    ends = [draw(st.integers(0, 2)) * GiB // 4, draw(st.integers(0, 2)) * GiB // 4]
     transient = draw(st.booleans())
     free = PartitionProblem(
         names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=tuple(time), act=tuple(act),
-        static=tuple(static), cut_time=tuple(q / 4 for q in cut_q), cut_bytes=tuple(q * GiB // 4 for q in cut_q),
+        static=tuple(static), cut_time=tuple(q / 4 for q in cut_q),
+        cut_bytes=(ends[0], *(q * GiB // 4 for q in cut_q[1:-1]), ends[1]),
         num_params=(1,) * n, flops=tuple(t[0] for t in time), num_stages=S, num_microbatches=M,
         schedule="interleaved", virtual_stages=2,
         gathered=tuple(draw(st.integers(0, 2)) * GiB // 2 for _ in range(n)) if transient else (),

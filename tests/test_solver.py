@@ -694,6 +694,13 @@ def test_dp_counts_a_slow_link_on_the_stage_before_it_too():
         assert evaluate(P, b, ("none",) * 4).iteration_time == pytest.approx(want)
     sol = solve_dp(P)
     assert sol.boundaries == (0, 3, 4) and sol.iteration_time == pytest.approx(27.0)
+    # and on the stage after it: blocks 3, 1, 2, 1 s, the link after block 1 costs 1 s:
+    #   cut at 1: 3 + 1 | 4 + 1 -> 9 + 3 x 5 = 24;  cut at 2: 4 | 3 -> 19 (best);  cut at 3: 6 | 1 -> 25.
+    # Without the link on the stage after it, the cut at 1 would look like 4 | 3 -> 19, a tie.
+    Q = dataclasses.replace(P, time=tuple((f, f, f) for f in (3.0, 1.0, 2.0, 1.0)), cut_time=(0.0, 1.0, 0.0, 0.0, 0.0))
+    assert evaluate(Q, (0, 1, 4), ("none",) * 4).iteration_time == pytest.approx(24.0)
+    sol = solve_dp(Q)
+    assert sol.boundaries == (0, 2, 4) and sol.iteration_time == pytest.approx(19.0)
 
 
 def test_dp_without_data_parallelism_adds_no_sync_term():

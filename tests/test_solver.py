@@ -684,7 +684,7 @@ def test_a_stage_starting_at_block_one_holds_its_receive_buffer_by_hand():
         assert got.iteration_time == pytest.approx(brute_force(Q).iteration_time), planner
 
 
-def test_dp_counts_a_slow_link_on_the_stage_before_it_too():
+def test_dp_counts_a_slow_link_on_both_stages_it_joins():
     # GPipe, M = 4, blocks 2, 3, 1, 3 s, the link after block 2 costs 2 s on both stages it joins:
     #   cut at 1: 2 | 7 -> 9 + 3 x 7 = 30;  cut at 2: 5 + 2 | 4 + 2 -> 13 + 3 x 7 = 34;  cut at 3: 6 | 3 -> 27 (best).
     # Without the link on the stage before it, the cut at 2 would look like 3 | 6 -> 27, a tie.

@@ -36,6 +36,8 @@ stage; that step is not timed.
     python bench/ablation_cpu.py --quick      # 1 timed step per configuration
     python bench/ablation_cpu.py --rounds 2   # rotating rounds (the order shifts each round)
     python bench/ablation_cpu.py --plans-only # the plans and their predicted memory, nothing run
+    python bench/ablation_cpu.py --layouts 2x2 --save run.json   # the 4-rank rows only; keep every figure
+    python bench/ablation_cpu.py --resimulate run.json           # the table again from a saved run, simulated anew
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import json
 import os
 import sys
 import tempfile
@@ -56,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_cpu import CONFIG
 
 import omnibal_compile as oc
-from omnibal_compile.cost_table import DataParallel, Precision
+from omnibal_compile.cost_table import CostTable, DataParallel, Precision
+from omnibal_compile.plan import Plan
 from omnibal_compile.data import bundled_length_files
 from omnibal_compile.models import TinyVLM
 from omnibal_compile.passes.cost import annotate_costs
@@ -85,7 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packs", type=int, default=2, help="packs per dp rank per step (= micro-batches, one pack each)")
     p.add_argument("--samples-per-pack", type=int, default=4)
     p.add_argument("--plans-only", action="store_true", help="profile and print the plans with their predicted memory, run nothing")
+    p.add_argument("--layouts", default=",".join(f"{d}x{q}" for d, q in LAYOUTS),
+                   help="dp x pp layouts to run, comma-separated (default all: %(default)s)")
+    p.add_argument("--dp-shard", choices=("fsdp", "ddp"), default="fsdp", help="data parallelism of the dp > 1 rows")
+    p.add_argument("--keep-gathered", action="store_true", help="FSDP keeps weights gathered (no reshard after forward)")
+    p.add_argument("--save", type=Path, help="write every measured and planned figure to this JSON file")
+    p.add_argument("--resimulate", type=Path, help="print the table of a --save file, simulated again; run nothing")
     args = p.parse_args(argv)
+    if args.resimulate:
+        return report(json.loads(args.resimulate.read_text()))
+    try:
+        layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    except ValueError:
+        raise SystemExit(f"--layouts must look like 2x1,1x2,2x2 (dp x pp), got {args.layouts!r}") from None
+    if any(len(lay) != 2 or min(lay) < 1 for lay in layouts):
+        raise SystemExit(f"--layouts must look like 2x1,1x2,2x2 (dp x pp), got {args.layouts!r}")
     rounds = args.rounds
     nsteps = args.steps or (3 if args.quick else 4)
     repeats = 3
@@ -104,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return RunConfig(plan=plan, model="tinyvlm", model_config=dataclasses.asdict(CONFIG), lengths=files,
                          batching=batching, samples_per_pack=float(args.samples_per_pack), batch_size=rows,
                          num_microbatches=micro, steps=nsteps, optimizer="adamw", lr=1e-4, threads=1, dp=dp,
-                         dp_shard="fsdp", memory_steps=(1,))
+                         dp_shard=args.dp_shard, memory_steps=(1,))
 
     # Profile the blocks once per micro-batch shape (random rows or one pack), on one thread.
     profiles = {}
@@ -124,15 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     sizes = effective_sizes(base_costs.cut_bytes, [b.num_params * FP32_ADAMW.weight_bytes for b in base_costs.blocks])
     links = measure_links(send_bytes=sizes[0], collective_bytes=sizes[1])
     print(f"links: sends {links.send_bytes_per_s / 1e9:.2f} GB/s at {sizes[0] / 2**20:.1f} MiB, all-gather and "
-          f"reduce-scatter {links.collective_bytes_per_s / 1e9:.2f} GB/s at {sizes[1] / 2**20:.1f} MiB", flush=True)
+          f"reduce-scatter {links.collective_bytes_per_s / 1e9:.2f} GB/s at {sizes[1] / 2**20:.1f} MiB plus "
+          f"{links.collective_latency_s * 1e3:.2f} ms per call", flush=True)
     profiles = {k: dataclasses.replace(c, link_bandwidth=links.send_bytes_per_s,
-                                       dp_link_bandwidth=links.collective_bytes_per_s) for k, c in profiles.items()}
+                                       dp_link_bandwidth=links.collective_bytes_per_s,
+                                       dp_link_latency_s=links.collective_latency_s) for k, c in profiles.items()}
 
     # Plans: (dp, pp, step) -> (plan, costs, batching).
     configs: dict[tuple[int, int, str], tuple[oc.Plan, object, str]] = {}
     budgets = {}
-    for dp, pp in LAYOUTS:
-        layout = DataParallel(size=dp, shard="fsdp") if dp > 1 else DataParallel(size=1)
+    for dp, pp in layouts:
+        layout = (DataParallel(size=dp, shard=args.dp_shard, reshard_after_forward=not args.keep_gathered) if dp > 1
+                  else DataParallel(size=1))
         kw = {"num_stages": pp, "num_microbatches": micro, "schedule": "1f1b", "data_parallel": layout}
         base = plan_with_costs(profiles["random"], planner="uniform", recompute="full", **kw)
         budget = max(base.stage_memory_bytes)
@@ -156,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Runtime overheads (near-empty model) per pipeline depth, under the same core sharing.
     overheads = {}
-    for pp in sorted({pp for _, pp in LAYOUTS}):
+    for pp in sorted({pp for _, pp in layouts}):
         procs = cores if pp > cores else None
         overheads[pp] = measure_overhead(ranks=pp, schedule="1f1b", microbatches=(max(pp, 2), max(pp, 2) + 4),
                                          steps=6, processors=procs)
@@ -171,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         return [int(sum(tokens[ids].sum() for r in range(dp) for ids in map(np.asarray, rows(s, r))))
                 for s in range(nsteps)]
 
-    tokens = {(dp, b): real_tokens(dp, b) for dp, _ in LAYOUTS for b in ("random", "balanced")}
+    tokens = {(dp, b): real_tokens(dp, b) for dp, _ in layouts for b in ("random", "balanced")}
     samples = {(dp, b): sum(len(ids) for r in range(dp) for ids in packed_source(
-        run_config(dp, b, "unused"), model, None).packs(0, r)) for dp, _ in LAYOUTS for b in ("random", "balanced")}
+        run_config(dp, b, "unused"), model, None).packs(0, r)) for dp, _ in layouts for b in ("random", "balanced")}
 
     timed: dict[tuple, list[tuple[int, float]]] = {k: [] for k in configs}
     peaks: dict[tuple, list[tuple[int, ...]]] = {k: [] for k in configs}
+    cpu: dict[tuple, list[tuple[float, ...]]] = {k: [] for k in configs}
     order = list(configs)
     with tempfile.TemporaryDirectory() as tmp:
         for k, (plan, _, _) in configs.items():
@@ -193,8 +215,40 @@ def main(argv: list[str] | None = None) -> int:
                         peaks[k].append(log.rank_peak_bytes)
                     elif log.step >= 2:
                         timed[k].append((tokens[dp, batching][log.step], log.step_time_s))
+                        cpu[k].append(log.rank_cpu_s)
                 tps = sum(t for t, _ in timed[k][-len(logs) + 2:]) / sum(s for _, s in timed[k][-len(logs) + 2:])
                 print(f"[round {r + 1}/{rounds}] dp={dp} pp={pp} {step:<11} {tps:8.0f} real tokens/s", flush=True)
+
+    record = {
+        "date": str(dt.date.today()), "cores": cores, "load": os.getloadavg()[0], "rounds": rounds, "steps": nsteps,
+        "micro": micro, "samples": {f"{d} {b}": n for (d, b), n in samples.items()},
+        "budgets": {f"{d}x{q}": b for (d, q), b in budgets.items()},
+        "costs": {b: json.loads(c.to_json()) for b, c in profiles.items()},
+        "overheads": {str(q): {"op_s": o.op_s, "step_s": o.step_s} for q, o in overheads.items()},
+        "tokens": {f"{d} {b}": t for (d, b), t in tokens.items()},
+        "configs": [{"dp": dp, "pp": pp, "step": step, "plan": json.loads(plan.to_json()), "batching": batching,
+                     "timed": timed[dp, pp, step], "cpu": cpu[dp, pp, step], "peaks": peaks[dp, pp, step]}
+                    for (dp, pp, step), (plan, _, batching) in configs.items()],
+        "seconds": time.perf_counter() - t_start,
+    }
+    if args.save:
+        args.save.write_text(json.dumps(record, indent=1))
+        print(f"saved every figure to {args.save}")
+    return report(record)
+
+
+def table_rows(record: dict) -> list[tuple]:
+    """Per configuration of a run's record: ((dp, pp, step), measured tokens/s, simulated tokens/s,
+    measured peak bytes per rank, predicted peak bytes per rank, fraction of the cores kept busy)."""
+    cores = record["cores"]
+    profiles = {b: CostTable.from_dict(c) for b, c in record["costs"].items()}
+    overheads = {int(q): o for q, o in record["overheads"].items()}
+    tokens = {tuple(_key(k)): v for k, v in record["tokens"].items()}
+    configs = {(c["dp"], c["pp"], c["step"]): (Plan.from_dict(c["plan"]), profiles[c["batching"]], c["batching"])
+               for c in record["configs"]}
+    timed = {(c["dp"], c["pp"], c["step"]): c["timed"] for c in record["configs"]}
+    peaks = {(c["dp"], c["pp"], c["step"]): c["peaks"] for c in record["configs"]}
+    cpu = {(c["dp"], c["pp"], c["step"]): c["cpu"] for c in record["configs"]}
 
     # Simulated: per configuration, tokens of a mean step over the simulated iteration time.
     def simulated_tps(k: tuple) -> float:
@@ -202,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, costs, batching = configs[k]
         procs = max(1, cores * pp // (dp * pp)) if dp * pp > cores else None
         over = overheads[pp]
-        res = oc.simulate(plan, costs, op_overhead_s=over.op_s, step_overhead_s=over.step_s, processors=procs)
+        res = oc.simulate(plan, costs, op_overhead_s=over["op_s"], step_overhead_s=over["step_s"], processors=procs)
         return float(np.mean(tokens[dp, batching][2:])) / res.iteration_time_s
 
     rows = []
@@ -214,23 +268,34 @@ def main(argv: list[str] | None = None) -> int:
         peak = [max(p[r] for p in peaks[k]) for r in range(dp * pp)] if peaks[k] else []
         # rank = dp_index * pp + pipeline rank (the ("dp", "pp") mesh); its stage is the pipeline rank.
         predicted = [plan.stage_peak_bytes[r % pp] for r in range(dp * pp)]
-        rows.append((k, measured, sim, peak, predicted))
+        # Cores kept busy: the ranks' CPU seconds over the cores' wall seconds, timed steps pooled.
+        busy = sum(map(sum, cpu[k])) / (min(cores, dp * pp) * sum(s for _, s in timed[k])) if cpu[k] else float("nan")
+        rows.append((k, measured, sim, peak, predicted, busy))
+    return rows
 
+
+def report(record: dict) -> int:
+    """Simulate each configuration of a run's record and print the table and the targets."""
+    cores, micro, rounds, nsteps = record["cores"], record["micro"], record["rounds"], record["steps"]
+    samples = {tuple(_key(k)): v for k, v in record["samples"].items()}
+    budgets = record["budgets"]
+    rows = table_rows(record)
     def fmt_mib(xs: list[int]) -> str:
         return "/".join(f"{x / 2**20:.0f}" for x in xs)
 
-    print(f"\nAblation on real ranks ({dt.date.today()}, {cores} cores, load average "
-          f"{os.getloadavg()[0]:.1f}); {rounds} round(s) x {nsteps - 2} timed steps per configuration; "
+    dp_any = min(d for d, _ in samples)
+    print(f"\nAblation on real ranks ({record['date']}, {cores} cores, load average "
+          f"{record['load']:.1f}); {rounds} round(s) x {nsteps - 2} timed steps per configuration; "
           f"{micro} micro-batches, 1F1B; samples per step per dp rank: "
-          f"{samples[1, 'random']} (random) / {samples[1, 'balanced']} (packs)")
+          f"{samples[dp_any, 'random'] // dp_any} (random) / {samples[dp_any, 'balanced'] // dp_any} (packs)")
     head = (f"{'dp x pp':<7}  {'step':<11}  {'tokens/s':>8}  {'vs base':>7}  {'vs prev':>7}  {'sim tok/s':>9}  "
-            f"{'sim err':>7}  {'peak MiB/rank measured':>22}  {'predicted':>14}  {'mem err':>7}")
+            f"{'sim err':>7}  {'cores busy':>10}  {'peak MiB/rank measured':>22}  {'predicted':>14}  {'mem err':>7}")
     print(head)
     print("-" * len(head))
     verdicts: list[tuple[str, bool]] = []
     by = {r[0]: r for r in rows}
     worst_sim = worst_mem = 0.0
-    for (dp, pp, step), measured, sim, peak, predicted in rows:
+    for (dp, pp, step), measured, sim, peak, predicted, busy in rows:
         base = by[dp, pp, "baseline"][1]
         prev_step = steps_for(pp)[max(0, steps_for(pp).index(step) - 1)]
         prev = by[dp, pp, prev_step][1]
@@ -239,21 +304,32 @@ def main(argv: list[str] | None = None) -> int:
         worst_sim = max(worst_sim, abs(sim_err))
         worst_mem = max(worst_mem, abs(mem_err)) if peak else worst_mem
         print(f"{dp} x {pp:<3}  {step:<11}  {measured:8.0f}  {measured / base:6.2f}x  {measured / prev:6.2f}x  "
-              f"{sim:9.0f}  {sim_err:+7.1%}  {fmt_mib(peak):>22}  {fmt_mib(predicted):>14}  {mem_err:+7.1%}")
+              f"{sim:9.0f}  {sim_err:+7.1%}  {busy:10.0%}  {fmt_mib(peak):>22}  {fmt_mib(predicted):>14}  {mem_err:+7.1%}")
         if step != "baseline":
             verdicts.append((f"dp={dp} pp={pp} {step} >= 1.0x the step before ({measured / prev:.2f}x)", measured >= prev))
-    full = by[2, 2, "+ recompute"][1] / by[2, 2, "baseline"][1]
-    verdicts.append((f"dp=2 x pp=2 full method >= 1.8x baseline ({full:.2f}x)", full >= 1.8))
+    if (2, 2, "+ recompute") in by:
+        full = by[2, 2, "+ recompute"][1] / by[2, 2, "baseline"][1]
+        verdicts.append((f"dp=2 x pp=2 full method >= 1.8x baseline ({full:.2f}x)", full >= 1.8))
     verdicts.append((f"simulated vs measured tokens/s within 15% (worst {worst_sim:.1%})", worst_sim <= 0.15))
     verdicts.append((f"peak memory predicted vs measured within 15% (worst {worst_mem:.1%})", worst_mem <= 0.15))
-    print("(tokens/s: real LLM tokens, padding excluded; sim: simulator with runtime overheads; memory: each rank's "
+    budget_text = ", ".join(f"dp={k.split('x')[0]} pp={k.split('x')[1]}: {b / 2**20:.0f} MiB" for k, b in budgets.items())
+    print("(tokens/s: real LLM tokens, padding excluded; sim: simulator with runtime overheads; cores busy: the ranks' "
+          "CPU seconds over the cores' wall seconds in the timed steps; memory: each rank's "
           "peak live tensor bytes in one step vs its stage's predicted peak (the plan's stage_peak_bytes; the bound "
           "it was fitted under, stage_memory_bytes, is printed with the plans above); mem err: the rank furthest off; "
-          f"budget per layout: {', '.join(f'dp={d} pp={q}: {b / 2**20:.0f} MiB' for (d, q), b in budgets.items())})")
+          f"budget per layout: {budget_text})")
     for text, ok in verdicts:
         print(f"target {text}: {'met' if ok else 'NOT met'}")
-    print(f"total {time.perf_counter() - t_start:.0f} s")
+    print(f"total {record['seconds']:.0f} s")
     return 0
+
+
+
+
+def _key(text: str) -> tuple[int, str]:
+    """``"2 balanced"`` -> ``(2, "balanced")``: the (dp, batching) keys of a saved record."""
+    dp, batching = text.split()
+    return int(dp), batching
 
 
 if __name__ == "__main__":

@@ -72,15 +72,15 @@ _RECOMPUTE_RUNTIME = "tests/test_runtime.py::test_build_pipeline_runs_each_block
 """The recompute pass applied through ``build_pipeline``, one rank in the test's process."""
 
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "problem": ("omnibal_compile/solver/problem.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
+    "problem": ("omnibal_compile/solver/problem.py", (*_SOLVER_TESTS, "tests/test_interleaved.py", "tests/test_problem.py")),
     # the tie-break's frontiers with slack (dp.py's grid and near-optimal points) are run only by test_ties
     "dp": ("omnibal_compile/solver/dp.py", (*_SOLVER_TESTS, "tests/test_ties.py", "--deselect",
                                             "tests/test_ties.py::test_two_cost_passes_on_cpu_give_the_demo_the_same_plan")),
     "ilp": ("omnibal_compile/solver/ilp.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
     "interleaved": ("omnibal_compile/solver/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
     "baselines": ("omnibal_compile/solver/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py")),
-    "explain": ("omnibal_compile/solver/explain.py", _SOLVER_TESTS),
-    "solver": ("omnibal_compile/solver/__init__.py", _SOLVER_TESTS),
+    "explain": ("omnibal_compile/solver/explain.py", (*_SOLVER_TESTS, "tests/test_explain.py")),
+    "solver": ("omnibal_compile/solver/__init__.py", (*_SOLVER_TESTS, "tests/test_planners.py", "tests/test_interleaved.py")),
     "sampler": ("omnibal_compile/data/sampler.py", ("tests/test_data_sampler.py",)),
     "packing": ("omnibal_compile/data/packing.py", ("tests/test_data_balance.py", "tests/test_data_sampler.py")),
     "metrics": ("omnibal_compile/data/metrics.py", ("tests/test_data_balance.py",)),

@@ -151,20 +151,24 @@ class DataParallel:
         how = "DDP" if self.shard == "ddp" else "FSDP (" + ("reshard after forward" if self.reshard_after_forward else "weights kept gathered") + ")"
         return f"{self.size} data-parallel replicas, {how}"
 
-    def block_cost(self, block: BlockCost, precision: Precision, link_bandwidth: float) -> DataParallelCost:
+    def block_cost(
+        self, block: BlockCost, precision: Precision, link_bandwidth: float, latency_s: float = 0.0
+    ) -> DataParallelCost:
         """What this layout costs ``block`` on one device; the one place the rules below are written.
 
         A block's parameters are read from its static bytes, ``P = static_bytes / bytes_per_param``,
         so a table costed with ``precision`` gives back exactly its ``static_bytes`` at dp = 1.
-        With ``r = (dp - 1) / dp`` and ``bw = link_bandwidth``:
+        With ``r = (dp - 1) / dp``, ``bw = link_bandwidth`` and ``a = latency_s`` (the fixed cost of
+        one collective call: the block with parameters is one FSDP/DDP unit, each of its
+        collectives costs ``a`` plus its bytes over ``bw``):
             static      ``P * precision.bytes_per_param_on(self)``, plus, for FSDP without
                         resharding, the gathered whole weights ``P * weight_bytes`` kept all iteration
             gathered    FSDP resharding after forward: ``P * weight_bytes`` alive while the block
                         computes (a stage holds its largest block's; FSDP's prefetch of the next
                         block can briefly double this, which is not modelled)
-            gather      FSDP: one all-gather of the weights, ``r * P * weight_bytes / bw``
-            reduce      DDP ring all-reduce ``2 r * P * grad_bytes / bw``; FSDP reduce-scatter
-                        ``r * P * grad_bytes / bw``
+            gather      FSDP: one all-gather of the weights, ``a + r * P * weight_bytes / bw``
+            reduce      DDP ring all-reduce ``a + 2 r * P * grad_bytes / bw``; FSDP reduce-scatter
+                        ``a + r * P * grad_bytes / bw`` (``a`` only where ``P > 0``)
         The model is ZeRO-3's. Under ``torch.distributed.pipelining`` FSDP2 also keeps unsharded
         gradients (and the weights after a backward) until the last micro-batch's backward, so real
         peaks can be higher than this predicts.
@@ -174,11 +178,14 @@ class DataParallel:
         weights = params * precision.weight_bytes
         ratio = (self.size - 1) / self.size
         kept = weights if self.gathers and not self.reshard_after_forward else 0.0
+        if latency_s < 0:
+            raise InputError(f"collective latency must be >= 0 seconds, got {latency_s}")
+        call = latency_s if params > 0 and self.size > 1 else 0.0
         return DataParallelCost(
             static_bytes=block.static_bytes * (precision.bytes_per_param_on(self) / per_param if per_param > 0 else 1.0) + kept,
             gathered_bytes=weights if self.gathers and self.reshard_after_forward else 0.0,
-            gather_s=ratio * weights / link_bandwidth if self.gathers else 0.0,
-            reduce_s=(1 if self.shard == "fsdp" else 2) * ratio * params * precision.grad_bytes / link_bandwidth,
+            gather_s=call + ratio * weights / link_bandwidth if self.gathers else 0.0,
+            reduce_s=call + (1 if self.shard == "fsdp" else 2) * ratio * params * precision.grad_bytes / link_bandwidth,
         )
 
 
@@ -287,6 +294,10 @@ class CostTable:
     dp_link_bandwidth: float | None = None
     """Bytes per second of one device in data-parallel collectives (all-gather, reduction), when they run
     over another link than the stages' sends (e.g. InfiniBand between nodes); None = ``link_bandwidth``."""
+    dp_link_latency_s: float = 0.0
+    """Seconds of one data-parallel collective call beyond its bytes (launch, FSDP's hooks): every block
+    with parameters pays it per all-gather and per reduction (``runtime.links.measure_links`` measures it
+    on local gloo ranks; 0 = bytes only)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -298,6 +309,8 @@ class CostTable:
             raise InputError(f"link_bandwidth must be positive, got {self.link_bandwidth}")
         if self.dp_link_bandwidth is not None and self.dp_link_bandwidth <= 0:
             raise InputError(f"dp_link_bandwidth must be positive (or None), got {self.dp_link_bandwidth}")
+        if not self.dp_link_latency_s >= 0:
+            raise InputError(f"dp_link_latency_s must be >= 0 seconds, got {self.dp_link_latency_s}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -307,6 +320,10 @@ class CostTable:
     def dp_bandwidth(self) -> float:
         """Bytes/s of data-parallel collectives: ``dp_link_bandwidth``, else ``link_bandwidth``."""
         return self.link_bandwidth if self.dp_link_bandwidth is None else self.dp_link_bandwidth
+
+    def data_parallel_costs(self, dp: DataParallel) -> list[DataParallelCost]:
+        """Each block's :meth:`DataParallel.block_cost` under ``dp`` over this table's data-parallel link."""
+        return [dp.block_cost(b, self.precision, self.dp_bandwidth, self.dp_link_latency_s) for b in self.blocks]
 
     def send_s(self, cut: int) -> float:
         """Seconds to send what crosses ``cut`` to the next stage."""

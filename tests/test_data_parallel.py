@@ -59,6 +59,22 @@ def test_communication_seconds_by_hand():
     assert (one.reduce_s, one.gather_s, one.static_bytes) == (0, 0, 16_000)
 
 
+def test_collective_call_latency_by_hand():
+    """Each collective of a block with parameters pays the call latency once; dp=1 and parameter-less blocks pay none."""
+    b, bw, a = block(), 1000.0, 0.25
+    fsdp = DataParallel(size=4, shard="fsdp").block_cost(b, BF16_ADAM, bw, a)
+    assert fsdp.gather_s == pytest.approx(a + 3 / 4 * 2000 / bw) and fsdp.reduce_s == pytest.approx(a + 3 / 4 * 2000 / bw)
+    ddp = DataParallel(size=4, shard="ddp").block_cost(b, BF16_ADAM, bw, a)
+    assert ddp.reduce_s == pytest.approx(a + 2 * 3 / 4 * 2000 / bw) and ddp.gather_s == 0
+    empty = dataclasses.replace(b, num_params=0, static_bytes=0)
+    none = DataParallel(size=4, shard="fsdp").block_cost(empty, BF16_ADAM, bw, a)
+    assert (none.gather_s, none.reduce_s) == (0, 0)
+    one = DataParallel(size=1, shard="fsdp").block_cost(b, BF16_ADAM, bw, a)
+    assert (one.gather_s, one.reduce_s) == (0, 0)
+    with pytest.raises(InputError, match="latency"):
+        DataParallel(size=4, shard="fsdp").block_cost(b, BF16_ADAM, bw, -1.0)
+
+
 def test_bad_layouts_name_the_input():
     with pytest.raises(InputError, match=r"dp\) must be a positive integer"):
         DataParallel(size=0, shard="ddp")
@@ -111,3 +127,12 @@ def test_data_parallel_collectives_use_their_own_link():
     assert simulate(plan, slow).iteration_time_s - simulate(plan, fast).iteration_time_s == pytest.approx(9 * reduce_fast)
     with pytest.raises(InputError, match="dp_link_bandwidth"):
         dataclasses.replace(fast, dp_link_bandwidth=0.0)
+    # CostTable.dp_link_latency_s: both pay it per block and call; DDP reduces each block once after its
+    # stage's last backward, and the first stage's reduction ends the iteration
+    late = dataclasses.replace(fast, dp_link_latency_s=0.5)
+    assert CostTable.from_json(late.to_json()) == late
+    p_late = problem_from_costs(late, num_stages=2, num_microbatches=2, data_parallel=dp)
+    assert [y - x for x, y in zip(p_fast.sync, p_late.sync)] == pytest.approx([0.5, 0.5])
+    assert simulate(plan, late).iteration_time_s - simulate(plan, fast).iteration_time_s == pytest.approx(0.5)
+    with pytest.raises(InputError, match="dp_link_latency_s"):
+        dataclasses.replace(fast, dp_link_latency_s=-1e-3)

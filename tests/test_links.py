@@ -16,6 +16,8 @@ def test_measure_links_on_two_ranks():
     assert speed.ranks == 2 and speed.send_bytes == 1 << 16 and speed.collective_bytes == 1 << 18
     for bw in (speed.send_bytes_per_s, speed.collective_bytes_per_s):
         assert math.isfinite(bw) and 1e5 < bw < 1e12, speed  # loopback: far above 100 kB/s, below 1 TB/s
+    # FSDP2's fixed cost per collective on local gloo: tens of microseconds to tens of milliseconds
+    assert 1e-5 < speed.collective_latency_s < 0.05, speed
 
 
 def test_effective_sizes_take_the_median_cut_and_the_block_with_the_median_weight_byte():

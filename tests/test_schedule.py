@@ -172,3 +172,21 @@ def test_plans_keep_flat_schedule_fields_in_json():
     assert Plan.from_json(json.dumps({**old, "num_microbatches": 1}), overrides={"num_microbatches": 4}).num_microbatches == 4
     assert Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).num_microbatches == 3  # one per stage
     assert "3 micro-batches" in Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).summary()
+
+
+def test_schedule_value_contract_and_limits():
+    from contracts import assert_frozen_keyword_only
+
+    from omnibal_compile.schedule import MAX_MICROBATCHES
+
+    one = Schedule(num_microbatches=4)
+    assert_frozen_keyword_only(one)
+    assert (one.kind, one.virtual_stages) == ("1f1b", 1)  # the defaults
+    assert MAX_MICROBATCHES == 65_536
+    assert Schedule(kind="gpipe", num_microbatches=MAX_MICROBATCHES).num_microbatches == 65_536
+    with pytest.raises(PlanError, match="num_microbatches must be <= 65,536"):
+        Schedule(kind="gpipe", num_microbatches=MAX_MICROBATCHES + 1)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(PlanError, match="num_stages must be an integer >= 1"):
+            Schedule(kind="gpipe", num_microbatches=4).check(bad)
+    Schedule(kind="gpipe", num_microbatches=4).check(1)

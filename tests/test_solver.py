@@ -459,9 +459,8 @@ def test_strategies_draw_memory_bound_multi_stage_problems(schedules):
     """The property tests above see the cases the solver exists for: at least a third of their
     problems have several stages and a budget that rules out the unconstrained optimum."""
     virtual = (1, 2) if schedules == ("interleaved",) else (1,)
-    # 150 draws: the share over 60 moved with hypothesis's seed (0.28 to 0.75 over seeds 0-5: its
-    # first draws are its simplest); over 150 it was 0.49 to 0.69 over seeds 0-4
-    assert _fraction_memory_bound(problems(schedules=schedules, virtual=virtual), 150) >= 1 / 3
+    # 200 draws: the first few dozen of a run are hypothesis's simplest (often unbounded ones), so 60 sat near the bar
+    assert _fraction_memory_bound(problems(schedules=schedules, virtual=virtual), 200) >= 1 / 3
 
 
 def test_a_plan_fits_up_to_one_part_in_a_billion_over_its_budget():

@@ -7,7 +7,11 @@ Glossary:
                  all-gather and reduce-scatter of ``bytes`` over ``n`` ranks, ``r = (n - 1) / n``
                  (the volume :meth:`omnibal_compile.cost_table.DataParallel.block_cost` charges).
                  Measured at the sizes the model moves, so per-call latency is part of the figure.
-Pass them to a cost table as ``link_bandwidth`` and ``dp_link_bandwidth``.
+    call latency the fixed seconds of one FSDP2 collective beyond its bytes, hooks included: the
+                 slope of a stack of tiny ``fully_shard`` layers' forward and backward time over
+                 their count, per collective (each layer all-gathers twice and reduce-scatters once).
+                 Small blocks pay little else; it matters where a stage holds many of them.
+Pass them to a cost table as ``link_bandwidth``, ``dp_link_bandwidth`` and ``dp_link_latency_s``.
 """
 
 from __future__ import annotations
@@ -34,11 +38,14 @@ class LinkSpeed:
     send_bytes: int
     """Bytes per send it was measured at."""
     collective_bytes_per_s: float
-    """All-gather and reduce-scatter over ``ranks`` ranks (mean of the two), at ``collective_bytes``."""
+    """All-gather and reduce-scatter over ``ranks`` ranks (mean of the two), at ``collective_bytes``, less a
+    one-float collective's time (the fixed part, charged as ``collective_latency_s``)."""
     collective_bytes: int
     """Bytes per collective (the whole gathered tensor) it was measured at."""
     ranks: int
     """Ranks of the collectives."""
+    collective_latency_s: float = 0.0
+    """Seconds of one FSDP2 collective call beyond its bytes (the call latency of the glossary)."""
 
 
 def measure_links(
@@ -56,11 +63,13 @@ def measure_links(
         out = os.path.join(tmp, "result.txt")
         mp.start_processes(_rank, args=(ranks, tmp, out, send_bytes, collective_bytes, repeats, timeout_s),
                            nprocs=ranks, join=True, start_method="spawn")
-        send_s, gather_s, scatter_s = (float(x) for x in Path(out).read_text().split())
+        send_s, gather_s, scatter_s, tiny_s, latency_s = (float(x) for x in Path(out).read_text().split())
     r = (ranks - 1) / ranks
-    collective = r * collective_bytes / ((gather_s + scatter_s) / 2)
+    # Alpha-beta: the big collectives' time less a tiny one's is their bytes' time (if noise leaves any).
+    big_s = (gather_s + scatter_s) / 2
+    collective = r * collective_bytes / (big_s - tiny_s if big_s > 2 * tiny_s else big_s)
     return LinkSpeed(send_bytes_per_s=send_bytes / send_s, send_bytes=send_bytes, collective_bytes_per_s=collective,
-                     collective_bytes=collective_bytes, ranks=ranks)
+                     collective_bytes=collective_bytes, ranks=ranks, collective_latency_s=latency_s)
 
 
 def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective_bytes: int, repeats: int,
@@ -100,10 +109,34 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
         send = timed(ping) / 2
         gather = timed(lambda: dist.all_gather_into_tensor(whole, shard))
         scatter = timed(lambda: dist.reduce_scatter_tensor(shard, whole))
+        dot, dots = torch.ones(1), torch.ones(world)
+        tiny = (timed(lambda: dist.all_gather_into_tensor(dots, dot)) + timed(lambda: dist.reduce_scatter_tensor(dot, dots))) / 2
+        few, many = _fsdp_stack(world, 2), _fsdp_stack(world, 10)
+        latency = max(0.0, (timed(many) - timed(few)) / (8 * 3))  # 8 more layers, 3 collectives each
         if rank == 0:
-            Path(out).write_text(f"{send} {gather} {scatter}")
+            Path(out).write_text(f"{send} {gather} {scatter} {tiny} {latency}")
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_stack(world: int, layers: int):
+    """One forward and backward of ``layers`` tiny Linear layers, each its own FSDP2 unit over all ranks."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.ones(2, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    return step
 
 
 def effective_sizes(cut_bytes: Sequence[int], block_weight_bytes: Sequence[float]) -> tuple[int, int]:

@@ -203,13 +203,14 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
     options = plan.block_recompute
     dp = plan.dp
     out = []
+    every = costs.data_parallel_costs(dp)
     for st in plan.stages:
         blocks = costs.blocks[st.start : st.stop]
         opts = options[st.start : st.stop]
         send = costs.send_s(st.stop) if st.stop < plan.num_blocks else 0.0
         # its outputs, which the pipeline holds per micro-batch until that micro-batch's backward
         held = costs.cut_bytes[st.stop] if st.stop < plan.num_blocks else 0
-        dpc = [dp.block_cost(b, costs.precision, costs.dp_bandwidth) for b in blocks]
+        dpc = every[st.start : st.stop]
         out.append(
             StageCost(
                 forward_s=scale * sum(b.forward_s for b in blocks),

@@ -350,7 +350,7 @@ def problem_from_costs(
 
     ``recompute``: ``auto`` lets the solver pick per block; ``none``/``selective``/``full`` forces one option.
     ``data_parallel``: replicas of the pipeline and their layout; its per-block costs come from
-    :meth:`~omnibal_compile.cost_table.DataParallel.block_cost` over ``costs.dp_bandwidth``.
+    :meth:`~omnibal_compile.cost_table.CostTable.data_parallel_costs`.
     ``tie_tolerance``: see :attr:`PartitionProblem.tie_tolerance`; None takes
     :func:`~omnibal_compile.solver.ties.tie_tolerance_for` of the costs (a fixed default when the
     times were measured with a spread, 0 for modelled ones).
@@ -374,7 +374,7 @@ def problem_from_costs(
         raise InputError(f"memory budgets must be positive, got {list(budgets)}")
     blocks = costs.blocks
     dp = data_parallel
-    dpc = [dp.block_cost(b, costs.precision, costs.dp_bandwidth) for b in blocks]
+    dpc = costs.data_parallel_costs(dp)
     return PartitionProblem(
         names=tuple(b.name for b in blocks),
         kinds=tuple(b.kind for b in blocks),

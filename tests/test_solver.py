@@ -712,3 +712,14 @@ def test_dp_without_data_parallelism_adds_no_sync_term():
     assert evaluate(P, (0, 2, 4), ("selective", "selective", "none", "none")).iteration_time == pytest.approx(5.25)
     sol = solve_dp(P)
     assert sol.boundaries == (0, 3, 4) and sol.iteration_time == pytest.approx(5.0)  # (which block keeps all is a tie)
+
+
+def test_dp_keeps_a_lower_sum_plan_whose_sync_is_no_smaller_by_hand():
+    # 1F1B, M = 2, four 2 s blocks, the link after block 2 costs 1 s on both sides, d_i = 0.1 s each:
+    #   cut at 2: 5 | 5 -> 10 + 5 + D 0.2 = 15.2;  cut at 1: 2 | 6 -> 8 + 6 + D 0.3 = 14.3 (best, as cut at 3).
+    # The cut at 1 has the larger max and D but the smaller sum: a Pareto state the DP must keep.
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=2), time=((2.0, 2.4, 4.0),) * 4,
+                            cut_time=(0.0, 0.0, 1.0, 0.0, 0.0), sync=(0.1,) * 4)
+    assert evaluate(P, (0, 2, 4), ("none",) * 4).iteration_time == pytest.approx(15.2)
+    sol = solve_dp(P)
+    assert sol.boundaries in ((0, 1, 4), (0, 3, 4)) and sol.iteration_time == pytest.approx(14.3)

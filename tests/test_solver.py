@@ -637,3 +637,89 @@ def test_predicted_peak_by_hand():
     assert sol.stage_peak == (12 + 60,) and sol.stage_memory == (12 + 30 + 30,)
     two = evaluate(dataclasses.replace(P, num_microbatches=3, schedule="gpipe"), (0, 2), ["none", "none"])
     assert two.stage_peak == (12 + 2 * 30 + 60,)  # two more micro-batches keep all they keep
+
+
+def test_dp_compares_stage_times_and_syncs_below_one_second():
+    # 1F1B, M = 8, blocks 0.1, 0.1, 0.4 s, two stages: cut at 1 -> 0.1 | 0.5 (max 0.5), cut at 2 ->
+    # 0.2 | 0.4 (max 0.4, best: 0.6 + 7 x 0.4 = 3.4 s against 4.1 s). Every figure is below one second,
+    # so a state that starts from a largest stage time (or sync) of 1 instead of 0 cannot tell them apart.
+    P = dataclasses.replace(equal_problem(n=3, S=2, M=8), time=tuple((f, 1.2 * f, 2 * f) for f in (0.1, 0.1, 0.4)))
+    sol = solve_dp(P)
+    assert sol.boundaries == (0, 2, 3) and sol.iteration_time == pytest.approx(3.4)
+    # GPipe, M = 3, four 1 s blocks in three stages: every plan has sum 4 and max 2, the sync term D (the
+    # largest stage's sum of d_i, all below 1 s) decides: d = 0.3, 0.1, 0.5, 0.2 -> cuts (1, 2): D = 0.7,
+    # (1, 3): 0.6, (2, 3): 0.5 (best); the reversed d -> cuts (1, 2) best (D = 0.5)
+    for sync, cuts in (((0.3, 0.1, 0.5, 0.2), (2, 3)), ((0.2, 0.5, 0.1, 0.3), (1, 2))):
+        Q = dataclasses.replace(equal_problem(n=4, S=3, M=3, schedule="gpipe"), sync=sync)
+        assert brute_force(Q).boundaries[1:-1] == cuts
+        got = solve_dp(Q)
+        assert got.boundaries[1:-1] == cuts and got.sync_time == pytest.approx(min(0.7, 0.6, 0.5)), sync
+
+
+def test_a_stage_that_fills_its_budget_to_the_allowance_fits():
+    # One block keeping no activations, its weights and gathered parameters exactly the memory limit
+    # (budget + the rounding allowance): the headroom for activations is exactly 0 bytes, and it fits.
+    base = dataclasses.replace(equal_problem(n=1, S=1, M=2, budget=float(GiB)), act=((0, 0, 0),), static=(GiB // 2,))
+    limit = base.memory_limit(0)
+    P = dataclasses.replace(base, gathered=(limit - GiB // 2,))
+    assert evaluate(P, (0, 1), ("none",)).stage_memory[0] == limit  # exactly at the limit
+    assert solve_dp(P).feasible and solve(P, "ilp").feasible
+
+
+def test_a_stage_starting_at_block_one_holds_its_receive_buffer_by_hand():
+    # 1F1B, M = 4, three 1 GiB-static blocks, cuts after blocks 1 and 2 carry 0.5 and 0.25 GiB. Stage 1 on
+    # [1, 3) (k_1 = 1 micro-batch in flight): 2 GiB static + 2 x 1 GiB activations (none) + 0.5 GiB received
+    # = 4.5 GiB; stage 0 on [0, 1) (k_0 = 2): 1 + 2 x 1 + 2 x 0.5 GiB of outputs held = 4 GiB.
+    P = dataclasses.replace(equal_problem(n=3, S=2, M=4), act=((GiB, GiB // 2, 0),) * 3,
+                            cut_bytes=(0, GiB // 2, GiB // 4, 0))
+    sol = evaluate(P, (0, 1, 3), ("none",) * 3)
+    assert sol.stage_memory == (4 * GiB, 4.5 * GiB)
+    # a 4.25 GiB budget: [1, 3) must recompute (selective: 2 + 1 + 0.5 = 3.5 GiB); without the receive
+    # buffer it would fit as is
+    Q = dataclasses.replace(P, budget=(4.25 * GiB,) * 2)
+    for planner in ("dp", "ilp"):
+        got = solve(Q, planner)
+        assert got.feasible and max(got.stage_memory) <= 4.25 * GiB * (1 + 1e-9), planner
+        assert got.iteration_time == pytest.approx(brute_force(Q).iteration_time), planner
+
+
+def test_dp_counts_a_slow_link_on_both_stages_it_joins():
+    # GPipe, M = 4, blocks 2, 3, 1, 3 s, the link after block 2 costs 2 s on both stages it joins:
+    #   cut at 1: 2 | 7 -> 9 + 3 x 7 = 30;  cut at 2: 5 + 2 | 4 + 2 -> 13 + 3 x 7 = 34;  cut at 3: 6 | 3 -> 27 (best).
+    # Without the link on the stage before it, the cut at 2 would look like 3 | 6 -> 27, a tie.
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=4, schedule="gpipe"), time=tuple((f, f, f) for f in (2.0, 3.0, 1.0, 3.0)),
+                            cut_time=(0.0, 0.0, 2.0, 0.0, 0.0))
+    for b, want in (((0, 1, 4), 30.0), ((0, 2, 4), 34.0), ((0, 3, 4), 27.0)):
+        assert evaluate(P, b, ("none",) * 4).iteration_time == pytest.approx(want)
+    sol = solve_dp(P)
+    assert sol.boundaries == (0, 3, 4) and sol.iteration_time == pytest.approx(27.0)
+    # and on the stage after it: blocks 3, 1, 2, 1 s, the link after block 1 costs 1 s:
+    #   cut at 1: 3 + 1 | 4 + 1 -> 9 + 3 x 5 = 24;  cut at 2: 4 | 3 -> 19 (best);  cut at 3: 6 | 1 -> 25.
+    # Without the link on the stage after it, the cut at 1 would look like 4 | 3 -> 19, a tie.
+    Q = dataclasses.replace(P, time=tuple((f, f, f) for f in (3.0, 1.0, 2.0, 1.0)), cut_time=(0.0, 1.0, 0.0, 0.0, 0.0))
+    assert evaluate(Q, (0, 1, 4), ("none",) * 4).iteration_time == pytest.approx(24.0)
+    sol = solve_dp(Q)
+    assert sol.boundaries == (0, 2, 4) and sol.iteration_time == pytest.approx(19.0)
+
+
+def test_dp_without_data_parallelism_adds_no_sync_term():
+    # 1F1B, M = 3, blocks 0.25, 0.25, 0.25, 1.25 s (selective x 1.5, full x 2), 1 GiB static and 4, 2,
+    # 0.25 GiB kept each, 12 GiB per device. Two Pareto plans:
+    #   cut at 3: [0, 3) none, full, full: 3 + 2 x 4.5 = 12 GiB, 1.25 s | 1.25 s -> 2.5 + 2 x 1.25 = 5.0 s (best)
+    #   cut at 2: [0, 2) selective x 2: 2 + 2 x 4 = 10 GiB, 0.75 s | [2, 4) none 1.5 s -> 2.25 + 2 x 1.5 = 5.25 s
+    # A sync term of one per block (D = the larger stage's block count, 3 against 2) would pick the second.
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=3, budget=12 * GiB), time=tuple((f, 1.5 * f, 2 * f) for f in (0.25, 0.25, 0.25, 1.25)))
+    assert evaluate(P, (0, 2, 4), ("selective", "selective", "none", "none")).iteration_time == pytest.approx(5.25)
+    sol = solve_dp(P)
+    assert sol.boundaries == (0, 3, 4) and sol.iteration_time == pytest.approx(5.0)  # (which block keeps all is a tie)
+
+
+def test_dp_keeps_a_lower_sum_plan_whose_sync_is_no_smaller_by_hand():
+    # 1F1B, M = 2, four 2 s blocks, the link after block 2 costs 1 s on both sides, d_i = 0.1 s each:
+    #   cut at 2: 5 | 5 -> 10 + 5 + D 0.2 = 15.2;  cut at 1: 2 | 6 -> 8 + 6 + D 0.3 = 14.3 (best, as cut at 3).
+    # The cut at 1 has the larger max and D but the smaller sum: a Pareto state the DP must keep.
+    P = dataclasses.replace(equal_problem(n=4, S=2, M=2), time=((2.0, 2.4, 4.0),) * 4,
+                            cut_time=(0.0, 0.0, 1.0, 0.0, 0.0), sync=(0.1,) * 4)
+    assert evaluate(P, (0, 2, 4), ("none",) * 4).iteration_time == pytest.approx(15.2)
+    sol = solve_dp(P)
+    assert sol.boundaries in ((0, 1, 4), (0, 3, 4)) and sol.iteration_time == pytest.approx(14.3)

@@ -723,3 +723,18 @@ def test_dp_keeps_a_lower_sum_plan_whose_sync_is_no_smaller_by_hand():
     assert evaluate(P, (0, 2, 4), ("none",) * 4).iteration_time == pytest.approx(15.2)
     sol = solve_dp(P)
     assert sol.boundaries in ((0, 1, 4), (0, 3, 4)) and sol.iteration_time == pytest.approx(14.3)
+
+
+def test_dp_keeps_a_slower_prefix_with_less_sync():
+    """Data-parallel sync can make the prefix with the larger sum the better one (found by search, checked by
+    hand). 1F1B, 2 stages, 2 micro-batches: iteration = sum T + max T + D, D = the larger stage's sync.
+    (0, 1, 3): T = (0.05, 0.32), D = max(0.5, 0.1) = 0.5 -> 0.37 + 0.32 + 0.5 = 1.19
+    (0, 2, 3): T = (0.07, 0.30), D = max(0.55, 0.05) = 0.55 -> 0.37 + 0.30 + 0.55 = 1.22"""
+    t, n = (0.05, 0.02, 0.3), 3
+    P = PartitionProblem(names=("a", "b", "c"), kinds=("layer",) * n, time=tuple((x, x, x) for x in t),
+                         act=((0, 0, 0),) * n, static=(0,) * n, cut_time=(0.0,) * (n + 1), cut_bytes=(0,) * (n + 1),
+                         num_params=(1,) * n, flops=(1.0,) * n, num_stages=2, num_microbatches=2, schedule="1f1b",
+                         sync=(0.5, 0.05, 0.05), allowed=("none",))
+    sol = solve_dp(P)
+    assert sol.boundaries == (0, 1, 3) and sol.iteration_time == pytest.approx(1.19)
+    assert evaluate(P, (0, 2, 3), ("none",) * 3).iteration_time == pytest.approx(1.22)

@@ -356,3 +356,45 @@ def test_printing_a_simulation_shows_its_summary_not_every_event():
     assert len(sim.events) > 8
     assert str(sim) == sim.summary() and "4 micro-batches" in str(sim)
     assert "Event(" not in repr(sim) and len(repr(sim)) < 1000
+
+
+def test_result_values_are_frozen_and_the_summary_prints_mib():
+    from contracts import assert_frozen_keyword_only
+
+    from omnibal_compile.sim.simulate import StageCost
+
+    plan = chain_plan(2, schedule="1f1b", M=2)
+    sim = simulate(plan, table([block(0, act=1 << 20, static=1 << 20), block(1, act=1 << 20, static=1 << 20)]))
+    assert_frozen_keyword_only(sim.events[0])
+    # device 0 holds 1 MiB static and 2 micro-batches of 1 MiB in flight: 3.0 MiB peak
+    assert sim.peak_memory_bytes[0] == 3 << 20 and "3.0" in sim.summary().splitlines()[2]
+    cost = StageCost(forward_s=1.0, backward_s=1.0, recompute_s=0.0, send_s=0.0, activation_bytes=0, workspace_bytes=0,
+                     static_bytes=0)
+    assert (cost.gathered_bytes, cost.op_gather_s, cost.step_gather_s, cost.reduce_s, cost.running_bytes) == (0, 0.0, 0.0, 0.0, None)
+
+
+def test_fsdp_stage_holds_its_largest_blocks_gathered_weights():
+    sizes = (1000, 3000, 2000)
+    blocks = [BlockCost(name=f"b{i}", kind="layer", flops=0.0, num_params=p, static_bytes=16 * p, forward_s=1.0,
+                        backward_s=2.0, activation_bytes=dict.fromkeys(("none", "selective", "full"), 0),
+                        recompute_s=dict.fromkeys(("none", "selective", "full"), 0.0)) for i, p in enumerate(sizes)]
+    plan = Plan(block_names=["b0", "b1", "b2"], boundaries=[0, 3], schedule="1f1b", num_microbatches=1,
+                data_parallel=2, data_parallel_shard="fsdp", reshard_after_forward=True)
+    (cost,) = stage_costs(plan, table(blocks))
+    assert cost.gathered_bytes == 3000 * 2  # bf16 weights of the largest block, not the smallest or the sum
+    kept = simulate(Plan(**{**plan.__dict__, "reshard_after_forward": False}), table(blocks))
+    gathers = [e for e in kept.events if e.kind == "dp_gather"]
+    assert gathers and all(e.microbatch == 0 for e in gathers)  # gathered once, before the first micro-batch
+
+
+def test_chunks_on_one_device_send_nothing():
+    """Interleaved on one device: its chunks hand over in memory, so a slow link changes nothing."""
+    plan = chain_plan(2, schedule="interleaved", M=2, v=2)
+    free = simulate(plan, table([block(0), block(1)], cut=0))
+    slow = simulate(plan, table([block(0), block(1)], cut=10**9, bw=1.0))
+    assert plan.num_devices == 1 and slow.iteration_time_s == free.iteration_time_s
+
+
+def test_a_plan_of_free_blocks_takes_no_time():
+    sim = simulate(chain_plan(2, schedule="1f1b", M=2), table([block(0, f=0.0, b=0.0), block(1, f=0.0, b=0.0)]))
+    assert sim.iteration_time_s == 0.0 and sim.bubble_fraction == 0.0

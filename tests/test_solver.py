@@ -738,3 +738,32 @@ def test_dp_keeps_a_slower_prefix_with_less_sync():
     sol = solve_dp(P)
     assert sol.boundaries == (0, 1, 3) and sol.iteration_time == pytest.approx(1.19)
     assert evaluate(P, (0, 2, 3), ("none",) * 3).iteration_time == pytest.approx(1.22)
+
+
+def _flat_problem(time: float) -> PartitionProblem:
+    n = 4
+    return PartitionProblem(names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=((time,) * 3,) * n,
+                            act=((300, 200, 100),) * n, static=(0,) * n, cut_time=(0.0,) * (n + 1),
+                            cut_bytes=(0,) * (n + 1), num_params=(1,) * n, flops=(1.0,) * n, num_stages=2,
+                            num_microbatches=2, schedule="1f1b")
+
+
+def test_ilp_plans_free_blocks_and_reports_its_own_time():
+    """Blocks that take no time (lower bound 0: the ILP's time unit falls back to 1); solve_seconds is a duration."""
+    free = solve_ilp(_flat_problem(0.0), time_limit=30)
+    assert free.iteration_time == 0.0 and free.feasible and free.boundaries == (0, 2, 4)
+    timed = solve_ilp(_flat_problem(1.0), time_limit=30)
+    assert timed.iteration_time == pytest.approx(6.0) and 0 <= timed.solve_seconds < 60
+
+
+def test_ilp_leaves_the_processes_stdout_working():
+    """The ILP silences the solver's own output on fd 1 and puts the process's stdout back afterwards."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_solver import _flat_problem; "
+            "from omnibal_compile.solver.ilp import solve_ilp; solve_ilp(_flat_problem(1.0), time_limit=30); "
+            "print('still printing', flush=True)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    assert out.returncode == 0 and "still printing" in out.stdout, out.stderr[-2000:]

@@ -366,6 +366,7 @@ def test_result_values_are_frozen_and_the_summary_prints_mib():
     plan = chain_plan(2, schedule="1f1b", M=2)
     sim = simulate(plan, table([block(0, act=1 << 20, static=1 << 20), block(1, act=1 << 20, static=1 << 20)]))
     assert_frozen_keyword_only(sim.events[0])
+    assert_frozen_keyword_only(sim)
     # device 0 holds 1 MiB static and 2 micro-batches of 1 MiB in flight: 3.0 MiB peak
     assert sim.peak_memory_bytes[0] == 3 << 20 and "3.0" in sim.summary().splitlines()[2]
     cost = StageCost(forward_s=1.0, backward_s=1.0, recompute_s=0.0, send_s=0.0, activation_bytes=0, workspace_bytes=0,

@@ -78,7 +78,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
                                             "tests/test_ties.py::test_two_cost_passes_on_cpu_give_the_demo_the_same_plan")),
     "ilp": ("omnibal_compile/solver/ilp.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
     "interleaved": ("omnibal_compile/solver/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
-    "baselines": ("omnibal_compile/solver/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py")),
+    "baselines": ("omnibal_compile/solver/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py", "tests/test_baselines.py")),
     "explain": ("omnibal_compile/solver/explain.py", (*_SOLVER_TESTS, "tests/test_explain.py")),
     "solver": ("omnibal_compile/solver/__init__.py", (*_SOLVER_TESTS, "tests/test_planners.py", "tests/test_interleaved.py")),
     "sampler": ("omnibal_compile/data/sampler.py", ("tests/test_data_sampler.py",)),

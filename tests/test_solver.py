@@ -767,3 +767,34 @@ def test_ilp_leaves_the_processes_stdout_working():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     assert out.returncode == 0 and "still printing" in out.stdout, out.stderr[-2000:]
+
+
+def _one_block_frontier(options, slack: float) -> list[tuple[float, float]]:
+    """The (activation, time) points Frontiers keeps for a lone block with these (act, time) options."""
+    from omnibal_compile.solver.dp import Frontiers
+
+    P = PartitionProblem(names=("a",), kinds=("layer",), time=(tuple(t for _, t in options),),
+                         act=(tuple(a for a, _ in options),), static=(0,), cut_time=(0.0, 0.0), cut_bytes=(0, 0),
+                         num_params=(1,), flops=(1.0,), num_stages=1, num_microbatches=1, schedule="1f1b")
+    F = Frontiers(P, slack=slack)
+    return sorted(zip(F.acts[0][0].tolist(), F.times[0][0].tolist()))
+
+
+@pytest.mark.parametrize("options,slack,kept", [
+    # (act, time) of none, selective, full; kept points as (act, time)
+    (((300, 1.04), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),                 # strict: no slower with more
+    (((300, 1.04), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0), (300, 1.04)]),    # within 10% of 1.0
+    (((300, 1.2), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0)]),                  # 1.2 x 0.9 > 1.0
+    (((300, 2.0), (200, 1.0), (100, 3.0)), 0.5, [(100, 3.0), (200, 1.0), (300, 2.0)]),      # 2.0 x 0.5 == 1.0: kept
+    (((300, 1.0), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),                  # equal time, more act
+    (((100, 1.0), (200, 1.0), (300, 1.0)), 0.1, [(100, 1.0), (200, 1.0), (300, 1.0)]),      # same time, other acts
+    (((300, 1.0), (300, 1.02), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0), (300, 1.02)]),    # same act, other times
+    (((300, 1e-6), (300, 1.0001e-6), (100, 2e-6)), 0.1,                                       # a tenth of a ns apart
+     [(100, 2e-6), (300, 1e-6), (300, 1.0001e-6)]),
+    (((300, 1.0), (300, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0)]),                  # an exact repeat: once
+])
+def test_slack_frontier_of_one_block_by_hand(options, slack, kept):
+    """The tie-break's near-optimal frontier: a point is dropped only when one with no more activation is
+    more than ``slack`` faster, or when it repeats an earlier point (same activation, same time to 1e-9 of
+    the total work)."""
+    assert _one_block_frontier(options, slack) == kept

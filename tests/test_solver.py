@@ -792,6 +792,10 @@ def _one_block_frontier(options, slack: float) -> list[tuple[float, float]]:
     (((300, 1e-6), (300, 1.0001e-6), (100, 2e-6)), 0.1,                                       # a tenth of a ns apart
      [(100, 2e-6), (300, 1e-6), (300, 1.0001e-6)]),
     (((300, 1.0), (300, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0)]),                  # an exact repeat: once
+    # strict frontiers drop a point less than 1e-15 x max(1, time) faster than one with less activation
+    (((200, 1e-6 - 5e-16), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6)]),                   # absolute 1e-15 below 1 s
+    (((200, 1000.0 - 5e-13), (100, 1000.0), (100, 1000.0)), 0.0, [(100, 1000.0)]),           # relative 1e-15 above
+    (((200, 1e-6 - 2e-15), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6), (200, 1e-6 - 2e-15)]),  # past it: kept
 ])
 def test_slack_frontier_of_one_block_by_hand(options, slack, kept):
     """The tie-break's near-optimal frontier: a point is dropped only when one with no more activation is

@@ -126,7 +126,7 @@ def test_oversized_samples_are_never_dropped(policy: str) -> None:
         p = pack()
         p.check_exactly_once(len(s))
         assert sorted(p.oversized.tolist()) == [1, 2]
-        assert balance_metrics(s, p).oversized == 2
+        assert balance_metrics(s, p).oversized == 2 and balance_metrics(s, p).seconds == 0.0  # not timed unless told
         for pid in range(p.num_packs):
             ids = p.pack(pid)
             if policy == "own-pack" and (1 in ids or 2 in ids):
@@ -362,3 +362,38 @@ def test_baseline_defaults_tails_digests_and_truncation_by_hand() -> None:
     huge = LengthStats.from_arrays([5000, 1], [10, 10])
     kept, big = split_oversized(huge, PackShape(tiles=4, tokens=10), "truncate")
     assert kept.tiles.tolist() == [4, 1] and big.tolist() == [0]
+
+
+def test_shape_cost_constants_and_value_contracts_by_hand():
+    """The default FLOP model: InternViT-6B at 1025 patches per tile, a 34B LLM, hidden 7168 over 60 layers."""
+    from contracts import assert_frozen_keyword_only
+
+    from omnibal_compile.data.metrics import BalanceMetrics, ShapeCost, dist_ratio
+
+    c = ShapeCost()
+    assert_frozen_keyword_only(c)
+    assert (c.flops_per_tile, c.flops_per_token, c.flops_per_attention_pair) == (12_095e9, 68e9, 1_720_320)
+    got = c(np.array([2.0]), np.array([100.0]), np.array([5050.0]))
+    assert got[0] == 2 * 12_095e9 + 100 * 68e9 + 5050 * 1_720_320
+    m = BalanceMetrics(method="x", pad_ratio=0.0, dist_vision=0.0, dist_language=0.0, dist_compute=0.0,
+                       samples_per_pack=1.0, num_steps=1, oversized=0)
+    assert_frozen_keyword_only(m)
+    assert m.seconds == 0.0
+    assert dist_ratio(np.zeros((0, 4))) == 0.0 and dist_ratio(np.zeros((2, 4))) == 0.0
+
+
+def test_shape_model_cost_by_hand():
+    """Fitted per-block coefficients summed over forward and backward; text = tokens - tiles x tokens per tile."""
+    from types import SimpleNamespace
+
+    from omnibal_compile.data.metrics import shape_model_cost
+
+    model = SimpleNamespace(tokens_per_tile=10, coefficients={
+        "forward_s": [[1.0, 2.0, 0.5, 0.01], [0.5, 1.0, 0.25, 0.0]],
+        "backward_s": [[2.0, 4.0, 1.0, 0.02]],
+    })
+    cost = shape_model_cost(model)  # summed: (3.5, 7, 1.75, 0.03)
+    # one sample of 2 tiles and 30 tokens: text 30 - 20 = 10; pairs (30^2 + 30) / 2 = 465 -> squares 2 x 465 - 30 = 900
+    assert cost(np.array([2]), np.array([30]), np.array([465.0]))[0] == pytest.approx(3.5 + 7 * 2 + 1.75 * 10 + 0.03 * 900)
+    # more image tokens than tokens: no negative text
+    assert cost(np.array([5]), np.array([30]), np.array([465.0]))[0] == pytest.approx(3.5 + 7 * 5 + 0 + 0.03 * 900)

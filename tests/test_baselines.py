@@ -58,3 +58,44 @@ def test_omnibal_searches_around_the_anchor():
     best = omnibal(P).boundaries
     spread = lambda b: abs(sum(P.time[i][0] for i in range(b[0], b[1])) - sum(P.time[i][0] for i in range(b[1], b[2])))  # noqa: E731
     assert spread(best) <= spread(anchor) and spread(best) == min(spread((0, c, 8)) for c in range(max(1, anchor[1] - 2), min(8, anchor[1] + 3)))
+
+
+def test_baselines_pick_recomputation_for_the_whole_model_and_omnibal_per_stage():
+    """Uniform, parameters and flops choose one option for every block (the least that fits every stage);
+    OmniBal chooses per stage. Stage 0 of (0, 2, 4) needs selective (see the test above), stage 1 fits none."""
+    from omnibal_compile.solver.baselines import flops, parameters, uniform
+
+    P = prob([1.0] * 4, cut_bytes=(0, 0, 50, 0, 0), budget=(3000.0, 3000.0))
+    for planner in (uniform, parameters, flops):
+        sol = planner(P)
+        assert sol.boundaries == (0, 2, 4) and sol.recompute == ("selective",) * 4, planner.__name__
+        assert 0 <= sol.solve_seconds < 60
+    assert omnibal(P).boundaries == (0, 2, 4) and omnibal(P).recompute == ("selective",) * 2 + ("none",) * 2
+    one = prob([1.0] * 4, num_stages=1, num_microbatches=1, budget=(5000.0,))
+    # one stage: 4000 static + 1 x 1600 kept without recomputation, 4000 + 800 with selective
+    assert omnibal(one).boundaries == (0, 4) and omnibal(one).recompute == ("selective",) * 4
+
+
+def test_nothing_fits_falls_back_to_the_most_saving_option_for_the_whole_model_too():
+    tight = prob([1.0] * 4, budget=(10.0, 10.0), allowed=("none", "selective"))
+    assert least_recompute(tight, (0, 2, 4), per_stage=False) == ["selective"] * 4
+
+
+def test_split_helpers_refuse_impossible_stage_counts():
+    import pytest
+
+    from omnibal_compile import PlanError
+    from omnibal_compile.solver.baselines import min_max_partition, uniform_boundaries
+
+    for bad in (0, 4):
+        with pytest.raises(PlanError):
+            min_max_partition([1.0, 2.0, 3.0], bad)
+        with pytest.raises(PlanError):
+            uniform_boundaries(("layer",) * 3, bad)
+    assert min_max_partition([1.0, 2.0, 3.0], 1)[0] == [0, 3] and list(uniform_boundaries(("layer",) * 3, 3)) == [0, 1, 2, 3]
+
+
+def test_omnibal_ties_keep_the_first_candidate():
+    """Times 1, 1, 2, 1, 1: cuts 2 and 3 both leave stages of 2 and 4 (spread 2, largest 4); the search keeps
+    the first candidate in its order (offsets -2 .. 2 around the anchor at 3), cut 2."""
+    assert omnibal(prob([1.0, 1.0, 2.0, 1.0, 1.0])).boundaries == (0, 2, 5)

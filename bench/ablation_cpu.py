@@ -243,7 +243,7 @@ def table_rows(record: dict) -> list[tuple]:
     cores = record["cores"]
     profiles = {b: CostTable.from_dict(c) for b, c in record["costs"].items()}
     overheads = {int(q): o for q, o in record["overheads"].items()}
-    tokens = {tuple(_key(k)): v for k, v in record["tokens"].items()}
+    tokens = {_key(k): v for k, v in record["tokens"].items()}
     configs = {(c["dp"], c["pp"], c["step"]): (Plan.from_dict(c["plan"]), profiles[c["batching"]], c["batching"])
                for c in record["configs"]}
     timed = {(c["dp"], c["pp"], c["step"]): c["timed"] for c in record["configs"]}
@@ -277,9 +277,10 @@ def table_rows(record: dict) -> list[tuple]:
 def report(record: dict) -> int:
     """Simulate each configuration of a run's record and print the table and the targets."""
     cores, micro, rounds, nsteps = record["cores"], record["micro"], record["rounds"], record["steps"]
-    samples = {tuple(_key(k)): v for k, v in record["samples"].items()}
+    samples = {_key(k): v for k, v in record["samples"].items()}
     budgets = record["budgets"]
     rows = table_rows(record)
+
     def fmt_mib(xs: list[int]) -> str:
         return "/".join(f"{x / 2**20:.0f}" for x in xs)
 
@@ -322,8 +323,6 @@ def report(record: dict) -> int:
         print(f"target {text}: {'met' if ok else 'NOT met'}")
     print(f"total {record['seconds']:.0f} s")
     return 0
-
-
 
 
 def _key(text: str) -> tuple[int, str]:

@@ -6,7 +6,8 @@ Glossary:
                  pipeline stage sends across a cut), and ``r * bytes / seconds`` for FSDP's
                  all-gather and reduce-scatter of ``bytes`` over ``n`` ranks, ``r = (n - 1) / n``
                  (the volume :meth:`omnibal_compile.cost_table.DataParallel.block_cost` charges).
-                 Measured at the sizes the model moves, so per-call latency is part of the figure.
+                 Measured at the sizes the model moves; for the collectives, less a one-float
+                 collective's time, which the call latency below charges instead.
     call latency the fixed seconds of one FSDP2 collective beyond its bytes, hooks included: the
                  slope of a stack of tiny ``fully_shard`` layers' forward and backward time over
                  their count, per collective (each layer all-gathers twice and reduce-scatters once).

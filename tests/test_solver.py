@@ -802,3 +802,17 @@ def test_slack_frontier_of_one_block_by_hand(options, slack, kept):
     more than ``slack`` faster, or when it repeats an earlier point (same activation, same time to 1e-9 of
     the total work)."""
     assert _one_block_frontier(options, slack) == kept
+
+
+@pytest.mark.xfail(strict=True, raises=PlanError, reason="known bug: the cold ILP calls a budget met exactly "
+                   "infeasible (found by hypothesis in CI, 2026-12-01; not fixed yet)")
+def test_cold_ilp_finds_the_only_plan_that_meets_its_budget_exactly():
+    """(0, 2, 3) with block 1 selective holds 264 bytes on each stage under a 264-byte budget: the only fit."""
+    P = PartitionProblem(names=("b0", "b1", "b2"), kinds=("layer",) * 3,
+                         time=((5.0, 5.0, 5.0), (1.0, 1.5, 2.0), (1.0, 1.00390625, 2.0)),
+                         act=((0, 0, 0), (1, 0, 0), (1, 0, 0)), static=(0, 0, 0),
+                         cut_time=(0.0, 4.936009645462036e-09, 4.917383193969727e-09, 0.0), cut_bytes=(0, 265, 264, 0),
+                         num_params=(0, 0, 0), flops=(5e12, 1e12, 1e12), num_stages=2, num_microbatches=1,
+                         schedule="gpipe", budget=(264.0, 264.0))
+    assert solve_dp(P).boundaries == (0, 2, 3)
+    assert solve_ilp(P, time_limit=30, gap=1e-9).boundaries == (0, 2, 3)

@@ -76,7 +76,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # the tie-break's frontiers with slack (dp.py's grid and near-optimal points) are run only by test_ties
     "dp": ("omnibal_compile/solver/dp.py", (*_SOLVER_TESTS, "tests/test_ties.py", "--deselect",
                                             "tests/test_ties.py::test_two_cost_passes_on_cpu_give_the_demo_the_same_plan")),
-    "ilp": ("omnibal_compile/solver/ilp.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
+    "ilp": ("omnibal_compile/solver/ilp.py", ("tests/test_ilp.py", *_SOLVER_TESTS, "tests/test_interleaved.py")),
     "interleaved": ("omnibal_compile/solver/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
     "baselines": ("omnibal_compile/solver/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py", "tests/test_baselines.py")),
     "explain": ("omnibal_compile/solver/explain.py", (*_SOLVER_TESTS, "tests/test_explain.py")),

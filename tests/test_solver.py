@@ -804,10 +804,9 @@ def test_slack_frontier_of_one_block_by_hand(options, slack, kept):
     assert _one_block_frontier(options, slack) == kept
 
 
-@pytest.mark.xfail(strict=True, raises=PlanError, reason="known bug: the cold ILP calls a budget met exactly "
-                   "infeasible (found by hypothesis in CI, 2026-12-01; not fixed yet)")
 def test_cold_ilp_finds_the_only_plan_that_meets_its_budget_exactly():
-    """(0, 2, 3) with block 1 selective holds 264 bytes on each stage under a 264-byte budget: the only fit."""
+    """(0, 2, 3) with block 1 selective holds 264 bytes on each stage under a 264-byte budget: the only fit.
+    (It was called infeasible while the sends' 1e-9-unit times were in the model.)"""
     P = PartitionProblem(names=("b0", "b1", "b2"), kinds=("layer",) * 3,
                          time=((5.0, 5.0, 5.0), (1.0, 1.5, 2.0), (1.0, 1.00390625, 2.0)),
                          act=((0, 0, 0), (1, 0, 0), (1, 0, 0)), static=(0, 0, 0),
@@ -816,3 +815,38 @@ def test_cold_ilp_finds_the_only_plan_that_meets_its_budget_exactly():
                          schedule="gpipe", budget=(264.0, 264.0))
     assert solve_dp(P).boundaries == (0, 2, 3)
     assert solve_ilp(P, time_limit=30, gap=1e-9).boundaries == (0, 2, 3)
+
+
+def test_cold_ilp_finds_a_plan_whose_send_times_are_below_highs_matrix_tolerance():
+    """Four stages of one block each, block 1 recomputed in full (found by hypothesis). The sends take 1e-9
+    to 1e-5 of the bottleneck, at HiGHS's tolerances: it called the model infeasible until the model
+    left out times under ``ilp.NEGLIGIBLE``."""
+    P = PartitionProblem(
+        names=("b0", "b1", "b2", "b3"), kinds=("layer", "module", "layer", "module"),
+        time=((0.5, 0.9140836173076904, 1.503663365020385), (0.44624505176508644, 0.44624505176508644, 0.4462451113697312),
+              (3.601071239556333, 4.065963654839117, 9.687044782842023), (2.9977774171950484, 3.4977774171950484, 5.468617894569768)),
+        act=((2631993, 47577, 167), (2338, 138, 44), (54785, 300, 112), (38125, 0, 0)),
+        static=(185389626, 4294967295, 11716020, 47862),
+        cut_time=(0.0, 1.9744038581848146e-09, 1.0275840759277344e-05, 4.9024689942598343e-05, 0.0),
+        cut_bytes=(0, 106, 551680, 2631993, 0), num_params=(11586851, 268435455, 732251, 2991),
+        flops=(500000000000.0, 446245051765.0864, 3601071239556.333, 2997777417195.0483),
+        num_stages=4, num_microbatches=4, schedule="1f1b", budget=(4296622672.740733,) * 4)
+    dp = solve_dp(P)
+    assert (dp.boundaries, dp.recompute) == ((0, 1, 2, 3, 4), ("none", "full", "none", "none"))
+    ilp = solve_ilp(P, time_limit=30, gap=1e-9)
+    assert ilp.feasible and close(ilp.iteration_time, dp.iteration_time)
+
+
+def test_cold_ilp_under_a_zero_budget_takes_the_plans_that_hold_nothing():
+    """A budget of 0 bytes: only recompute options that keep no activation fit. The memory row's
+    coefficients would be 2**32 / 1e-6 (HiGHS refuses a model with one over 1e15) and stage 1's row
+    has no terms at all (PuLP's HiGHS interface failed on it)."""
+    P = PartitionProblem(names=("b0", "b1"), kinds=("layer", "layer"),
+                         time=((7.0, 7.5, 21.0), (9.5, 9.5, 19.0)), act=((2**32, 0, 0), (2**32, 0, 0)),
+                         static=(0, 0), cut_time=(0.0, 0.0, 0.0), cut_bytes=(0, 0, 0), num_params=(0, 0),
+                         flops=(7e12, 9.5e12), num_stages=2, num_microbatches=1, schedule="gpipe", budget=(0.0, 0.0))
+    assert brute_force(P).iteration_time == 7.5 + 9.5
+    dp = solve_dp(P)
+    assert (dp.boundaries, dp.recompute) == ((0, 1, 2), ("selective", "selective"))
+    ilp = solve_ilp(P, time_limit=30, gap=1e-9)
+    assert (ilp.boundaries, ilp.recompute) == ((0, 1, 2), ("selective", "selective"))

@@ -114,15 +114,17 @@ def test_the_deal_gives_each_round_biggest_first_to_the_least_loaded_pack() -> N
         [[0, 4], [1, 5], [2, 3]]
 
 
-def test_a_dimension_summing_to_zero_or_one_is_normalised_right() -> None:
-    y = np.array([5, 1, 4, 2], float)  # P = 2: ny = y / 6 = 5/6, 1/6, 4/6, 2/6
-    # x all 0: sizes are ny alone, order 0, 2, 3, 1; round 1 gives 3 to the pack of 2 (4/6 < 5/6), 1 to that of 0
-    assert _packs(balanced_partition(np.zeros(4), y, 2, refine_rounds=0)) == [[0, 1], [2, 3]]
-    # x sums to 1: nx = 0, 0, 0, 2, so item 3 (2 + 2/6) leads: order 3, 0, 2, 1; 2 joins 0 (5/6 < 8/3), 1 joins 3
-    assert _packs(balanced_partition(np.array([0, 0, 0, 1.0]), y, 2, refine_rounds=0)) == [[0, 2], [3, 1]]
-    # nothing to balance: any split of k or k + 1 items
-    both = balanced_partition(np.zeros(5), np.zeros(5), 2)
-    assert sorted(both[both >= 0].tolist()) == [0, 1, 2, 3, 4] and sorted((both >= 0).sum(axis=1).tolist()) == [2, 3]
+@pytest.mark.parametrize("flat", ["x", "y"])
+def test_a_dimension_summing_to_zero_or_one_is_normalised_right(flat: str) -> None:
+    def part(a: list[float]) -> list[list[int]]:  # ``a`` as the flat dimension, sizes 5, 1, 4, 2 in the other
+        other = np.array([5, 1, 4, 2], float)  # P = 2: normalised by 2 / 12, so 5/6, 1/6, 4/6, 2/6
+        pair = (np.array(a), other) if flat == "x" else (other, np.array(a))
+        return _packs(balanced_partition(*pair, 2, refine_rounds=0))
+
+    # all 0: sizes 5/6, 1/6, 4/6, 2/6 alone, order 0, 2, 3, 1; round 1 gives 3 to the pack of 2 (4/6 < 5/6), 1 to 0
+    assert part([0.0, 0, 0, 0]) == [[0, 1], [2, 3]]
+    # summing to 1: 0, 0, 0, 2, so item 3 (2 + 2/6) leads: order 3, 0, 2, 1; 2 joins 0 (5/6 < 8/3), 1 joins 3
+    assert part([0.0, 0, 0, 1]) == [[0, 2], [3, 1]]
 
 
 def test_one_swap_round_makes_the_best_swap_and_ends_at_the_optimum() -> None:
@@ -141,9 +143,12 @@ def test_one_swap_round_makes_the_best_swap_and_ends_at_the_optimum() -> None:
     assert _partition(balanced_partition(x, y, 2)) == [[0, 2], [1, 3]]
 
 
-def test_one_pack_holds_everything_in_deal_order() -> None:
+def test_one_pack_holds_everything_in_deal_order_and_all_zero_sizes_split_evenly() -> None:
     got = balanced_partition(np.array([1, 3, 2], float), np.array([10, 30, 20], float), 1)
     assert got.tolist() == [[1, 2, 0]]
+    # nothing to balance: any split of k or k + 1 items
+    both = balanced_partition(np.zeros(5), np.zeros(5), 2)
+    assert sorted(both[both >= 0].tolist()) == [0, 1, 2, 3, 4] and sorted((both >= 0).sum(axis=1).tolist()) == [2, 3]
 
 
 def test_the_refinement_stops_after_a_full_cycle_of_orderings_without_a_swap() -> None:
@@ -178,7 +183,8 @@ def test_each_pack_holds_k_or_k_plus_one_items_and_rounds_never_move_away(xy: tu
     slots = balanced_partition(x, y, packs, seed=seed, refine_rounds=rounds)
     assert slots.shape == (packs, -(-n // packs))
     assert sorted(slots[slots >= 0].tolist()) == list(range(n))  # every item exactly once
-    assert sorted((slots >= 0).sum(axis=1).tolist()) == [n // packs] * (packs - n % packs) + [n // packs + 1] * (n % packs)
+    k, extra = divmod(n, packs)
+    assert sorted((slots >= 0).sum(axis=1).tolist()) == [k] * (packs - extra) + [k + 1] * extra
     assert (slots[:, :-1] >= 0).all()  # empty slots only in the last round's column: never swapped in
     more = balanced_partition(x, y, packs, seed=seed, refine_rounds=rounds + 1)
     assert _distance(x, y, more) <= _distance(x, y, slots) + 1e-9

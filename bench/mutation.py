@@ -84,7 +84,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sampler": ("omnibal_compile/data/sampler.py", ("tests/test_data_sampler.py",)),
     "packing": ("omnibal_compile/data/packing.py", ("tests/test_data_balance.py", "tests/test_data_sampler.py")),
     "metrics": ("omnibal_compile/data/metrics.py", ("tests/test_data_balance.py",)),
-    "balance": ("omnibal_compile/data/balance.py", ("tests/test_data_balance.py",)),
+    "balance": ("omnibal_compile/data/balance.py", ("tests/test_data_balance.py", "tests/test_data_balance_steps.py")),
     "collate": ("omnibal_compile/data/collate.py", ("tests/test_data_collate.py",)),
     "recompute": ("omnibal_compile/passes/recompute.py", (_RECOMPUTE_RUNTIME, "tests/test_recompute.py")),
     "recompute_policy": ("omnibal_compile/passes/recompute_policy.py", ("tests/test_recompute.py",)),

@@ -301,3 +301,22 @@ def test_tiny_send_times_do_not_mislead_highs():
     ilp = solve_ilp(P, time_limit=30, gap=1e-9)
     # (0, 1, 3, 4, 5) is as fast to 1e-9: what the model leaves out is a few millionths at most
     assert ilp.boundaries != (0, 1, 2, 3, 5) and close(ilp.iteration_time, dp.iteration_time)
+
+
+def test_stdout_silenced_hides_fd_1_and_puts_it_back_in_order(capfd, monkeypatch):
+    """What C code writes to fd 1 inside is dropped; Python's pending output (block-buffered, as on a
+    pipe) is written out before, and fd 1 is the same file afterwards."""
+    import io
+    import os
+    import sys
+
+    from omnibal_compile.solver.ilp import _stdout_silenced
+
+    buffered = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)))
+    monkeypatch.setattr(sys, "stdout", buffered)
+    print("before ", end="")
+    with _stdout_silenced():
+        os.write(1, b"hidden ")
+    os.write(1, b"after")
+    buffered.flush()
+    assert capfd.readouterr().out == "before after"

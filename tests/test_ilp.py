@@ -235,6 +235,13 @@ def test_warm_start_is_the_plan_returned_when_the_solver_has_no_time(schedule, S
     assert solve_ilp(P, time_limit=30).iteration_time < warm.iteration_time  # the warm plan is not the optimum
 
 
+def test_cbc_starts_from_the_warm_plan_too():
+    times = [(1, 1.5, 2), (3, 3.5, 5), (2, 2.2, 3), (1, 1.1, 2), (2.5, 3, 4), (1.5, 2, 3)]
+    P = problem(times, [(4, 1, 0)] * 6, S=2, M=4, schedule="1f1b")
+    warm = _warm_plan(P)
+    assert solve_ilp(P, warm=warm, time_limit=0.0, solver="cbc").boundaries == warm.boundaries
+
+
 def test_a_warm_plan_with_a_dominated_option_is_not_used():
     """Block 0's full recomputation is no smaller than selective and slower: the ILP has no variable for
     it, so a warm plan using it is dropped (a cold start) rather than passed on in part."""
@@ -270,6 +277,10 @@ def test_solve_seconds_and_objective_are_reported():
     assert 0 < sol.solve_seconds <= wall
     assert sol.extra["objective"] == pytest.approx(sol.iteration_time, rel=1e-6)
     assert sol.planner == "ilp" and sol.extra["solver"] in ("WarmHiGHS", "PULP_CBC_CMD")
+    if sol.extra["solver"] == "WarmHiGHS":  # HiGHS reports its proven gap; CBC through PuLP does not
+        assert sol.gap is not None and 0 <= sol.gap <= 1e-6 and sol.status == "Optimal"
+    cbc = solve_ilp(P, solver="cbc")
+    assert cbc.gap is None and cbc.status == "Optimal" and cbc.iteration_time == pytest.approx(sol.iteration_time)
 
 
 def test_zero_work_problem_reports_a_zero_objective():

@@ -55,6 +55,14 @@ def test_cold_ilp_matches_brute_force_when_memory_decides(P):
     assert close(ilp.extra["objective"], ilp.iteration_time)
 
 
+@given(problems(max_n=5).filter(memory_bound))
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+def test_cold_ilp_with_cbc_matches_brute_force(P):
+    oracle = brute_force(P)
+    ilp = solve_ilp(P, time_limit=30, gap=1e-9, solver="cbc")
+    assert ilp.feasible and close(ilp.iteration_time, oracle.iteration_time), (ilp, oracle)
+
+
 @given(problems(max_n=5, schedules=("interleaved",), virtual=(1, 2)).filter(lambda P: brute_force(P) is not None))
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 def test_cold_interleaved_ilp_matches_brute_force(P):
@@ -177,7 +185,12 @@ def test_make_solver_names_and_missing_highspy(monkeypatch):
 
     import pulp
 
-    assert isinstance(make_solver("cbc"), pulp.PULP_CBC_CMD)
+    cbc = make_solver("cbc", gap=1e-3, time_limit=7.0)
+    assert isinstance(cbc, pulp.PULP_CBC_CMD)
+    # the relative gap is the only stopping rule (an absolute one would stop before the tie-break)
+    assert (cbc.optionsDict["gapRel"], cbc.optionsDict["gapAbs"], cbc.timeLimit) == (1e-3, 0.0, 7.0)
+    highs = make_solver("auto", gap=1e-3, time_limit=7.0)
+    assert (highs.gapRel, highs.gapAbs, highs.timeLimit) == (1e-3, 0.0, 7.0)
     with pytest.raises(PlanError, match="'auto', 'highs' or 'cbc'"):
         make_solver("gurobi")
     monkeypatch.setitem(sys.modules, "highspy", None)  # import fails as if not installed
@@ -186,26 +199,29 @@ def test_make_solver_names_and_missing_highspy(monkeypatch):
         make_solver("highs")
 
 
-def test_recompute_tie_break_prefers_fewer_recomputed_blocks():
+@pytest.mark.parametrize("solver", ["auto", "cbc"])
+def test_recompute_tie_break_prefers_fewer_recomputed_blocks(solver):
     """One stage, 20 bytes of activations, a 10-byte budget: recomputing X (+1) or both Y and Z
     (+0.5 each) cost the same time; the tie-break takes the one recomputed block, in any order."""
     X = ((1, 2, 3), (10, 0, 0))
     Y = ((1, 1.5, 3), (5, 0, 0))
     for order in itertools.permutations([X, Y, Y]):
         P = problem([t for t, _ in order], [a for _, a in order], S=1, budget=(10,))
-        sol = solve_ilp(P, time_limit=30, gap=1e-9)
+        sol = solve_ilp(P, time_limit=30, gap=1e-9, solver=solver)
         assert sol.iteration_time == pytest.approx(4.0)
         assert sum(r != "none" for r in sol.recompute) == 1, (order, sol.recompute)
         # asked not to, it still finds the optimum
-        assert solve_ilp(P, time_limit=30, gap=1e-9, minimise_recompute=False).iteration_time == pytest.approx(4.0)
+        assert solve_ilp(P, time_limit=30, gap=1e-9, minimise_recompute=False, solver=solver).iteration_time == \
+            pytest.approx(4.0)
 
 
-def test_recompute_tie_break_never_outweighs_a_faster_plan():
+@pytest.mark.parametrize("solver", ["auto", "cbc"])
+def test_recompute_tie_break_never_outweighs_a_faster_plan(solver):
     """Recomputing two blocks is 3e-5 s faster than one: time comes first."""
     X = ((1, 2, 3), (10, 0, 0))
     Y = ((1, 1.5 - 1.5e-5, 3), (5, 0, 0))  # 1e-5 of the 3 s bottleneck bound: ten times the tie-break's weight
     P = problem([X[0], Y[0], Y[0]], [X[1], Y[1], Y[1]], S=1, budget=(10,))
-    sol = solve_ilp(P, time_limit=30, gap=1e-12)
+    sol = solve_ilp(P, time_limit=30, gap=1e-12, solver=solver)
     assert sol.recompute == ("none", "selective", "selective")
 
 

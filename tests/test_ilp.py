@@ -193,6 +193,7 @@ def test_make_solver_names_and_missing_highspy(monkeypatch):
     assert (highs.gapRel, highs.gapAbs, highs.timeLimit) == (1e-3, 0.0, 7.0)
     with pytest.raises(PlanError, match="'auto', 'highs' or 'cbc'"):
         make_solver("gurobi")
+    assert make_solver().gapRel == 1e-4 and make_solver().timeLimit is None  # the documented defaults
     monkeypatch.setitem(sys.modules, "highspy", None)  # import fails as if not installed
     assert isinstance(make_solver("auto"), pulp.PULP_CBC_CMD)
     with pytest.raises(PlanError, match="pip install 'omnibal-compile\\[highs\\]'"):
@@ -347,3 +348,18 @@ def test_stdout_silenced_hides_fd_1_and_puts_it_back_in_order(capfd, monkeypatch
     os.write(1, b"after")
     buffered.flush()
     assert capfd.readouterr().out == "before after"
+
+
+@pytest.mark.parametrize("msg", [False, True])
+def test_highs_prints_its_log_only_when_asked(capfd, msg):
+    import pulp
+
+    pytest.importorskip("highspy")
+    prob = pulp.LpProblem("tiny", pulp.LpMinimize)
+    x = pulp.LpVariable("x", lowBound=0, cat="Integer")
+    prob += x
+    prob += x >= 1.5
+    prob.solve(make_solver("highs", msg=msg))
+    assert x.value() == 2
+    out = capfd.readouterr().out
+    assert ("HiGHS" in out) == msg, out

@@ -85,7 +85,7 @@ def _stdout_silenced() -> Iterator[None]:
 def make_solver(name: str = "auto", *, time_limit: float | None = None, gap: float = 1e-4, msg: bool = False):
     """A PuLP solver: HiGHS when highspy is installed (or asked for), CBC otherwise.
 
-    ``gap`` (relative) is the only stopping rule: the models are in units of the bottleneck's lower
+    ``gap`` (relative, default 1e-4) is the only stopping rule: the models are in units of the bottleneck's lower
     bound, where HiGHS's default absolute gap (1e-6, as large as ``TIE_WEIGHT``) could stop before
     the recompute tie-break is decided.
     """

@@ -23,6 +23,7 @@ from omnibal_compile.solver.dp import Frontiers
 from omnibal_compile.solver.ilp import (
     _fastest_fitting,
     _interval_floors,
+    _joint_model,
     _read,
     _stage_windows,
     _status_note,
@@ -363,3 +364,106 @@ def test_highs_prints_its_log_only_when_asked(capfd, msg):
     assert x.value() == 2
     out = capfd.readouterr().out
     assert ("HiGHS" in out) == msg, out
+
+
+def _fixed_objective(model, stage_of, options):
+    """The model's iteration time with every block's (stage, option) fixed; None when infeasible,
+    ``"no variable"`` when the model cannot express the assignment (outside the windows or dominated)."""
+    import pulp
+
+    if any((i, s, o) not in model.w for i, (s, o) in enumerate(zip(stage_of, options))):
+        return "no variable"
+    saved = {key: (var.lowBound, var.upBound) for key, var in model.w.items()}
+    for (i, s, o), var in model.w.items():
+        on = (s, o) == (stage_of[i], options[i])
+        var.lowBound, var.upBound = (1, 1) if on else (0, 0)
+    if any(saved[i, s, o][1] == 0 for i, (s, o) in enumerate(zip(stage_of, options))):
+        result = None  # the model fixed this choice at 0 (over the whole budget on its own)
+    else:
+        model.prob.solve(make_solver("highs", gap=1e-12))
+        result = pulp.value(model.objective) if model.prob.status == pulp.LpStatusOptimal else None
+    for key, var in model.w.items():
+        var.lowBound, var.upBound = saved[key]
+    return result
+
+
+def _boundaries(stage_of, S):
+    """The plan's boundaries when ``stage_of`` is contiguous, non-decreasing and uses every stage, else None."""
+    if list(stage_of) != sorted(stage_of) or set(stage_of) != set(range(S)):
+        return None
+    return (0, *(i for i in range(1, len(stage_of)) if stage_of[i] != stage_of[i - 1]), len(stage_of))
+
+
+_TIMES = [(1, 1.5, 2), (2, 2.25, 3), (1.5, 1.75, 2.5), (1, 1.25, 1.5), (1.2, 1.4, 2)]
+_ACTS = [(6, 2, 1), (8, 3, 0), (5, 4, 1), (7, 1, 0), (4, 2, 0)]
+MODEL_CASES = {
+    # 1F1B under a budget that rules some plans out: sends, static memory, gathered weights and workspace
+    "1f1b-budget": dict(time=_TIMES, act=_ACTS, S=2, M=3, schedule="1f1b", budget=34, static=(3, 1, 4, 2, 1),
+                        cut_bytes=(0, 2, 3, 1, 2, 0), gathered=(1, 2, 0, 1, 0), workspace=(0, 1, 1, 0, 2)),
+    # GPipe on three stages with no budget (the block-level form of the model)
+    "gpipe-free": dict(time=_TIMES, act=_ACTS, S=3, M=2, schedule="gpipe"),
+    # three stages under per-stage budgets, with data-parallel sync per block
+    "1f1b-sync": dict(time=_TIMES, act=_ACTS, S=3, M=4, schedule="1f1b", budget=(40, 30, 35),
+                      cut_bytes=(0, 2, 3, 1, 2, 0), sync=(0.5, 0.25, 0.75, 0.5, 0.25)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_the_model_with_a_plan_fixed_is_that_plans_iteration_time(case):
+    """Every assignment of blocks to stages with some option vectors, fixed in the model: feasible
+    exactly when it is a plan (contiguous, every stage used) that fits, and then its objective is
+    evaluate()'s iteration time. Checks every row and coefficient of the block-level model at once."""
+    import random
+
+    spec = dict(MODEL_CASES[case])
+    extra = {k: tuple(spec.pop(k)) for k in ("gathered", "workspace", "sync") if k in spec}
+    P = dataclasses.replace(problem(**spec), **extra)
+    n, S = P.n, P.num_stages
+    lo, hi = _stage_windows(P, None)
+    model = _joint_model(P, lo, hi, None, upper_bound=None, minimise_recompute=True)
+    rng = random.Random(0)
+    checked = fits = 0
+    for stage_of in itertools.product(range(S), repeat=n):
+        b = _boundaries(stage_of, S)
+        in_windows = all(lo[i] <= s <= hi[i] for i, s in enumerate(stage_of))
+        vectors = [(0,) * n, (1,) * n, (2,) * n]
+        vectors += [tuple(rng.choice((0, 1, 2)) for _ in range(n)) for _ in range(12 if in_windows else 0)]
+        for vec in vectors:
+            got = _fixed_objective(model, stage_of, vec)
+            if got == "no variable":
+                # only non-plans and dominated options lack variables
+                assert b is None or any(o not in model.useful[i] for i, o in enumerate(vec)), (stage_of, vec)
+                continue
+            checked += 1
+            if b is None:
+                assert got is None, (stage_of, vec, got)
+                continue
+            sol = evaluate(P, b, [("none", "selective", "full")[o] for o in vec])
+            if not sol.feasible:
+                assert got is None, (stage_of, vec, got, sol.stage_memory)
+            else:
+                fits += 1
+                assert got == pytest.approx(sol.iteration_time, rel=1e-7), (stage_of, vec)
+    assert checked >= 100 and fits >= 20 and checked - fits >= 20, (checked, fits)  # both sides reached
+
+
+def test_the_model_under_an_upper_bound_rules_out_slower_plans():
+    P = problem([(1, 1.5, 2), (2, 2.25, 3), (1.5, 1.75, 2.5), (1, 1.25, 1.5)], [(6, 2, 1)] * 4, S=2, M=3,
+                schedule="1f1b")
+    best = solve_dp(P).iteration_time
+    bound = best * 1.1
+    lo, hi = _stage_windows(P, None)
+    model = _joint_model(P, lo, hi, None, upper_bound=bound, minimise_recompute=True)
+    seen = set()
+    for stage_of in itertools.product(range(2), repeat=4):
+        b = _boundaries(stage_of, 2)
+        if b is None:
+            continue
+        for vec in ((0,) * 4, (1, 0, 0, 0), (0, 2, 0, 1)):
+            if any(o not in model.useful[i] for i, o in enumerate(vec)):
+                continue
+            t = evaluate(P, b, [("none", "selective", "full")[o] for o in vec]).iteration_time
+            got = _fixed_objective(model, stage_of, vec)
+            seen.add(t <= bound)
+            assert (got is not None) == (t <= bound * (1 + 1e-5)), (stage_of, vec, t, bound)
+    assert seen == {True, False}

@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 from contextlib import contextmanager
 
 from omnibal_compile.errors import PlanError
@@ -176,7 +177,7 @@ def solve_ilp(
     if warm is not None:
         warm = dataclasses.replace(warm, stage_time=tuple(t / unit for t in warm.stage_time), sync_time=warm.sync_time / unit)
     P = problem
-    n, S, M = P.n, P.num_stages, P.num_microbatches
+    n, S = P.n, P.num_stages
     opts = P.option_indices()
     start = time.perf_counter()
     tau = stage_time_bound(P, upper_bound * (1 + BOUND_MARGIN)) if upper_bound is not None else None
@@ -186,6 +187,80 @@ def solve_ilp(
             P, original, unit, lo, hi, tau, upper_bound=upper_bound, proven_bound=proven_bound, warm=warm, solver=solver,
             time_limit=time_limit, gap=gap, start=start,
         )
+    model = _joint_model(P, lo, hi, tau, upper_bound=upper_bound, minimise_recompute=minimise_recompute)
+    prob, w, z, T, Tmax, D, objective = model.prob, model.w, model.z, model.T, model.Tmax, model.D, model.objective
+    useful, frontiers = model.useful, model.frontiers
+    if warm is not None and not all(OPTIONS.index(r) in useful[i] for i, r in enumerate(warm.recompute)):
+        warm = None  # the incumbent uses a dominated option: start cold rather than from a partial point
+    if warm is not None:
+        # A complete starting point (including stage times), so the solver only has to prove it.
+        for (i, s, o), var in w.items():
+            on = warm.boundaries[s] <= i < warm.boundaries[s + 1] and OPTIONS.index(warm.recompute[i]) == o
+            var.setInitialValue(1 if on else 0)
+        for (i, j, s), var in z.items():
+            var.setInitialValue(1 if (warm.boundaries[s], warm.boundaries[s + 1]) == (i, j) else 0)
+        for s in range(S):
+            T[s].setInitialValue(warm.stage_time[s])
+        if P.schedule in ("gpipe", "1f1b"):
+            Tmax.setInitialValue(max(warm.stage_time))
+        else:
+            Tmax.setInitialValue(
+                max(sum(warm.stage_time[s] for s in range(S) if P.device_of(s) == d) for d in range(P.num_devices))
+            )
+        if P.sync:
+            D.setInitialValue(warm.sync_time)
+
+    status = _solve(prob, solver, time_limit, bool(warm), gap)
+    chosen = [sum(1 for (i, _, _), var in w.items() if i == b and (var.value() or 0) > 0.5) for b in range(n)]
+    if any(c != 1 for c in chosen):
+        raise PlanError(f"the ILP found no plan that fits the memory budget (solver status {status})")
+    found_gap = _gap(prob, solver)
+    note = _status_note(status, found_gap)
+    boundaries, recompute = _read(w, n, S, opts)
+    if frontiers is None and P.budget and not evaluate(P, boundaries, recompute).feasible:
+        frontiers = Frontiers(P)  # the solver's tolerance let a stage go a few bytes over: repair it exactly
+    if frontiers is not None:
+        recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
+    return evaluate(
+        original,
+        boundaries,
+        recompute,
+        planner="ilp",
+        status=note,
+        solve_seconds=time.perf_counter() - start,
+        gap=found_gap,
+        extra={"solver": type(make_solver(solver)).__name__, "objective": (pulp.value(objective) or 0.0) * unit},
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _JointModel:
+    """The block-level model of a GPipe/1F1B plan (module docstring), built and not yet solved."""
+
+    prob: Any
+    w: dict[tuple[int, int, int], Any]
+    """(block, stage, option) -> binary"""
+    z: dict[tuple[int, int, int], Any]
+    """(first block, end, stage) -> binary; only under a memory budget"""
+    T: list[Any]
+    Tmax: Any
+    D: Any
+    objective: Any
+    """The iteration time in the model's units, without the tie-break."""
+    useful: list[list[int]]
+    """Per block, the options that have variables (the others are dominated)."""
+    frontiers: Frontiers | None
+
+
+def _joint_model(
+    P: PartitionProblem, lo: list[int], hi: list[int], tau: float | None, *, upper_bound: float | None,
+    minimise_recompute: bool,
+) -> _JointModel:
+    """The ILP of ``P`` (already in the model's units) with blocks on the stages ``lo``..``hi`` allow."""
+    import pulp
+
+    n, S, M = P.n, P.num_stages, P.num_microbatches
+    opts = P.option_indices()
     prob = pulp.LpProblem("omnibal_partition", pulp.LpMinimize)
     fastest = [min(P.time[i][o] for o in opts) for i in range(n)]
     # An option no faster and no smaller than another of the same block is never needed.
@@ -324,48 +399,7 @@ def solve_ilp(
         prob += objective + TIE_WEIGHT * pulp.lpSum(w[k] for k in recomp)
     else:
         prob += objective
-    if warm is not None and not all(OPTIONS.index(r) in useful[i] for i, r in enumerate(warm.recompute)):
-        warm = None  # the incumbent uses a dominated option: start cold rather than from a partial point
-    if warm is not None:
-        # A complete starting point (including stage times), so the solver only has to prove it.
-        for (i, s, o), var in w.items():
-            on = warm.boundaries[s] <= i < warm.boundaries[s + 1] and OPTIONS.index(warm.recompute[i]) == o
-            var.setInitialValue(1 if on else 0)
-        for (i, j, s), var in z.items():
-            var.setInitialValue(1 if (warm.boundaries[s], warm.boundaries[s + 1]) == (i, j) else 0)
-        for s in range(S):
-            T[s].setInitialValue(warm.stage_time[s])
-        if P.schedule in ("gpipe", "1f1b"):
-            Tmax.setInitialValue(max(warm.stage_time))
-        else:
-            Tmax.setInitialValue(
-                max(sum(warm.stage_time[s] for s in range(S) if P.device_of(s) == d) for d in range(P.num_devices))
-            )
-        if P.sync:
-            D.setInitialValue(warm.sync_time)
-
-    status = _solve(prob, solver, time_limit, bool(warm), gap)
-    chosen = [sum(1 for (i, _, _), var in w.items() if i == b and (var.value() or 0) > 0.5) for b in range(n)]
-    if any(c != 1 for c in chosen):
-        raise PlanError(f"the ILP found no plan that fits the memory budget (solver status {status})")
-    found_gap = _gap(prob, solver)
-    note = _status_note(status, found_gap)
-    boundaries, recompute = _read(w, n, S, opts)
-    if frontiers is None and P.budget and not evaluate(P, boundaries, recompute).feasible:
-        frontiers = Frontiers(P)  # the solver's tolerance let a stage go a few bytes over: repair it exactly
-    if frontiers is not None:
-        recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
-    return evaluate(
-        original,
-        boundaries,
-        recompute,
-        planner="ilp",
-        status=note,
-        solve_seconds=time.perf_counter() - start,
-        gap=found_gap,
-        extra={"solver": type(make_solver(solver)).__name__, "objective": (pulp.value(objective) or 0.0) * unit},
-    )
-
+    return _JointModel(prob=prob, w=w, z=z, T=T, Tmax=Tmax, D=D, objective=objective, useful=useful, frontiers=frontiers)
 
 def _status_note(status: str, found_gap: float | None) -> str:
     if found_gap is None or found_gap <= 1e-6:

@@ -24,6 +24,7 @@ from omnibal_compile.solver.ilp import (
     _fastest_fitting,
     _interval_floors,
     _joint_model,
+    _paths_model,
     _read,
     _stage_windows,
     _status_note,
@@ -467,3 +468,60 @@ def test_the_model_under_an_upper_bound_rules_out_slower_plans():
             seen.add(t <= bound)
             assert (got is not None) == (t <= bound * (1 + 1e-5)), (stage_of, vec, t, bound)
     assert seen == {True, False}
+
+
+def _fixed_path(model, keys):
+    """The path model's iteration time with exactly the intervals ``keys`` on; None when infeasible or
+    when an interval has no variable (it does not fit its stage)."""
+    import pulp
+
+    if not set(keys) <= model.z.keys():
+        return None
+    saved = {key: (var.lowBound, var.upBound) for key, var in model.z.items()}
+    for key, var in model.z.items():
+        var.lowBound, var.upBound = (1, 1) if key in keys else (0, 0)
+    model.prob.solve(make_solver("highs", gap=1e-12))
+    result = pulp.value(model.objective) if model.prob.status == pulp.LpStatusOptimal else None
+    for key, var in model.z.items():
+        var.lowBound, var.upBound = saved[key]
+    return result
+
+
+@pytest.mark.parametrize("budget,sync", [(None, None), (16, None), (16, (0.5, 0.25, 0.75, 0.5, 0.25, 1.0))])
+def test_the_path_model_with_a_path_fixed_is_that_plans_iteration_time(budget, sync):
+    """Interleaved, 2 devices x 2 chunks, 6 blocks: every cut path fixed in the path model is feasible
+    exactly when each stage has an option vector that fits, and then costs evaluate()'s iteration time
+    with each stage's fastest fitting vector (found here by enumeration); a stage run twice, or one
+    left out, is infeasible."""
+    P = problem(_TIMES + [(0.8, 1.0, 1.6)], _ACTS + [(5, 1, 0)], S=4, M=4, schedule="interleaved", v=2,
+                budget=() if budget is None else budget, cut_bytes=(0, 2, 3, 1, 2, 1, 0))
+    if sync:
+        P = dataclasses.replace(P, sync=sync)
+    lo, hi = _stage_windows(P, None)
+    model = _paths_model(P, lo, hi, None, upper_bound=None, proven_bound=None)
+    names = ("none", "selective", "full")
+    fits = misses = 0
+    paths = []
+    for cuts in itertools.combinations(range(1, P.n), P.num_stages - 1):
+        b = (0, *cuts, P.n)
+        keys = [(b[s], b[s + 1], s) for s in range(P.num_stages)]
+        best = []
+        for s, (i, j, _) in enumerate(keys):
+            fitting = [vec for vec in itertools.product(range(3), repeat=j - i)
+                       if stage_figures(P, s, i, j, vec)[1] <= P.memory_limit(s)]
+            best.append(min(fitting, key=lambda vec: stage_figures(P, s, i, j, vec)[0]) if fitting else None)
+        got = _fixed_path(model, keys)
+        if any(v is None for v in best):
+            assert got is None, (b, got)
+            misses += 1
+            continue
+        fits += 1
+        paths.append(keys)
+        plan = [names[o] for vec in best for o in vec]
+        assert got == pytest.approx(evaluate(P, b, plan).iteration_time, rel=1e-7), b
+    assert fits >= 3 and (budget is None or misses >= 1)
+    # not paths: a stage's interval left out, or a second interval on a stage
+    first, second = paths[0], paths[-1]
+    assert _fixed_path(model, first[:-1]) is None
+    extra = next(k for k in second if k not in first)
+    assert _fixed_path(model, first + [extra]) is None

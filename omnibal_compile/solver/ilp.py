@@ -294,19 +294,11 @@ def _joint_model(
         # recompute options (a ~5% root gap and thousands of nodes on the bench instance).
         floor, frontiers = _interval_floors(P, lo, hi, tau)
         z = {key: pulp.LpVariable("z_{}_{}_{}".format(*key), cat="Binary") for key in floor}
-        starts: dict[tuple[int, int], list] = {}
-        finishes: dict[tuple[int, int], list] = {}
+        finishes = _path_rows(prob, z, n, S)
         covering: dict[tuple[int, int], list] = {}
         for (i, j, s), var in z.items():
-            starts.setdefault((i, s), []).append(var)
-            finishes.setdefault((j, s), []).append(var)
             for blk in range(i, j):
                 covering.setdefault((blk, s), []).append(var)
-        prob += pulp.lpSum(starts.get((0, 0), [])) == 1, "path_start"
-        for s in range(S - 1):
-            for k in range(1, n):
-                if (k, s) in finishes or (k, s + 1) in starts:
-                    prob += pulp.lpSum(finishes.get((k, s), [])) == pulp.lpSum(starts.get((k, s + 1), [])), f"path_{k}_{s}"
         for i in range(n):
             for s in range(lo[i], hi[i] + 1):
                 prob += x(i, s) == pulp.lpSum(covering.get((i, s), [])), f"link_{i}_{s}"
@@ -441,44 +433,10 @@ def _solve_paths(
     """
     import pulp
 
-    n, S, M = P.n, P.num_stages, P.num_microbatches
-    p, v = P.num_devices, P.virtual_stages
-    floor, frontiers = _interval_floors(P, lo, hi, tau)
-    vectors = {}
-    for (i, j, s) in floor:
-        best = frontiers.best_stage(s, i, j)
-        assert best is not None  # _interval_floors kept only intervals that fit
-        vectors[i, j, s] = frontiers.options(i, j, best[1])
-    sync = [0.0]
-    for d in P.sync or (0.0,) * n:
-        sync.append(sync[-1] + d)
-    prob = pulp.LpProblem("omnibal_partition_paths", pulp.LpMinimize)
-    z = {key: pulp.LpVariable("z_{}_{}_{}".format(*key), cat="Binary") for key in floor}
-    starts: dict[tuple[int, int], list] = {}
-    finishes: dict[tuple[int, int], list] = {}
-    for (i, j, s), var in z.items():
-        starts.setdefault((i, s), []).append(var)
-        finishes.setdefault((j, s), []).append(var)
-    prob += pulp.lpSum(starts.get((0, 0), [])) == 1, "path_start"
-    for s in range(S - 1):
-        for k in range(1, n):
-            if (k, s) in finishes or (k, s + 1) in starts:
-                prob += pulp.lpSum(finishes.get((k, s), [])) == pulp.lpSum(starts.get((k, s + 1), [])), f"path_{k}_{s}"
-    Tmax = pulp.LpVariable("Tmax", lowBound=0)
-    D = pulp.LpVariable("D", lowBound=0)
-    for d in range(p):
-        on_d = [(key, var) for key, var in z.items() if P.device_of(key[2]) == d]
-        prob += Tmax >= pulp.lpSum(var * floor[key] for key, var in on_d), f"max_dev_{d}"
-        if P.sync:
-            prob += D >= pulp.lpSum(var * (sync[key[1]] - sync[key[0]]) for key, var in on_d), f"sync_{d}"
-    objective = M * Tmax + (p - 1) / (p * v) * pulp.lpSum(var * floor[key] for key, var in z.items())
-    if P.sync:
-        objective = objective + D
-    if upper_bound is not None:
-        prob += objective <= upper_bound * (1 + BOUND_MARGIN), "bound"
-    if proven_bound is not None:
-        prob += objective >= proven_bound * (1 - BOUND_MARGIN), "proven_lower_bound"
-    prob += objective + TIE_WEIGHT * pulp.lpSum(var * sum(o != 0 for o in vectors[key]) for key, var in z.items())
+    model = _paths_model(P, lo, hi, tau, upper_bound=upper_bound, proven_bound=proven_bound)
+    prob, z, Tmax, D, objective = model.prob, model.z, model.Tmax, model.D, model.objective
+    floor, vectors, sync = model.floor, model.vectors, model.sync
+    S, p = P.num_stages, P.num_devices
     if warm is not None:
         path = {(warm.boundaries[s], warm.boundaries[s + 1], s) for s in range(S)}
         if path <= z.keys():
@@ -505,6 +463,83 @@ def _solve_paths(
         gap=found_gap,
         extra={"solver": type(make_solver(solver)).__name__, "objective": (pulp.value(objective) or 0.0) * unit},
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PathModel:
+    """The path model of an interleaved plan (see :func:`_solve_paths`), built and not yet solved."""
+
+    prob: Any
+    z: dict[tuple[int, int, int], Any]
+    """(first block, end, stage) -> binary"""
+    Tmax: Any
+    D: Any
+    objective: Any
+    """The iteration time in the model's units, without the tie-break."""
+    floor: dict[tuple[int, int, int], float]
+    """Each interval's least time on its stage within its memory."""
+    vectors: dict[tuple[int, int, int], tuple[int, ...]]
+    """Each interval's option vector at that time."""
+    sync: list[float]
+    """Prefix sums of the blocks' data-parallel sync times."""
+
+
+def _paths_model(
+    P: PartitionProblem, lo: list[int], hi: list[int], tau: float | None, *, upper_bound: float | None,
+    proven_bound: float | None,
+) -> _PathModel:
+    """The path ILP of interleaved ``P`` (already in the model's units)."""
+    import pulp
+
+    n, S, M = P.n, P.num_stages, P.num_microbatches
+    p, v = P.num_devices, P.virtual_stages
+    floor, frontiers = _interval_floors(P, lo, hi, tau)
+    vectors = {}
+    for (i, j, s) in floor:
+        best = frontiers.best_stage(s, i, j)
+        assert best is not None  # _interval_floors kept only intervals that fit
+        vectors[i, j, s] = frontiers.options(i, j, best[1])
+    sync = [0.0]
+    for d in P.sync or (0.0,) * n:
+        sync.append(sync[-1] + d)
+    prob = pulp.LpProblem("omnibal_partition_paths", pulp.LpMinimize)
+    z = {key: pulp.LpVariable("z_{}_{}_{}".format(*key), cat="Binary") for key in floor}
+    _path_rows(prob, z, n, S)
+    Tmax = pulp.LpVariable("Tmax", lowBound=0)
+    D = pulp.LpVariable("D", lowBound=0)
+    for d in range(p):
+        on_d = [(key, var) for key, var in z.items() if P.device_of(key[2]) == d]
+        prob += Tmax >= pulp.lpSum(var * floor[key] for key, var in on_d), f"max_dev_{d}"
+        if P.sync:
+            prob += D >= pulp.lpSum(var * (sync[key[1]] - sync[key[0]]) for key, var in on_d), f"sync_{d}"
+    objective = M * Tmax + (p - 1) / (p * v) * pulp.lpSum(var * floor[key] for key, var in z.items())
+    if P.sync:
+        objective = objective + D
+    if upper_bound is not None:
+        prob += objective <= upper_bound * (1 + BOUND_MARGIN), "bound"
+    if proven_bound is not None:
+        prob += objective >= proven_bound * (1 - BOUND_MARGIN), "proven_lower_bound"
+    prob += objective + TIE_WEIGHT * pulp.lpSum(var * sum(o != 0 for o in vectors[key]) for key, var in z.items())
+    return _PathModel(prob=prob, z=z, Tmax=Tmax, D=D, objective=objective, floor=floor, vectors=vectors, sync=sync)
+
+
+def _path_rows(prob, z: dict[tuple[int, int, int], Any], n: int, S: int) -> dict[tuple[int, int], list]:
+    """The rows that make the intervals z[i, j, s] a path: one interval starts stage 0 at block 0, and
+    the intervals ending stage s at k are as many as those starting stage s + 1 there. Returns the
+    intervals ending at each (k, s)."""
+    import pulp
+
+    starts: dict[tuple[int, int], list] = {}
+    finishes: dict[tuple[int, int], list] = {}
+    for (i, j, s), var in z.items():
+        starts.setdefault((i, s), []).append(var)
+        finishes.setdefault((j, s), []).append(var)
+    prob += pulp.lpSum(starts.get((0, 0), [])) == 1, "path_start"
+    for s in range(S - 1):
+        for k in range(1, n):
+            if (k, s) in finishes or (k, s + 1) in starts:
+                prob += pulp.lpSum(finishes.get((k, s), [])) == pulp.lpSum(starts.get((k, s + 1), [])), f"path_{k}_{s}"
+    return finishes
 
 
 def _stage_windows(P: PartitionProblem, tau: float | None) -> tuple[list[int], list[int]]:

@@ -217,9 +217,7 @@ def solve_ilp(
     found_gap = _gap(prob, solver)
     note = _status_note(status, found_gap)
     boundaries, recompute = _read(w, n, S, opts)
-    if frontiers is None and P.budget and not evaluate(P, boundaries, recompute).feasible:
-        frontiers = Frontiers(P)  # the solver's tolerance let a stage go a few bytes over: repair it exactly
-    if frontiers is not None:
+    if frontiers is not None:  # under a budget: decide each stage's fit exactly, not within tolerance
         recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
     return evaluate(
         original,

@@ -1,11 +1,14 @@
 """The joint ILP in PuLP: cut points and one recompute option per block, under per-device memory.
 
+GPipe and 1F1B (one stage per device) use the block-level model below; interleaved schedules use
+the path model of :func:`_solve_paths`.
+
 Variables (n blocks i, S stages s, options o):
     w[i, s, o] in {0, 1}   block i runs on stage s with option o; x[i, s] = sum_o w[i, s, o]
     z[i, j, s] in {0, 1}   stage s runs exactly blocks [i, j)   (only under a memory budget)
-    T[s] >= 0 stage time;  Tmax >= T[s] (1F1B/GPipe) or >= T_d per device (interleaved)
-    D >= 0 data-parallel time: D >= sum_i x[i, s] d_i per stage (summed per device when interleaved);
-           only with data parallelism, where the objective adds D once (see solver.problem)
+    T[s] >= 0 stage time;  Tmax >= T[s]
+    D >= 0 data-parallel time: D >= sum_i x[i, s] d_i per stage; only with data parallelism, where
+           the objective adds D once (see solver.problem)
 Constraints:
     assignment   sum_{s, o} w[i, s, o] = 1
     stages       with a budget: the z form a path (one interval starts stage 0 at block 0; the
@@ -18,8 +21,8 @@ Constraints:
     memory       sum_i x w_i + sum z[i, j, s] (max_{[i, j)} u + max_{[i, j)} q) + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
     bound        objective <= DP optimum (when given): prunes variables and the search
 Objective: the schedule's iteration time (see solver.problem), then, lexicographically, the number
-of recomputed blocks (a tie-break weight far below any time difference that matters), so ties
-among recompute choices are not arbitrary.
+of recomputed blocks (``TIE_WEIGHT`` per block, far below any time difference that matters), so
+ties among recompute choices are not arbitrary.
 Why the intervals: the block-level relaxation lets a stage take fractions of recompute options
 that exactly fill its memory, a ~5% root gap that cost thousands of branch-and-bound nodes (6-9 s
 on bench/solver.py at 60 GiB). The floor of an interval is its exact multiple-choice knapsack
@@ -141,7 +144,6 @@ def solve_ilp(
     upper_bound: float | None = None,
     solver: str = "auto",
     time_limit: float | None = 60.0,
-    minimise_recompute: bool = True,
     warm: Solution | None = None,
     gap: float = 1e-6,
     proven_bound: float | None = None,
@@ -187,7 +189,7 @@ def solve_ilp(
             P, original, unit, lo, hi, tau, upper_bound=upper_bound, proven_bound=proven_bound, warm=warm, solver=solver,
             time_limit=time_limit, gap=gap, start=start,
         )
-    model = _joint_model(P, lo, hi, tau, upper_bound=upper_bound, minimise_recompute=minimise_recompute)
+    model = _joint_model(P, lo, hi, tau, upper_bound=upper_bound)
     prob, w, z, T, Tmax, D, objective = model.prob, model.w, model.z, model.T, model.Tmax, model.D, model.objective
     useful, frontiers = model.useful, model.frontiers
     if warm is not None and not all(OPTIONS.index(r) in useful[i] for i, r in enumerate(warm.recompute)):
@@ -201,12 +203,7 @@ def solve_ilp(
             var.setInitialValue(1 if (warm.boundaries[s], warm.boundaries[s + 1]) == (i, j) else 0)
         for s in range(S):
             T[s].setInitialValue(warm.stage_time[s])
-        if P.schedule in ("gpipe", "1f1b"):
-            Tmax.setInitialValue(max(warm.stage_time))
-        else:
-            Tmax.setInitialValue(
-                max(sum(warm.stage_time[s] for s in range(S) if P.device_of(s) == d) for d in range(P.num_devices))
-            )
+        Tmax.setInitialValue(max(warm.stage_time))
         if P.sync:
             D.setInitialValue(warm.sync_time)
 
@@ -251,10 +248,9 @@ class _JointModel:
 
 
 def _joint_model(
-    P: PartitionProblem, lo: list[int], hi: list[int], tau: float | None, *, upper_bound: float | None,
-    minimise_recompute: bool,
+    P: PartitionProblem, lo: list[int], hi: list[int], tau: float | None, *, upper_bound: float | None
 ) -> _JointModel:
-    """The ILP of ``P`` (already in the model's units) with blocks on the stages ``lo``..``hi`` allow."""
+    """The ILP of GPipe/1F1B ``P`` (already in the model's units) with blocks on the stages ``lo``..``hi`` allow."""
     import pulp
 
     n, S, M = P.n, P.num_stages, P.num_microbatches
@@ -358,34 +354,26 @@ def _joint_model(
             if fits:
                 prob += fits <= 1, f"memory_{s}"
     Tmax = pulp.LpVariable("Tmax", lowBound=0)
-    if P.schedule in ("gpipe", "1f1b"):
-        for s in range(S):
-            prob += Tmax >= T[s], f"max_{s}"
-        objective = pulp.lpSum(T) + (M - 1) * Tmax
-    else:
-        p, v = P.num_devices, P.virtual_stages
-        for d in range(p):
-            prob += Tmax >= pulp.lpSum(T[s] for s in range(S) if P.device_of(s) == d), f"max_dev_{d}"
-        objective = M * Tmax + (p - 1) / (p * v) * pulp.lpSum(T)
+    for s in range(S):
+        prob += Tmax >= T[s], f"max_{s}"
+    objective = pulp.lpSum(T) + (M - 1) * Tmax
     D = pulp.LpVariable("D", lowBound=0)
     if P.sync:
-        for d in range(P.num_devices):
-            on_d = [s for s in range(S) if P.device_of(s) == d]
-            prob += D >= pulp.lpSum(x(i, s) * P.sync[i] for s in on_d for i in range(n) if lo[i] <= s <= hi[i]), f"sync_{d}"
+        for s in range(S):  # one stage per device
+            prob += D >= pulp.lpSum(x(i, s) * P.sync[i] for i in range(n) if lo[i] <= s <= hi[i]), f"sync_{s}"
         objective = objective + D
     # Valid cuts that tighten the LP relaxation: the bottleneck is at least max(work / S, largest block).
     if tau is not None:
         for s in range(S):
             T[s].upBound = tau
-    if P.schedule in ("gpipe", "1f1b"):
-        prob += Tmax >= max(sum(fastest) / S, max(fastest)), "bottleneck_lower_bound"
+    prob += Tmax >= max(sum(fastest) / S, max(fastest)), "bottleneck_lower_bound"
     prob += pulp.lpSum(T) >= sum(fastest), "total_work_lower_bound"
     if upper_bound is not None:
         prob += objective <= upper_bound * (1 + BOUND_MARGIN), "dp_bound"
     # Phase 2 folded in lexicographically: a tie-break weight far below any time difference that
     # matters makes the solver prefer less recomputation among plans of equal iteration time.
     recomp = [k for k in w if k[2] != 0]
-    if minimise_recompute and recomp:
+    if recomp:
         prob += objective + TIE_WEIGHT * pulp.lpSum(w[k] for k in recomp)
     else:
         prob += objective

@@ -254,9 +254,10 @@ def test_warm_start_is_the_plan_returned_when_the_solver_has_no_time(schedule, S
     assert solve_ilp(P, time_limit=30).iteration_time < warm.iteration_time  # the warm plan is not the optimum
 
 
-def test_cbc_starts_from_the_warm_plan_too():
+@pytest.mark.parametrize("schedule,S,v", [("1f1b", 2, 1), ("interleaved", 4, 2)])
+def test_cbc_starts_from_the_warm_plan_too(schedule, S, v):
     times = [(1, 1.5, 2), (3, 3.5, 5), (2, 2.2, 3), (1, 1.1, 2), (2.5, 3, 4), (1.5, 2, 3)]
-    P = problem(times, [(4, 1, 0)] * 6, S=2, M=4, schedule="1f1b")
+    P = problem(times, [(4, 1, 0)] * 6, S=S, M=4, schedule=schedule, v=v)
     warm = _warm_plan(P)
     assert solve_ilp(P, warm=warm, time_limit=0.0, solver="cbc").boundaries == warm.boundaries
 
@@ -296,6 +297,10 @@ def test_solve_seconds_and_objective_are_reported():
     sol = solve_ilp(P)
     wall = time.perf_counter() - t0
     assert 0 < sol.solve_seconds <= wall
+    Q = problem([(1, 1.5, 2), (3, 3.5, 5), (2, 2.2, 3), (1, 1.1, 2)], S=4, M=4, schedule="interleaved", v=2)
+    t0 = time.perf_counter()
+    paths = solve_ilp(Q)
+    assert 0 < paths.solve_seconds <= time.perf_counter() - t0
     assert sol.extra["objective"] == pytest.approx(sol.iteration_time, rel=1e-6)
     assert sol.planner == "ilp" and sol.extra["solver"] in ("WarmHiGHS", "PULP_CBC_CMD")
     if sol.extra["solver"] == "WarmHiGHS":  # HiGHS reports its proven gap; CBC through PuLP does not
@@ -311,6 +316,9 @@ def test_zero_work_problem_reports_a_zero_objective():
     assert sol.iteration_time == 0 and sol.extra["objective"] == 0
     Q = problem([(0, 0, 0)] * 4, S=4, M=4, schedule="interleaved", v=2)
     assert solve_ilp(Q).extra["objective"] == 0
+    # bounded by a DP optimum of 0: a stage-time bound of 0 prunes nothing (no division by it)
+    for R in (P, Q):
+        assert solve_ilp(R, upper_bound=0.0).iteration_time == 0
 
 
 def test_tiny_send_times_do_not_mislead_highs():
@@ -535,3 +543,27 @@ def test_with_recomputation_not_allowed_the_ilp_still_minimises_time(budget):
     P = dataclasses.replace(problem(_TIMES + [(0.8, 1.0, 1.6)], _ACTS + [(5, 1, 0)], S=3, M=4, schedule="1f1b",
                                     budget=() if budget is None else budget), allowed=("none",))
     assert close(solve_ilp(P, time_limit=30).iteration_time, brute_force(P).iteration_time)
+
+
+def test_an_interleaved_budget_no_path_meets_is_refused_by_name():
+    """Each stage alone fits somewhere, but no cut path fits every stage: the solver finds nothing."""
+    P = problem(_TIMES + [(0.8, 1.0, 1.6)], _ACTS + [(5, 1, 0)], S=4, M=4, schedule="interleaved", v=2,
+                budget=14, cut_bytes=(0, 2, 3, 1, 2, 1, 0))
+    lo, hi = _stage_windows(P, None)
+    assert _interval_floors(P, lo, hi, None)[0]  # some intervals fit
+    with pytest.raises(PlanError, match="the ILP found no plan that fits the memory budget"):
+        solve_ilp(P, time_limit=30)
+
+
+def test_fastest_fitting_compares_compute_time_net_of_the_stage_sends():
+    """Interval floors include the sends at both ends; the repair compares them net of those sends, so a
+    tie stays the solver's choice also when the sends take time."""
+    P = dataclasses.replace(
+        problem([(1, 2, 3), (1, 1.5, 3), (2, 2.5, 4), (1, 1.5, 2)], [(4, 4, 0), (6, 0, 0), (6, 0, 0), (5, 0, 0)],
+                budget=10), cut_time=(0.0, 0.0, 0.25, 0.0, 0.0))
+    fr = Frontiers(P)
+    for mine in (["none", "none", "none", "selective"], ["none", "none", "selective", "none"]):
+        assert _fastest_fitting(P, fr, (0, 2, 4), mine) == mine
+    # block 3 in full computes 4, 0.5 s slower than the fastest fit (3.5 + the 0.25 s send): replaced
+    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "none", "full"])[2:] in \
+        (["selective", "none"], ["none", "selective"])

@@ -567,3 +567,43 @@ def test_fastest_fitting_compares_compute_time_net_of_the_stage_sends():
     # block 3 in full computes 4, 0.5 s slower than the fastest fit (3.5 + the 0.25 s send): replaced
     assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "none", "full"])[2:] in \
         (["selective", "none"], ["none", "selective"])
+
+
+@pytest.mark.parametrize("case", ["1f1b-budget", "1f1b-sync", "gpipe-free"])
+def test_the_model_holds_a_plan_exactly_at_its_memory(case):
+    """Each plan (cuts and a sampled option vector) under per-stage budgets equal to its own stage
+    memory by evaluate(): the model, with the plan fixed, takes it; a budget a byte (or 0.1%) smaller on
+    any one stage refuses it. This pins every memory coefficient (static, activations times k_s, the
+    receive buffer, held outputs, gathered weights and workspace) to problem.stage_figures."""
+    import random
+
+    spec = dict(MODEL_CASES[case])
+    extra = {k: tuple(spec.pop(k)) for k in ("gathered", "workspace", "sync") if k in spec}
+    spec.pop("budget", None)
+    spec.setdefault("cut_bytes", (0, 2, 3, 1, 2, 0))
+    base = dataclasses.replace(problem(**spec), **extra)
+    n, S = base.n, base.num_stages
+    lo, hi = _stage_windows(base, None)
+    rng = random.Random(1)
+    checked = 0
+    for stage_of in itertools.product(range(S), repeat=n):
+        b = _boundaries(stage_of, S)
+        if b is None or not all(lo[i] <= s <= hi[i] for i, s in enumerate(stage_of)):
+            continue
+        for vec in [(0,) * n] + [tuple(rng.choice((0, 1, 2)) for _ in range(n)) for _ in range(3)]:
+            names = [("none", "selective", "full")[o] for o in vec]
+            memory = evaluate(base, b, names).stage_memory
+            P = dataclasses.replace(base, budget=tuple(memory))
+            model = _joint_model(P, lo, hi, None, upper_bound=None)
+            if any(o not in model.useful[i] for i, o in enumerate(vec)):
+                continue
+            assert _fixed_objective(model, stage_of, vec) is not None, (stage_of, vec, memory)
+            for s in range(S):
+                if memory[s] <= 0:
+                    continue
+                less = list(memory)
+                less[s] -= max(1.0, 1e-3 * memory[s])
+                tight = _joint_model(dataclasses.replace(P, budget=tuple(less)), lo, hi, None, upper_bound=None)
+                assert _fixed_objective(tight, stage_of, vec) in (None, "no variable"), (stage_of, vec, s, less)
+            checked += 1
+    assert checked >= 10

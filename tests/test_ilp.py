@@ -34,14 +34,15 @@ from omnibal_compile.solver.ilp import (
 from omnibal_compile.solver.problem import evaluate, stage_figures
 
 
-def problem(time, act=None, *, S=2, M=1, schedule="gpipe", budget=(), static=None, cut_bytes=None, v=1):
+def problem(time, act=None, *, S=2, M=1, schedule="gpipe", budget=(), static=None, cut_bytes=None, cut_time=None,
+            v=1):
     """A small problem: times and activations per block and option (none, selective, full)."""
     n = len(time)
     cut_bytes = cut_bytes or (0,) * (n + 1)
     return PartitionProblem(
         names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=tuple(map(tuple, time)),
         act=tuple(map(tuple, act or [(0, 0, 0)] * n)), static=tuple(static or (0,) * n),
-        cut_time=(0.0,) * (n + 1), cut_bytes=tuple(cut_bytes), num_params=(0,) * n, flops=(1e12,) * n,
+        cut_time=tuple(cut_time or (0.0,) * (n + 1)), cut_bytes=tuple(cut_bytes), num_params=(0,) * n, flops=(1e12,) * n,
         num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
         budget=tuple(budget) if not isinstance(budget, (int, float)) else (float(budget),) * (S // v),
     )
@@ -410,9 +411,11 @@ _ACTS = [(6, 2, 1), (8, 3, 0), (5, 4, 1), (7, 1, 0), (4, 2, 0)]
 MODEL_CASES = {
     # 1F1B under a budget that rules some plans out: sends, static memory, gathered weights and workspace
     "1f1b-budget": dict(time=_TIMES, act=_ACTS, S=2, M=3, schedule="1f1b", budget=34, static=(3, 1, 4, 2, 1),
-                        cut_bytes=(0, 2, 3, 1, 2, 0), gathered=(1, 2, 0, 1, 0), workspace=(0, 1, 1, 0, 2)),
+                        cut_bytes=(0, 2, 3, 1, 2, 0), cut_time=(0, 0.1, 0.2, 0.05, 0.15, 0), gathered=(1, 2, 0, 1, 0),
+                        workspace=(0, 1, 1, 0, 2)),
     # GPipe on three stages with no budget (the block-level form of the model)
-    "gpipe-free": dict(time=_TIMES, act=_ACTS, S=3, M=2, schedule="gpipe"),
+    # (with send entries at cut 0 and cut n, which every planner adds to the first and last stage)
+    "gpipe-free": dict(time=_TIMES, act=_ACTS, S=3, M=2, schedule="gpipe", cut_time=(0.3, 0.1, 0.2, 0.05, 0.15, 0.4)),
     # three stages under per-stage budgets, with data-parallel sync per block
     "1f1b-sync": dict(time=_TIMES, act=_ACTS, S=3, M=4, schedule="1f1b", budget=(40, 30, 35),
                       cut_bytes=(0, 2, 3, 1, 2, 0), sync=(0.5, 0.25, 0.75, 0.5, 0.25)),
@@ -607,3 +610,29 @@ def test_the_model_holds_a_plan_exactly_at_its_memory(case):
                 assert _fixed_objective(tight, stage_of, vec) in (None, "no variable"), (stage_of, vec, s, less)
             checked += 1
     assert checked >= 10
+
+
+def test_models_are_frozen_keyword_only():
+    from contracts import assert_frozen_keyword_only
+
+    P = problem(_TIMES, _ACTS, S=2, M=2, schedule="1f1b", budget=40)
+    lo, hi = _stage_windows(P, None)
+    assert_frozen_keyword_only(_joint_model(P, lo, hi, None, upper_bound=None))
+    Q = problem(_TIMES + [(0.8, 1.0, 1.6)], _ACTS + [(5, 1, 0)], S=4, M=4, schedule="interleaved", v=2)
+    lo, hi = _stage_windows(Q, None)
+    assert_frozen_keyword_only(_paths_model(Q, lo, hi, None, upper_bound=None, proven_bound=None))
+
+
+def test_stdout_silenced_leaves_no_file_descriptor_open():
+    import os
+
+    from omnibal_compile.solver.ilp import _stdout_silenced
+
+    fds = "/proc/self/fd"
+    if not os.path.isdir(fds):
+        pytest.skip("needs /proc to count open file descriptors")
+    before = len(os.listdir(fds))
+    for _ in range(5):
+        with _stdout_silenced():
+            pass
+    assert len(os.listdir(fds)) == before

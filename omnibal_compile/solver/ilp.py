@@ -327,7 +327,9 @@ def _joint_model(
         compute = pulp.lpSum(w[i, s, o] * P.time[i][o] for i in range(n) for o in opts if (i, s, o) in w)
         send_fwd = pulp.lpSum(ends(k, s) * P.cut_time[k] for k in cuts) if s < S - 1 else 0
         send_bwd = pulp.lpSum(ends(k, s - 1) * P.cut_time[k] for k in cuts) if s > 0 else 0
-        prob += T[s] == compute + send_fwd + send_bwd, f"time_{s}"
+        # a send entry at cut 0 or cut n counts as the other planners count it (problem.stage_figures)
+        ends_sent = (P.cut_time[0] if s == 0 else 0.0) + (P.cut_time[n] if s == S - 1 else 0.0)
+        prob += T[s] == compute + send_fwd + send_bwd + ends_sent, f"time_{s}"
         if z:
             prob += T[s] >= pulp.lpSum(var * floor[key] for key, var in z.items() if key[2] == s), f"floor_{s}"
         budget = P.memory_limit(s)

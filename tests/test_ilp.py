@@ -533,11 +533,16 @@ def test_the_path_model_with_a_path_fixed_is_that_plans_iteration_time(budget, s
         plan = [names[o] for vec in best for o in vec]
         assert got == pytest.approx(evaluate(P, b, plan).iteration_time, rel=1e-7), b
     assert fits >= 3 and (budget is None or misses >= 1)
-    # not paths: a stage's interval left out, or a second interval on a stage
+    # not paths: a stage's interval left out, a second interval on a stage, or stages that do not meet
     first, second = paths[0], paths[-1]
     assert _fixed_path(model, first[:-1]) is None
     extra = next(k for k in second if k not in first)
     assert _fixed_path(model, first + [extra]) is None
+    for a, b in itertools.permutations(paths, 2):
+        for s in range(1, P.num_stages):
+            mixed = a[:s] + b[s:]
+            if a[s - 1][1] != b[s][0]:  # stage s starts where stage s - 1 does not end
+                assert _fixed_path(model, mixed) is None, mixed
 
 
 @pytest.mark.parametrize("budget", [None, 40])
@@ -567,6 +572,8 @@ def test_fastest_fitting_compares_compute_time_net_of_the_stage_sends():
     fr = Frontiers(P)
     for mine in (["none", "none", "none", "selective"], ["none", "none", "selective", "none"]):
         assert _fastest_fitting(P, fr, (0, 2, 4), mine) == mine
+    # stage 0 [0, 2) with block 1 selective computes 2.5, 0.5 s slower than no recomputation (2 + the send)
+    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "selective", "none", "selective"])[:2] == ["none", "none"]
     # block 3 in full computes 4, 0.5 s slower than the fastest fit (3.5 + the 0.25 s send): replaced
     assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "none", "full"])[2:] in \
         (["selective", "none"], ["none", "selective"])
@@ -636,3 +643,25 @@ def test_stdout_silenced_leaves_no_file_descriptor_open():
         with _stdout_silenced():
             pass
     assert len(os.listdir(fds)) == before
+
+
+def test_the_tie_break_weighs_each_recomputed_block():
+    """The solved objective is the iteration time plus TIE_WEIGHT per recomputed block: in the block
+    model on each w[i, s, o] with o != none, in the path model on each interval by its vector's count."""
+    from omnibal_compile.solver.ilp import TIE_WEIGHT
+
+    P = problem(_TIMES, _ACTS, S=2, M=2, schedule="1f1b", budget=40)
+    lo, hi = _stage_windows(P, None)
+    m = _joint_model(P, lo, hi, None, upper_bound=None)
+    solved, plain = dict(m.prob.objective.items()), dict(m.objective.items())
+    for (i, s, o), var in m.w.items():
+        assert solved.get(var, 0) - plain.get(var, 0) == pytest.approx(TIE_WEIGHT if o else 0.0), (i, s, o)
+    Q = problem(_TIMES + [(0.8, 1.0, 1.6)], _ACTS + [(5, 1, 0)], S=4, M=4, schedule="interleaved", v=2, budget=16,
+                cut_bytes=(0, 2, 3, 1, 2, 1, 0))
+    lo, hi = _stage_windows(Q, None)
+    pm = _paths_model(Q, lo, hi, None, upper_bound=None, proven_bound=None)
+    solved, plain = dict(pm.prob.objective.items()), dict(pm.objective.items())
+    counts = {key: sum(o != 0 for o in vec) for key, vec in pm.vectors.items()}
+    assert len(set(counts.values())) >= 2  # the intervals recompute different numbers of blocks
+    for key, var in pm.z.items():
+        assert solved.get(var, 0) - plain.get(var, 0) == pytest.approx(TIE_WEIGHT * counts[key]), key

@@ -592,3 +592,94 @@ def test_adamw_steps_through_the_pipeline_match_the_unsplit_model(one_rank_group
         assert float(mine["step"]) == float(theirs["step"]) == 3.0, name
         for key in ("exp_avg", "exp_avg_sq"):
             assert float((mine[key] - theirs[key]).abs().max()) <= TOL, (name, key)
+
+
+def _unsplit_loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    import copy
+
+    return _reference(copy.deepcopy(model), batch)
+
+
+def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_group, mixed_two_stages_one_rank):
+    """The mesh path of build_pipeline on a (dp=1, pp=1) mesh: one replica, no data parallelism, and
+    one step gives the unsplit model's loss and gradients. Wrong ways to call it are named."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.runtime import build_pipeline
+
+    model, batch, plan = mixed_two_stages_one_rank
+    model = copy.deepcopy(model)
+    result = compile_for_microbatches(model, batch, plan)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp"))
+    pipe = build_pipeline(result, mesh=mesh)
+    assert (pipe.rank, pipe.world_size, pipe.dp_rank, pipe.dp_size) == (0, 1, 0, 1)
+    assert pipe.dp_group is None and pipe.dp_shard is None and pipe.tied == ()
+    assert pipe.stage_indices == (0, 1) and pipe.has_first and pipe.has_last
+    ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
+    loss = pipe.step(batch)
+    assert loss is not None and abs(loss - ref_loss) <= TOL
+    grads = {n: g for n, g in pipe.named_grads().items() if g is not None}
+    assert set(grads) <= set(ref_grads) and set(pipe.named_grads()) == set(ref_grads)
+    for n, g in grads.items():
+        assert float((g - ref_grads[n]).abs().max()) <= TOL, n
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+    full = pipe.full_state()
+    assert set(full) == set(model.state_dict()) and all(not t.requires_grad for t in full.values())
+    with pytest.raises(InputError, match="not both"):
+        build_pipeline(result, mesh=mesh, rank=0, world_size=1)
+    with pytest.raises(InputError, match="not both"):
+        build_pipeline(result, rank=0)
+    with pytest.raises(InputError, match=r"dims \('dp', 'pp'\)"):
+        build_pipeline(result, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp")))
+    with pytest.raises(InputError, match="weighting"):
+        build_pipeline(result, rank=0, world_size=1, weighting="mean")
+    with pytest.raises(InputError, match="dp_shard"):
+        build_pipeline(result, rank=0, world_size=1, dp_shard="zero")
+    with pytest.raises(InputError, match="out of range"):
+        rank_stages(plan, 1)
+
+
+@pytest.mark.parametrize("dp_shard", ["fsdp", "ddp"])
+def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_rank_group, mixed_two_stages_one_rank,
+                                                                         dp_shard):
+    """One stage made data-parallel over a one-rank dp mesh: the stage and each recompute region with
+    parameters are units of their own, and the stage's gradients are the plain module's (a sum over
+    one rank, divided by 1)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
+    from omnibal_compile.runtime.pipeline import _make_data_parallel
+
+    model, batch, plan = mixed_two_stages_one_rank
+    result = compile_for_microbatches(copy.deepcopy(model), batch, plan)
+    stage = apply_recompute(result.stages[1], result.graph, plan)  # the last stage: it returns the loss
+    plain = copy.deepcopy(stage)
+    regions = {n for n, m in stage.named_modules() if isinstance(m, CheckpointedRegion)
+               and next(m.parameters(), None) is not None}
+    assert len(regions) >= 2
+    inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in result.captured.example_flat_inputs]
+    with torch.no_grad():
+        values = result.stages[0](*inputs)
+    values = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
+    loss_index = next(i for i, v in enumerate(plain(*values)) if isinstance(v, torch.Tensor) and v.dim() == 0)
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    assert _make_data_parallel(stage, mesh, dp_shard, reshard_after_forward=True) is stage
+    assert {n for n, m in stage.named_modules() if isinstance(m, FSDPModule)} == regions | {""}
+    plain(*values)[loss_index].backward()
+    stage(*values)[loss_index].backward()
+    want = {n: p.grad for n, p in plain.named_parameters()}
+    for n, p in stage.named_parameters():
+        assert isinstance(p, DTensor), n
+        g = p.grad.full_tensor() if want[n] is not None else p.grad
+        assert (g is None) == (want[n] is None), n
+        if g is not None:
+            assert float((g - want[n]).abs().max()) <= TOL, n
+    with pytest.raises(InputError, match="dp_shard"):
+        _make_data_parallel(copy.deepcopy(plain), mesh, "zero", reshard_after_forward=True)

@@ -408,6 +408,16 @@ def test_check_pipeline_rules(vlm_plan2):
     with pytest.raises(PlanError, match="multiple of 2"):
         check_pipeline(dataclasses.replace(four, num_microbatches=5), world_size=2)
     assert rank_stages(four, 0) == (0, 2) and rank_stages(four, 1) == (1, 3)
+    # data parallelism: dp pipelines of plan.num_devices ranks each, dp a positive integer
+    two = dataclasses.replace(vlm_plan2, num_microbatches=2)
+    check_pipeline(two, world_size=4, dp=2, batch_size=8)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(PlanError, match="dp .data-parallel pipelines"):
+            check_pipeline(two, world_size=2, dp=bad)
+    with pytest.raises(PlanError, match="dp=2 pipelines of 2 ranks need 4 processes but world size is 2"):
+        check_pipeline(two, world_size=2, dp=2)
+    with pytest.raises(PlanError, match="not divisible by dp=2 x 2 micro-batches = 4"):
+        check_pipeline(two, world_size=4, dp=2, batch_size=6)
 
 
 def test_split_batch_and_loss_weights():
@@ -420,6 +430,7 @@ def test_split_batch_and_loss_weights():
     assert w.tolist() == pytest.approx([2 / 5, 0, 2 / 5, 1 / 5])
     assert loss_weights((x,), ("x",)).tolist() == [0.25] * 4
     assert loss_weights((x, labels), ("x", "labels"), "rows").tolist() == [0.25] * 4
+    assert loss_weights((x, torch.tensor([3, 1, 0, 2])), ("x", "labels")).tolist() == [0.25] * 4  # class labels: rows
     with pytest.raises(InputError, match="no labelled token"):
         loss_weights((x, torch.full((4, 3), -100)), ("x", "labels"))
 
@@ -617,6 +628,10 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
     assert (pipe.rank, pipe.world_size, pipe.dp_rank, pipe.dp_size) == (0, 1, 0, 1)
     assert pipe.dp_group is None and pipe.dp_shard is None and pipe.tied == ()
     assert pipe.stage_indices == (0, 1) and pipe.has_first and pipe.has_last
+    text = repr(pipe)  # for a person: no modules, schedule, tensors or groups
+    assert not [w for w in (" modules=", " stages=", " in_spec=", " state=", " tied=", " dp_group=", "Schedule", "TreeSpec",
+                            "Parameter", "tensor(") if w in text]
+    assert len(text) < 2000 and "stage_indices=(0, 1)" in text
     ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
     loss = pipe.step(batch)
     assert loss is not None and abs(loss - ref_loss) <= TOL
@@ -651,7 +666,7 @@ def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_ran
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
     from omnibal_compile.runtime.pipeline import _make_data_parallel
@@ -676,10 +691,33 @@ def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_ran
     stage(*values)[loss_index].backward()
     want = {n: p.grad for n, p in plain.named_parameters()}
     for n, p in stage.named_parameters():
-        assert isinstance(p, DTensor), n
+        assert isinstance(p, DTensor) and p.placements == (Shard(0) if dp_shard == "fsdp" else Replicate(),), n
         g = p.grad.full_tensor() if want[n] is not None else p.grad
         assert (g is None) == (want[n] is None), n
         if g is not None:
             assert float((g - want[n]).abs().max()) <= TOL, n
     with pytest.raises(InputError, match="dp_shard"):
         _make_data_parallel(copy.deepcopy(plain), mesh, "zero", reshard_after_forward=True)
+
+
+def test_a_tied_model_in_one_stage_on_one_rank_matches_the_unsplit_model(one_rank_group, tiny_llama):
+    """A Hugging Face causal LM with tied embedding and head, one stage (both names of the tied weight in
+    one module, outputs holding Nones) on one rank: its loss and gradients, each tied name included."""
+    import copy
+
+    from omnibal_compile.runtime import build_pipeline
+
+    model = copy.deepcopy(tiny_llama[0])
+    batch = _llama_batch()
+    graph = oc.optimize(model, {k: v[:1] for k, v in batch.items()}, num_stages=1).graph
+    plan = dataclasses.replace(uniform(graph, 1), schedule="gpipe", num_microbatches=2)
+    pipe = build_pipeline(compile_for_microbatches(model, batch, plan), rank=0, world_size=1)
+    ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
+    tied = [n for n in ref_grads if n.endswith("embed_tokens.weight") or n == "lm_head.weight"]
+    assert len(tied) == 2 and pipe.state[tied[0]] is pipe.state[tied[1]] and pipe.tied == ()
+    loss = pipe.step(batch)
+    assert loss is not None and abs(loss - ref_loss) <= TOL
+    grads = pipe.named_grads()
+    assert set(grads) == set(ref_grads)
+    for n, g in grads.items():
+        assert float((g - ref_grads[n]).abs().max()) <= TOL, n

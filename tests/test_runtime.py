@@ -632,6 +632,13 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
     assert not [w for w in (" modules=", " stages=", " in_spec=", " state=", " tied=", " dp_group=", "Schedule", "TreeSpec",
                             "Parameter", "tensor(") if w in text]
     assert len(text) < 2000 and "stage_indices=(0, 1)" in text
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pipe.rank = 1  # type: ignore[misc]
+    fields = {f.name: getattr(pipe, f.name) for f in dataclasses.fields(pipe)}
+    with pytest.raises(TypeError):
+        type(pipe)(*fields.values())  # keyword-only
+    bare = type(pipe)(**{k: v for k, v in fields.items() if not k.startswith("dp_")})
+    assert (bare.dp_rank, bare.dp_size, bare.dp_group, bare.dp_shard) == (0, 1, None, None)
     ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
     loss = pipe.step(batch)
     assert loss is not None and abs(loss - ref_loss) <= TOL
@@ -654,6 +661,17 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
         build_pipeline(result, rank=0, world_size=1, dp_shard="zero")
     with pytest.raises(InputError, match="out of range"):
         rank_stages(plan, 1)
+
+
+def test_a_tied_parameter_record_is_frozen_keyword_only_and_prints_no_group_or_tensor():
+    from omnibal_compile.runtime import TiedParameter
+
+    t = TiedParameter(names=("embed.weight", "head.weight"), ranks=(0, 1), group="GROUP", param=torch.nn.Parameter(torch.ones(2)))
+    assert repr(t) == "TiedParameter(names=('embed.weight', 'head.weight'), ranks=(0, 1))"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.ranks = (0,)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        TiedParameter(("a",), (0, 1), None, None)  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("dp_shard", ["fsdp", "ddp"])

@@ -674,6 +674,16 @@ def test_a_tied_parameter_record_is_frozen_keyword_only_and_prints_no_group_or_t
         TiedParameter(("a",), (0, 1), None, None)  # type: ignore[misc]
 
 
+def test_stages_on_one_rank_that_share_a_parameter_cannot_be_data_parallel():
+    from omnibal_compile.runtime.pipeline import _check_stage_params_disjoint
+
+    shared = torch.nn.Linear(2, 2)
+    a, b = torch.nn.Sequential(shared), torch.nn.Sequential(torch.nn.Linear(2, 2), shared)
+    _check_stage_params_disjoint([a, torch.nn.Linear(2, 2)], [0, 2])
+    with pytest.raises(InputError, match="stages 0 and 2 on one rank share a parameter"):
+        _check_stage_params_disjoint([a, b], [0, 2])
+
+
 @pytest.mark.parametrize("dp_shard", ["fsdp", "ddp"])
 def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_rank_group, mixed_two_stages_one_rank,
                                                                          dp_shard):

@@ -674,6 +674,17 @@ def test_a_tied_parameter_record_is_frozen_keyword_only_and_prints_no_group_or_t
         TiedParameter(("a",), (0, 1), None, None)  # type: ignore[misc]
 
 
+def test_tied_parameters_get_a_group_of_their_holders_and_the_held_copy(one_rank_group):
+    """Pipeline rank 0 of one replica holds a parameter shared under one name and a buffer shared under two."""
+    from omnibal_compile.runtime.pipeline import _tied_parameters
+
+    w, buf = torch.nn.Parameter(torch.ones(2)), torch.zeros(2)
+    tied = _tied_parameters([(("w",), (0,)), (("b1", "b2"), (0,))], 0, [[0]], 0, {"w": w, "b1": buf, "b2": buf})
+    assert [(t.names, t.ranks) for t in tied] == [(("w",), (0,)), (("b1", "b2"), (0,))]
+    assert tied[0].param is w and tied[0].group is not None
+    assert tied[1].param is None and tied[1].group is not None  # a buffer: no gradient to sum
+
+
 def test_stages_on_one_rank_that_share_a_parameter_cannot_be_data_parallel():
     from omnibal_compile.runtime.pipeline import _check_stage_params_disjoint
 

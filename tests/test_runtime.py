@@ -760,3 +760,37 @@ def test_a_tied_model_in_one_stage_on_one_rank_matches_the_unsplit_model(one_ran
     assert set(grads) == set(ref_grads)
     for n, g in grads.items():
         assert float((g - ref_grads[n]).abs().max()) <= TOL, n
+
+
+class _OutputThenLoss(torch.nn.Module):
+    """Returns (its output, the mean squared error): the loss is not the first output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x, torch.nn.functional.mse_loss(x, y)
+
+
+def test_the_pipeline_trains_on_the_loss_output_when_it_is_not_the_first(one_rank_group):
+    """A loss that is a mean over rows, returned after a tensor output: the step's loss and gradients
+    are the unsplit model's (two interleaved stages on one rank)."""
+    from omnibal_compile.runtime import build_pipeline
+
+    torch.manual_seed(0)
+    model = _OutputThenLoss()
+    batch = {"x": torch.randn(4, 4), "y": torch.randn(4, 4)}
+    graph = oc.optimize(model, {k: v[:1] for k, v in batch.items()}, num_stages=1).graph
+    plan = dataclasses.replace(uniform(graph, 2), schedule="interleaved", num_microbatches=2, virtual_stages=2)
+    pipe = build_pipeline(compile_for_microbatches(model, batch, plan), rank=0, world_size=1, weighting="rows")
+    ref_loss = model(**batch)[1]
+    ref_grads = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(ref_loss, list(model.parameters()))))
+    loss = pipe.step(batch)
+    assert loss is not None and abs(loss - float(ref_loss)) <= TOL
+    grads = pipe.named_grads()
+    assert set(grads) == set(ref_grads)
+    for n, g in grads.items():
+        assert float((g - ref_grads[n]).abs().max()) <= TOL, n

@@ -640,8 +640,22 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
     bare = type(pipe)(**{k: v for k, v in fields.items() if not k.startswith("dp_")})
     assert (bare.dp_rank, bare.dp_size, bare.dp_group, bare.dp_shard) == (0, 1, None, None)
     ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
+    # Tied records as _tied_parameters makes them, over a group of this one rank: a held parameter (its
+    # gradient summed over one rank: unchanged), one without a gradient yet (zeros), a buffer (skipped).
+    import torch.distributed as dist
+
+    from omnibal_compile.runtime import TiedParameter
+
+    name = next(n for n, t in pipe.state.items() if isinstance(t, torch.nn.Parameter))
+    spare = torch.nn.Parameter(torch.ones(3))
+    pipe = dataclasses.replace(pipe, tied=(
+        TiedParameter(names=(name,), ranks=(0,), group=dist.new_group([0]), param=pipe.state[name]),
+        TiedParameter(names=("spare",), ranks=(0,), group=dist.new_group([0]), param=spare),
+        TiedParameter(names=("buffer",), ranks=(0,), group=dist.new_group([0]), param=None),
+    ))
     loss = pipe.step(batch)
     assert loss is not None and abs(loss - ref_loss) <= TOL
+    assert spare.grad is not None and spare.grad.tolist() == [0.0] * 3
     grads = {n: g for n, g in pipe.named_grads().items() if g is not None}
     assert set(grads) <= set(ref_grads) and set(pipe.named_grads()) == set(ref_grads)
     for n, g in grads.items():

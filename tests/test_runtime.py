@@ -768,6 +768,7 @@ def test_a_tied_model_in_one_stage_on_one_rank_matches_the_unsplit_model(one_ran
     ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
     tied = [n for n in ref_grads if n.endswith("embed_tokens.weight") or n == "lm_head.weight"]
     assert len(tied) == 2 and pipe.state[tied[0]] is pipe.state[tied[1]] and pipe.tied == ()
+    assert (pipe.rank, pipe.world_size, pipe.dp_rank, pipe.dp_size, pipe.dp_group, pipe.dp_shard) == (0, 1, 0, 1, None, None)
     loss = pipe.step(batch)
     assert loss is not None and abs(loss - ref_loss) <= TOL
     grads = pipe.named_grads()

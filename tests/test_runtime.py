@@ -675,6 +675,8 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
         build_pipeline(result, rank=0, world_size=1, dp_shard="zero")
     with pytest.raises(InputError, match="out of range"):
         rank_stages(plan, 1)
+    with pytest.raises(PlanError, match="needs 1 ranks .* but world size is 2"):
+        build_pipeline(result, rank=0, world_size=2)
 
 
 def test_a_tied_parameter_record_is_frozen_keyword_only_and_prints_no_group_or_tensor():

@@ -32,9 +32,14 @@ a return value replaced by ``None``, a call statement or augmented assignment dr
 and slice bounds (lower + 1, upper - 1). Docstrings, strings, f-strings, the arguments of ``raise``
 and lines marked ``# pragma: no mutate`` are not mutated.
 
-Limits: a line executed only in a process the tests start (torchrun ranks) is not seen by the
-coverage run, so such mutants read ``not covered``; a test that reads a result cached by an earlier
-test (a session fixture) is not selected for the lines that computed it.
+Limits: a line executed only in a process the tests start (torchrun or ``torch.multiprocessing``
+ranks) is not seen by the coverage run, so such mutants read ``not covered``, except in the modules
+of ``SUBPROCESS_COVERAGE`` (the runtime's ``pipeline``): there every Python process a test starts
+measures the module too (coverage.py's start-up hook: the ``.pth`` file it installs starts coverage
+when ``COVERAGE_PROCESS_START`` names a configuration, set only during the coverage run) with the
+starting test's id, read from an environment variable the processes inherit, as its context; a
+process that is killed, or exits by ``os._exit``, leaves no data. A test that reads a result cached
+by an earlier test (a session fixture) is not selected for the lines that computed it.
 
 ``--sample`` runs a random subset of ``--max-mutants`` sites per module (seeded by ``--seed``); without
 it the first ``--max-mutants`` sites (all when 0). The report goes to ``DIR/mutation.json`` and
@@ -95,6 +100,13 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pipeline": ("omnibal_compile/runtime/pipeline.py", ("tests/test_runtime.py",)),
 }
 """Module name -> (source file, the pytest arguments that run the tests covering it: files, node ids, ``-k``)."""
+
+SUBPROCESS_COVERAGE = frozenset({"pipeline"})
+"""Modules whose coverage run also measures the Python processes its tests start (the runtime's ranks)."""
+
+_TEST_ENV = "OMNIBAL_MUTATION_TEST"
+"""Environment variable holding the running test's id during a coverage run: processes that a test starts
+inherit it, and their coverage records it as the context."""
 
 PRELOAD = ("torch", "numpy", "networkx", "pulp", "hypothesis", "pytest", "coverage")
 """Third-party packages the server imports once, before forking a child per mutant."""
@@ -367,6 +379,7 @@ class _CollectPlugin:
     def pytest_runtest_logstart(self, nodeid: str, location: object) -> None:
         if self.cov is not None:
             self.cov.switch_context(nodeid)
+            os.environ[_TEST_ENV] = nodeid
 
     def pytest_runtest_logreport(self, report: object) -> None:
         self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
@@ -376,11 +389,42 @@ class _CollectPlugin:
     def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
         if self.cov is not None:
             self.cov.switch_context("")
+            os.environ[_TEST_ENV] = ""
 
 
 def _pytest_args(tests: list[str]) -> list[str]:
     return [*tests, "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "--hypothesis-seed=0", "-W", "ignore",
             "-o", "addopts="]
+
+
+def _start_subprocess_coverage(path: str, result_path: str) -> Path:
+    """Make every Python process the tests start measure ``path`` (coverage.py's start-up hook: the
+    ``.pth`` file coverage installs runs ``coverage.process_startup()`` when ``COVERAGE_PROCESS_START``
+    names a configuration), with the test that started it as the context; returns the data folder."""
+    sub_dir = Path(result_path + ".subprocesses")
+    shutil.rmtree(sub_dir, ignore_errors=True)
+    sub_dir.mkdir()
+    rc = sub_dir / "coveragerc"
+    rc.write_text(f"[run]\ndata_file = {sub_dir / 'data'}\nparallel = True\ninclude = {path}\n"
+                  f"context = ${{{_TEST_ENV}}}\n")
+    os.environ["COVERAGE_PROCESS_START"] = str(rc)
+    os.environ[_TEST_ENV] = ""
+    return sub_dir
+
+
+def _subprocess_lines(sub_dir: Path, path: str) -> dict[int, set[str]]:
+    """Line of ``path`` -> the tests whose processes executed it, from the data files they left."""
+    from coverage import CoverageData
+
+    lines: dict[int, set[str]] = {}
+    for f in sorted(sub_dir.glob("data.*")):
+        data = CoverageData(basename=str(f))
+        data.read()
+        for measured in data.measured_files():
+            if os.path.exists(measured) and os.path.samefile(measured, path):
+                for line, contexts in data.contexts_by_lineno(measured).items():
+                    lines.setdefault(line, set()).update(contexts)
+    return lines
 
 
 def _child(request: dict, result_path: str) -> int:
@@ -398,6 +442,8 @@ def _child(request: dict, result_path: str) -> int:
 
         cov = coverage.Coverage(data_file=None, include=[request["collect"]], config_file=False)
         cov.start()
+        if request.get("subprocesses"):
+            sub_dir = _start_subprocess_coverage(request["collect"], result_path)
     plugin = _CollectPlugin(cov)
     log = open(result_path + ".log", "w")
     os.dup2(log.fileno(), 1)
@@ -412,6 +458,10 @@ def _child(request: dict, result_path: str) -> int:
         for f in files:
             for line, contexts in data.contexts_by_lineno(f).items():
                 lines.setdefault(line, set()).update(contexts)
+        if request.get("subprocesses"):
+            for line, contexts in _subprocess_lines(sub_dir, request["collect"]).items():
+                lines.setdefault(line, set()).update(contexts)
+            out["subprocess_files"] = len(list(sub_dir.glob("data.*")))
         out["lines"] = {str(k): sorted(v) for k, v in lines.items()}
     Path(result_path).write_text(json.dumps(out))
     return code
@@ -420,7 +470,8 @@ def _child(request: dict, result_path: str) -> int:
 def serve() -> None:
     """The server: import the heavy packages once, then fork one child per request read from stdin.
 
-    A request is one JSON line ``{"tests": [...], "timeout": s, "collect": path or null}``; the answer
+    A request is one JSON line ``{"tests": [...], "timeout": s, "collect": path or null, "subprocesses": bool}``
+    (``subprocesses``: the coverage run also measures the processes the tests start); the answer
     one JSON line ``{"status": "passed"|"failed"|"timeout", "seconds": s, "first": test id, ...}``."""
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]  # the package comes from the copy
     for name in PRELOAD:
@@ -476,8 +527,9 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve()), "--serve"], cwd=copy_root,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def run(self, tests: list[str], timeout: float, collect: str | None = None) -> dict:
-        self.proc.stdin.write(json.dumps({"tests": tests, "timeout": timeout, "collect": collect}) + "\n")
+    def run(self, tests: list[str], timeout: float, collect: str | None = None, subprocesses: bool = False) -> dict:
+        request = {"tests": tests, "timeout": timeout, "collect": collect, "subprocesses": subprocesses}
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -504,7 +556,7 @@ def scratch_copy() -> Path:
 def collect_coverage(server: Server, copy_root: Path, name: str) -> Coverage:
     """Run module ``name``'s tests once unmutated under coverage; stop when they do not pass."""
     path, tests = MODULES[name]
-    result = server.run(list(tests), timeout=7200, collect=str(copy_root / path))
+    result = server.run(list(tests), timeout=7200, collect=str(copy_root / path), subprocesses=name in SUBPROCESS_COVERAGE)
     if result["status"] != "passed":
         raise SystemExit(f"{name}: the unmutated tests do not pass ({result.get('first') or result['status']}); "
                          f"fix them first\n{result.get('log_tail', '')}")

@@ -95,3 +95,18 @@ def test_equivalence_notes_round_trip_and_bad_lines_are_named(tmp_path):
 def test_the_projects_equivalence_file_parses():
     notes = mutation.read_equivalent()
     assert all(module in mutation.MODULES for module, *_ in notes)
+
+
+def test_subprocess_coverage_records_lines_run_in_a_started_process_under_the_starting_test(tmp_path, monkeypatch):
+    import subprocess
+
+    toy = tmp_path / "toy.py"
+    toy.write_text("def f(a):\n    if a:\n        return 1\n    return 2\n\n\nf(1)\n")
+    for name in ("COVERAGE_PROCESS_START", mutation._TEST_ENV):
+        monkeypatch.setenv(name, "")  # restored after the test
+    sub_dir = mutation._start_subprocess_coverage(str(toy), str(tmp_path / "result.json"))
+    monkeypatch.setenv(mutation._TEST_ENV, "tests/t.py::t_sub")  # what the plugin sets when a test starts
+    subprocess.run([sys.executable, str(toy)], check=True)
+    lines = mutation._subprocess_lines(sub_dir, str(toy))
+    assert lines == {1: {"tests/t.py::t_sub"}, 2: {"tests/t.py::t_sub"}, 3: {"tests/t.py::t_sub"},
+                     7: {"tests/t.py::t_sub"}}  # line 4 never runs: f(1) returns on line 3

@@ -408,6 +408,16 @@ def test_check_pipeline_rules(vlm_plan2):
     with pytest.raises(PlanError, match="multiple of 2"):
         check_pipeline(dataclasses.replace(four, num_microbatches=5), world_size=2)
     assert rank_stages(four, 0) == (0, 2) and rank_stages(four, 1) == (1, 3)
+    # data parallelism: dp pipelines of plan.num_devices ranks each, dp a positive integer
+    two = dataclasses.replace(vlm_plan2, num_microbatches=2)
+    check_pipeline(two, world_size=4, dp=2, batch_size=8)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(PlanError, match="dp .data-parallel pipelines"):
+            check_pipeline(two, world_size=2, dp=bad)
+    with pytest.raises(PlanError, match="dp=2 pipelines of 2 ranks need 4 processes but world size is 2"):
+        check_pipeline(two, world_size=2, dp=2)
+    with pytest.raises(PlanError, match="not divisible by dp=2 x 2 micro-batches = 4"):
+        check_pipeline(two, world_size=4, dp=2, batch_size=6)
 
 
 def test_split_batch_and_loss_weights():
@@ -420,6 +430,7 @@ def test_split_batch_and_loss_weights():
     assert w.tolist() == pytest.approx([2 / 5, 0, 2 / 5, 1 / 5])
     assert loss_weights((x,), ("x",)).tolist() == [0.25] * 4
     assert loss_weights((x, labels), ("x", "labels"), "rows").tolist() == [0.25] * 4
+    assert loss_weights((x, torch.tensor([3, 1, 0, 2])), ("x", "labels")).tolist() == [0.25] * 4  # class labels: rows
     with pytest.raises(InputError, match="no labelled token"):
         loss_weights((x, torch.full((4, 3), -100)), ("x", "labels"))
 
@@ -592,3 +603,211 @@ def test_adamw_steps_through_the_pipeline_match_the_unsplit_model(one_rank_group
         assert float(mine["step"]) == float(theirs["step"]) == 3.0, name
         for key in ("exp_avg", "exp_avg_sq"):
             assert float((mine[key] - theirs[key]).abs().max()) <= TOL, (name, key)
+
+
+def _unsplit_loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    import copy
+
+    return _reference(copy.deepcopy(model), batch)
+
+
+def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_group, mixed_two_stages_one_rank):
+    """The mesh path of build_pipeline on a (dp=1, pp=1) mesh: one replica, no data parallelism, and
+    one step gives the unsplit model's loss and gradients. Wrong ways to call it are named."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.runtime import build_pipeline
+
+    model, batch, plan = mixed_two_stages_one_rank
+    model = copy.deepcopy(model)
+    result = compile_for_microbatches(model, batch, plan)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp"))
+    pipe = build_pipeline(result, mesh=mesh)
+    assert (pipe.rank, pipe.world_size, pipe.dp_rank, pipe.dp_size) == (0, 1, 0, 1)
+    assert pipe.dp_group is None and pipe.dp_shard is None and pipe.tied == ()
+    assert pipe.stage_indices == (0, 1) and pipe.has_first and pipe.has_last
+    text = repr(pipe)  # for a person: no modules, schedule, tensors or groups
+    assert not [w for w in (" modules=", " stages=", " in_spec=", " state=", " tied=", " dp_group=", "Schedule", "TreeSpec",
+                            "Parameter", "tensor(") if w in text]
+    assert len(text) < 2000 and "stage_indices=(0, 1)" in text
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pipe.rank = 1  # type: ignore[misc]
+    fields = {f.name: getattr(pipe, f.name) for f in dataclasses.fields(pipe)}
+    with pytest.raises(TypeError):
+        type(pipe)(*fields.values())  # keyword-only
+    bare = type(pipe)(**{k: v for k, v in fields.items() if not k.startswith("dp_")})
+    assert (bare.dp_rank, bare.dp_size, bare.dp_group, bare.dp_shard) == (0, 1, None, None)
+    ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
+    # Tied records as _tied_parameters makes them, over a group of this one rank: a held parameter (its
+    # gradient summed over one rank: unchanged), one without a gradient yet (zeros), a buffer (skipped).
+    import torch.distributed as dist
+
+    from omnibal_compile.runtime import TiedParameter
+
+    name = next(n for n, t in pipe.state.items() if isinstance(t, torch.nn.Parameter))
+    spare = torch.nn.Parameter(torch.ones(3))
+    pipe = dataclasses.replace(pipe, tied=(
+        TiedParameter(names=(name,), ranks=(0,), group=dist.new_group([0]), param=pipe.state[name]),
+        TiedParameter(names=("spare",), ranks=(0,), group=dist.new_group([0]), param=spare),
+        TiedParameter(names=("buffer",), ranks=(0,), group=dist.new_group([0]), param=None),
+    ))
+    loss = pipe.step(batch)
+    assert loss is not None and abs(loss - ref_loss) <= TOL
+    assert spare.grad is not None and spare.grad.tolist() == [0.0] * 3
+    grads = {n: g for n, g in pipe.named_grads().items() if g is not None}
+    assert set(grads) <= set(ref_grads) and set(pipe.named_grads()) == set(ref_grads)
+    for n, g in grads.items():
+        assert float((g - ref_grads[n]).abs().max()) <= TOL, n
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+    full = pipe.full_state()
+    assert set(full) == set(model.state_dict()) and all(not t.requires_grad for t in full.values())
+    with pytest.raises(InputError, match="not both"):
+        build_pipeline(result, mesh=mesh, rank=0, world_size=1)
+    with pytest.raises(InputError, match="not both"):
+        build_pipeline(result, rank=0)
+    with pytest.raises(InputError, match=r"dims \('dp', 'pp'\)"):
+        build_pipeline(result, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp")))
+    with pytest.raises(InputError, match="weighting"):
+        build_pipeline(result, rank=0, world_size=1, weighting="mean")
+    with pytest.raises(InputError, match="dp_shard"):
+        build_pipeline(result, rank=0, world_size=1, dp_shard="zero")
+    with pytest.raises(InputError, match="out of range"):
+        rank_stages(plan, 1)
+    with pytest.raises(PlanError, match="needs 1 ranks .* but world size is 2"):
+        build_pipeline(result, rank=0, world_size=2)
+
+
+def test_a_tied_parameter_record_is_frozen_keyword_only_and_prints_no_group_or_tensor():
+    from omnibal_compile.runtime import TiedParameter
+
+    t = TiedParameter(names=("embed.weight", "head.weight"), ranks=(0, 1), group="GROUP", param=torch.nn.Parameter(torch.ones(2)))
+    assert repr(t) == "TiedParameter(names=('embed.weight', 'head.weight'), ranks=(0, 1))"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.ranks = (0,)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        TiedParameter(("a",), (0, 1), None, None)  # type: ignore[misc]
+
+
+def test_tied_parameters_get_a_group_of_their_holders_and_the_held_copy(one_rank_group):
+    """Pipeline rank 0 of one replica holds a parameter shared under one name and a buffer shared under two."""
+    from omnibal_compile.runtime.pipeline import _tied_parameters
+
+    w, buf = torch.nn.Parameter(torch.ones(2)), torch.zeros(2)
+    tied = _tied_parameters([(("w",), (0,)), (("b1", "b2"), (0,))], 0, [[0]], 0, {"w": w, "b1": buf, "b2": buf})
+    assert [(t.names, t.ranks) for t in tied] == [(("w",), (0,)), (("b1", "b2"), (0,))]
+    assert tied[0].param is w and tied[0].group is not None
+    assert tied[1].param is None and tied[1].group is not None  # a buffer: no gradient to sum
+
+
+def test_stages_on_one_rank_that_share_a_parameter_cannot_be_data_parallel():
+    from omnibal_compile.runtime.pipeline import _check_stage_params_disjoint
+
+    shared = torch.nn.Linear(2, 2)
+    a, b = torch.nn.Sequential(shared), torch.nn.Sequential(torch.nn.Linear(2, 2), shared)
+    _check_stage_params_disjoint([a, torch.nn.Linear(2, 2)], [0, 2])
+    with pytest.raises(InputError, match="stages 0 and 2 on one rank share a parameter"):
+        _check_stage_params_disjoint([a, b], [0, 2])
+
+
+@pytest.mark.parametrize("dp_shard", ["fsdp", "ddp"])
+def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_rank_group, mixed_two_stages_one_rank,
+                                                                         dp_shard):
+    """One stage made data-parallel over a one-rank dp mesh: the stage and each recompute region with
+    parameters are units of their own, and the stage's gradients are the plain module's (a sum over
+    one rank, divided by 1)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
+    from omnibal_compile.runtime.pipeline import _make_data_parallel
+
+    model, batch, plan = mixed_two_stages_one_rank
+    result = compile_for_microbatches(copy.deepcopy(model), batch, plan)
+    stage = apply_recompute(result.stages[1], result.graph, plan)  # the last stage: it returns the loss
+    plain = copy.deepcopy(stage)
+    regions = {n for n, m in stage.named_modules() if isinstance(m, CheckpointedRegion)
+               and next(m.parameters(), None) is not None}
+    assert len(regions) >= 2
+    inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in result.captured.example_flat_inputs]
+    with torch.no_grad():
+        values = result.stages[0](*inputs)
+    values = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
+    loss_index = next(i for i, v in enumerate(plain(*values)) if isinstance(v, torch.Tensor) and v.dim() == 0)
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    assert _make_data_parallel(stage, mesh, dp_shard, reshard_after_forward=True) is stage
+    assert {n for n, m in stage.named_modules() if isinstance(m, FSDPModule)} == regions | {""}
+    plain(*values)[loss_index].backward()
+    stage(*values)[loss_index].backward()
+    want = {n: p.grad for n, p in plain.named_parameters()}
+    for n, p in stage.named_parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0) if dp_shard == "fsdp" else Replicate(),), n
+        g = p.grad.full_tensor() if want[n] is not None else p.grad
+        assert (g is None) == (want[n] is None), n
+        if g is not None:
+            assert float((g - want[n]).abs().max()) <= TOL, n
+    with pytest.raises(InputError, match="dp_shard"):
+        _make_data_parallel(copy.deepcopy(plain), mesh, "zero", reshard_after_forward=True)
+
+
+def test_a_tied_model_in_one_stage_on_one_rank_matches_the_unsplit_model(one_rank_group, tiny_llama):
+    """A Hugging Face causal LM with tied embedding and head, one stage (both names of the tied weight in
+    one module, outputs holding Nones) on one rank: its loss and gradients, each tied name included."""
+    import copy
+
+    from omnibal_compile.runtime import build_pipeline
+
+    model = copy.deepcopy(tiny_llama[0])
+    batch = _llama_batch()
+    graph = oc.optimize(model, {k: v[:1] for k, v in batch.items()}, num_stages=1).graph
+    plan = dataclasses.replace(uniform(graph, 1), schedule="gpipe", num_microbatches=2)
+    pipe = build_pipeline(compile_for_microbatches(model, batch, plan), rank=0, world_size=1)
+    ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
+    tied = [n for n in ref_grads if n.endswith("embed_tokens.weight") or n == "lm_head.weight"]
+    assert len(tied) == 2 and pipe.state[tied[0]] is pipe.state[tied[1]] and pipe.tied == ()
+    assert (pipe.rank, pipe.world_size, pipe.dp_rank, pipe.dp_size, pipe.dp_group, pipe.dp_shard) == (0, 1, 0, 1, None, None)
+    loss = pipe.step(batch)
+    assert loss is not None and abs(loss - ref_loss) <= TOL
+    grads = pipe.named_grads()
+    assert set(grads) == set(ref_grads)
+    for n, g in grads.items():
+        assert float((g - ref_grads[n]).abs().max()) <= TOL, n
+
+
+class _OutputThenLoss(torch.nn.Module):
+    """Returns (its output, the mean squared error): the loss is not the first output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x, torch.nn.functional.mse_loss(x, y)
+
+
+def test_the_pipeline_trains_on_the_loss_output_when_it_is_not_the_first(one_rank_group):
+    """A loss that is a mean over rows, returned after a tensor output: the step's loss and gradients
+    are the unsplit model's (two interleaved stages on one rank)."""
+    from omnibal_compile.runtime import build_pipeline
+
+    torch.manual_seed(0)
+    model = _OutputThenLoss()
+    batch = {"x": torch.randn(4, 4), "y": torch.randn(4, 4)}
+    graph = oc.optimize(model, {k: v[:1] for k, v in batch.items()}, num_stages=1).graph
+    plan = dataclasses.replace(uniform(graph, 2), schedule="interleaved", num_microbatches=2, virtual_stages=2)
+    pipe = build_pipeline(compile_for_microbatches(model, batch, plan), rank=0, world_size=1, weighting="rows")
+    ref_loss = model(**batch)[1]
+    ref_grads = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(ref_loss, list(model.parameters()))))
+    loss = pipe.step(batch)
+    assert loss is not None and abs(loss - float(ref_loss)) <= TOL
+    grads = pipe.named_grads()
+    assert set(grads) == set(ref_grads)
+    for n, g in grads.items():
+        assert float((g - ref_grads[n]).abs().max()) <= TOL, n

@@ -227,13 +227,9 @@ def test_recompute_tie_break_never_outweighs_a_faster_plan(solver):
 
 
 def _warm_plan(P):
-    """A feasible plan that is not optimal: the DP's cuts moved by one where possible, every block recomputed in full."""
-    best = solve_ilp(P, time_limit=30)
-    for b in itertools.combinations(range(1, P.n), P.num_stages - 1):
-        sol = evaluate(P, (0, *b, P.n), ["full"] * P.n)
-        if sol.feasible and sol.boundaries != best.boundaries:
-            return sol
-    raise AssertionError("no other feasible plan")
+    """The slowest feasible plan with every block recomputed in full: no solver reaches it on its own."""
+    plans = [evaluate(P, (0, *b, P.n), ["full"] * P.n) for b in itertools.combinations(range(1, P.n), P.num_stages - 1)]
+    return max((sol for sol in plans if sol.feasible), key=lambda sol: sol.iteration_time)
 
 
 @pytest.mark.parametrize("schedule,S,v", [("1f1b", 2, 1), ("gpipe", 3, 1), ("interleaved", 4, 2)])
@@ -665,3 +661,14 @@ def test_the_tie_break_weighs_each_recomputed_block():
     assert len(set(counts.values())) >= 2  # the intervals recompute different numbers of blocks
     for key, var in pm.z.items():
         assert solved.get(var, 0) - plain.get(var, 0) == pytest.approx(TIE_WEIGHT * counts[key]), key
+
+
+def test_the_model_fixes_at_0_a_choice_over_the_whole_budget():
+    """Budget 0 bytes: a block's none option alone (2**32 bytes) is over it, so its variable is fixed at 0
+    (and left out of the row); the options that hold nothing remain."""
+    P = problem([(7.0, 7.5, 21.0), (9.5, 9.5, 19.0)], [(2**32, 0, 0), (2**32, 0, 0)], S=2, budget=(0.0, 0.0))
+    lo, hi = _stage_windows(P, None)
+    model = _joint_model(P, lo, hi, None, upper_bound=None)
+    assert all(var.upBound == 0 for (i, s, o), var in model.w.items() if o == 0)
+    assert _fixed_objective(model, (0, 1), (0, 1)) is None
+    assert _fixed_objective(model, (0, 1), (1, 1)) == pytest.approx(7.5 + 9.5)

@@ -352,7 +352,7 @@ def _joint_model(
             for var, c in share.items():
                 if c > 1:
                     var.upBound = 0
-            fits = pulp.LpAffineExpression([(var, c) for var, c in share.items() if 0 < c <= 1])
+            fits = pulp.LpAffineExpression([(var, c) for var, c in share.items() if 0 < c <= 1], constant=share.constant)
             if fits:
                 prob += fits <= 1, f"memory_{s}"
     Tmax = pulp.LpVariable("Tmax", lowBound=0)

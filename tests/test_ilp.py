@@ -313,6 +313,9 @@ def test_zero_work_problem_reports_a_zero_objective():
     assert sol.iteration_time == 0 and sol.extra["objective"] == 0
     Q = problem([(0, 0, 0)] * 4, S=4, M=4, schedule="interleaved", v=2)
     assert solve_ilp(Q).extra["objective"] == 0
+    # 1F1B with 3 micro-batches weighs the bottleneck twice more: still 0 (no stage time is held above 0)
+    R = problem([(0, 0, 0)] * 3, S=3, M=3, schedule="1f1b")
+    assert solve_ilp(R).extra["objective"] == 0
     # bounded by a DP optimum of 0: a stage-time bound of 0 prunes nothing (no division by it)
     for R in (P, Q):
         assert solve_ilp(R, upper_bound=0.0).iteration_time == 0
@@ -672,3 +675,14 @@ def test_the_model_fixes_at_0_a_choice_over_the_whole_budget():
     assert all(var.upBound == 0 for (i, s, o), var in model.w.items() if o == 0)
     assert _fixed_objective(model, (0, 1), (0, 1)) is None
     assert _fixed_objective(model, (0, 1), (1, 1)) == pytest.approx(7.5 + 9.5)
+
+
+@pytest.mark.parametrize("budget", [None, 100])
+def test_an_option_as_fast_as_another_and_larger_is_never_chosen(budget):
+    """Block 1's selective recomputation is as fast as keeping everything and holds less: keeping
+    everything is dominated, has no variable, and is not the plan even though it recomputes nothing."""
+    P = problem([(1, 1.5, 2), (2, 2, 3), (1, 1.5, 2)], [(4, 0, 0), (6, 1, 0), (4, 0, 0)], S=2, M=2, schedule="1f1b",
+                budget=() if budget is None else budget)
+    lo, hi = _stage_windows(P, None)
+    assert _joint_model(P, lo, hi, None, upper_bound=None).useful[1] == [1, 2]
+    assert solve_ilp(P, time_limit=30).recompute[1] == "selective"

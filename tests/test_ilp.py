@@ -48,22 +48,15 @@ def problem(time, act=None, *, S=2, M=1, schedule="gpipe", budget=(), static=Non
     )
 
 
-@given(problems(max_n=5).filter(memory_bound))
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-def test_cold_ilp_matches_brute_force_when_memory_decides(P):
+@pytest.mark.parametrize("solver", ["auto", "cbc"])
+@given(P=problems(max_n=5).filter(memory_bound))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+def test_cold_ilp_matches_brute_force_when_memory_decides(solver, P):
     """Memory-bound, multi-stage problems: the ILP alone (no bound, no warm start) finds the optimum."""
     oracle = brute_force(P)
-    ilp = solve_ilp(P, time_limit=30, gap=1e-9)
+    ilp = solve_ilp(P, time_limit=30, gap=1e-9, solver=solver)
     assert ilp.feasible and close(ilp.iteration_time, oracle.iteration_time), (ilp, oracle)
     assert close(ilp.extra["objective"], ilp.iteration_time)
-
-
-@given(problems(max_n=5).filter(memory_bound))
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-def test_cold_ilp_with_cbc_matches_brute_force(P):
-    oracle = brute_force(P)
-    ilp = solve_ilp(P, time_limit=30, gap=1e-9, solver="cbc")
-    assert ilp.feasible and close(ilp.iteration_time, oracle.iteration_time), (ilp, oracle)
 
 
 @given(problems(max_n=5, schedules=("interleaved",), virtual=(1, 2)).filter(lambda P: brute_force(P) is not None))

@@ -216,16 +216,7 @@ def solve_ilp(
     boundaries, recompute = _read(w, n, S, opts)
     if frontiers is not None:  # under a budget: decide each stage's fit exactly, not within tolerance
         recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
-    return evaluate(
-        original,
-        boundaries,
-        recompute,
-        planner="ilp",
-        status=note,
-        solve_seconds=time.perf_counter() - start,
-        gap=found_gap,
-        extra={"solver": type(make_solver(solver)).__name__, "objective": (pulp.value(objective) or 0.0) * unit},
-    )
+    return _solution(original, boundaries, recompute, note, found_gap, start, solver, (pulp.value(objective) or 0.0) * unit)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -381,6 +372,15 @@ def _joint_model(
         prob += objective
     return _JointModel(prob=prob, w=w, z=z, T=T, Tmax=Tmax, D=D, objective=objective, useful=useful, frontiers=frontiers)
 
+def _solution(
+    problem: PartitionProblem, boundaries: Sequence[int], recompute: Sequence[str], status: str, gap: float | None,
+    start: float, solver: str, objective: float,
+) -> Solution:
+    """The plan the ILP found, evaluated exactly on the original problem, with what the solver reported."""
+    return evaluate(problem, boundaries, recompute, planner="ilp", status=status, solve_seconds=time.perf_counter() - start,
+                    gap=gap, extra={"solver": type(make_solver(solver)).__name__, "objective": objective})
+
+
 def _status_note(status: str, found_gap: float | None) -> str:
     if found_gap is None or found_gap <= 1e-6:
         return status
@@ -441,16 +441,8 @@ def _solve_paths(
     found_gap = _gap(prob, solver)
     boundaries = [0] + [k[1] for k in chosen]
     recompute = [OPTIONS[o] for key in chosen for o in vectors[key]]
-    return evaluate(
-        original,
-        boundaries,
-        recompute,
-        planner="ilp",
-        status=_status_note(status, found_gap),
-        solve_seconds=time.perf_counter() - start,
-        gap=found_gap,
-        extra={"solver": type(make_solver(solver)).__name__, "objective": (pulp.value(objective) or 0.0) * unit},
-    )
+    return _solution(original, boundaries, recompute, _status_note(status, found_gap), found_gap, start, solver,
+                     (pulp.value(objective) or 0.0) * unit)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

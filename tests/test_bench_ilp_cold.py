@@ -1,0 +1,46 @@
+"""bench/ilp_cold.py: the cold ILP against the DP and brute force on drawn problems."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def ilp_cold():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import ilp_cold
+    finally:
+        sys.path.remove(str(BENCH))
+    return ilp_cold
+
+
+@pytest.mark.parametrize("extra", [[], ["--interleaved"]])
+def test_a_short_run_compares_and_reports(ilp_cold, capsys, extra):
+    assert ilp_cold.main(["--draws", "15", *extra]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("15 problems drawn (") and "0 where the cold ILP (auto) differs" in out
+
+
+def test_a_mismatch_is_printed_and_fails_the_run(ilp_cold, capsys, monkeypatch):
+    """A planted wrong ILP (every plan 1% slower) is reported on every draw that has a plan."""
+    import dataclasses
+
+    from omnibal_compile.solver import ilp
+
+    real = ilp.solve_ilp
+    monkeypatch.setattr("omnibal_compile.solver.solve_ilp",
+                        lambda P, **kw: dataclasses.replace(real(P, **kw), iteration_time=real(P, **kw).iteration_time * 1.01))
+    assert ilp_cold.main(["--draws", "5"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("MISMATCH") == 5 and "5 where the cold ILP (auto) differs" in out
+
+
+def test_bad_draw_count_is_refused(ilp_cold):
+    with pytest.raises(SystemExit):
+        ilp_cold.main(["--draws", "0"])

@@ -120,6 +120,12 @@ def make_solver(name: str = "auto", *, time_limit: float | None = None, gap: flo
                         sol.value_valid = True
                         lp.solverModel.setSolution(sol)
                     lp.solverModel.run()
+                    if lp.solverModel.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
+                        # HiGHS's presolve calls some feasible models infeasible, e.g. a plan that
+                        # fills a stage's memory to within the budget's 1e-9 allowance
+                        # (tests/test_ilp.py); without presolve they solve. Only such a model pays twice.
+                        lp.solverModel.setOptionValue("presolve", "off")
+                        lp.solverModel.run()
 
             return WarmHiGHS(msg=msg, timeLimit=time_limit, gapRel=gap, gapAbs=0.0)
         except ImportError:

@@ -36,6 +36,7 @@ KINDS: dict[str, str] = {
     "cost_stability.py": "measured on this CPU (repeated cost passes: plan and predicted iteration time run to run)",
     "gpu_check.sh": "measured on a GPU (kernels, cost pass vs roofline, optimize and parity on CUDA)",
     "data_balance.py": "measured (balance metrics on the real length statistics; balancer run times on this CPU)",
+    "ilp_cold.py": "measured (the ILP without the DP's bound against the DP or brute force on drawn problems)",
     "lengths_speed.py": "measured on this CPU (the lengths command on a synthetic LLaVA-style dataset)",
     "mutation.py": "measured (mutation testing: planted bugs the covering tests catch; sampled modules only)",
     "pipeline_cpu.py": "measured (real pipeline runs on local CPU ranks)",

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import bench_scripts
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-RUN = BENCH / "runs" / "ablation_cpu.json"
+RUN = bench_scripts.BENCH / "runs" / "ablation_cpu.json"
 
 
 @pytest.fixture(scope="module")
 def ablation():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import ablation_cpu
-    finally:
-        sys.path.remove(str(BENCH))
-    return ablation_cpu
+    return bench_scripts.load("ablation_cpu")
 
 
 def worst_sim_error(ablation, record: dict) -> float:

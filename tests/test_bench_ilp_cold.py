@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import bench_scripts
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.fixture(scope="module")
 def ilp_cold():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import ilp_cold
-    finally:
-        sys.path.remove(str(BENCH))
-    return ilp_cold
+    return bench_scripts.load("ilp_cold")
 
 
 @pytest.mark.parametrize("extra", [[], ["--interleaved"]])

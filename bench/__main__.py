@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from omnibal_compile.studies.bench_all import run_all
+from bench.studies.bench_all import run_all
 
 
 def main() -> int:

@@ -5,7 +5,7 @@
 #   2. the cost pass on CUDA vs the h200 roofline per block, on a reference VLM at realistic widths,
 #      with the roofline's calibration factors fitted and the error before and after;
 #   3. optimize() with Triton kernels and the stage chain's parity with the unsplit model, on CUDA
-#      (2 and 3: python -m omnibal_compile.studies.gpu_check, at most 150 s).
+#      (2 and 3: python -m bench.studies.gpu_check, at most 150 s).
 #
 #   bash bench/gpu_check.sh [--out DIR]     # results in DIR, else $OUT (the device tool's folder), else bench/results/gpu_check
 #   bash bench/gpu_check.sh --dry-run       # no GPU: the same checks on the CPU at tiny sizes (what CI runs)
@@ -48,7 +48,7 @@ else
 fi
 
 echo "## cost pass vs roofline, calibration fit, optimize() and stage-chain parity" | tee -a "$LOG"
-timeout 150 "$PY" -m omnibal_compile.studies.gpu_check --out "$DEST" $([ $DRY -eq 1 ] && echo --dry-run) 2>&1 | tee -a "$LOG"
+timeout 150 "$PY" -m bench.studies.gpu_check --out "$DEST" $([ $DRY -eq 1 ] && echo --dry-run) 2>&1 | tee -a "$LOG"
 model_rc=${PIPESTATUS[0]}
 
 echo "kernels exit $kernels_rc, model checks exit $model_rc; $(( $(date +%s) - start )) s; results in $DEST" | tee -a "$LOG"

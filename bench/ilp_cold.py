@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from test_solver import brute_force, problems
 
     from omnibal_compile import PlanError
-    from omnibal_compile.solver import solve_dp, solve_ilp
+    from omnibal_compile.planning import solve_dp, solve_ilp
 
     strategy = problems(max_n=5, schedules=("interleaved",), virtual=(1, 2)) if args.interleaved else problems()
     seen = {"draws": 0, "compared": 0, "mismatches": 0}

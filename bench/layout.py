@@ -4,9 +4,9 @@
     python bench/layout.py --quick         # micro-batches of 1 and 4 samples
     python bench/layout.py --devices 128 --rows 40
 
-Nothing here runs a model: block costs are analytic (``omnibal_compile.models.analytic``) on the
+Nothing here runs a model: block costs are analytic (``omnibal_compile.costs.analytic``) on the
 A100-80GB roofline for micro-batches of b mean samples of the bundled length statistics
-(``omnibal_compile.studies.paper_layout``). For each device count, ``omnibal_compile.layout.search_layout``
+(``bench.studies.paper_layout``). For each device count, ``omnibal_compile.planning.layout.search_layout``
 lists every layout (pipeline depth PP x data parallelism DP, 1F1B or interleaved with 2 chunks,
 FSDP / FSDP kept gathered / DDP, micro-batch size), plans the promising ones and simulates them;
 stages talk over NVLink inside 8-GPU nodes and replicas over InfiniBand across them. Global batch
@@ -24,10 +24,15 @@ from __future__ import annotations
 import argparse
 import time
 
-from omnibal_compile.devices import A100_80G
-from omnibal_compile.layout import search_layout
-from omnibal_compile.models.analytic import INTERNVL_6B_20B
-from omnibal_compile.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, paper_layout_times, sample_costs
+from omnibal_compile.costs.devices import A100_80G
+from omnibal_compile.planning.layout import search_layout
+from omnibal_compile.costs.analytic import INTERNVL_6B_20B
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies lives in the checkout, not the wheel
+
+from bench.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, paper_layout_times, sample_costs
 
 
 def paper_layout(costs, budget: float) -> tuple[float, str]:

@@ -77,26 +77,26 @@ _RECOMPUTE_RUNTIME = "tests/test_runtime.py::test_build_pipeline_runs_each_block
 """The recompute pass applied through ``build_pipeline``, one rank in the test's process."""
 
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "problem": ("omnibal_compile/solver/problem.py", (*_SOLVER_TESTS, "tests/test_interleaved.py", "tests/test_problem.py")),
+    "problem": ("omnibal_compile/planning/problem.py", (*_SOLVER_TESTS, "tests/test_interleaved.py", "tests/test_problem.py")),
     # the tie-break's frontiers with slack (dp.py's grid and near-optimal points) are run only by test_ties
-    "dp": ("omnibal_compile/solver/dp.py", (*_SOLVER_TESTS, "tests/test_ties.py", "--deselect",
+    "dp": ("omnibal_compile/planning/dp.py", (*_SOLVER_TESTS, "tests/test_ties.py", "--deselect",
                                             "tests/test_ties.py::test_two_cost_passes_on_cpu_give_the_demo_the_same_plan")),
-    "ilp": ("omnibal_compile/solver/ilp.py", ("tests/test_ilp.py", *_SOLVER_TESTS, "tests/test_interleaved.py")),
-    "interleaved": ("omnibal_compile/solver/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
-    "baselines": ("omnibal_compile/solver/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py", "tests/test_baselines.py")),
-    "explain": ("omnibal_compile/solver/explain.py", (*_SOLVER_TESTS, "tests/test_explain.py")),
-    "solver": ("omnibal_compile/solver/__init__.py", (*_SOLVER_TESTS, "tests/test_planners.py", "tests/test_interleaved.py")),
+    "ilp": ("omnibal_compile/planning/ilp.py", ("tests/test_ilp.py", *_SOLVER_TESTS, "tests/test_interleaved.py")),
+    "interleaved": ("omnibal_compile/planning/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
+    "baselines": ("omnibal_compile/planning/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py", "tests/test_baselines.py")),
+    "explain": ("omnibal_compile/planning/explain.py", (*_SOLVER_TESTS, "tests/test_explain.py")),
+    "solver": ("omnibal_compile/planning/__init__.py", (*_SOLVER_TESTS, "tests/test_planners.py", "tests/test_interleaved.py")),
     "sampler": ("omnibal_compile/data/sampler.py", ("tests/test_data_sampler.py",)),
     "packing": ("omnibal_compile/data/packing.py", ("tests/test_data_balance.py", "tests/test_data_sampler.py")),
     "metrics": ("omnibal_compile/data/metrics.py", ("tests/test_data_balance.py",)),
     "balance": ("omnibal_compile/data/balance.py", ("tests/test_data_balance.py", "tests/test_data_balance_steps.py")),
     "collate": ("omnibal_compile/data/collate.py", ("tests/test_data_collate.py",)),
-    "recompute": ("omnibal_compile/passes/recompute.py", (_RECOMPUTE_RUNTIME, "tests/test_recompute.py")),
-    "recompute_policy": ("omnibal_compile/passes/recompute_policy.py", ("tests/test_recompute.py",)),
-    "codegen": ("omnibal_compile/passes/codegen.py", ("tests/test_codegen.py",)),
-    "partition": ("omnibal_compile/passes/partition.py", ("tests/test_partition.py",)),
+    "recompute": ("omnibal_compile/compile/recompute.py", (_RECOMPUTE_RUNTIME, "tests/test_recompute.py")),
+    "recompute_policy": ("omnibal_compile/compile/recompute_policy.py", ("tests/test_recompute.py",)),
+    "codegen": ("omnibal_compile/compile/codegen.py", ("tests/test_codegen.py",)),
+    "partition": ("omnibal_compile/planning/build.py", ("tests/test_partition.py",)),
     "simulate": ("omnibal_compile/sim/simulate.py", ("tests/test_sim.py",)),
-    "schedule": ("omnibal_compile/schedule.py", ("tests/test_schedule.py",)),
+    "schedule": ("omnibal_compile/ir/schedule.py", ("tests/test_schedule.py",)),
     "pipeline": ("omnibal_compile/runtime/pipeline.py", ("tests/test_runtime.py",)),
 }
 """Module name -> (source file, the pytest arguments that run the tests covering it: files, node ids, ``-k``)."""
@@ -635,7 +635,7 @@ STATUSES = ("killed", "timeout", "survived", "not covered", "equivalent")
 
 # -- the report -------------------------------------------------------------------------------------
 def summary_table(reports: list[dict]) -> str:
-    from omnibal_compile.tables import format_table
+    from omnibal_compile._utils.tables import format_table
 
     rows = [["module", "sites", "mutants", "killed", "timed out", "survived", "not covered", "equivalent",
              "killed (non-equiv.)", "minutes"]]
@@ -689,7 +689,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     names = args.module or list(MODULES)
     if args.list:
-        from omnibal_compile.tables import format_table
+        from omnibal_compile._utils.tables import format_table
 
         rows = [["module", "source", "sites", "tests"]]
         rows += [[n, MODULES[n][0], str(len(find_mutants(MODULES[n][0]))), " ".join(MODULES[n][1])] for n in names]

@@ -4,10 +4,10 @@
     python bench/paper_scale.py --quick          # 200k samples, same configurations
     python bench/paper_scale.py --no-compiled    # the analytic cost tables only
 
-Nothing here runs a model: block costs are analytic (``omnibal_compile.models.analytic``) on the
-A100-80GB roofline of ``omnibal_compile.devices``, the data are the bundled real length statistics
+Nothing here runs a model: block costs are analytic (``omnibal_compile.costs.analytic``) on the
+A100-80GB roofline of ``omnibal_compile.costs.devices``, the data are the bundled real length statistics
 (InternVL-1.2 mix) resampled with replacement and re-tiled to InternVL-1.5's limits, and every
-epoch time comes from the vectorised pipeline replay of ``omnibal_compile.studies.paper_scale``
+epoch time comes from the vectorised pipeline replay of ``bench.studies.paper_scale``
 (per micro-batch costs, data-parallel collectives, slowest data-parallel rank per step).
 
 Each model is ablated against every baseline split (uniform layers, parameter-balanced, ViT on
@@ -16,7 +16,7 @@ chains: the paper's steps (ISF, its search partition, one recompute option per s
 (our balancer, ILP partition, per-block recompute). The assumptions are printed first.
 
 Each model's ablation then runs a second time on cost tables the compiler produced from Hugging
-Face model code (``omnibal_compile.studies.compiled_costs``: InternVL's and LLaVA's HF classes at the
+Face model code (``bench.studies.compiled_costs``: InternVL's and LLaVA's HF classes at the
 models' widths, 3 layers per stack, on the meta device in bf16, costed for the same A100 roofline at
 8 micro-batch shapes and fitted per block type), printed next to the analytic rows with the
 difference between the two tables named per block type.
@@ -32,8 +32,13 @@ import time
 import numpy as np
 
 from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, bundled_length_files, load_lengths
-from omnibal_compile.models.analytic import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B
-from omnibal_compile.studies.paper_scale import (
+from omnibal_compile.costs.analytic import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies lives in the checkout, not the wheel
+
+from bench.studies.paper_scale import (
     CLOSEST,
     PAPER_GPU_DAYS,
     SPLITS,
@@ -48,7 +53,7 @@ from omnibal_compile.studies.paper_scale import (
     run_ablation,
     vit_first_setup,
 )
-from omnibal_compile.tables import format_table
+from omnibal_compile._utils.tables import format_table
 
 ASSUMPTIONS = """\
 assumptions (every figure below is SIMULATED):
@@ -145,7 +150,7 @@ def main() -> int:
 
     def compiled_rows(data: LengthStats, setup: Setup, tag: str, analytic: list, paper: tuple = ()) -> None:
         """The same ablation on compiler-produced tables, printed next to the analytic rows."""
-        from omnibal_compile.studies.compiled_costs import compile_costs, format_difference
+        from bench.studies.compiled_costs import compile_costs, format_difference
 
         costs = compile_costs(setup.model, device=setup.device)
         csetup = dataclasses.replace(setup, costs=costs)

@@ -8,7 +8,7 @@ image tokens through narrow ViT layers, few text tokens through wide LLM layers)
 
 Planners: ``uniform`` and ``parameters`` (no costs); ``measured`` (the exact min-max split of the
 blocks' profiled forward+backward time on this machine, from the cost pass); any other planner of
-``omnibal_compile.solver.PLANNERS`` (``ilp``, ...) on the profiled cost table through
+``omnibal_compile.planning.PLANNERS`` (``ilp``, ...) on the profiled cost table through
 ``plan_with_costs``. The first planner listed is the baseline of the ratios.
 
     python bench/pipeline_cpu.py                      # default: 10 steps per plan
@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 
 import omnibal_compile as oc
-from omnibal_compile.cost_table import CostTable
+from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-from omnibal_compile.passes import partition
-from omnibal_compile.passes.blocks import BlockGraph
-from omnibal_compile.passes.cost import annotate_costs
-from omnibal_compile.passes.partition import min_max_partition
-from omnibal_compile.plan import Plan
-from omnibal_compile.schedule import Schedule
-from omnibal_compile.solver import PLANNERS
+from omnibal_compile.planning import build as partition
+from omnibal_compile.compile.blocks import BlockGraph
+from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.planning.build import min_max_partition
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.planning import PLANNERS
 from omnibal_compile.runtime.launch import RunConfig, launch
 
 CONFIG = TinyVLMConfig(

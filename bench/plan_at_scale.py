@@ -4,7 +4,7 @@ For LLaVA-1.5-7B/13B-shaped models and a 6B ViT (48 layers) in front of a 20B- o
 all ``LlavaForConditionalGeneration`` built from configs this script writes, it prints the time of
 capture, costing and planning, the peak memory of the process (each model in a fresh one), the plan
 summary, and the compiler's per-layer-type costs next to the analytic formulas of
-``omnibal_compile.models.analytic`` (with ``kernels="eager"``, the formulas for Hugging Face's
+``omnibal_compile.costs.analytic`` (with ``kernels="eager"``, the formulas for Hugging Face's
 unfused code, and the default ``fused`` ones, Megatron's kernels).
 
     python bench/plan_at_scale.py                  # every model (a few minutes)
@@ -107,7 +107,7 @@ def run_one(name: str) -> dict:
     import torch
 
     import omnibal_compile as oc
-    from omnibal_compile.commands.plan import load_model
+    from omnibal_compile.cli.plan import load_model
     from omnibal_compile.models import analytic as an
 
     m = MODELS[name]

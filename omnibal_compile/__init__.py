@@ -3,7 +3,7 @@
 Capture a model into an FX graph, group it into blocks, plan pipeline cut points, and emit one
 module per stage that together reproduce the original model exactly.
 
-The public names load on first use (PEP 562): ``import omnibal_compile.solver``, ``.sim`` or
+The public names load on first use (PEP 562): ``import omnibal_compile.planning``, ``.sim`` or
 ``.costs`` does not import torch, and the command line answers ``--help`` without it.
 """
 
@@ -20,10 +20,10 @@ _LAZY: dict[str, str] = {
     "optimize": "omnibal_compile.api",
     "OptimizeResult": "omnibal_compile.api",
     "ParityReport": "omnibal_compile.api",
-    "StageInfo": "omnibal_compile.passes.codegen",
-    "stage_info": "omnibal_compile.passes.codegen",
-    "Plan": "omnibal_compile.plan",
-    "StagePlan": "omnibal_compile.plan",
+    "StageInfo": "omnibal_compile.compile.codegen",
+    "stage_info": "omnibal_compile.compile.codegen",
+    "Plan": "omnibal_compile.ir.plan",
+    "StagePlan": "omnibal_compile.ir.plan",
     "simulate": "omnibal_compile.sim",
     "SimResult": "omnibal_compile.sim",
 }
@@ -62,6 +62,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from omnibal_compile.api import OptimizeResult, ParityReport, optimize
-    from omnibal_compile.passes.codegen import StageInfo, stage_info
-    from omnibal_compile.plan import Plan, StagePlan
+    from omnibal_compile.compile.codegen import StageInfo, stage_info
+    from omnibal_compile.ir.plan import Plan, StagePlan
     from omnibal_compile.sim import SimResult, simulate

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.cost_table import (
+from omnibal_compile.ir.costs import (
     BF16_ADAM,
     DEFAULT_DP_SHARD,
     RECOMPUTE_OPTIONS,
@@ -24,11 +24,11 @@ from omnibal_compile.cost_table import (
     Precision,
 )
 from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
-from omnibal_compile.devices import DeviceSpec
+from omnibal_compile.costs.devices import DeviceSpec
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
 from omnibal_compile.models.examples import ExampleInputs, describe_batch, example_inputs_for
-from omnibal_compile.passes.blocks import BlockGraph, build_blocks
-from omnibal_compile.passes.capture import (
+from omnibal_compile.compile.blocks import BlockGraph, build_blocks
+from omnibal_compile.compile.capture import (
     Captured,
     CaptureMethod,
     capture,
@@ -38,17 +38,17 @@ from omnibal_compile.passes.capture import (
     split_batch,
     training_config,
 )
-from omnibal_compile.passes.codegen import StageInfo, generate_stages, run_stages, stage_info
-from omnibal_compile.passes.cost import annotate_costs
-from omnibal_compile.passes.partition import Planner, check_costs, check_num_stages, plan_stages
-from omnibal_compile.plan import Plan
-from omnibal_compile.schedule import Schedule
-from omnibal_compile.units import parse_size
-from omnibal_compile.validate import check_choice, check_number, read_text
+from omnibal_compile.compile.codegen import StageInfo, generate_stages, run_stages, stage_info
+from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.planning.build import Planner, check_costs, check_num_stages, plan_stages
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile._utils.units import parse_size
+from omnibal_compile._utils.validate import check_choice, check_number, read_text
 
 if TYPE_CHECKING:  # the kernel pass imports Triton glue; load it only when kernels= is asked for
-    from omnibal_compile.layout import LayoutSearch
-    from omnibal_compile.passes.kernels import KernelReport
+    from omnibal_compile.planning.layout import LayoutSearch
+    from omnibal_compile.compile.fuse import KernelReport
 
 __all__ = ["optimize", "compile_for_microbatches", "OptimizeResult", "ParityReport", "PassError"]
 
@@ -301,14 +301,14 @@ def optimize(
             ``result.example``.
         num_stages: pipeline stages to emit; None (default) lets the layout search choose them.
         devices, global_batch: choose the layout for ``devices`` devices (default: the job's, see
-            :func:`omnibal_compile.layout.job_devices`): pipeline depth and chunks, data-parallel degree
+            :func:`omnibal_compile.planning.layout.job_devices`): pipeline depth and chunks, data-parallel degree
             and layout, micro-batch count, with the least predicted time per micro-batch that fits
-            ``memory_budget`` (:func:`omnibal_compile.layout.choose_layout`); ``global_batch`` counts
+            ``memory_budget`` (:func:`omnibal_compile.planning.layout.choose_layout`); ``global_batch`` counts
             micro-batches of the example's shape per optimizer step (default two per device). What the
             caller fixes (``num_stages``, an interleaved ``schedule``, ``num_microbatches``, ``dp`` > 1)
             is pinned. The candidates are printed and kept as ``result.layout``. Needs costs: without
             ``device`` or ``costs`` the blocks are profiled here.
-        planner: a name in :data:`omnibal_compile.solver.PLANNERS`: ``"ilp"`` (default when costs are
+        planner: a name in :data:`omnibal_compile.planning.PLANNERS`: ``"ilp"`` (default when costs are
             known: cut points and per-block recomputation chosen jointly and optimally), ``"dp"``,
             ``"uniform"``, ``"parameters"`` (default without costs), ``"flops"``, ``"omnibal"`` (the
             paper's heuristic); or a callable ``(BlockGraph, S) -> Plan``. All but uniform/parameters
@@ -318,7 +318,7 @@ def optimize(
             (``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` with ``virtual_stages`` chunks per device);
             ``num_microbatches=None`` (default) means one per stage, ``schedule=None`` ``"1f1b"``,
             ``virtual_stages=None`` 1 (with ``plan=``: the plan's; a value that differs is an error).
-            The rules torch sets on them are checked by :class:`omnibal_compile.schedule.Schedule`.
+            The rules torch sets on them are checked by :class:`omnibal_compile.ir.schedule.Schedule`.
         memory_budget: per device, e.g. ``"40GiB"`` (one value or one per device); needs costs.
         recompute: ``"auto"`` (the planner chooses per block), ``"none"``, ``"selective"`` or ``"full"``.
         solver, solver_time_limit: ILP backend (``"auto"``: HiGHS if installed, else CBC) and limit (s).
@@ -381,7 +381,7 @@ def optimize(
     captured = _run_pass("capture", done, timings, lambda: capture(model, example_inputs, method=capture_method))
     kernel_report = None
     if kernels is not None:
-        from omnibal_compile.passes.kernels import substitute_kernels
+        from omnibal_compile.compile.fuse import substitute_kernels
 
         captured, kernel_report = _run_pass(
             "kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels)
@@ -404,8 +404,8 @@ def optimize(
         )
     layout_search = None
     if search_layout:
-        from omnibal_compile.devices import PROFILED_DEVICES, get_device
-        from omnibal_compile.layout import choose_layout, job_devices
+        from omnibal_compile.costs.devices import PROFILED_DEVICES, get_device
+        from omnibal_compile.planning.layout import choose_layout, job_devices
 
         assert table is not None
         count, where = (devices, f"{devices} as given") if devices is not None else job_devices()

@@ -4,7 +4,7 @@ Each builder returns ``(model, batch)``: a ``*ForConditionalGeneration`` model a
 laid out as the family's processor lays it out (image placeholder tokens expanded to the number of
 features the vision tower yields, the family's start/end/break tokens, per-image sizes, token
 types, precomputed 3-D rotary positions), built from the config by the package's
-``omnibal_compile.models.hf_inputs.hf_example_batch`` (the one definition of each family's layout).
+``omnibal_compile.integrations.hf.inputs.hf_example_batch`` (the one definition of each family's layout).
 Labels are -100 on the image part of each row. Samples in one batch have images of different sizes
 or counts where the family allows it (Qwen2-VL, Qwen2.5-VL, Mistral3, Idefics3), so their graphs
 carry data-dependent sizes.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from omnibal_compile.models.hf_inputs import hf_example_batch
+from omnibal_compile.integrations.hf.inputs import hf_example_batch
 
 __all__ = ["FAMILIES", "build"]
 
@@ -42,7 +42,7 @@ def _text(**extra: Any) -> dict[str, Any]:
 
 
 def _with_batch(model: Any, batch: int) -> tuple[Any, dict[str, Any]]:
-    """The model and the package's processor-style batch for it (``omnibal_compile.models.hf_inputs``)."""
+    """The model and the package's processor-style batch for it (``omnibal_compile.integrations.hf.inputs``)."""
     return model, hf_example_batch(model, batch=batch, text=TEXT, seed=1)
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from omnibal_compile.solver.baselines import least_recompute, omnibal
-from omnibal_compile.solver.problem import PartitionProblem
+from omnibal_compile.planning.baselines import least_recompute, omnibal
+from omnibal_compile.planning.problem import PartitionProblem
 
 
 def prob(none, selective=None, **kw) -> PartitionProblem:
@@ -63,7 +63,7 @@ def test_omnibal_searches_around_the_anchor():
 def test_baselines_pick_recomputation_for_the_whole_model_and_omnibal_per_stage():
     """Uniform, parameters and flops choose one option for every block (the least that fits every stage);
     OmniBal chooses per stage. Stage 0 of (0, 2, 4) needs selective (see the test above), stage 1 fits none."""
-    from omnibal_compile.solver.baselines import flops, parameters, uniform
+    from omnibal_compile.planning.baselines import flops, parameters, uniform
 
     P = prob([1.0] * 4, cut_bytes=(0, 0, 50, 0, 0), budget=(3000.0, 3000.0))
     for planner in (uniform, parameters, flops):
@@ -85,7 +85,7 @@ def test_split_helpers_refuse_impossible_stage_counts():
     import pytest
 
     from omnibal_compile import PlanError
-    from omnibal_compile.solver.baselines import min_max_partition, uniform_boundaries
+    from omnibal_compile.planning.baselines import min_max_partition, uniform_boundaries
 
     for bad in (0, 4):
         with pytest.raises(PlanError):

@@ -22,10 +22,10 @@ def test_a_mismatch_is_printed_and_fails_the_run(ilp_cold, capsys, monkeypatch):
     """A planted wrong ILP (every plan 1% slower) is reported on every draw that has a plan."""
     import dataclasses
 
-    from omnibal_compile.solver import ilp
+    from omnibal_compile.planning import ilp
 
     real = ilp.solve_ilp
-    monkeypatch.setattr("omnibal_compile.solver.solve_ilp",
+    monkeypatch.setattr("omnibal_compile.planning.solve_ilp",
                         lambda P, **kw: dataclasses.replace(real(P, **kw), iteration_time=real(P, **kw).iteration_time * 1.01))
     assert ilp_cold.main(["--draws", "5"]) == 1
     out = capsys.readouterr().out

@@ -3,8 +3,8 @@ import torch
 from torch import nn
 
 from omnibal_compile import InputError
-from omnibal_compile.passes.blocks import build_blocks, find_layer_stacks
-from omnibal_compile.passes.capture import capture
+from omnibal_compile.compile.blocks import build_blocks, find_layer_stacks
+from omnibal_compile.compile.capture import capture
 
 
 @pytest.fixture(scope="module")

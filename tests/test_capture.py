@@ -6,7 +6,7 @@ from torch import nn
 
 import omnibal_compile as oc
 from omnibal_compile import CaptureError, InputError
-from omnibal_compile.passes.capture import capture, is_data_dependent, normalize_example_inputs, size_hint
+from omnibal_compile.compile.capture import capture, is_data_dependent, normalize_example_inputs, size_hint
 
 
 def test_capture_reference_vlm_shares_parameters(vlm):
@@ -164,7 +164,7 @@ def test_static_models_are_captured_once_without_example_values(vlm):
 
 def test_use_cache_is_turned_off_for_capture_and_said_once():
     tf = pytest.importorskip("transformers")
-    import omnibal_compile.passes.capture as capture_module
+    import omnibal_compile.compile.capture as capture_module
 
     cfg = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, max_position_embeddings=32)

@@ -146,7 +146,7 @@ def test_random_valid_plans_reproduce_the_model(vlm, vlm_result):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from omnibal_compile.passes.codegen import generate_stages, run_stages
+    from omnibal_compile.compile.codegen import generate_stages, run_stages
 
     model, batch = vlm
     graph = vlm_result.graph
@@ -171,7 +171,7 @@ def test_random_valid_plans_reproduce_the_model(vlm, vlm_result):
 
 def test_every_cut_sends_contiguous_tensors(vlm, vlm_result):
     """Point-to-point sends reject non-contiguous tensors; a cut after a view must not produce one."""
-    from omnibal_compile.passes.codegen import generate_stages
+    from omnibal_compile.compile.codegen import generate_stages
 
     model, batch = vlm
     graph = vlm_result.graph
@@ -187,10 +187,10 @@ def test_stage_info_and_plan_checks_by_hand(vlm):
 
     from contracts import assert_frozen_keyword_only
 
-    from omnibal_compile.passes.blocks import build_blocks
-    from omnibal_compile.passes.capture import capture
-    from omnibal_compile.passes.codegen import check_plan_matches, stage_info
-    from omnibal_compile.passes.partition import parameters
+    from omnibal_compile.compile.blocks import build_blocks
+    from omnibal_compile.compile.capture import capture
+    from omnibal_compile.compile.codegen import check_plan_matches, stage_info
+    from omnibal_compile.planning.build import parameters
 
     model, batch = vlm
     result = oc.optimize(model, batch, num_stages=3)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from omnibal_compile.errors import InputError
-from omnibal_compile.passes.cost_cache import CACHE_FORMAT, CACHE_KIND, read_cache, store_in_cache
+from omnibal_compile.costs._cache import CACHE_FORMAT, CACHE_KIND, read_cache, store_in_cache
 
 # Each writer process stores its own keys one by one, all writers released at the same moment.
 _WRITER = """
 import sys, time
-from omnibal_compile.passes.cost_cache import store_in_cache
+from omnibal_compile.costs._cache import store_in_cache
 path, name, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 time.sleep(max(0.0, go - time.time()))
 for i in range(n):

@@ -8,7 +8,7 @@ import pytest
 
 import omnibal_compile as oc
 from omnibal_compile import InputError
-from omnibal_compile.cost_table import BF16_ADAM, BlockCost, CostTable, DataParallel, Precision
+from omnibal_compile.ir.costs import BF16_ADAM, BlockCost, CostTable, DataParallel, Precision
 
 P = 1000
 """Parameters of the test block: bf16 weights 2000 B, gradients 2000 B, fp32 master 4000 B, Adam 8000 B."""
@@ -111,9 +111,9 @@ def test_plan_command_takes_dp_flags():
 
 def test_data_parallel_collectives_use_their_own_link():
     """CostTable.dp_link_bandwidth prices gathers and reductions (planner and simulator); sends keep link_bandwidth."""
-    from omnibal_compile.plan import Plan
+    from omnibal_compile.ir.plan import Plan
     from omnibal_compile.sim import simulate
-    from omnibal_compile.solver import problem_from_costs
+    from omnibal_compile.planning import problem_from_costs
 
     blocks = tuple(dataclasses.replace(block(), name=f"b{i}") for i in range(2))
     fast = CostTable(blocks=blocks, cut_bytes=(0, 500, 0), link_bandwidth=1000.0, device="x", source="roofline")

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from omnibal_compile.solver.explain import explain_infeasible, least_memory_split
-from omnibal_compile.solver.problem import OPTIONS, PartitionProblem, stage_figures
+from omnibal_compile.planning.explain import explain_infeasible, least_memory_split
+from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, stage_figures
 
 
 def random_problem(rng: random.Random) -> PartitionProblem:

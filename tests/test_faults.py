@@ -18,11 +18,11 @@ from omnibal_compile.data import BalancedBatchSampler, DataOptions, LengthStats,
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.packing import MAX_PACK_TOKENS
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.passes.codegen import generate_stages
-from omnibal_compile.plan import Plan
+from omnibal_compile.compile.codegen import generate_stages
+from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.launch import RunConfig
-from omnibal_compile.schedule import Schedule
-from omnibal_compile.units import parse_size
+from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile._utils.units import parse_size
 
 # Model facts for the data pass without a model (so the sampler tests build no torch module).
 FACTS = dict(source_tokens_per_tile=None, tokens_per_tile=4, image_token_id=63, image_shape=(3, 16, 16), vocab_size=64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnibal_compile.data.hf_collate import HFPackingCollator, hf_lengths
+from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_lengths
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
 
@@ -46,7 +46,7 @@ def _args(tmp_path, **kw):
 
 
 def test_trainer_trains_two_steps_on_the_balanced_packs(tmp_path) -> None:
-    from omnibal_compile.data.hf_trainer import BalancedTrainer
+    from omnibal_compile.integrations.hf.trainer import BalancedTrainer
 
     model = _llava()
     collator = HFPackingCollator.for_model(model)
@@ -74,7 +74,7 @@ def test_trainer_trains_two_steps_on_the_balanced_packs(tmp_path) -> None:
 
 
 def test_lengths_must_match_the_dataset(tmp_path) -> None:
-    from omnibal_compile.data.hf_trainer import BalancedTrainer
+    from omnibal_compile.integrations.hf.trainer import BalancedTrainer
 
     model = _llava()
     with pytest.raises(InputError, match="lengths has 3 samples but train_dataset 16"):
@@ -91,8 +91,8 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, os.environ["TEST_DIR"])
 from test_hf_trainer import _args, _dataset, _llava
-from omnibal_compile.data.hf_collate import HFPackingCollator
-from omnibal_compile.data.hf_trainer import BalancedTrainer
+from omnibal_compile.integrations.hf.collate import HFPackingCollator
+from omnibal_compile.integrations.hf.trainer import BalancedTrainer
 import pathlib
 out = pathlib.Path(os.environ["OUT_DIR"])
 model = _llava()
@@ -123,7 +123,7 @@ def test_two_ranks_each_train_on_their_own_packs_of_each_step(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    from omnibal_compile.data.hf_trainer import balanced_sampler
+    from omnibal_compile.integrations.hf.trainer import balanced_sampler
 
     script = tmp_path / "train.py"
     script.write_text(_DP_SCRIPT)

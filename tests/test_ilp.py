@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from test_solver import brute_force, close, memory_bound, problems
 
 from omnibal_compile import PlanError
-from omnibal_compile.solver import PartitionProblem, solve_dp
-from omnibal_compile.solver.dp import Frontiers
-from omnibal_compile.solver.ilp import (
+from omnibal_compile.planning import PartitionProblem, solve_dp
+from omnibal_compile.planning.dp import Frontiers
+from omnibal_compile.planning.ilp import (
     _fastest_fitting,
     _interval_floors,
     _joint_model,
@@ -31,7 +31,7 @@ from omnibal_compile.solver.ilp import (
     make_solver,
     solve_ilp,
 )
-from omnibal_compile.solver.problem import evaluate, stage_figures
+from omnibal_compile.planning.problem import evaluate, stage_figures
 
 
 def problem(time, act=None, *, S=2, M=1, schedule="gpipe", budget=(), static=None, cut_bytes=None, cut_time=None,
@@ -343,7 +343,7 @@ def test_stdout_silenced_hides_fd_1_and_puts_it_back_in_order(capfd, monkeypatch
     import os
     import sys
 
-    from omnibal_compile.solver.ilp import _stdout_silenced
+    from omnibal_compile.planning.ilp import _stdout_silenced
 
     buffered = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)))
     monkeypatch.setattr(sys, "stdout", buffered)
@@ -625,7 +625,7 @@ def test_models_are_frozen_keyword_only():
 def test_stdout_silenced_leaves_no_file_descriptor_open():
     import os
 
-    from omnibal_compile.solver.ilp import _stdout_silenced
+    from omnibal_compile.planning.ilp import _stdout_silenced
 
     fds = "/proc/self/fd"
     if not os.path.isdir(fds):
@@ -640,7 +640,7 @@ def test_stdout_silenced_leaves_no_file_descriptor_open():
 def test_the_tie_break_weighs_each_recomputed_block():
     """The solved objective is the iteration time plus TIE_WEIGHT per recomputed block: in the block
     model on each w[i, s, o] with o != none, in the path model on each interval by its vector's count."""
-    from omnibal_compile.solver.ilp import TIE_WEIGHT
+    from omnibal_compile.planning.ilp import TIE_WEIGHT
 
     P = problem(_TIMES, _ACTS, S=2, M=2, schedule="1f1b", budget=40)
     lo, hi = _stage_windows(P, None)

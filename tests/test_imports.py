@@ -20,12 +20,12 @@ def _loaded_after(code: str) -> set[str]:
     "code",
     [
         "import omnibal_compile",
-        "import omnibal_compile.solver",
+        "import omnibal_compile.planning",
         "import omnibal_compile.sim",
-        "import omnibal_compile.cost_table",
-        "import omnibal_compile.plan",
-        "from omnibal_compile.solver import solve, problem_from_costs",
-        "import omnibal_compile.layout",
+        "import omnibal_compile.ir.costs",
+        "import omnibal_compile.ir.plan",
+        "from omnibal_compile.planning import solve, problem_from_costs",
+        "import omnibal_compile.planning.layout",
         "from omnibal_compile.cli import build_parser; build_parser()",  # what `omnibal-compile --help` runs
     ],
 )
@@ -45,8 +45,8 @@ def test_lazy_public_names_resolve():
 def test_compiler_modules_do_not_import_networkx():
     # torch.export itself may load networkx while it traces; our modules load it only to draw graphs.
     loaded = _loaded_after(
-        "import omnibal_compile.api, omnibal_compile.passes.cost, omnibal_compile.passes.recompute, "
-        "omnibal_compile.runtime.pipeline, omnibal_compile.commands.plan"
+        "import omnibal_compile.api, omnibal_compile.costs.annotate, omnibal_compile.compile.recompute, "
+        "omnibal_compile.runtime.pipeline, omnibal_compile.cli.plan"
     )
     assert "networkx" not in loaded
 

@@ -15,7 +15,7 @@ from test_kernels import CUDA, needs_triton, run_triton_cases_in_child, triton_i
 
 import omnibal_compile as oc
 from omnibal_compile.kernels import ops
-from omnibal_compile.passes.kernels import KernelReport, substitute_kernels
+from omnibal_compile.compile.fuse import KernelReport, substitute_kernels
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "eager"]
 VLM_SITES = {
@@ -71,7 +71,7 @@ def test_default_is_no_substitution(vlm):
 
 
 def test_pass_returns_a_new_capture_and_leaves_the_given_one_alone(vlm):
-    from omnibal_compile.passes.capture import capture
+    from omnibal_compile.compile.capture import capture
 
     model, batch = vlm
     captured = capture(model, batch)

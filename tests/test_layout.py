@@ -1,4 +1,4 @@
-"""The layout search (omnibal_compile.layout): paper scale against the paper's layout, pruning, budgets, costs."""
+"""The layout search (omnibal_compile.planning.layout): paper scale against the paper's layout, pruning, budgets, costs."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, BlockCost, CostTable
-from omnibal_compile.devices import A100_80G
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.layout import PRUNE_MARGIN, Layout, scale_costs, search_layout
-from omnibal_compile.plan import Plan
-from omnibal_compile.studies.paper_layout import paper_layout_times
+from omnibal_compile.planning.layout import PRUNE_MARGIN, Layout, scale_costs, search_layout
+from omnibal_compile.ir.plan import Plan
+from bench.studies.paper_layout import paper_layout_times
 from omnibal_compile.sim import simulate
-from omnibal_compile.solver import problem_from_costs
+from omnibal_compile.planning import problem_from_costs
 
 MIB = 2**20
 
@@ -102,8 +102,8 @@ def test_topology_puts_pipelines_on_nvlink_and_replicas_across_nodes():
 # -- paper scale ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def internvl_128():
-    from omnibal_compile.models.analytic import INTERNVL_6B_20B
-    from omnibal_compile.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, sample_costs
+    from omnibal_compile.costs.analytic import INTERNVL_6B_20B
+    from bench.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, sample_costs
 
     costs = sample_costs(INTERNVL_6B_20B, device=A100_80G)
     budget = PAPER_BUDGET_FRACTION * A100_80G.memory_bytes
@@ -136,7 +136,7 @@ def test_internvl_search_lists_every_layout_once(internvl_128):
 
 
 def test_a_plan_whose_simulated_peak_overflows_is_planned_again_or_rejected():
-    from omnibal_compile.layout import _plan_and_simulate
+    from omnibal_compile.planning.layout import _plan_and_simulate
 
     t = table()
     lay = Layout(pp=2, dp=1, virtual_stages=2, microbatch_size=1, num_microbatches=4)

@@ -8,12 +8,12 @@ import sys
 import numpy as np
 import pytest
 
-from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, Precision
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, Precision
 from omnibal_compile.data import LengthStats, load_lengths
 from omnibal_compile.data.lengths import bundled_length_files
-from omnibal_compile.devices import A100_80G
+from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.errors import InputError
-from omnibal_compile.models.analytic import (
+from omnibal_compile.costs.analytic import (
     INTERNLM2_20B,
     INTERNVL_6B_20B,
     SCALE_MODELS,
@@ -22,11 +22,11 @@ from omnibal_compile.models.analytic import (
     layer_activation_bytes,
     type_costs,
 )
-from omnibal_compile.plan import Plan
+from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim import simulate
-from omnibal_compile.solver import problem_from_costs, solve
-from omnibal_compile.studies.bench_all import run_all
-from omnibal_compile.studies.paper_scale import (
+from omnibal_compile.planning import problem_from_costs, solve
+from bench.studies.bench_all import run_all
+from bench.studies.paper_scale import (
     SPLITS,
     MicroBatches,
     PlanChoice,
@@ -78,10 +78,10 @@ def test_eager_formulas_match_the_compiled_hf_layer():
 
     import torch
 
-    from omnibal_compile.passes.blocks import build_blocks
-    from omnibal_compile.passes.capture import capture
-    from omnibal_compile.passes.cost import annotate_costs
-    from omnibal_compile.models.analytic import LLMSpec
+    from omnibal_compile.compile.blocks import build_blocks
+    from omnibal_compile.compile.capture import capture
+    from omnibal_compile.costs.annotate import annotate_costs
+    from omnibal_compile.costs.analytic import LLMSpec
 
     w, f, heads, kv, t = 1024, 2816, 16, 4, 512
     cfg = tf.LlamaConfig(hidden_size=w, intermediate_size=f, num_hidden_layers=3, num_attention_heads=heads,
@@ -268,7 +268,7 @@ def test_bench_all_runs_every_script_and_records_failures(tmp_path):
 def compiled_small():
     """InternVL-6+20B's widths with 4 + 4 layers, compiled (3 per stack) on meta at 5 shapes and checked on one."""
     pytest.importorskip("transformers")
-    from omnibal_compile.studies.compiled_costs import CHECK_SHAPES, FIT_SHAPES, compile_costs
+    from bench.studies.compiled_costs import CHECK_SHAPES, FIT_SHAPES, compile_costs
 
     spec = dataclasses.replace(INTERNVL_6B_20B, name="internvl-small",
                                vision=dataclasses.replace(INTERNVL_6B_20B.vision, layers=4),
@@ -279,8 +279,8 @@ def compiled_small():
 def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
     """The fitted per-type costs reproduce the compiler's own tables at a study shape, and the replicated chain keeps
     every byte and parameter the compiled chain has."""
-    from omnibal_compile.passes.cost import profile_costs
-    from omnibal_compile.studies.compiled_costs import CHECK_SHAPES, _example, _per_type, _stack_layers, block_types, hf_config
+    from omnibal_compile.costs.annotate import profile_costs
+    from bench.studies.compiled_costs import CHECK_SHAPES, _example, _per_type, _stack_layers, block_types, hf_config
 
     cc = compiled_small
     assert cc.fit_error < 0.02 and cc.check_error < 0.02  # real widths: the roofline is linear in the shape
@@ -335,8 +335,8 @@ def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
 def test_ablation_runs_on_compiled_tables_next_to_the_analytic_row(compiled_small):
     """Both cost sources give a full ablation; the compiled one costs more (eager kernels) but not wildly, and the
     chains end within 0.1 of each other."""
-    from omnibal_compile.studies.compiled_costs import format_difference
-    from omnibal_compile.studies.paper_scale import format_cost_sources
+    from bench.studies.compiled_costs import format_difference
+    from bench.studies.paper_scale import format_cost_sources
 
     analytic = Setup(model=compiled_small.model, pp=2, dp=4, planner="dp", global_batch=64)
     compiled = dataclasses.replace(analytic, costs=compiled_small)

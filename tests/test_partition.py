@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnibal_compile import PlanError
-from omnibal_compile.passes.blocks import build_blocks
-from omnibal_compile.passes.capture import capture
-from omnibal_compile.passes.partition import min_max_partition, parameters, uniform
+from omnibal_compile.compile.blocks import build_blocks
+from omnibal_compile.compile.capture import capture
+from omnibal_compile.planning.build import min_max_partition, parameters, uniform
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_costs_must_hold_the_graphs_blocks_in_order(graph):
     from types import SimpleNamespace
 
     from omnibal_compile.errors import InputError
-    from omnibal_compile.passes.partition import check_costs
+    from omnibal_compile.planning.build import check_costs
 
     check_costs(graph, SimpleNamespace(names=tuple(graph.names)), "costs.json")
     names = list(graph.names)
@@ -85,7 +85,7 @@ def test_costs_must_hold_the_graphs_blocks_in_order(graph):
 
 
 def _hand_costs(graph):
-    from omnibal_compile.cost_table import BlockCost, CostTable
+    from omnibal_compile.ir.costs import BlockCost, CostTable
 
     GiB = 2**30
     blocks = tuple(BlockCost(name=name, kind=b.kind, flops=1.0, num_params=b.num_params, static_bytes=GiB,
@@ -98,12 +98,12 @@ def _hand_costs(graph):
 
 
 def test_plan_stages_with_and_without_costs(graph):
-    from omnibal_compile.cost_table import DataParallel
+    from omnibal_compile.ir.costs import DataParallel
     from omnibal_compile.errors import InputError
-    from omnibal_compile.passes.partition import plan_stages
-    from omnibal_compile.schedule import Schedule
-    from omnibal_compile.solver import problem_from_costs
-    from omnibal_compile.solver.problem import evaluate
+    from omnibal_compile.planning.build import plan_stages
+    from omnibal_compile.ir.schedule import Schedule
+    from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.problem import evaluate
 
     costs, sched, n = _hand_costs(graph), Schedule(num_microbatches=4), graph.num_blocks
     # with costs: the ILP's plan, carrying the solver's figures and notes
@@ -145,9 +145,9 @@ def test_plan_from_solution_notes_and_plan_stages_checks(graph):
     import dataclasses
 
     from omnibal_compile.errors import InputError
-    from omnibal_compile.passes.partition import plan_from_solution, plan_stages, plan_with_costs
-    from omnibal_compile.schedule import Schedule
-    from omnibal_compile.solver import problem_from_costs, solve
+    from omnibal_compile.planning.build import plan_from_solution, plan_stages, plan_with_costs
+    from omnibal_compile.ir.schedule import Schedule
+    from omnibal_compile.planning import problem_from_costs, solve
 
     costs = _hand_costs(graph)
     plan = plan_with_costs(costs, num_stages=2, num_microbatches=4)  # defaults: ILP, 1F1B, one chunk per device

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from omnibal_compile.cli import main
-from omnibal_compile.cost_table import CostTable
-from omnibal_compile.plan import Plan
+from omnibal_compile.ir.costs import CostTable
+from omnibal_compile.ir.plan import Plan
 
 from test_inspect import assert_picture
 

@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 
-import omnibal_compile.solver as solver_module
+import omnibal_compile.planning as solver_module
 from contracts import assert_frozen_keyword_only
 from omnibal_compile import PlanError
-from omnibal_compile.solver import PLANNERS, break_ties, solve, solve_dp
-from omnibal_compile.solver import interleaved as two_chunks
-from omnibal_compile.solver.baselines import BASELINES, min_max_partition, uniform_boundaries
-from omnibal_compile.solver.dp import interleaved_incumbent
-from omnibal_compile.solver.problem import PartitionProblem
+from omnibal_compile.planning import PLANNERS, break_ties, solve, solve_dp
+from omnibal_compile.planning import interleaved as two_chunks
+from omnibal_compile.planning.baselines import BASELINES, min_max_partition, uniform_boundaries
+from omnibal_compile.planning.dp import interleaved_incumbent
+from omnibal_compile.planning.problem import PartitionProblem
 
 
 def prob(n: int = 6, **kw) -> PartitionProblem:
@@ -172,7 +172,7 @@ def test_the_ilp_gets_the_time_the_search_left(spies):
 
 
 def test_planner_help_lists_every_planner():
-    from omnibal_compile.solver import planner_help
+    from omnibal_compile.planning import planner_help
 
     text = planner_help("ilp")
     assert text.endswith(" (default ilp)") and text.count("; ") == len(PLANNERS) - 1

@@ -6,9 +6,9 @@ import pytest
 
 from contracts import assert_frozen_keyword_only
 from omnibal_compile import InputError, PlanError
-from omnibal_compile.cost_table import BF16_ADAM, BlockCost, CostTable, DataParallel
+from omnibal_compile.ir.costs import BF16_ADAM, BlockCost, CostTable, DataParallel
 from omnibal_compile.sim.simulate import operation_order
-from omnibal_compile.solver.problem import (
+from omnibal_compile.planning.problem import (
     PartitionProblem,
     Solution,
     evaluate,

@@ -11,14 +11,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import omnibal_compile as oc
 from omnibal_compile import Plan, PlanError
-from omnibal_compile.cost_table import RECOMPUTE_OPTIONS, running_peak
-from omnibal_compile.passes.blocks import build_blocks
-from omnibal_compile.passes.capture import capture
-from omnibal_compile.passes.codegen import generate_stages, run_stages, stage_info
-from omnibal_compile.passes.cost import annotate_costs, block_inputs, block_modules, charged_inputs
-from omnibal_compile.passes.cost_measure import kept_bytes
-from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
-from omnibal_compile.passes.recompute_policy import SAVED_OPS, op_class, selective_policy, with_recompute
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, running_peak
+from omnibal_compile.compile.blocks import build_blocks
+from omnibal_compile.compile.capture import capture
+from omnibal_compile.compile.codegen import generate_stages, run_stages, stage_info
+from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules, charged_inputs
+from omnibal_compile.costs._measure import kept_bytes
+from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recompute
+from omnibal_compile.compile.recompute_policy import SAVED_OPS, op_class, selective_policy, with_recompute
 
 TOL = 1e-5
 
@@ -150,7 +150,7 @@ def _backward_matmuls(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
 def test_each_recomputed_block_is_its_own_checkpoint(vlm, vlm_result2):
     """A run of fully recomputed blocks must not be one checkpoint: its backward would rebuild every
     block's activations at once, while the planner prices one block at a time."""
-    from omnibal_compile.passes.cost_measure import PeakLiveStorages
+    from omnibal_compile.costs._measure import PeakLiveStorages
 
     model, batch = vlm
     result = vlm_result2
@@ -178,7 +178,7 @@ def test_predicted_memory_bounds_the_measured_peak(option):
     bytes of one micro-batch's forward and backward through the recompute pass's stage, and within 20%
     of it; the predicted peak (``running_peak``) within 8% of it and never above the bound."""
     from omnibal_compile.models import TinyVLM, make_example_batch
-    from omnibal_compile.passes.cost_measure import PeakLiveStorages
+    from omnibal_compile.costs._measure import PeakLiveStorages
 
     torch.manual_seed(0)
     model, batch = TinyVLM(), make_example_batch(batch=2, tiles_per_sample=2, text_tokens=48)
@@ -217,7 +217,7 @@ def test_recompute_pass_keeps_node_metadata(vlm, vlm_result2):
             want = before[out.name]
             assert isinstance(want, torch.Tensor) and isinstance(n.meta.get("val"), torch.Tensor), n.name
             assert (n.meta["val"].shape, n.meta["val"].dtype) == (want.shape, want.dtype), n.name
-        from omnibal_compile.passes.codegen import stage_info
+        from omnibal_compile.compile.codegen import stage_info
 
         a, b = stage_info(after), stage_info(stage)  # still a generated stage, with the same interface
         assert (a.index, a.num_stages, a.blocks, a.input_names, a.output_names) == (

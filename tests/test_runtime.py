@@ -27,9 +27,9 @@ from conftest import SMALL_VLM
 import omnibal_compile as oc
 from omnibal_compile import InputError, Plan, PlanError
 from omnibal_compile.api import compile_for_microbatches
-from omnibal_compile.passes.capture import split_batch
-from omnibal_compile.passes.codegen import generate_stages
-from omnibal_compile.passes.partition import uniform
+from omnibal_compile.compile.capture import split_batch
+from omnibal_compile.compile.codegen import generate_stages
+from omnibal_compile.planning.build import uniform
 from omnibal_compile.runtime import check_pipeline, loss_weights, rank_stages
 from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model, launch
 
@@ -165,7 +165,7 @@ def _parity_worker(rank: int, world: int, port: int, out: str, models: dict[str,
 def _count_region_calls(pipe: Any, result: oc.OptimizeResult) -> list[tuple[str, str, list[int]]]:
     """(block, option, [calls in forward, calls in backward]) of every checkpoint region of ``pipe``'s
     stages, in stage order; the counts fill in as the pipeline runs."""
-    from omnibal_compile.passes.recompute import CheckpointedRegion
+    from omnibal_compile.compile.recompute import CheckpointedRegion
 
     found: list[tuple[str, str, list[int]]] = []
     option = dict(zip(result.plan.block_names, result.plan.block_recompute))
@@ -451,7 +451,7 @@ def test_overhead_fit_recovers_the_model_it_fits(processors):
 
 
 def test_peak_live_storages_counts_tracked_and_new_storages_until_freed():
-    from omnibal_compile.passes.cost_measure import PeakLiveStorages
+    from omnibal_compile.costs._measure import PeakLiveStorages
 
     w = torch.ones(1000)  # 4000 bytes made before the mode
     with PeakLiveStorages() as live:
@@ -519,8 +519,8 @@ def test_build_pipeline_runs_each_blocks_planned_recomputation(one_rank_group, m
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from omnibal_compile.passes.recompute import CheckpointedRegion
-    from omnibal_compile.passes.recompute_policy import SAVED_OPS
+    from omnibal_compile.compile.recompute import CheckpointedRegion
+    from omnibal_compile.compile.recompute_policy import SAVED_OPS
     from omnibal_compile.runtime import build_pipeline
 
     model, batch, plan = mixed_two_stages_one_rank
@@ -723,7 +723,7 @@ def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_ran
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
+    from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recompute
     from omnibal_compile.runtime.pipeline import _make_data_parallel
 
     model, batch, plan = mixed_two_stages_one_rank

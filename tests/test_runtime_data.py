@@ -69,7 +69,7 @@ FAMILY_KEYS = {"qwen2_vl": {"image_grid_thw", "mm_token_type_ids"}, "qwen2_5_vl"
 def _microbatch_loss(model, batch, parts):
     """The unsplit model's loss of a step run as the pipeline splits it: ``parts`` micro-batches along dim 0, each
     one's mean loss weighted by its share of the step's labelled tokens (the whole-batch mean for Llava-like rows)."""
-    from omnibal_compile.passes.capture import split_batch
+    from omnibal_compile.compile.capture import split_batch
 
     from torch.utils import _pytree as pytree
 
@@ -104,7 +104,7 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengt
     want_keys = {"pixel_values", "input_ids", "labels", "position_ids", "attention_mask"} | FAMILY_KEYS.get(family, set())
     assert set(micro) == want_keys  # the keys the family's processor emits, the samples kept apart by the mask
     # the pack's samples kept apart: the block-causal mask of the samples the positions restart at
-    from omnibal_compile.data.hf_collate import block_causal_mask
+    from omnibal_compile.integrations.hf.collate import block_causal_mask
 
     text_positions = micro["position_ids"][0].reshape(-1)  # Qwen2-VL's (4, 1, L): the first row is the text's
     starts = (text_positions == 0).nonzero().flatten().tolist() + [text_positions.numel()]

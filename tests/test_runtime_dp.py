@@ -21,7 +21,7 @@ from test_runtime_data import _config
 import omnibal_compile as oc
 from omnibal_compile import PlanError
 from omnibal_compile.errors import InputError
-from omnibal_compile.passes.partition import uniform
+from omnibal_compile.planning.build import uniform
 from omnibal_compile.runtime.launch import _dp_part, batch_source, build_model, launch
 
 

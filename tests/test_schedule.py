@@ -13,12 +13,12 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from omnibal_compile import Plan, PlanError
-from omnibal_compile.cost_table import BlockCost, CostTable
-from omnibal_compile.passes.partition import plan_with_costs
+from omnibal_compile.ir.costs import BlockCost, CostTable
+from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import check_pipeline, get_schedule_class
-from omnibal_compile.schedule import SCHEDULE_KINDS, Schedule
+from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
 from omnibal_compile.sim import simulate
-from omnibal_compile.solver import problem_from_costs, solve
+from omnibal_compile.planning import problem_from_costs, solve
 
 STAGES = range(1, 7)
 VIRTUAL = range(1, 4)
@@ -177,7 +177,7 @@ def test_plans_keep_flat_schedule_fields_in_json():
 def test_schedule_value_contract_and_limits():
     from contracts import assert_frozen_keyword_only
 
-    from omnibal_compile.schedule import MAX_MICROBATCHES
+    from omnibal_compile.ir.schedule import MAX_MICROBATCHES
 
     one = Schedule(num_microbatches=4)
     assert_frozen_keyword_only(one)

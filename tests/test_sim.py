@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile.cost_table import BlockCost, CostTable
+from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.plan import Plan
+from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim import operation_order, schedule_time, simulate, stage_costs, sweep, sweep_table
-from omnibal_compile.units import format_size, parse_size
+from omnibal_compile._utils.units import format_size, parse_size
 
 
 def block(i: int, f: float = 1.0, b: float = 2.0, act: int = 1000, static: int = 50, workspace: int = 0) -> BlockCost:
@@ -40,7 +40,7 @@ def chain_plan(S: int, *, schedule: str, M: int, v: int = 1, per_stage: int = 1,
 @pytest.mark.parametrize("S,M,F,B", [(1, 1, 1.0, 2.0), (2, 4, 1.0, 2.0), (4, 8, 0.5, 1.0), (4, 2, 1.0, 3.0), (8, 32, 1.0, 2.0)])
 def test_equal_stages_match_closed_form(schedule, S, M, F, B):
     if schedule == "1f1b" and M < S:
-        return  # torch's Schedule1F1B needs M >= S (omnibal_compile.schedule); GPipe covers M < S
+        return  # torch's Schedule1F1B needs M >= S (omnibal_compile.ir.schedule); GPipe covers M < S
     res = simulate(chain_plan(S, schedule=schedule, M=M), table([block(i, F, B) for i in range(S)]))
     assert res.iteration_time_s == pytest.approx((M + S - 1) * (F + B))
     assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
@@ -324,8 +324,8 @@ def test_data_parallel_terms_match_closed_form(schedule, size):
 
 
 def test_planner_predicts_the_simulated_data_parallel_iteration_on_equal_stages():
-    from omnibal_compile.cost_table import DataParallel
-    from omnibal_compile.solver import evaluate, problem_from_costs
+    from omnibal_compile.ir.costs import DataParallel
+    from omnibal_compile.planning import evaluate, problem_from_costs
 
     costs = table([block(i, 1.0, 2.0, static=16_000) for i in range(4)], bw=1000.0)
     for layout in (DataParallel(size=4, shard="ddp"), DataParallel(size=4, shard="fsdp"), DataParallel(size=4, shard="fsdp", reshard_after_forward=False)):
@@ -343,8 +343,8 @@ def test_data_parallel_reduction_hides_behind_later_backwards_on_unequal_stages(
     pipeline = (4 + 2 - 1) * 3.0
     R1 = 2 * 0.5 * 18_000 / 1000  # 18 s: stage 1's last backward ends B = 2 s before stage 0's
     assert res.iteration_time_s == pytest.approx(pipeline - 2.0 + R1)
-    from omnibal_compile.cost_table import DataParallel
-    from omnibal_compile.solver import evaluate, problem_from_costs
+    from omnibal_compile.ir.costs import DataParallel
+    from omnibal_compile.planning import evaluate, problem_from_costs
 
     P = problem_from_costs(costs, num_stages=2, num_microbatches=4, data_parallel=DataParallel(size=2, shard="ddp"))
     assert evaluate(P, (0, 1, 2), ["none"] * 2).iteration_time == pytest.approx(pipeline + R1)  # an upper bound

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from omnibal_compile import InputError, PlanError
-from omnibal_compile.schedule import Schedule
-from omnibal_compile.solver import (
+from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.planning import (
     BASELINES,
     PartitionProblem,
     evaluate,
@@ -21,14 +21,14 @@ from omnibal_compile.solver import (
     solve_dp,
     solve_ilp,
 )
-from omnibal_compile.solver.dp import interleaved_incumbent
-from omnibal_compile.solver.problem import OPTIONS, in_flight
+from omnibal_compile.planning.dp import interleaved_incumbent
+from omnibal_compile.planning.problem import OPTIONS, in_flight
 
 GiB = 2**30
 
 
 def runnable(kind, M, v, S):
-    """Whether torch can run this schedule (the one rule in omnibal_compile.schedule)."""
+    """Whether torch can run this schedule (the one rule in omnibal_compile.ir.schedule)."""
     try:
         Schedule.for_stages(S, kind=kind, num_microbatches=M, virtual_stages=v)
     except PlanError:
@@ -323,7 +323,7 @@ def test_optimize_with_ilp_fills_predictions_and_keeps_parity(vlm, vlm_ilp):
 
 
 def test_ilp_is_never_worse_than_baselines_on_real_costs(vlm_ilp):
-    from omnibal_compile.passes.partition import plan_with_costs
+    from omnibal_compile.planning.build import plan_with_costs
 
     kw = dict(num_stages=3, num_microbatches=4)
     best = plan_with_costs(vlm_ilp.costs, planner="ilp", **kw).iteration_time_s
@@ -333,7 +333,7 @@ def test_ilp_is_never_worse_than_baselines_on_real_costs(vlm_ilp):
 
 
 def test_too_small_budget_is_explained_on_a_real_model(vlm_ilp):
-    from omnibal_compile.passes.partition import plan_with_costs
+    from omnibal_compile.planning.build import plan_with_costs
 
     with pytest.raises(PlanError, match=r"no plan fits .* over by .* smallest per-device budget"):
         plan_with_costs(vlm_ilp.costs, num_stages=3, num_microbatches=4, memory_budget=1000.0)
@@ -353,8 +353,8 @@ def test_cost_planners_need_costs(vlm):
 @st.composite
 def dp_problems(draw):
     """Problems built from a random cost table under dp > 1, with budgets from just fitting to loose."""
-    from omnibal_compile.cost_table import BlockCost, CostTable, DataParallel
-    from omnibal_compile.solver import problem_from_costs
+    from omnibal_compile.ir.costs import BlockCost, CostTable, DataParallel
+    from omnibal_compile.planning import problem_from_costs
 
     n = draw(st.integers(2, 5))
     S = draw(st.integers(1, min(n, 3)))
@@ -382,7 +382,7 @@ def dp_problems(draw):
 def _at_the_rounding_allowance() -> PartitionProblem:
     """Selective recompute fits only within the rounding allowance (1 byte over a ~1 GB budget): the
     exact ILP polish once rejected what the brute force accepted (a CI failure)."""
-    from omnibal_compile.cost_table import DataParallel
+    from omnibal_compile.ir.costs import DataParallel
 
     return PartitionProblem(
         names=("b0", "b1"), kinds=("layer", "layer"), time=((3.0, 3.0, 4.0), (3.0, 3.0, 4.0)),
@@ -411,8 +411,8 @@ def test_dp_and_ilp_match_brute_force_under_data_parallelism(P):
 
 
 def test_fsdp_lowers_memory_and_fits_a_tighter_budget():
-    from omnibal_compile.cost_table import BlockCost, CostTable, DataParallel
-    from omnibal_compile.solver import problem_from_costs
+    from omnibal_compile.ir.costs import BlockCost, CostTable, DataParallel
+    from omnibal_compile.planning import problem_from_costs
 
     blocks = [BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=GiB // 16, static_bytes=GiB, forward_s=1.0,
                         backward_s=2.0, activation_bytes={"none": GiB // 4, "selective": GiB // 8, "full": GiB // 32},
@@ -479,9 +479,9 @@ def test_a_plan_fits_up_to_one_part_in_a_billion_over_its_budget():
 
 
 def test_stage_time_bound_is_tight_for_equal_stages_and_cut_times_come_from_the_table():
-    from omnibal_compile.cost_table import BlockCost, CostTable
-    from omnibal_compile.solver import problem_from_costs
-    from omnibal_compile.solver.problem import stage_time_bound
+    from omnibal_compile.ir.costs import BlockCost, CostTable
+    from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.problem import stage_time_bound
 
     # Equal 2-layer stages of 2 s: 1F1B (8 + 4 - 1) x 2 s; interleaved 2 x 2 chunks: (2 x 8 + 2 - 1) x 2 s,
     # a device's two chunks take 4 s. The bound is the optimum's own stage (device) time.
@@ -595,8 +595,8 @@ def test_cold_ilp_never_returns_a_plan_bytes_over_the_budget():
     assert ilp.feasible and ilp.recompute[3] != "none"
     assert close(ilp.iteration_time, brute_force(P).iteration_time)
     # what the solver returned in that run, repaired by the exact knapsack (HiGHS does not always return it)
-    from omnibal_compile.solver.dp import Frontiers
-    from omnibal_compile.solver.ilp import _fastest_fitting
+    from omnibal_compile.planning.dp import Frontiers
+    from omnibal_compile.planning.ilp import _fastest_fitting
 
     repaired = _fastest_fitting(P, Frontiers(P), (0, 2, 4), ["none"] * 4)
     assert evaluate(P, (0, 2, 4), repaired).feasible and repaired[3] == "selective"
@@ -762,7 +762,7 @@ def test_ilp_leaves_the_processes_stdout_working():
     import sys
 
     code = ("import sys; sys.path.insert(0, 'tests'); from test_solver import _flat_problem; "
-            "from omnibal_compile.solver.ilp import solve_ilp; solve_ilp(_flat_problem(1.0), time_limit=30); "
+            "from omnibal_compile.planning.ilp import solve_ilp; solve_ilp(_flat_problem(1.0), time_limit=30); "
             "print('still printing', flush=True)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
@@ -771,7 +771,7 @@ def test_ilp_leaves_the_processes_stdout_working():
 
 def _one_block_frontier(options, slack: float) -> list[tuple[float, float]]:
     """The (activation, time) points Frontiers keeps for a lone block with these (act, time) options."""
-    from omnibal_compile.solver.dp import Frontiers
+    from omnibal_compile.planning.dp import Frontiers
 
     P = PartitionProblem(names=("a",), kinds=("layer",), time=(tuple(t for _, t in options),),
                          act=(tuple(a for a, _ in options),), static=(0,), cut_time=(0.0, 0.0), cut_bytes=(0, 0),

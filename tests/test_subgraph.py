@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from omnibal_compile.passes.subgraph import SubgraphCopy, module_call, module_path, strip_call_suffix
+from omnibal_compile.compile._subgraph import SubgraphCopy, module_call, module_path, strip_call_suffix
 
 
 class _TwoParams(nn.Module):

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solver import brute_force, problems
 
-from omnibal_compile.cost_table import CostTable
-from omnibal_compile.solver import PROFILED_TIE_TOLERANCE, PartitionProblem, evaluate, problem_from_costs, solve
-from omnibal_compile.solver.problem import OPTIONS, stage_figures
-from omnibal_compile.solver.ties import StageRule, break_ties, tie_key
+from omnibal_compile.ir.costs import CostTable
+from omnibal_compile.planning import PROFILED_TIE_TOLERANCE, PartitionProblem, evaluate, problem_from_costs, solve
+from omnibal_compile.planning.problem import OPTIONS, stage_figures
+from omnibal_compile.planning.ties import StageRule, break_ties, tie_key
 
 MiB = 2**20
 DEMO = dict(num_stages=4, num_microbatches=8, budget=16 * MiB)  # what `omnibal-compile demo` plans
@@ -75,7 +75,7 @@ def test_zero_tolerance_keeps_the_solvers_plan():
 
 
 def test_measured_costs_get_the_default_tolerance_and_the_plan_says_so():
-    from omnibal_compile.passes.partition import plan_with_costs
+    from omnibal_compile.planning.build import plan_with_costs
 
     costs = CostTable.from_json(DEMO_COSTS.read_text())
     assert problem_from_costs(costs, **DEMO).tie_tolerance == PROFILED_TIE_TOLERANCE
@@ -121,10 +121,10 @@ def test_two_cost_passes_on_cpu_give_the_demo_the_same_plan():
     import torch
 
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-    from omnibal_compile.passes.blocks import build_blocks
-    from omnibal_compile.passes.capture import capture
-    from omnibal_compile.passes.cost import annotate_costs
-    from omnibal_compile.passes.partition import plan_with_costs
+    from omnibal_compile.compile.blocks import build_blocks
+    from omnibal_compile.compile.capture import capture
+    from omnibal_compile.costs.annotate import annotate_costs
+    from omnibal_compile.planning.build import plan_with_costs
 
     torch.manual_seed(0)
     cfg = TinyVLMConfig()

@@ -37,7 +37,7 @@ from omnibal_compile.data.packing import (
     split_oversized,
 )
 from omnibal_compile.errors import InputError
-from omnibal_compile.validate import check_int, check_number, check_seed
+from omnibal_compile._utils.validate import check_int, check_number, check_seed
 
 __all__ = ["balanced_partition", "balance_pack"]
 

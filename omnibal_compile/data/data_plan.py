@@ -26,7 +26,7 @@ from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
 from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape, packing_from_groups, refuse_unpackable
 from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
 from omnibal_compile.errors import InputError
-from omnibal_compile.validate import check_int, check_int_list, check_number, check_seed
+from omnibal_compile._utils.validate import check_int, check_int_list, check_number, check_seed
 
 __all__ = ["DataOptions", "DataPlan", "plan_data"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from omnibal_compile.labels import IGNORE_INDEX
+from omnibal_compile._utils.labels import IGNORE_INDEX
 
 __all__ = ["rms_norm", "layer_norm", "swiglu", "rope", "linear_cross_entropy", "rotate_half"]
 

@@ -3,7 +3,7 @@
 Glossary:
     source   where the batch came from, in words: the caller, the reference VLM's own example, the
              model's ``example_inputs()`` method, its Hugging Face config (laid out as the family's
-             processor lays it out, see :mod:`omnibal_compile.models.hf_inputs`), or the balanced
+             processor lays it out, see :mod:`omnibal_compile.integrations.hf.inputs`), or the balanced
              pack shape of ``lengths=``.
 """
 
@@ -77,7 +77,7 @@ def example_inputs_for(model: nn.Module, *, batch: int = EXAMPLE_ROWS, text: int
         return describe_batch(own(), source=f"{name}.example_inputs()", synthesized=True)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
-        from omnibal_compile.models.hf_inputs import hf_example_batch, hf_family
+        from omnibal_compile.integrations.hf.inputs import hf_example_batch, hf_family
 
         family = hf_family(model)
         layout = {"text": "text only", "tiled": "one tile per row"}.get(family, f"the {family} processor's layout")

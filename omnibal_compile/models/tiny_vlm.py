@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnibal_compile.labels import IGNORE_INDEX
+from omnibal_compile._utils.labels import IGNORE_INDEX
 
 __all__ = ["TinyVLMConfig", "TinyVLM", "make_example_batch"]
 

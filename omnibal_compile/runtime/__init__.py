@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from omnibal_compile.runtime.overhead import RuntimeOverhead, fit_overhead, measure_overhead
+    from omnibal_compile.calibrate.overhead import RuntimeOverhead, fit_overhead, measure_overhead
     from omnibal_compile.runtime.pipeline import (
         RankPipeline,
         TiedParameter,
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     )
 
 _LAZY: dict[str, str] = {
-    "RuntimeOverhead": "omnibal_compile.runtime.overhead",
-    "measure_overhead": "omnibal_compile.runtime.overhead",
-    "fit_overhead": "omnibal_compile.runtime.overhead",
+    "RuntimeOverhead": "omnibal_compile.calibrate.overhead",
+    "measure_overhead": "omnibal_compile.calibrate.overhead",
+    "fit_overhead": "omnibal_compile.calibrate.overhead",
     "RankPipeline": "omnibal_compile.runtime.pipeline",
     "TiedParameter": "omnibal_compile.runtime.pipeline",
     "build_pipeline": "omnibal_compile.runtime.pipeline",

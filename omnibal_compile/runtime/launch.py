@@ -52,11 +52,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnibal_compile.cost_table import DEFAULT_DP_SHARD
+from omnibal_compile.ir.costs import DEFAULT_DP_SHARD
 from omnibal_compile.errors import InputError, LaunchError
 from omnibal_compile.models.load import TINY_VLM
-from omnibal_compile.plan import Plan
-from omnibal_compile.validate import MAX_SEED, check_int, check_int_list, check_number
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile._utils.validate import MAX_SEED, check_int, check_int_list, check_number
 
 __all__ = [
     "BATCHINGS",
@@ -315,7 +315,7 @@ def _dp_part(batch: Any, dp: int, dp_rank: int) -> Any:
     """Data-parallel rank ``dp_rank``'s slice of a whole-step batch: the dp_rank-th of ``dp`` equal parts (dim 0)."""
     from torch.utils import _pytree as pytree
 
-    from omnibal_compile.passes.capture import split_batch
+    from omnibal_compile.compile.capture import split_batch
 
     leaves, spec = pytree.tree_flatten(batch)
     return pytree.tree_unflatten(list(split_batch(leaves, dp)[dp_rank]), spec)
@@ -335,7 +335,7 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     from omnibal_compile.data.data_plan import DataOptions, plan_data
     from omnibal_compile.models.load import hf_data_facts
 
-    from omnibal_compile.models.hf_inputs import stacked_positions
+    from omnibal_compile.integrations.hf.inputs import stacked_positions
 
     rows_per_rank = config.batch_size // config.dp
     if stacked_positions(model) and Path(config.plan).is_file() and read_plan(config).num_microbatches != rows_per_rank:
@@ -383,13 +383,13 @@ def model_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, to
     The packing collator (``data.collate``) lays a pack out for the reference VLM: ``pixel_values``
     (tiles), ``input_ids``, ``labels``, ``position_ids`` restarting per sample, ``segment_ids``. A
     Hugging Face model gets its family's own keys, with the pack's samples kept apart
-    (:func:`omnibal_compile.models.hf_inputs.hf_pack_inputs`).
+    (:func:`omnibal_compile.integrations.hf.inputs.hf_pack_inputs`).
     """
     import inspect
 
     if "segment_ids" in inspect.signature(model.forward).parameters:  # the reference layout
         return row
-    from omnibal_compile.models.hf_inputs import hf_pack_inputs
+    from omnibal_compile.integrations.hf.inputs import hf_pack_inputs
 
     return hf_pack_inputs(model, row)
 
@@ -402,7 +402,7 @@ def precheck(config: RunConfig) -> Plan:
     (captures it once, here).
     """
     from omnibal_compile.api import compile_for_microbatches
-    from omnibal_compile.cost_table import DP_SHARDS
+    from omnibal_compile.ir.costs import DP_SHARDS
     from omnibal_compile.runtime.pipeline import check_pipeline
 
     config = with_plan_layout(config)
@@ -519,7 +519,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from omnibal_compile.api import compile_for_microbatches
-    from omnibal_compile.passes.cost_measure import PeakLiveStorages
+    from omnibal_compile.costs._measure import PeakLiveStorages
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 

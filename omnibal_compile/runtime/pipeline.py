@@ -44,12 +44,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Pipel
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.cost_table import DP_SHARDS
+from omnibal_compile.ir.costs import DP_SHARDS
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.labels import IGNORE_INDEX
-from omnibal_compile.passes.capture import normalize_example_inputs, structure_mismatch
-from omnibal_compile.passes.recompute import CheckpointedRegion, apply_recompute
-from omnibal_compile.plan import Plan
+from omnibal_compile._utils.labels import IGNORE_INDEX
+from omnibal_compile.compile.capture import normalize_example_inputs, structure_mismatch
+from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recompute
+from omnibal_compile.ir.plan import Plan
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
     from omnibal_compile.api import OptimizeResult
@@ -70,7 +70,7 @@ _SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,
 }
-"""Schedule kind (:data:`omnibal_compile.schedule.SCHEDULE_KINDS`) -> the torch class that runs it."""
+"""Schedule kind (:data:`omnibal_compile.ir.schedule.SCHEDULE_KINDS`) -> the torch class that runs it."""
 
 
 
@@ -410,7 +410,7 @@ def build_pipeline(
     model, seed, plan), in the same order with respect to other collective calls: it creates
     process groups for tied parameters. ``result.plan`` sets the schedule, micro-batches and
     virtual stages; its recompute options are applied by
-    :func:`omnibal_compile.passes.recompute.apply_recompute` unless ``recompute=False``.
+    :func:`omnibal_compile.compile.recompute.apply_recompute` unless ``recompute=False``.
     ``weighting`` says how the model's loss averages (see :func:`loss_terms`). With ``dp > 1`` this
     rank's stage modules of ``result`` become FSDP/replicate modules in place: build from a
     ``result`` of its own.

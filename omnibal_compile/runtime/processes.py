@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omnibal_compile.errors import LaunchError
-from omnibal_compile.tables import format_table
+from omnibal_compile._utils.tables import format_table
 
 __all__ = [
     "ERROR_FILE_ENV",

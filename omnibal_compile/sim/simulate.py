@@ -10,7 +10,7 @@ for the model it assumes:
 - backward of stage s on m needs the backward of stage s+1 on m plus the gradient send back (the
   same bytes as the activations sent forward), and for the last stage its own forward;
 - a backward of a stage with recomputed blocks first reruns their forward (a ``recompute`` event);
-- data parallelism (``plan.dp``, rules in :meth:`omnibal_compile.cost_table.DataParallel.block_cost`,
+- data parallelism (``plan.dp``, rules in :meth:`omnibal_compile.ir.costs.DataParallel.block_cost`,
   over the link bandwidth): each stage reduces its gradients (``dp_reduce``) after its last backward,
   one reduction at a time per device, and the iteration ends when the last one does; FSDP gathers a
   stage's weights (``dp_gather``) before every forward and backward when it reshards after forward
@@ -39,7 +39,7 @@ Schedules (the operation order per device; the same orders as torch.distributed.
                  In flight per stage: M.
     1f1b         ``min(M, S - s)`` warm-up forwards, then alternate one backward and one forward,
                  then the remaining backwards (``Schedule1F1B``). In flight per stage: ``min(S - s, M)``.
-    Which (schedule, M, v, S) torch can run is checked by :class:`omnibal_compile.schedule.Schedule`.
+    Which (schedule, M, v, S) torch can run is checked by :class:`omnibal_compile.ir.schedule.Schedule`.
     interleaved  Megatron's interleaved 1F1B as in ``ScheduleInterleaved1F1B``: rounds of
                  ``R = M // max(1, M // D)`` micro-batches; the k-th forward of device d runs chunk
                  ``(k // R) % v``, the j-th backward chunk ``v - 1 - (j // R) % v``; warm-up forwards
@@ -71,11 +71,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from omnibal_compile.cost_table import CostTable, running_peak
+from omnibal_compile.ir.costs import CostTable, running_peak
 from omnibal_compile.errors import InputError, PlanError, SimulationError
-from omnibal_compile.plan import Plan
-from omnibal_compile.schedule import Schedule
-from omnibal_compile.tables import counted
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile._utils.tables import counted
 
 __all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 

@@ -1,0 +1,1 @@
+"""Measurements of this machine (links between ranks, pipeline overhead) that calibrate the simulator."""

@@ -1,1 +1,0 @@
-"""Subcommands of ``omnibal-compile``; registered in :data:`omnibal_compile.cli.COMMANDS`."""

@@ -1,0 +1,1 @@
+"""Compiler passes over the captured graph: capture, blocks, kernel fusion, codegen, recompute."""

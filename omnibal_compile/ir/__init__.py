@@ -1,0 +1,1 @@
+"""The intermediate results every pass reads or writes: schedules, plans, cost tables (torch-free)."""

@@ -1,0 +1,377 @@
+"""Cost types shared by the cost pass (producer) and the planners and simulator (consumers).
+
+Torch-free on purpose: the solver modules import only this. All figures are per micro-batch of
+the planned shape unless a field says otherwise.
+
+Glossary:
+    recompute option  ``none`` keeps every activation for backward; ``selective`` keeps matmul
+                      outputs and recomputes cheap ops (norms, activations, softmax); ``full``
+                      keeps only the block's input and reruns the whole block before backward.
+    static bytes      weights + gradients + optimizer states held by the device for the block,
+                      independent of the number of micro-batches in flight.
+    precision         bytes per parameter for weights, gradients, fp32 master copy and optimizer
+                      states, with optional sharding of the last two over data-parallel ranks.
+    data parallel     dp replicas of the whole pipeline (DDP or FSDP): divides static bytes as the
+                      layout shards them and adds gradient reduction (and FSDP's all-gathers) to
+                      the iteration, over the table's data-parallel bandwidth (``CostTable.dp_bandwidth``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omnibal_compile.errors import InputError
+from omnibal_compile._utils.tables import format_table
+
+__all__ = [
+    "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
+    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "COMPUTE_DTYPES", "running_peak",
+]
+
+RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
+
+COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+"""Activation dtypes a :class:`Precision` may name (torch dtype names)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockCost:
+    """What one block costs in time and memory."""
+
+    name: str
+    """Block name, as in the block graph and the plan."""
+    kind: str
+    """``layer``, ``module`` or ``glue``."""
+    flops: float
+    """Forward FLOPs per micro-batch."""
+    num_params: int
+    """Parameter elements."""
+    static_bytes: int
+    """Weights + gradients + optimizer states on the device (after any optimizer sharding)."""
+    forward_s: float
+    """Forward time per micro-batch, seconds."""
+    backward_s: float
+    """Backward time per micro-batch without recomputation, seconds."""
+    activation_bytes: Mapping[str, int]
+    """Bytes kept alive from forward to backward, per recompute option (keys: RECOMPUTE_OPTIONS)."""
+    recompute_s: Mapping[str, float]
+    """Extra time each recompute option adds per micro-batch (``none`` -> 0)."""
+    workspace_bytes: int = 0
+    """Bytes the block holds only while it computes, on top of what it keeps for backward: forward
+    temporaries, the backward's incoming gradient and scratch, and the activations a recomputing
+    block rebuilds (the largest over the recompute options; measured by the cost pass, 0 if not).
+    The planners' memory bound charges it whatever option the block runs under."""
+    peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Peak live bytes of one forward and backward of the block alone, per recompute option (what it
+    keeps plus its workspace under that option); empty when not measured. The predicted peak of a
+    stage (:func:`running_peak`) reads it."""
+    signature: str = ""
+    """Hash of the block's computation and input shapes (:func:`omnibal_compile.costs._signature.block_signature`);
+    blocks with the same signature cost the same. Empty when not known."""
+    profiled_as: str = ""
+    """Name of the block whose measured times and FLOPs this entry reuses (the first block with the same
+    signature); empty when measured itself. Activation bytes are always the block's own."""
+    time_spread: float = 0.0
+    """Relative spread of the profiled times: the larger of forward's and backward's interquartile range
+    over their median, across the timed repeats (0 for modelled times)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
+        object.__setattr__(self, "recompute_s", dict(self.recompute_s))
+        object.__setattr__(self, "peak_bytes", dict(self.peak_bytes))
+        measured = [("activation_bytes", self.activation_bytes), ("recompute_s", self.recompute_s)]
+        for what, d in (*measured, *([("peak_bytes", self.peak_bytes)] if self.peak_bytes else [])):
+            missing = [o for o in RECOMPUTE_OPTIONS if o not in d]
+            if missing:
+                raise InputError(f"block '{self.name}': {what} lacks recompute options {missing}")
+            if any(v < 0 for v in d.values()):
+                raise InputError(f"block '{self.name}': {what} has a negative entry {d}")
+        if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0 or self.workspace_bytes < 0:
+            raise InputError(f"block '{self.name}': times and bytes must be non-negative")
+
+
+def running_peak(kept: Sequence[float], peak: Sequence[float]) -> float:
+    """Most bytes one micro-batch holds on a stage while it runs through the stage's blocks:
+    ``max_b (sum(kept[:b]) + peak[b])``, with ``kept[b]`` what block b keeps for backward and
+    ``peak[b]`` its own peak (kept plus workspace, under its recompute option).
+
+    In the forward, the blocks before b have kept theirs when b runs; in the backward, the blocks
+    after b have already freed theirs (the last block's backward runs first). Either way block b
+    adds its own peak to what the blocks before it keep. 0 for an empty stage.
+    """
+    total, best = 0.0, 0.0
+    for k, p in zip(kept, peak, strict=True):
+        best = max(best, total + p)
+        total += k
+    return best
+
+
+DP_SHARDS: tuple[str, ...] = ("fsdp", "ddp")
+"""How a pipeline stage is data-parallel: FSDP2 ``fully_shard`` (ZeRO-3) or DDP-style replication."""
+DEFAULT_DP_SHARD = "fsdp"
+"""The data-parallel engine planned for and run when none is named (FSDP2, as the runtime does)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel:
+    """Data parallelism around the pipeline: how many replicas, and how their training state is laid out.
+
+    ``ddp``: every rank holds whole weights, gradients and optimizer states; gradients are summed by
+    a ring all-reduce after the last micro-batch's backward. ``fsdp`` (FSDP2 / ZeRO-3): weights,
+    gradients, master copy and optimizer states are sharded over the ranks; each block's weights
+    are all-gathered while it computes and its gradients reduce-scattered after the last backward.
+    """
+
+    size: int = 1
+    """Data-parallel replicas of the pipeline (dp); 1 = none, where both layouts are the same."""
+    shard: str = DEFAULT_DP_SHARD
+    """``ddp`` (replicated state) or ``fsdp`` (everything sharded over the ``size`` ranks)."""
+    reshard_after_forward: bool = True
+    """FSDP only: free gathered weights after each forward and gather them again for the backward
+    (FSDP2's default); False keeps every block's weights gathered for the whole iteration."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise InputError(f"data-parallel size (dp) must be a positive integer, got {self.size!r}")
+        if self.shard not in DP_SHARDS:
+            raise InputError(f"data-parallel shard (dp_shard) must be one of {list(DP_SHARDS)}, got {self.shard!r}")
+
+    @property
+    def gathers(self) -> bool:
+        """Weights are sharded and all-gathered before use (FSDP over more than one rank)."""
+        return self.shard == "fsdp" and self.size > 1
+
+    def describe(self) -> str:
+        """One plain phrase, e.g. ``4 data-parallel replicas, FSDP (reshard after forward)``."""
+        if self.size == 1:
+            return "no data parallelism"
+        how = "DDP" if self.shard == "ddp" else "FSDP (" + ("reshard after forward" if self.reshard_after_forward else "weights kept gathered") + ")"
+        return f"{self.size} data-parallel replicas, {how}"
+
+    def block_cost(
+        self, block: BlockCost, precision: Precision, link_bandwidth: float, latency_s: float = 0.0
+    ) -> DataParallelCost:
+        """What this layout costs ``block`` on one device; the one place the rules below are written.
+
+        A block's parameters are read from its static bytes, ``P = static_bytes / bytes_per_param``,
+        so a table costed with ``precision`` gives back exactly its ``static_bytes`` at dp = 1.
+        With ``r = (dp - 1) / dp``, ``bw = link_bandwidth`` and ``a = latency_s`` (the fixed cost of
+        one collective call: the block with parameters is one FSDP/DDP unit, each of its
+        collectives costs ``a`` plus its bytes over ``bw``):
+            static      ``P * precision.bytes_per_param_on(self)``, plus, for FSDP without
+                        resharding, the gathered whole weights ``P * weight_bytes`` kept all iteration
+            gathered    FSDP resharding after forward: ``P * weight_bytes`` alive while the block
+                        computes (a stage holds its largest block's; FSDP's prefetch of the next
+                        block can briefly double this, which is not modelled)
+            gather      FSDP: one all-gather of the weights, ``a + r * P * weight_bytes / bw``
+            reduce      DDP ring all-reduce ``a + 2 r * P * grad_bytes / bw``; FSDP reduce-scatter
+                        ``a + r * P * grad_bytes / bw`` (``a`` only where ``P > 0``)
+        The model is ZeRO-3's. Under ``torch.distributed.pipelining`` FSDP2 also keeps unsharded
+        gradients (and the weights after a backward) until the last micro-batch's backward, so real
+        peaks can be higher than this predicts.
+        """
+        per_param = precision.bytes_per_param
+        params = block.static_bytes / per_param if per_param > 0 else 0.0
+        weights = params * precision.weight_bytes
+        ratio = (self.size - 1) / self.size
+        kept = weights if self.gathers and not self.reshard_after_forward else 0.0
+        if latency_s < 0:
+            raise InputError(f"collective latency must be >= 0 seconds, got {latency_s}")
+        call = latency_s if params > 0 and self.size > 1 else 0.0
+        return DataParallelCost(
+            static_bytes=block.static_bytes * (precision.bytes_per_param_on(self) / per_param if per_param > 0 else 1.0) + kept,
+            gathered_bytes=weights if self.gathers and self.reshard_after_forward else 0.0,
+            gather_s=call + ratio * weights / link_bandwidth if self.gathers else 0.0,
+            reduce_s=call + (1 if self.shard == "fsdp" else 2) * ratio * params * precision.grad_bytes / link_bandwidth,
+        )
+
+
+NO_DATA_PARALLEL = DataParallel()
+"""One pipeline replica: the layout every cost table's static bytes describe."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelCost:
+    """What data parallelism adds to one block on one device (see :meth:`DataParallel.block_cost`)."""
+
+    static_bytes: float
+    """Weights, gradients and optimizer states held under the layout (gathered weights kept included)."""
+    gathered_bytes: float
+    """Whole weights gathered only while the block computes (FSDP resharding after forward), else 0."""
+    gather_s: float
+    """Seconds of one all-gather of its weights (FSDP), else 0."""
+    reduce_s: float
+    """Seconds of its gradient reduction once per iteration (all-reduce or reduce-scatter)."""
+
+    def op_gather_s(self, dp: DataParallel) -> float:
+        """Gather before every forward and every backward (FSDP resharding after forward), else 0."""
+        return self.gather_s if dp.reshard_after_forward else 0.0
+
+    def step_gather_s(self, dp: DataParallel) -> float:
+        """Gather once before the iteration's first forward (FSDP keeping weights gathered), else 0."""
+        return 0.0 if dp.reshard_after_forward else self.gather_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per parameter of what training holds for it; the optimizer part may be sharded."""
+
+    weight_bytes: int = 2
+    """Bytes of the working weight (bf16: 2)."""
+    grad_bytes: int = 2
+    """Bytes of its gradient."""
+    master_bytes: int = 4
+    """Bytes of an fp32 master copy (0 when weights are already fp32)."""
+    optimizer_bytes: int = 8
+    """Bytes of optimizer states (Adam: two fp32 moments = 8)."""
+    optimizer_shards: int = 1
+    """Data-parallel ranks the master copy and optimizer states are sharded over (ZeRO-1); 1 = none.
+    Under a data-parallel layout of more than one rank it must be 1 or the layout's size."""
+    compute_dtype: str = "bfloat16"
+    """Dtype activations are computed and kept in (``bfloat16``, ``float16`` or ``float32``). Costs
+    for a target GPU are measured in it whatever dtype the model was built in; upcasts the model's
+    code does itself (fp32 norms and softmax) are kept, as in mixed-precision training."""
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise InputError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
+        if min(self.weight_bytes, self.grad_bytes, self.master_bytes, self.optimizer_bytes) < 0:
+            raise InputError(f"precision byte counts must be >= 0, got {self}")
+        if self.optimizer_shards < 1:
+            raise InputError(f"optimizer_shards must be >= 1 (data-parallel ranks), got {self.optimizer_shards}")
+
+    def bytes_per_param_on(self, dp: DataParallel) -> float:
+        """Bytes one device holds per parameter under ``dp``: the one rule for static memory.
+
+        ``(weight + grad) / a + (master + optimizer) / b`` with ``a = dp.size`` under FSDP (else 1)
+        and ``b = max(optimizer_shards, a)``: DDP shards only what ZeRO-1 shards, FSDP everything.
+        """
+        if dp.size > 1 and self.optimizer_shards not in (1, dp.size):
+            raise InputError(
+                f"precision.optimizer_shards={self.optimizer_shards} disagrees with dp={dp.size}: ZeRO-1 shards the "
+                f"optimizer over the data-parallel ranks; set optimizer_shards to 1 or {dp.size}"
+            )
+        a = dp.size if dp.shard == "fsdp" else 1
+        b = max(self.optimizer_shards, a)
+        return (self.weight_bytes + self.grad_bytes) / a + (self.master_bytes + self.optimizer_bytes) / b
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Bytes per parameter of one pipeline replica (no data-parallel layout beyond ``optimizer_shards``)."""
+        return self.bytes_per_param_on(NO_DATA_PARALLEL)
+
+
+BF16_ADAM = Precision()
+"""bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes/parameter."""
+FP32_ADAM = Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8, compute_dtype="float32")
+"""fp32 weights, gradients, Adam moments and activations: 16 bytes/parameter."""
+
+@dataclass(frozen=True, kw_only=True)
+class CostTable:
+    """Costs of every block of a model, plus what crosses each cut, for one micro-batch shape."""
+
+    blocks: tuple[BlockCost, ...]
+    """One entry per block, in chain order."""
+    cut_bytes: tuple[int, ...]
+    """``cut_bytes[k]``: bytes sent across cut k (between block k-1 and k); entries 0 and n are 0."""
+    link_bandwidth: float
+    """Bytes per second between adjacent pipeline stages."""
+    device: str
+    """Device the times are for (``cpu``, ``a100-80gb``, ...)."""
+    source: str
+    """``profiled`` (measured here) or ``roofline`` (modelled for a target device)."""
+    batch_shape: Mapping[str, int] = field(default_factory=dict)
+    """Micro-batch shape the costs were taken at (e.g. tiles, tokens)."""
+    precision: Precision = BF16_ADAM
+    """Bytes per parameter the static bytes were computed with (one replica; data parallelism applied later)."""
+    activation_dtype: str = ""
+    """Dtype the activations and memory traffic were measured in (``bfloat16``...); "" when not recorded."""
+    attention: str = ""
+    """The attention kernel the costs assume, in words; "" when not recorded."""
+    dp_link_bandwidth: float | None = None
+    """Bytes per second of one device in data-parallel collectives (all-gather, reduction), when they run
+    over another link than the stages' sends (e.g. InfiniBand between nodes); None = ``link_bandwidth``."""
+    dp_link_latency_s: float = 0.0
+    """Seconds of one data-parallel collective call beyond its bytes (launch, FSDP's hooks): every block
+    with parameters pays it per all-gather and per reduction (``runtime.links.measure_links`` measures it
+    on local gloo ranks; 0 = bytes only)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        object.__setattr__(self, "cut_bytes", tuple(int(b) for b in self.cut_bytes))
+        object.__setattr__(self, "batch_shape", dict(self.batch_shape))
+        if len(self.cut_bytes) != len(self.blocks) + 1:
+            raise InputError(f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got {len(self.cut_bytes)}")
+        if self.link_bandwidth <= 0:
+            raise InputError(f"link_bandwidth must be positive, got {self.link_bandwidth}")
+        if self.dp_link_bandwidth is not None and self.dp_link_bandwidth <= 0:
+            raise InputError(f"dp_link_bandwidth must be positive (or None), got {self.dp_link_bandwidth}")
+        if not self.dp_link_latency_s >= 0:
+            raise InputError(f"dp_link_latency_s must be >= 0 seconds, got {self.dp_link_latency_s}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.blocks)
+
+    @property
+    def dp_bandwidth(self) -> float:
+        """Bytes/s of data-parallel collectives: ``dp_link_bandwidth``, else ``link_bandwidth``."""
+        return self.link_bandwidth if self.dp_link_bandwidth is None else self.dp_link_bandwidth
+
+    def data_parallel_costs(self, dp: DataParallel) -> list[DataParallelCost]:
+        """Each block's :meth:`DataParallel.block_cost` under ``dp`` over this table's data-parallel link."""
+        return [dp.block_cost(b, self.precision, self.dp_bandwidth, self.dp_link_latency_s) for b in self.blocks]
+
+    def send_s(self, cut: int) -> float:
+        """Seconds to send what crosses ``cut`` to the next stage."""
+        return self.cut_bytes[cut] / self.link_bandwidth
+
+    def summary(self) -> str:
+        """Per-block table: forward/backward ms, GFLOPs, static and activation MiB per option."""
+        mib = 1 / 2**20
+        profiled = self.source == "profiled"
+        rows = [("#", "block", "fwd ms", "bwd ms", "GFLOP", "static MiB", "act none/sel/full MiB", "recomp ms sel/full")]
+        if profiled:
+            rows[0] += ("spread", "times of")
+        for i, b in enumerate(self.blocks):
+            a, r = b.activation_bytes, b.recompute_s
+            row: tuple[str, ...] = (
+                str(i), b.name, f"{b.forward_s * 1e3:.3f}", f"{b.backward_s * 1e3:.3f}", f"{b.flops / 1e9:.4f}",
+                f"{b.static_bytes * mib:.2f}",
+                f"{a['none'] * mib:.2f}/{a['selective'] * mib:.2f}/{a['full'] * mib:.2f}",
+                f"{r['selective'] * 1e3:.3f}/{r['full'] * 1e3:.3f}",
+            )
+            if profiled:
+                row += (f"{b.time_spread:.1%}", b.profiled_as or "measured")
+            rows.append(row)
+        shape = ", ".join(f"{k} {v}" for k, v in dict(self.batch_shape).items())
+        title = f"Costs on {self.device} ({self.source})" + (f", micro-batch of {shape}" if shape else "") + ":"
+        notes = "".join(f"\n{line}" for line in (
+            f"Activations in {self.activation_dtype}." if self.activation_dtype else "",
+            f"Attention: {self.attention}." if self.attention else "",
+        ) if line)
+        text = title + notes + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2 - profiled) + "l" * profiled)
+        shared = sum(1 for b in self.blocks if b.profiled_as)
+        if profiled and shared:
+            measured = len(self.blocks) - shared
+            text += (f"\n{measured} blocks timed, {shared} share the times of an identical block (same computation "
+                     f"and input shapes); spread: interquartile range of the timed repeats over their median")
+        return text
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(asdict(self), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CostTable:
+        data = dict(data)
+        data["blocks"] = tuple(BlockCost(**b) for b in data["blocks"])
+        if isinstance(data.get("precision"), Mapping):
+            data["precision"] = Precision(**data["precision"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostTable:
+        return cls.from_dict(json.loads(text))

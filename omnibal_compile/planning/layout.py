@@ -1,0 +1,590 @@
+"""Layout search: how to lay a model out on N devices (pipeline depth, chunks, data parallelism, micro-batching).
+
+Torch-free, like the solver. Given block costs, N devices, a global batch and a memory budget,
+:func:`search_layout` lists every layout the rules allow, plans each promising one with the
+project's planner (the exact DP for 1F1B; the DP's incumbent for interleaved schedules) and scores
+its plan with the simulator (:func:`omnibal_compile.sim.simulate`); it returns the layout with the
+least predicted time per sample that fits, and the table of every candidate considered.
+
+Glossary:
+    layout      PP x DP = N devices: a pipeline of PP devices, each holding v chunks (v = 1: 1F1B;
+                v > 1: interleaved 1F1B), replicated DP times, the replicas holding their training
+                state as FSDP (weights freed after each forward, or kept gathered) or DDP; each
+                replica runs M micro-batches of b samples per optimizer step, G = DP x M x b.
+    unit        what ``b`` and ``G`` count: samples (a cost function of the micro-batch size) or,
+                for a cost table of one fixed micro-batch, micro-batches of that table's shape.
+    topology    with a device spec, stages and replicas talk over NVLink inside a node of
+                ``devices_per_node`` devices and over InfiniBand (one port per device) across
+                nodes; ranks are laid out pipeline-inner (a pipeline of <= node size sits in one
+                node, a data-parallel group spans nodes once N exceeds a node).
+    estimate    an optimistic time per sample of a layout without planning it: every device gets
+                1/PP of the work and memory, recomputation is bought at its cheapest rate (a
+                fractional knapsack over the blocks' recompute options), sends are free, stages are
+                as even as block sizes allow. It orders the candidates; one whose estimate exceeds
+                the best predicted time found so far by more than ``PRUNE_MARGIN`` is listed as not
+                planned. It is a heuristic, not a proven bound (``prune=None`` plans every layout).
+    predicted   the simulator's iteration time of the layout's plan over the samples it processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
+from omnibal_compile.costs.devices import DeviceSpec
+from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.planning.build import plan_from_solution
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.sim.simulate import simulate
+from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
+from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
+from omnibal_compile.planning.problem import in_flight
+from omnibal_compile._utils.tables import counted, format_table
+from omnibal_compile._utils.units import format_size
+
+__all__ = ["DP_LAYOUTS", "Layout", "Candidate", "LayoutSearch", "search_layout", "scale_costs", "pipeline_depths"]
+
+DP_LAYOUTS: dict[str, str] = {
+    "fsdp": "FSDP",
+    "fsdp-kept": "FSDP kept",
+    "ddp": "DDP",
+}
+"""Data-parallel layouts searched, by name, with their label in the table: FSDP freeing gathered weights
+after each forward, FSDP keeping them gathered for the whole iteration, and DDP (replicated state):
+the three the runtime runs."""
+
+
+PRUNE_MARGIN = 0.10
+"""A layout whose estimate exceeds the best predicted time by more than this fraction is not planned: the
+estimate is optimistic for most layouts, but its device split for interleaved schedules is a heuristic."""
+
+
+def _data_parallel(name: str, size: int) -> DataParallel:
+    if name not in DP_LAYOUTS:
+        raise InputError(f"unknown data-parallel layout {name!r}; choose from {list(DP_LAYOUTS)}")
+    if size == 1:
+        return NO_DATA_PARALLEL
+    if name == "ddp":
+        return DataParallel(size=size, shard="ddp")
+    return DataParallel(size=size, shard="fsdp", reshard_after_forward=name == "fsdp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How N devices run the model: pipeline depth, chunks, data parallelism and micro-batching."""
+
+    pp: int
+    """Pipeline devices (stages per replica = pp x virtual_stages)."""
+    dp: int
+    """Data-parallel replicas of the pipeline."""
+    virtual_stages: int = 1
+    """Chunks per device: 1 = 1F1B, more = interleaved 1F1B."""
+    dp_layout: str = "fsdp"
+    """A key of :data:`DP_LAYOUTS` (irrelevant when dp = 1)."""
+    microbatch_size: int = 1
+    """Units (samples, or micro-batches of the cost table's shape) per micro-batch."""
+    num_microbatches: int = 1
+    """Micro-batches per replica per optimizer step."""
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if self.virtual_stages == 1 else "interleaved"
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        return _data_parallel(self.dp_layout, self.dp)
+
+    @property
+    def units_per_step(self) -> int:
+        """Units all replicas process per optimizer step (the global batch)."""
+        return self.dp * self.num_microbatches * self.microbatch_size
+
+    def describe(self) -> str:
+        """One line, e.g. ``PP 8 x DP 16, 1F1B, FSDP, 16 micro-batches of 4``."""
+        sched = "1F1B" if self.virtual_stages == 1 else f"interleaved x{self.virtual_stages}"
+        dp = DP_LAYOUTS[self.dp_layout] if self.dp > 1 else "no DP"
+        return f"PP {self.pp} x DP {self.dp}, {sched}, {dp}, M {self.num_microbatches} x b {self.microbatch_size}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One layout considered, and what became of it."""
+
+    layout: Layout
+    """The layout."""
+    status: str
+    """``best``, ``planned`` (planned and simulated), ``not planned`` (its estimate was no better than the
+    best found), or ``rejected`` (see ``reason``)."""
+    estimate_s: float = math.nan
+    """Optimistic seconds per unit before planning (see the module glossary); nan when not estimated."""
+    time_per_unit_s: float = math.nan
+    """Predicted (simulated) seconds per unit of the plan; nan when not planned."""
+    iteration_s: float = math.nan
+    """Predicted seconds of one optimizer step."""
+    peak_memory_bytes: float = math.nan
+    """Simulated peak memory of the fullest device; for a layout that does not fit, the least any plan needs."""
+    bubble_fraction: float = math.nan
+    """Idle share of device time in the simulated iteration."""
+    reason: str = ""
+    """Why it was rejected or not planned."""
+    plan: Plan | None = field(default=None, repr=False)
+    """The plan it was scored with (None unless planned)."""
+
+    @property
+    def planned(self) -> bool:
+        return self.status in ("best", "planned")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutSearch:
+    """The result of :func:`search_layout`: the best layout, its plan, and every candidate considered."""
+
+    best: Candidate
+    """The layout with the least predicted time per unit that fits."""
+    candidates: tuple[Candidate, ...]
+    """Every layout considered, best first, then planned by time, not planned, rejected."""
+    devices: int
+    """Devices laid out."""
+    global_batch: int | None
+    """Units per optimizer step (None when the micro-batch count was fixed instead)."""
+    memory_budget: float | None
+    """Bytes per device (None: unconstrained)."""
+    unit: str
+    """What a unit is (``sample``, ``micro-batch``...)."""
+    seconds: float
+    """Wall time of the search."""
+    costs: CostTable = field(repr=False)
+    """The cost table the best plan was made with (micro-batch size and links of the best layout)."""
+    notes: tuple[str, ...] = ()
+    """Assumptions worth printing (topology, left-out layouts)."""
+
+    @property
+    def plan(self) -> Plan:
+        assert self.best.plan is not None
+        return self.best.plan
+
+    def table(self, limit: int | None = None) -> str:
+        """The candidates as an aligned table; ``limit`` rows at most (a count of the rest follows)."""
+        return format_candidates(self.candidates, unit=self.unit, limit=limit)
+
+    def summary(self, limit: int | None = 20) -> str:
+        budget = format_size(self.memory_budget) if self.memory_budget is not None else "unconstrained"
+        b = self.best
+        batch = (f"global batch {counted(self.global_batch, self.unit)} per step" if self.global_batch is not None
+                 else f"{counted(self.best.layout.num_microbatches, 'micro-batch')} per replica per step")
+        head = (f"layout search: {counted(self.devices, 'device')}, {batch}, memory budget {budget} per device; "
+                f"{len(self.candidates)} layouts "
+                f"considered, {sum(c.planned for c in self.candidates)} planned and simulated, in {self.seconds:.1f} s")
+        chosen = (f"chosen: {b.layout.describe()}: predicted {_ms(b.time_per_unit_s)} ms per {self.unit}, "
+                  f"{b.iteration_s:.4g} s per step, bubble {b.bubble_fraction:.1%}, peak {format_size(b.peak_memory_bytes)}")
+        return "\n".join([head, *self.notes, self.table(limit), chosen])
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.4g}"
+
+
+def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", limit: int | None = None) -> str:
+    """Layout, estimate, predicted time per unit, step time, bubble, memory, status and reason per candidate."""
+    shown = list(candidates if limit is None else candidates[:limit])
+    rows = [("layout", f"estimate ms/{unit}", f"predicted ms/{unit}", "step s", "bubble", "peak memory", "status")]
+    for c in shown:
+        mem = "-" if math.isnan(c.peak_memory_bytes) else format_size(c.peak_memory_bytes)
+        rows.append((
+            c.layout.describe(), _ms(c.estimate_s), _ms(c.time_per_unit_s),
+            "-" if math.isnan(c.iteration_s) else f"{c.iteration_s:.4g}",
+            "-" if math.isnan(c.bubble_fraction) else f"{c.bubble_fraction:.1%}", mem,
+            c.status + (f": {c.reason}" if c.reason else ""),
+        ))
+    text = format_table(rows, "lrrrrrl")
+    if len(shown) < len(candidates):
+        rest = candidates[len(shown):]
+        kinds = {s: sum(c.status == s for c in rest) for s in ("planned", "not planned", "rejected")}
+        text += "\n... " + ", ".join(f"{n} more {s}" for s, n in kinds.items() if n)
+    return text
+
+
+# -- costs -----------------------------------------------------------------------------------------
+def scale_costs(costs: CostTable, factor: float) -> CostTable:
+    """``costs`` for a micro-batch ``factor`` times as large: times, FLOPs, activations, workspace, peaks and sent
+    bytes scale, weights and optimizer states do not (the rule of ``simulate(microbatch_costs=[scale])``)."""
+    if factor == 1:
+        return costs
+    if factor <= 0:
+        raise InputError(f"micro-batch scale must be positive, got {factor}")
+    blocks = tuple(dataclasses.replace(
+        b, flops=b.flops * factor, forward_s=b.forward_s * factor, backward_s=b.backward_s * factor,
+        activation_bytes={o: int(round(v * factor)) for o, v in b.activation_bytes.items()},
+        recompute_s={o: v * factor for o, v in b.recompute_s.items()},
+        workspace_bytes=int(round(b.workspace_bytes * factor)),
+        peak_bytes={o: int(round(v * factor)) for o, v in b.peak_bytes.items()},
+    ) for b in costs.blocks)
+    return dataclasses.replace(costs, blocks=blocks, cut_bytes=tuple(int(round(c * factor)) for c in costs.cut_bytes),
+                               batch_shape={k: round(v * factor) for k, v in costs.batch_shape.items()})
+
+
+def _links(device: DeviceSpec | None, per_node: int, layout: Layout) -> tuple[str, str]:
+    """(stage link, data-parallel link) names of ``layout`` (pipeline-inner ranks), or ('', '') without a device."""
+    if device is None:
+        return "", ""
+    stage = "nvlink" if layout.pp <= per_node else "infiniband"
+    dp = "nvlink" if layout.devices <= per_node else "infiniband"
+    return stage, dp
+
+
+def pipeline_depths(devices: int, num_blocks: int) -> list[int]:
+    """Pipeline depths a model of ``num_blocks`` blocks can take on ``devices`` devices: divisors, <= blocks."""
+    return [p for p in range(1, devices + 1) if devices % p == 0 and p <= num_blocks]
+
+
+# -- the estimate ----------------------------------------------------------------------------------
+def _extra_time_to_fit(problem: PartitionProblem, capacity: float) -> float:
+    """Least recompute seconds per micro-batch that bring the model's kept activations to ``capacity``
+    bytes, buying recomputation at its cheapest rate first (fractional: a relaxation); inf if impossible."""
+    opts = problem.option_indices()
+    t = np.asarray(problem.time, dtype=np.float64)[:, opts]
+    a = np.asarray(problem.act, dtype=np.float64)[:, opts]
+    first = np.argmin(t + 1e-30 * a, axis=1)
+    rows = np.arange(len(t))
+    need = float(a[rows, first].sum()) - capacity
+    if need <= 0:
+        return 0.0
+    segments = []  # (seconds per byte saved, bytes saved) along each block's lower hull
+    for i in range(len(t)):
+        ti, ai = t[i, first[i]], a[i, first[i]]
+        while True:
+            better = [(float((t[i, o] - ti) / (ai - a[i, o])), o) for o in range(len(opts)) if a[i, o] < ai]
+            if not better:
+                break
+            rate, o = min(better)
+            segments.append((max(rate, 0.0), float(ai - a[i, o])))
+            ti, ai = t[i, o], a[i, o]
+    extra = 0.0
+    for rate, saved in sorted(segments):
+        take = min(saved, need)
+        extra += rate * take
+        need -= take
+        if need <= 0:
+            return extra
+    return math.inf
+
+
+def _estimate(problem: PartitionProblem, layout: Layout, budget: float | None, cache: dict) -> float:
+    """Optimistic seconds per optimizer step of ``layout`` (module glossary); inf when it cannot fit.
+
+    The planner's objective with ideal stages: 1F1B ``W + (M - 1) T``, interleaved ``M L + (p - 1) / (p v) W``,
+    where W is the replica's work per micro-batch (fastest options plus the least recomputation that fits,
+    spread over the devices' total memory), T the largest stage's time and L the largest device's: at least
+    W / S (W / p), and at least the least largest part of a contiguous split of the blocks' fastest times
+    into S stages (p devices), what block sizes allow. For interleaved schedules a device's two chunks are
+    not contiguous, so its bound is a heuristic: pairing chunks can balance better, or worse.
+    """
+    P = problem
+    p, v, S, M = layout.pp, layout.virtual_stages, layout.num_stages, layout.num_microbatches
+    fastest = tuple(min(P.time[i][o] for o in P.option_indices()) for i in range(P.n))
+    extra = 0.0
+    if budget is not None:
+        transient = max(P.gathered, default=0.0) + max(P.workspace, default=0.0)
+        per_device = budget - sum(P.static) / p - transient
+        if per_device <= 0:
+            return math.inf
+        inflight = sum(in_flight(P, s) for s in range(S))
+        extra = _extra_time_to_fit(P, p * per_device * S / inflight)
+    work = sum(fastest) + extra
+    for k in (S, p):
+        if (fastest, k) not in cache:
+            cache[(fastest, k)] = min_max_partition(fastest, k)[1]
+    if v == 1:
+        step = work + (M - 1) * max(work / S, cache[(fastest, S)])
+    else:
+        step = M * max(work / p, cache[(fastest, p)]) + (p - 1) / (p * v) * work
+    return step + sum(P.sync) / p
+
+
+# -- the search ------------------------------------------------------------------------------------
+def search_layout(
+    costs: CostTable | Callable[[int], CostTable],
+    *,
+    devices: int,
+    global_batch: int | None = None,
+    num_microbatches: int | None = None,
+    memory_budget: float | None = None,
+    microbatch_sizes: Sequence[int] = (1,),
+    device: DeviceSpec | None = None,
+    devices_per_node: int = 8,
+    pipeline: Sequence[int] | None = None,
+    virtual_stages: Sequence[int] = (1, 2),
+    dp_layouts: Sequence[str] = tuple(DP_LAYOUTS),
+    recompute: str = "auto",
+    unit: str = "sample",
+    prune: float | None = PRUNE_MARGIN,
+) -> LayoutSearch:
+    """Choose the layout of ``devices`` devices with the least predicted time per unit that fits ``memory_budget``.
+
+    Args:
+        costs: one micro-batch's block costs: a function ``b -> CostTable`` of the micro-batch size in
+            units, or a CostTable of a one-unit micro-batch (larger ones scaled by :func:`scale_costs`).
+        devices: N; every layout has PP x DP = N.
+        global_batch: units per optimizer step, all replicas together (G = DP x M x b).
+        num_microbatches: instead of ``global_batch``: M fixed, each layout's step holds DP x M x b units.
+        memory_budget: bytes per device; None = unconstrained.
+        microbatch_sizes: micro-batch sizes b to try (units).
+        device: the accelerator, for the topology's links (module glossary); None keeps the table's
+            link bandwidth for sends and data-parallel collectives alike.
+        devices_per_node: devices that share NVLink.
+        pipeline: pipeline depths to try (default: every divisor of N the block count allows).
+        virtual_stages: chunks per device to try (v > 1 only where PP > 1 and the blocks allow).
+        dp_layouts: keys of :data:`DP_LAYOUTS` to try.
+        recompute: ``auto`` (the planner picks per block) or one option forced everywhere.
+        unit: name of a unit in the printed table.
+        prune: leave a layout unplanned when its estimate exceeds the best predicted time found by more
+            than this fraction; None plans every layout that fits (slow: seconds per layout at paper scale).
+
+    Raises:
+        PlanError: no layout fits the budget; the message names the layout that needs least and its budget,
+            also kept as the error's ``least_budget`` attribute (bytes per device).
+    """
+    start = time.perf_counter()
+    if not isinstance(devices, int) or devices < 1:
+        raise InputError(f"devices must be a positive integer, got {devices!r}")
+    if (global_batch is None) == (num_microbatches is None):
+        raise InputError("give the layout search global_batch (units per step) or num_microbatches (per replica), one of them")
+    for name, value in (("global_batch", global_batch), ("num_microbatches", num_microbatches)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    if memory_budget is not None and memory_budget <= 0:
+        raise InputError(f"memory_budget must be positive, got {memory_budget}")
+    sizes = sorted({int(b) for b in microbatch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise InputError(f"microbatch_sizes must be positive integers, got {list(microbatch_sizes)}")
+    for name in dp_layouts:
+        _data_parallel(name, 2)  # an unknown name fails here
+    tables: dict[tuple[int, str, str], CostTable] = {}
+
+    def table_for(b: int, stage_link: str, dp_link: str) -> CostTable:
+        key = (b, stage_link, dp_link)
+        if key not in tables:
+            base = costs(b) if callable(costs) else scale_costs(costs, b)
+            if base.precision.optimizer_shards != 1:
+                raise InputError(
+                    f"the cost table shards the optimizer over {base.precision.optimizer_shards} ranks; the search "
+                    "chooses the data-parallel degree itself: give costs with optimizer_shards=1")
+            if device is not None:
+                base = dataclasses.replace(base, link_bandwidth=device.link_bandwidth(stage_link),
+                                           dp_link_bandwidth=device.link_bandwidth(dp_link))
+            tables[key] = base
+        return tables[key]
+
+    n = len(table_for(sizes[0], *_links(device, devices_per_node, Layout(pp=1, dp=devices))).blocks)
+    depths = sorted(set(pipeline)) if pipeline is not None else pipeline_depths(devices, n)
+    bad = [p for p in depths if p < 1 or devices % p or p > n]
+    if bad:
+        raise InputError(f"pipeline depths {bad} do not divide {devices} devices or exceed the model's {n} blocks")
+    notes = []
+    if device is not None:
+        notes.append(f"links: {device.name}, NVLink inside nodes of {devices_per_node} devices, InfiniBand across "
+                     "(pipeline-inner ranks)")
+
+    # Every layout the rules allow; the schedule's own rules reject some with a reason.
+    layouts: list[Layout] = []
+    skipped = 0
+    for p in depths:
+        dp = devices // p
+        for v in sorted(set(virtual_stages)):
+            if v < 1 or (v > 1 and (p == 1 or p * v > n)):
+                continue
+            for b in sizes:
+                if global_batch is not None and global_batch % (dp * b):
+                    skipped += 1
+                    continue
+                m = num_microbatches if global_batch is None else global_batch // (dp * b)
+                for name in (dp_layouts if dp > 1 else dp_layouts[:1]):
+                    layouts.append(Layout(pp=p, dp=dp, virtual_stages=v, dp_layout=name, microbatch_size=b,
+                                          num_microbatches=m))
+    if skipped:
+        notes.append(f"left out: {counted(skipped, 'pipeline depth and micro-batch size pair')} whose DP x b does not "
+                     f"divide the global batch of {global_batch}")
+    if not layouts:
+        raise PlanError(f"no layout of {counted(devices, 'device')} splits a global batch of {global_batch} {unit}s "
+                        f"into micro-batches of {sizes}: change the global batch or the micro-batch sizes")
+
+    results: list[Candidate] = []
+    pending: list[tuple[float, Layout, PartitionProblem, CostTable]] = []
+    sched_cache: dict = {}
+    for lay in layouts:
+        try:
+            Schedule(kind=lay.schedule, num_microbatches=lay.num_microbatches,
+                     virtual_stages=lay.virtual_stages).check(lay.num_stages)
+        except PlanError as e:
+            results.append(Candidate(layout=lay, status="rejected", reason=str(e).split(";")[0]))  # Schedule's rule
+            continue
+        table = table_for(lay.microbatch_size, *_links(device, devices_per_node, lay))
+        problem = problem_from_costs(table, num_stages=lay.num_stages, num_microbatches=lay.num_microbatches,
+                                     schedule=lay.schedule, virtual_stages=lay.virtual_stages, budget=memory_budget,
+                                     recompute=recompute, data_parallel=lay.data_parallel)
+        est = _estimate(problem, lay, memory_budget, sched_cache) / lay.units_per_step
+        pending.append((est, lay, problem, table))
+
+    pending.sort(key=lambda x: x[0])
+    best: Candidate | None = None
+    least_need: tuple[float, Layout] | None = None
+    for est, lay, problem, table in pending:
+        if prune is not None and best is not None and est > best.time_per_unit_s * (1 + prune) and not math.isinf(est):
+            results.append(Candidate(layout=lay, status="not planned", estimate_s=est,
+                                     reason=f"estimate over the best by more than {prune:.0%}"))
+            continue
+        if memory_budget is not None:  # exact: the least memory any plan of the layout needs
+            _, _, need = least_memory_split(problem)
+            if not need <= problem.memory_limit(0) * lay.virtual_stages:
+                results.append(Candidate(layout=lay, status="rejected", estimate_s=est, peak_memory_bytes=need,
+                                         reason=f"needs at least {format_size(need)} per device"))
+                if least_need is None or need < least_need[0]:
+                    least_need = (need, lay)
+                continue
+        cand = _plan_and_simulate(problem, table, lay, est, memory_budget)
+        results.append(cand)
+        if cand.planned and (best is None or cand.time_per_unit_s < best.time_per_unit_s):
+            best = cand
+    if best is None:
+        error = PlanError(_nothing_fits(devices, memory_budget, least_need, results))
+        error.least_budget = least_need[0] if least_need else None  # type: ignore[attr-defined]
+        raise error
+    best_table = table_for(best.layout.microbatch_size, *_links(device, devices_per_node, best.layout))
+    best = dataclasses.replace(best, status="best")
+    rest = sorted((c for c in results if c.layout != best.layout), key=_table_order)
+    return LayoutSearch(best=best, candidates=(best, *rest), devices=devices, global_batch=global_batch,
+                        memory_budget=memory_budget, unit=unit, seconds=time.perf_counter() - start, costs=best_table,
+                        notes=tuple(notes))
+
+
+def _table_order(c: Candidate) -> tuple[int, float]:
+    """Planned by predicted time, then not planned by estimate, then rejected by estimate."""
+    rank = {"planned": 0, "not planned": 1, "rejected": 2}[c.status]
+    key = c.time_per_unit_s if c.planned else c.estimate_s
+    return rank, math.inf if math.isnan(key) else key
+
+
+def _plan_and_simulate(problem: PartitionProblem, table: CostTable, lay: Layout, est: float, budget: float | None) -> Candidate:
+    """Plan ``lay`` (exact DP for 1F1B, the DP's incumbent for interleaved) and simulate its plan.
+
+    When the simulated peak exceeds the budget (the planner's in-flight count for interleaved schedules is
+    an approximation), the layout is planned again against the budget shrunk by the overshoot (twice at most).
+    """
+    limit = budget
+    for _ in range(3):
+        try:
+            sol = solve_dp(problem) if lay.virtual_stages == 1 else interleaved_incumbent(problem)
+        except PlanError as e:
+            return Candidate(layout=lay, status="rejected", estimate_s=est, reason=f"planner: {e}")
+        plan = plan_from_solution(sol, table, problem)
+        sim = simulate(plan, table)
+        peak = float(max(sim.peak_memory_bytes))
+        if budget is None or peak <= budget * (1 + 1e-9) + 1e-6:
+            return Candidate(layout=lay, status="planned", estimate_s=est, plan=plan,
+                             time_per_unit_s=sim.iteration_time_s / lay.units_per_step, iteration_s=sim.iteration_time_s,
+                             peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction)
+        limit = limit * budget / peak  # aim under the budget by the overshoot, cumulatively
+        problem = dataclasses.replace(problem, budget=(limit,) * len(problem.budget))
+    return Candidate(layout=lay, status="rejected", estimate_s=est, peak_memory_bytes=peak,
+                     reason=f"simulated peak {format_size(peak)} over the budget")
+
+
+def _nothing_fits(devices: int, budget: float | None, least: tuple[float, Layout] | None, results: list[Candidate]) -> str:
+    if least is None:
+        reasons = sorted({c.reason for c in results if c.reason})
+        return f"no layout of {counted(devices, 'device')} could be planned: {'; '.join(reasons[:3])}"
+    need, lay = least
+    return (f"no layout of {counted(devices, 'device')} fits the memory budget of {format_size(budget or 0)} per device: "
+            f"the one that needs least, {lay.describe()}, needs {format_size(need)} per device even with the most "
+            f"recomputation allowed. Give a budget of at least {format_size(need)}, more devices, or a smaller "
+            "micro-batch (microbatch_sizes).")
+
+
+# -- optimize(devices=...) -------------------------------------------------------------------------
+def job_devices() -> tuple[int, str]:
+    """(devices of this job, where the count comes from): torchrun's ``WORLD_SIZE``, else the visible GPUs,
+    else 1 (said so)."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 0:
+        return int(world), f"{world} devices from torchrun's WORLD_SIZE"
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except ImportError:
+        gpus = 0
+    if gpus:
+        return gpus, f"{counted(gpus, 'visible GPU')}"
+    return 1, "no GPU and no WORLD_SIZE here: 1 device assumed (pass devices=N to plan for N)"
+
+
+def choose_layout(
+    costs: CostTable,
+    *,
+    devices: int,
+    device: DeviceSpec | None = None,
+    global_batch: int | None = None,
+    num_stages: int | None = None,
+    schedule: str | None = None,
+    virtual_stages: int | None = None,
+    num_microbatches: int | None = None,
+    dp: int = 1,
+    dp_layout: str | None = None,
+    memory_budget: float | None = None,
+    recompute: str = "auto",
+) -> LayoutSearch:
+    """:func:`search_layout` for ``optimize(devices=...)``: one micro-batch of ``costs`` is the unit, and what the
+    caller fixed is pinned (stages, schedule and chunks, data-parallel degree and layout, micro-batch count).
+
+    Without ``global_batch`` or ``num_microbatches``, a step holds two micro-batches per device (said in the notes).
+    """
+    if schedule == "gpipe":
+        raise InputError("the layout search plans 1F1B and interleaved schedules; for gpipe give num_stages=")
+    if dp > 1 and devices % dp:
+        raise InputError(f"dp={dp} does not divide devices={devices}")
+    pipeline = None
+    chunks = virtual_stages if virtual_stages is not None else 2 if schedule == "interleaved" else 1
+    if num_stages is not None:
+        if num_stages % chunks:
+            raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={chunks}")
+        pipeline = [num_stages // chunks]
+        if devices % pipeline[0]:
+            raise InputError(f"{pipeline[0]} pipeline devices do not divide devices={devices}")
+    elif dp > 1:
+        pipeline = [devices // dp]
+    if pipeline is not None and dp > 1 and pipeline[0] * dp != devices:
+        raise InputError(f"{pipeline[0]} pipeline devices x dp={dp} is not devices={devices}")
+    # None leaves schedule and chunks to the search (1F1B or interleaved with two chunks)
+    pinned_v = num_stages is not None or schedule is not None or virtual_stages is not None
+    notes = []
+    if global_batch is None and num_microbatches is None:
+        global_batch = 2 * devices
+        notes.append(f"global batch not given: {global_batch} micro-batches per step assumed (2 per device)")
+    result = search_layout(
+        costs, devices=devices, global_batch=global_batch, num_microbatches=num_microbatches,
+        memory_budget=memory_budget, device=device, pipeline=pipeline,
+        virtual_stages=[chunks] if pinned_v else (1, 2),
+        dp_layouts=[dp_layout] if dp_layout is not None else tuple(DP_LAYOUTS), recompute=recompute,
+        unit="micro-batch",
+    )
+    return dataclasses.replace(result, notes=(*notes, *result.notes))

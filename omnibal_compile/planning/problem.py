@@ -1,0 +1,404 @@
+"""The joint partition + recomputation problem, and the one accounting every solver shares.
+
+Torch-free. Notation (as in the ILP):
+    n blocks i = 0..n-1, S stages s = 0..S-1 (contiguous, non-empty), M micro-batches;
+    option o in {none, selective, full} per block;
+    t_io = f_i + b_i + r_io     time of block i under option o (forward, backward, recompute);
+    a_io                        activation bytes block i keeps for backward under option o;
+    w_i                         static bytes (weights, gradients, optimizer states);
+    c_k = bytes_k / bandwidth   time to send what crosses cut k (c_0 = c_n = 0);
+    u_i                         bytes of block i's weights gathered while it computes (FSDP), else 0;
+    q_i                         workspace: bytes block i holds only while it computes, beyond a_io;
+    d_i                         seconds of data-parallel communication block i adds once per iteration;
+    p_io                        peak bytes of one forward and backward of block i alone under option o
+                                (a_io plus what it holds while it computes; p_io <= a_io + q_i).
+Stage s running blocks [i, j):
+    T_s = sum t_io + c_j + c_i            (sends forward activations at its end, gradients at its start)
+    Mem_s = sum w_i + max u_i + max q_i + k_s * sum a_io + bytes_i + k_s * bytes_j
+            (k_s micro-batches in flight; a receive buffer; the outputs each micro-batch in flight holds
+            until its backward, which torch's pipelining keeps to run that backward)
+Mem_s is what every planner fits under the budget: a bound, linear in the options, with one
+interval constant (max q_i). The predicted peak a plan reports is tighter:
+    Peak_s = sum w_i + max u_i + (k_s - 1) A + max_b (A_<b + p_bo) + bytes_i + k_s * bytes_j,   A = sum a_io,
+the micro-batch that runs holding only what the blocks before b keep plus b's own peak
+(:func:`omnibal_compile.ir.costs.running_peak`); Peak_s <= Mem_s. Without p (not measured) Peak_s = Mem_s.
+In flight k_s: GPipe M; 1F1B min(S - s, M); interleaved 1F1B with p = S / v devices and v chunks
+per device: device d = s mod p keeps min(2 (p - d - 1) + (v - 1) p + 1, v M) micro-batch chunks at
+its peak (Megatron's warm-up count + 1), shared evenly by its v chunks, each chunk given 1/v of the
+device budget (an approximation that keeps stages independent).
+Iteration time: GPipe and 1F1B  sum_s T_s + (M - 1) max_s T_s;
+    interleaved  M max_d T_d + (p - 1) / (p v) sum_s T_s, with T_d the sum over device d's chunks
+    For equal stages of time T these give (M + S - 1) T, and (v M + p - 1) T for interleaved.
+Data parallelism (``problem_from_costs(data_parallel=...)``, rules in
+:meth:`omnibal_compile.ir.costs.DataParallel.block_cost`): w_i is the per-device static bytes of
+the layout; FSDP's gathers before every forward and backward are part of t_io (2 gathers per
+micro-batch); the once-per-iteration terms (gradient reduction after the last backward, FSDP's one
+gather when weights stay gathered) add D = max over devices of sum d_i to the iteration time. The
+planner charges D in full, an upper bound on what the simulator finds exposed (the first stage
+finishes last, so its reduction is exposed; later stages' overlap the backwards still running
+before them): exact for equal stages and whenever the first device has the largest D. The ILP
+and the DP optimise this same objective (D enters as one more max term, not per stage).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
+from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.schedule import Schedule
+
+__all__ = [
+    "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
+    "stage_static", "sync_time", "stage_peak", "stage_io",
+]
+
+OPTIONS = RECOMPUTE_OPTIONS
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionProblem:
+    """Everything a solver needs, as plain numbers."""
+
+    names: tuple[str, ...]
+    """Block names."""
+    kinds: tuple[str, ...]
+    """Block kinds (``layer`` / ``module`` / ``glue``)."""
+    time: tuple[tuple[float, float, float], ...]
+    """t_io: seconds per micro-batch of block i under none / selective / full."""
+    act: tuple[tuple[int, int, int], ...]
+    """a_io: activation bytes kept per micro-batch under none / selective / full."""
+    static: tuple[int, ...]
+    """w_i: static bytes of block i."""
+    cut_time: tuple[float, ...]
+    """c_k: send time across cut k, k = 0..n (c_0 = c_n = 0)."""
+    cut_bytes: tuple[int, ...]
+    """Bytes across cut k (receive buffer of a stage starting at k)."""
+    num_params: tuple[int, ...]
+    """Parameters per block (for the parameter baseline)."""
+    flops: tuple[float, ...]
+    """Forward FLOPs per block (for the FLOPs baseline)."""
+    num_stages: int
+    """S, stages (all chunks of all devices)."""
+    num_microbatches: int
+    """M."""
+    schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved`` (see :attr:`pipeline_schedule`)."""
+    virtual_stages: int = 1
+    """v, chunks per device (interleaved only)."""
+    budget: tuple[float, ...] = ()
+    """Memory budget per device (length p = S / v); empty = unconstrained."""
+    allowed: tuple[str, ...] = OPTIONS
+    """Recompute options the solver may use."""
+    gathered: tuple[float, ...] = ()
+    """u_i: bytes block i gathers while it computes (FSDP resharding after forward); a stage adds its largest. Empty = none."""
+    workspace: tuple[float, ...] = ()
+    """q_i: bytes block i holds only while it computes, beyond its activations; a stage adds its largest. Empty = none."""
+    sync: tuple[float, ...] = ()
+    """d_i: data-parallel seconds block i adds once per iteration; a device adds its blocks' sum. Empty = none."""
+    peak: tuple[tuple[float, float, float], ...] = ()
+    """p_io: peak bytes of one forward and backward of block i alone under none / selective / full; the
+    predicted peak (not the planners' bound) reads it. Empty = not measured."""
+    data_parallel: DataParallel = NO_DATA_PARALLEL
+    """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in plans)."""
+    tie_tolerance: float = 0.0
+    """Plans predicted within this fraction of the least iteration time count as equal, and
+    :func:`omnibal_compile.planning.ties.break_ties` picks among them by figures that do not depend on
+    timings (0: the fastest plan, exactly; :func:`problem_from_costs` sets it for measured costs)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for name in ("kinds", "time", "act", "static", "num_params", "flops"):
+            if len(getattr(self, name)) != n:
+                raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks")
+        if len(self.cut_time) != n + 1 or len(self.cut_bytes) != n + 1:
+            raise InputError(f"cut_time and cut_bytes need n + 1 = {n + 1} entries")
+        if not 1 <= self.num_stages <= n:
+            raise PlanError(f"num_stages={self.num_stages} must lie in [1, {n}] (the number of blocks)")
+        self.pipeline_schedule.check(self.num_stages)
+        if self.budget and len(self.budget) != self.num_devices:
+            raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
+        if not self.allowed or any(o not in OPTIONS for o in self.allowed):
+            raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
+        if not (isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1):
+            raise InputError(f"tie_tolerance must be a fraction in [0, 1), got {self.tie_tolerance!r}")
+        for name in ("gathered", "workspace", "sync", "peak"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
+
+    @property
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule, micro-batches and chunks per device, as one value."""
+        return Schedule(kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages)
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_stages // self.virtual_stages
+
+    def device_of(self, s: int) -> int:
+        return s % self.num_devices
+
+    def stage_budget(self, s: int) -> float:
+        """Memory a stage may use (its device's budget, split evenly among the device's chunks)."""
+        if not self.budget:
+            return math.inf
+        return self.budget[self.device_of(s)] / self.virtual_stages
+
+    def memory_limit(self, s: int) -> float:
+        """The most memory stage ``s`` may be predicted to use and still fit: its budget plus a
+        rounding allowance of one part in 1e9. The one fitting rule of every planner and check."""
+        return self.stage_budget(s) * (1 + 1e-9) + 1e-6
+
+    def option_indices(self) -> tuple[int, ...]:
+        return tuple(OPTIONS.index(o) for o in self.allowed)
+
+
+def in_flight(problem: PartitionProblem, s: int) -> float:
+    """k_s: micro-batches whose activations stage ``s`` holds at its peak (see module docstring)."""
+    S, M = problem.num_stages, problem.num_microbatches
+    if problem.schedule == "gpipe":
+        return float(M)
+    if problem.schedule == "1f1b":
+        return float(min(S - s, M))
+    p, v = problem.num_devices, problem.virtual_stages
+    d = problem.device_of(s)
+    chunks = min(2 * (p - d - 1) + (v - 1) * p + 1, v * M)
+    return chunks / v
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solution:
+    """A plan at solver level: cut points, recompute options, and its predicted figures."""
+
+    boundaries: tuple[int, ...]
+    """0 = b_0 < ... < b_S = n."""
+    recompute: tuple[str, ...]
+    """Option per block."""
+    stage_time: tuple[float, ...]
+    """T_s per micro-batch."""
+    stage_memory: tuple[float, ...]
+    """Mem_s: the memory bound every planner fits under the budget."""
+    iteration_time: float
+    """The schedule's iteration time."""
+    feasible: bool
+    """Every stage fits its budget."""
+    planner: str = ""
+    """Who produced it."""
+    status: str = ""
+    """Solver status (e.g. ``optimal``, ``time limit, gap 0.3%``)."""
+    solve_seconds: float = 0.0
+    """Wall time of the solve."""
+    gap: float | None = None
+    """Relative optimality gap reported by the solver, when known."""
+    binding: str = ""
+    """Constraint that limits the plan (``time of stage k`` or ``memory of stage k``)."""
+    sync_time: float = 0.0
+    """D: data-parallel seconds the iteration time includes (see the module docstring); 0 without dp."""
+    extra: dict = field(default_factory=dict)
+    """Solver-specific notes."""
+    stage_peak: tuple[float, ...] = ()
+    """Peak_s: the predicted peak memory of each stage (<= Mem_s; see the module docstring)."""
+
+
+def _iteration_time(problem: PartitionProblem, stage_time: Sequence[float]) -> float:
+    M = problem.num_microbatches
+    if problem.schedule in ("gpipe", "1f1b"):
+        return sum(stage_time) + (M - 1) * max(stage_time)
+    p, v = problem.num_devices, problem.virtual_stages
+    per_device = [sum(stage_time[s] for s in range(problem.num_stages) if problem.device_of(s) == d) for d in range(p)]
+    return M * max(per_device) + (p - 1) / (p * v) * sum(stage_time)
+
+
+def stage_static(problem: PartitionProblem, i: int, j: int) -> float:
+    """sum w_i + max u_i + max q_i over blocks [i, j): memory a stage holds whatever is in flight."""
+    return sum(problem.static[i:j]) + stage_transient(problem, i, j)
+
+
+def stage_transient(problem: PartitionProblem, i: int, j: int) -> float:
+    """max u_i + max q_i over blocks [i, j): what a stage holds only while one of its blocks computes."""
+    return max(problem.gathered[i:j], default=0.0) + max(problem.workspace[i:j], default=0.0)
+
+
+def sync_time(problem: PartitionProblem, boundaries: Sequence[int]) -> float:
+    """D: the largest device's sum of d_i (0 without data parallelism)."""
+    if not problem.sync:
+        return 0.0
+    per_stage = [sum(problem.sync[i:j]) for i, j in zip(boundaries, boundaries[1:])]
+    return max(sum(per_stage[s] for s in range(problem.num_stages) if problem.device_of(s) == d) for d in range(problem.num_devices))
+
+
+def stage_figures(problem: PartitionProblem, s: int, i: int, j: int, options: Sequence[int]) -> tuple[float, float]:
+    """(T_s, Mem_s) of stage ``s`` running blocks [i, j) with option index ``options[b - i]`` each."""
+    t = sum(problem.time[b][o] for b, o in zip(range(i, j), options)) + problem.cut_time[i] + problem.cut_time[j]
+    a = sum(problem.act[b][o] for b, o in zip(range(i, j), options))
+    mem = stage_static(problem, i, j) + in_flight(problem, s) * a + stage_io(problem, s, i, j)
+    return t, mem
+
+
+def stage_io(problem: PartitionProblem, s: int, i: int, j: int) -> float:
+    """bytes_i + k_s bytes_j: stage ``s`` on [i, j) receives its input into one buffer, and every micro-batch
+    in flight holds the stage's outputs until its backward (the pipeline runs that backward from them)."""
+    recv = problem.cut_bytes[i] if i > 0 else 0
+    return recv + (in_flight(problem, s) * problem.cut_bytes[j] if j < problem.n else 0.0)
+
+
+def stage_peak(problem: PartitionProblem, s: int, i: int, j: int, options: Sequence[int]) -> float:
+    """Peak_s of stage ``s`` running blocks [i, j) with option index ``options[b - i]`` each; Mem_s
+    when the blocks' peaks are not known."""
+    if not problem.peak:
+        return stage_figures(problem, s, i, j, options)[1]
+    kept = [problem.act[b][o] for b, o in zip(range(i, j), options)]
+    own = [problem.peak[b][o] for b, o in zip(range(i, j), options)]
+    # the other micro-batches in flight keep all (k_s - 1 of them; fewer than one with interleaved's share)
+    others = (in_flight(problem, s) - 1) * sum(kept)
+    return (sum(problem.static[i:j]) + max(problem.gathered[i:j], default=0.0) + others + running_peak(kept, own)
+            + stage_io(problem, s, i, j))
+
+
+def evaluate(
+    problem: PartitionProblem,
+    boundaries: Sequence[int],
+    recompute: Sequence[str],
+    *,
+    planner: str = "",
+    status: str = "",
+    solve_seconds: float = 0.0,
+    gap: float | None = None,
+    extra: dict | None = None,
+) -> Solution:
+    """Predicted stage times, memory and iteration time (pipeline + D) of a plan, by the shared accounting."""
+    b = tuple(int(x) for x in boundaries)
+    if len(b) != problem.num_stages + 1 or b[0] != 0 or b[-1] != problem.n or any(x >= y for x, y in zip(b, b[1:])):
+        raise PlanError(f"boundaries {list(b)} are not {problem.num_stages} contiguous non-empty stages of {problem.n} blocks")
+    if len(recompute) != problem.n:
+        raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
+    opts = [OPTIONS.index(r) for r in recompute]
+    times, mems, peaks = [], [], []
+    for s in range(problem.num_stages):
+        t, m = stage_figures(problem, s, b[s], b[s + 1], opts[b[s] : b[s + 1]])
+        times.append(t)
+        mems.append(m)
+        peaks.append(stage_peak(problem, s, b[s], b[s + 1], opts[b[s] : b[s + 1]]))
+    feasible = all(m <= problem.memory_limit(s) for s, m in enumerate(mems))
+    slow = max(range(len(times)), key=times.__getitem__)
+    binding = f"time of stage {slow}"
+    if problem.budget:
+        # The slowest stage is held back by memory when it recomputes and has no headroom left.
+        head = problem.stage_budget(slow) - mems[slow]
+        if any(opts[k] != 0 for k in range(b[slow], b[slow + 1])) and head < 0.02 * problem.stage_budget(slow):
+            binding = f"memory of stage {slow}"
+        elif any(opts[k] != 0 for k in range(b[slow], b[slow + 1])):
+            binding = f"memory of stage {slow} (recomputes to fit)"
+    return Solution(
+        boundaries=b,
+        recompute=tuple(recompute),
+        stage_time=tuple(times),
+        stage_memory=tuple(mems),
+        iteration_time=_iteration_time(problem, times) + sync_time(problem, b),
+        feasible=feasible,
+        planner=planner,
+        status=status,
+        solve_seconds=solve_seconds,
+        gap=gap,
+        binding=binding,
+        sync_time=sync_time(problem, b),
+        extra=dict(extra or {}),
+        stage_peak=tuple(peaks),
+    )
+
+
+def stage_time_bound(problem: PartitionProblem, iteration_bound: float) -> float:
+    """Largest stage time any plan with iteration time <= ``iteration_bound`` can have.
+
+    1F1B/GPipe: sum_s T_s + (M - 1) max_s T_s <= bound and sum_s T_s >= the fastest total work W,
+    so max_s T_s <= (bound - W) / (M - 1). Interleaved: a stage is part of its device's time and
+    M T_d <= bound - (p - 1) / (p v) W.
+    """
+    P, M = problem, problem.num_microbatches
+    work = sum(min(P.time[i][o] for o in P.option_indices()) for i in range(P.n))
+    if P.schedule in ("gpipe", "1f1b"):
+        return (iteration_bound - work) / (M - 1) if M > 1 else iteration_bound
+    p, v = P.num_devices, P.virtual_stages
+    return (iteration_bound - (p - 1) / (p * v) * work) / M
+
+
+def lower_bound(problem: PartitionProblem) -> float:
+    """max(total work / S, largest block) with the fastest option everywhere: no plan's bottleneck is lower."""
+    fastest = [min(problem.time[i][o] for o in problem.option_indices()) for i in range(problem.n)]
+    return max(sum(fastest) / problem.num_stages, max(fastest))
+
+
+def problem_from_costs(
+    costs: CostTable,
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    budget: float | Sequence[float] | None = None,
+    recompute: str = "auto",
+    data_parallel: DataParallel = NO_DATA_PARALLEL,
+    tie_tolerance: float | None = None,
+) -> PartitionProblem:
+    """Build the solver's problem from a cost table.
+
+    ``recompute``: ``auto`` lets the solver pick per block; ``none``/``selective``/``full`` forces one option.
+    ``data_parallel``: replicas of the pipeline and their layout; its per-block costs come from
+    :meth:`~omnibal_compile.ir.costs.CostTable.data_parallel_costs`.
+    ``tie_tolerance``: see :attr:`PartitionProblem.tie_tolerance`; None takes
+    :func:`~omnibal_compile.planning.ties.tie_tolerance_for` of the costs (a fixed default when the
+    times were measured with a spread, 0 for modelled ones).
+    """
+    from omnibal_compile.planning.ties import tie_tolerance_for
+
+    if recompute == "auto":
+        allowed = OPTIONS
+    elif recompute in OPTIONS:
+        allowed = (recompute,)
+    else:
+        raise InputError(f"recompute must be 'auto' or one of {list(OPTIONS)}, got {recompute!r}")
+    p = num_stages // virtual_stages if virtual_stages else num_stages
+    if budget is None:
+        budgets: tuple[float, ...] = ()
+    elif isinstance(budget, (int, float)):
+        budgets = (float(budget),) * p
+    else:
+        budgets = tuple(float(x) for x in budget)
+    if any(x <= 0 for x in budgets):
+        raise InputError(f"memory budgets must be positive, got {list(budgets)}")
+    blocks = costs.blocks
+    dp = data_parallel
+    dpc = costs.data_parallel_costs(dp)
+    return PartitionProblem(
+        names=tuple(b.name for b in blocks),
+        kinds=tuple(b.kind for b in blocks),
+        time=tuple(
+            tuple(b.forward_s + b.backward_s + b.recompute_s[o] + 2 * c.op_gather_s(dp) for o in OPTIONS)  # type: ignore[misc]
+            for b, c in zip(blocks, dpc)
+        ),
+        act=tuple(tuple(int(b.activation_bytes[o]) for o in OPTIONS) for b in blocks),  # type: ignore[misc]
+        static=tuple(int(round(c.static_bytes)) for c in dpc),
+        gathered=tuple(c.gathered_bytes for c in dpc) if dp.gathers else (),
+        workspace=tuple(float(b.workspace_bytes) for b in blocks) if any(b.workspace_bytes for b in blocks) else (),
+        peak=tuple(tuple(float(b.peak_bytes[o]) for o in OPTIONS) for b in blocks)  # type: ignore[misc]
+        if all(b.peak_bytes for b in blocks) else (),
+        sync=tuple(c.step_gather_s(dp) + c.reduce_s for c in dpc) if dp.size > 1 else (),
+        data_parallel=dp,
+        cut_time=tuple(costs.send_s(k) if 0 < k < len(blocks) else 0.0 for k in range(len(blocks) + 1)),
+        cut_bytes=tuple(c if 0 < k < len(blocks) else 0 for k, c in enumerate(costs.cut_bytes)),
+        num_params=tuple(b.num_params for b in blocks),
+        flops=tuple(b.flops for b in blocks),
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        budget=budgets,
+        allowed=allowed,
+        tie_tolerance=tie_tolerance_for(costs) if tie_tolerance is None else tie_tolerance,
+    )

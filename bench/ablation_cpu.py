@@ -67,7 +67,9 @@ from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import measure_overhead
 from omnibal_compile.calibrate.links import effective_sizes, measure_links
-from omnibal_compile.runtime.launch import RunConfig, launch, packed_source
+from omnibal_compile.runtime.batches import packed_source
+from omnibal_compile.runtime.launch import launch
+from omnibal_compile.runtime.settings import RunConfig
 
 LAYOUTS = ((2, 1), (1, 2), (2, 2))
 """(dp, pp) rows of the table."""

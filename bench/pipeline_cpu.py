@@ -38,7 +38,8 @@ from omnibal_compile.planning.build import min_max_partition
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.planning import PLANNERS
-from omnibal_compile.runtime.launch import RunConfig, launch
+from omnibal_compile.runtime.launch import launch
+from omnibal_compile.runtime.settings import RunConfig
 
 CONFIG = TinyVLMConfig(
     image_size=64, patch_size=4, vit_hidden=64, vit_layers=8, vit_heads=4, vit_mlp=256,

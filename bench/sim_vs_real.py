@@ -30,7 +30,8 @@ from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import fit_overhead, measure_overhead
-from omnibal_compile.runtime.launch import RunConfig, launch
+from omnibal_compile.runtime.launch import launch
+from omnibal_compile.runtime.settings import RunConfig
 from omnibal_compile.sim import simulate
 from omnibal_compile.planning import PLANNERS
 

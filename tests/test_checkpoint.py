@@ -17,7 +17,8 @@ from test_runtime_data import _config
 
 from omnibal_compile.errors import InputError, LaunchError
 from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint, load_into_model
-from omnibal_compile.runtime.launch import batch_source, build_model, launch
+from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.launch import launch
 
 STEPS = 6
 EXACT = 1e-6

@@ -20,7 +20,7 @@ from omnibal_compile.data.packing import MAX_PACK_TOKENS
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.compile.codegen import generate_stages
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.runtime.launch import RunConfig
+from omnibal_compile.runtime.settings import RunConfig
 from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile._utils.units import parse_size
 

@@ -170,7 +170,8 @@ def test_first_error_line_reads_torch_prefixed_tracebacks():
 def run_config(tmp_path_factory):
     import omnibal_compile as oc
     from omnibal_compile.models import make_example_batch
-    from omnibal_compile.runtime.launch import RunConfig, build_model
+    from omnibal_compile.runtime.batches import build_model
+    from omnibal_compile.runtime.settings import RunConfig
 
     fields = dataclasses.asdict(SMALL_VLM)
     model = build_model(RunConfig(plan="-", model_config=fields))
@@ -233,7 +234,7 @@ _MESH_RANK = textwrap.dedent("""
     import types
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from omnibal_compile.runtime.launch import _mesh_groups
+    from omnibal_compile.runtime.train import _mesh_groups
     from omnibal_compile.runtime.worker import init_process_group
     init_process_group(types.SimpleNamespace(device="cpu", collective_timeout=7.0))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"), backend_override=_mesh_groups("cpu", 7.0))

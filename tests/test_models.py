@@ -138,7 +138,8 @@ def test_model_specs_that_cannot_work_say_what_to_write(factory_dir):
 
 def test_plan_and_run_take_the_same_factory(factory_dir):
     from omnibal_compile.cli import main
-    from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model
+    from omnibal_compile.runtime.batches import batch_source, build_model
+    from omnibal_compile.runtime.settings import RunConfig
 
     assert main(["plan", "my_factories:with_batch", "--stages", "2", "--microbatches", "2", "--device", "cpu",
                  "--no-pictures", "--out", "out"]) == 0

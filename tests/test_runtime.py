@@ -31,7 +31,9 @@ from omnibal_compile.compile.capture import split_batch
 from omnibal_compile.compile.codegen import generate_stages
 from omnibal_compile.planning.build import uniform
 from omnibal_compile.runtime import check_pipeline, loss_weights, rank_stages
-from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model, launch
+from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.launch import launch
+from omnibal_compile.runtime.settings import RunConfig
 
 TOL = 1e-5
 SPAWN_TIMEOUT_S = 240

@@ -8,7 +8,9 @@ import torch
 
 import omnibal_compile as oc
 from omnibal_compile.errors import InputError
-from omnibal_compile.runtime.launch import RunConfig, batch_source, build_model, launch
+from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.launch import launch
+from omnibal_compile.runtime.settings import RunConfig
 from tests.conftest import SMALL_VLM
 
 TOL = 1e-5

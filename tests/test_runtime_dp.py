@@ -22,7 +22,8 @@ import omnibal_compile as oc
 from omnibal_compile import PlanError
 from omnibal_compile.errors import InputError
 from omnibal_compile.planning.build import uniform
-from omnibal_compile.runtime.launch import _dp_part, batch_source, build_model, launch
+from omnibal_compile.runtime.batches import _dp_part, batch_source, build_model
+from omnibal_compile.runtime.launch import launch
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -228,7 +229,7 @@ def test_dp_pre_launch_checks_name_the_flag(tmp_path, lengths_file, monkeypatch)
 
 
 def test_the_run_takes_its_data_parallel_layout_from_the_plan(tmp_path, lengths_file):
-    from omnibal_compile.runtime.launch import with_plan_layout
+    from omnibal_compile.runtime.settings import with_plan_layout
 
     config = _config(tmp_path, lengths_file, stages=1, batch_size=4, num_microbatches=2, schedule="1f1b")
     assert (with_plan_layout(config).dp, with_plan_layout(config).dp_shard) == (1, "fsdp")  # a plan without dp

@@ -55,7 +55,8 @@ def measure_overhead(
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
     from omnibal_compile.planning.build import uniform
-    from omnibal_compile.runtime.launch import RunConfig, launch
+    from omnibal_compile.runtime.launch import launch
+    from omnibal_compile.runtime.settings import RunConfig
 
     m1, m2 = microbatches
     if rounds < 1 or steps < 2:

@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omnibal_compile.errors import InputError
-    from omnibal_compile.runtime.launch import RunConfig, launch
+    from omnibal_compile.runtime.launch import launch
+    from omnibal_compile.runtime.settings import RunConfig
 
     try:
         model_config = json.loads(args.model_config)

@@ -44,11 +44,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Pipel
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.ir.costs import DP_SHARDS
-from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.compile.capture import normalize_example_inputs, structure_mismatch
 from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recompute
+from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import DP_SHARDS
 from omnibal_compile.ir.plan import Plan
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it

@@ -34,8 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omnibal_compile.errors import LaunchError
 from omnibal_compile._utils.tables import format_table
+from omnibal_compile.errors import LaunchError
 
 __all__ = [
     "ERROR_FILE_ENV",

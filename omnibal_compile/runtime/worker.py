@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch.distributed as dist
 
-        from omnibal_compile.runtime.launch import RunConfig, train
+        from omnibal_compile.runtime.settings import RunConfig
+
+        from omnibal_compile.runtime.train import train
 
         config = RunConfig.from_json(Path(args[0]).read_text())
         init_process_group(config)

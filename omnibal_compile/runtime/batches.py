@@ -1,0 +1,165 @@
+"""Where a run's batches come from: the model spec, built-in random batches, a user's function, balanced packs of length statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnibal_compile.errors import InputError
+from omnibal_compile.models.load import TINY_VLM
+from omnibal_compile.runtime.settings import RunConfig, read_plan, with_plan_layout
+
+BatchSource = Callable[[int], Any]
+
+
+def _import(spec: str, what: str) -> Any:
+    from omnibal_compile.models.load import import_from_spec
+
+    return import_from_spec(spec, what)
+
+
+def _load(config: RunConfig) -> Any:
+    from omnibal_compile.models.load import load_model
+
+    return load_model(config.model, config=config.model_config, seed=config.seed, batch=config.batch_size,
+                      tiles=config.tiles_per_sample, text=config.text_tokens)
+
+
+def build_model(config: RunConfig) -> nn.Module:
+    """The model, seeded with ``config.seed`` so every rank builds the same weights."""
+    return _load(config).model
+
+
+BATCHINGS: tuple[str, ...] = ("balanced", "random")
+"""How rows are made from length statistics (``RunConfig.batching``)."""
+
+
+def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None) -> BatchSource:
+    """``step -> batch``: data-parallel rank ``dp_rank``'s rows, or the whole step's (see the module glossary)."""
+    config = with_plan_layout(config)
+    if config.data is not None and config.lengths:
+        raise InputError("give either data='module:fn' or lengths=..., not both")
+    if config.batching not in BATCHINGS:
+        raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
+    if dp_rank is not None and not 0 <= dp_rank < config.dp:
+        raise InputError(f"dp rank {dp_rank} is out of range for dp={config.dp}")
+    if config.lengths:
+        return packed_source(config, model, dp_rank)
+    if config.data is not None:
+        fn = _import(config.data, "data function")
+        whole: BatchSource = lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
+    elif config.model in TINY_VLM:
+        from omnibal_compile.models import make_example_batch
+
+        cfg = model.config  # type: ignore[attr-defined]
+        whole = lambda step: make_example_batch(
+            cfg,
+            batch=config.batch_size,
+            tiles_per_sample=config.tiles_per_sample,
+            text_tokens=config.text_tokens,
+            seed=config.seed + 1 + step,
+        )
+    elif config.model.startswith("hf:"):
+        from omnibal_compile.models.load import hf_example_batch
+
+        whole = lambda step: hf_example_batch(model, batch=config.batch_size, text=config.text_tokens,
+                                              seed=config.seed + 1 + step)
+    else:
+        example = _load(config).example_batch
+        if example is None:
+            raise InputError(
+                f"model {config.model!r} needs data: set data='package.module:fn' (--data), lengths (--lengths), "
+                "or return (model, example_batch) from the factory"
+            )
+        whole = lambda step: example
+    if dp_rank is None or config.dp == 1:
+        return whole
+    return lambda step: _dp_part(whole(step), config.dp, dp_rank)
+
+
+def _dp_part(batch: Any, dp: int, dp_rank: int) -> Any:
+    """Data-parallel rank ``dp_rank``'s slice of a whole-step batch: the dp_rank-th of ``dp`` equal parts (dim 0)."""
+    from torch.utils import _pytree as pytree
+
+    from omnibal_compile.compile.capture import split_batch
+
+    leaves, spec = pytree.tree_flatten(batch)
+    return pytree.tree_unflatten(list(split_batch(leaves, dp)[dp_rank]), spec)
+
+
+def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None) -> BatchSource:
+    """Steps of packs from the data balancer, ``batch_size / dp`` per data-parallel rank, one per row.
+
+    Data-parallel rank r draws from its own sampler (``rank=r, world_size=dp``): its row i of step k
+    is pack ``j = k * rows + i`` of its sequence, pack ``j % P`` of epoch ``j // P`` (P steps per
+    epoch), so each sample is used once per epoch and the dp packs of one (k, i) are one step of
+    the packing, of near-equal cost. Deterministic in (seed, step): every rank builds the same
+    batches. ``source.packs(step, r)`` gives rank r's sample ids; ``dp_rank=None``: every rank's rows.
+    """
+    from torch.utils import _pytree as pytree
+
+    from omnibal_compile.data.data_plan import DataOptions, plan_data
+    from omnibal_compile.integrations.hf.inputs import stacked_positions
+    from omnibal_compile.models.load import hf_data_facts
+
+    rows_per_rank = config.batch_size // config.dp
+    if stacked_positions(model) and Path(config.plan).is_file() and read_plan(config).num_microbatches != rows_per_rank:
+        raise InputError(
+            f"{type(model).__name__} packs carry position_ids of shape (4, 1, L) per row, which split into "
+            f"micro-batches of one row only: set batch_size (--batch-size) to dp x micro-batches "
+            f"({config.dp * read_plan(config).num_microbatches}), got {config.batch_size}"
+        )
+    method = "ours" if config.batching == "balanced" else "random"
+    options = DataOptions(dp=config.dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
+                          **hf_data_facts(model))
+    data = plan_data(list(config.lengths), options, model=model)
+    samplers = [data.sampler(r) for r in range(config.dp)]
+    per_epoch = len(samplers[0])
+    rows = config.batch_size // config.dp
+    epochs: dict[tuple[int, int], list[list[int]]] = {}
+
+    def pack(r: int, j: int) -> list[int]:
+        epoch = j // per_epoch
+        if (r, epoch) not in epochs:
+            samplers[r].set_epoch(epoch)
+            epochs[r, epoch] = list(samplers[r])
+        return epochs[r, epoch][j % per_epoch]
+
+    def packs(step: int, r: int) -> list[list[int]]:
+        return [pack(r, step * rows + i) for i in range(rows)]
+
+    def source(step: int) -> dict[str, Any]:
+        out = []
+        for r in range(config.dp) if dp_rank is None else (dp_rank,):
+            for i, ids in enumerate(packs(step, r)):
+                j = step * rows + i
+                g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * config.dp + r)
+                out.append(model_inputs(model, data.synthetic_batch(ids, generator=g)))
+        return pytree.tree_map(lambda *rows: torch.cat(rows), *out)  # a mask per layer type is a dict
+
+    source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
+    source.packs = packs  # type: ignore[attr-defined]
+    return source
+
+
+def model_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collated pack -> the inputs ``model`` takes: the one place where a model's packing layout is chosen.
+
+    The packing collator (``data.collate``) lays a pack out for the reference VLM: ``pixel_values``
+    (tiles), ``input_ids``, ``labels``, ``position_ids`` restarting per sample, ``segment_ids``. A
+    Hugging Face model gets its family's own keys, with the pack's samples kept apart
+    (:func:`omnibal_compile.integrations.hf.inputs.hf_pack_inputs`).
+    """
+    import inspect
+
+    if "segment_ids" in inspect.signature(model.forward).parameters:  # the reference layout
+        return row
+    from omnibal_compile.integrations.hf.inputs import hf_pack_inputs
+
+    return hf_pack_inputs(model, row)
+
+

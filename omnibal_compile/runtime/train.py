@@ -1,0 +1,165 @@
+"""The body of every rank: build its share of the pipeline, train, log, checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.settings import RunConfig, _data_settings, read_plan, with_plan_layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLog:
+    """One training step as logged."""
+
+    step: int
+    """Step number, from 0."""
+    loss: float
+    """Loss of the whole batch (the unsplit model's mean loss)."""
+    step_time_s: float
+    """Slowest rank's wall time for forward, backward and optimizer."""
+    rank_cpu_s: tuple[float, ...] = ()
+    """CPU time of each rank's thread in the step: its own compute, not its waits (gloo sleeps)."""
+    rank_peak_bytes: tuple[int, ...] = ()
+    """With ``RunConfig.memory_steps``: each rank's peak live tensor bytes in the step (weights,
+    gradients, optimizer states and every tensor the step makes; ``PeakLiveStorages``)."""
+
+
+def _warmup(steps: int) -> Callable[[int], float]:
+    return lambda step: min(1.0, (step + 1) / steps) if steps > 0 else 1.0
+
+
+_FAULT = "_OMNIBAL_FAULT"
+"""Testing hook: ``"<rank>:<step>:<how>"`` makes that rank, in that step, ``stop`` (SIGSTOP
+itself: frozen, not dead), ``kill`` (SIGKILL itself), ``raise`` an error or ``hang`` (sleep an hour)."""
+
+
+def _planted_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(_FAULT)
+    if not spec:
+        return
+    where, _, how = spec.rpartition(":")
+    if where != f"{rank}:{step}":
+        return
+    if how == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "raise":
+        raise RuntimeError(f"planted fault in rank {rank} at step {step}")
+    elif how == "hang":
+        time.sleep(3600)
+
+
+def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int, Any]:
+    """The device mesh's process groups, with the run's collective timeout (torch gives new groups 30 min)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=collective_timeout)
+    return {"dp": (backend, options), "pp": (backend, options)}
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
+}
+
+
+def train(config: RunConfig) -> list[StepLog]:
+    """The body of every rank (inside an initialised process group): build, train, log, save."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.costs._measure import PeakLiveStorages
+    from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
+    from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
+
+    config = with_plan_layout(config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(config.threads)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
+    plan = read_plan(config)
+    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=config.dp)
+    mesh = init_device_mesh(device.type, (config.dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
+                            backend_override=_mesh_groups(device.type, config.collective_timeout))
+    model = build_model(config)
+    source = batch_source(config, model, mesh["dp"].get_local_rank())
+    result = compile_for_microbatches(model, source(0), plan)
+    pipeline = build_pipeline(
+        result, mesh=mesh, device=device, dp_shard=config.dp_shard, reshard_after_forward=config.reshard_after_forward,
+        recompute=config.recompute, weighting=config.weighting,
+    )
+    del model, result  # each rank keeps only its stages' parameters
+    optimizer = OPTIMIZERS[config.optimizer](pipeline.parameters(), config.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(config.warmup_steps))
+    first = 0
+    if config.resume:
+        meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)
+        scheduler.load_state_dict(meta["scheduler"])
+        first = int(meta["step"])
+
+    def save(step: int) -> None:
+        trainer = {"plan": plan.to_dict(), "layout": {"dp": config.dp, "pp": plan.num_devices},
+                   "data": _data_settings(config), "scheduler": scheduler.state_dict()}
+        path = save_training_state(config.save, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
+        if rank == 0:
+            print(f"[omnibal run] checkpoint written: {path}", flush=True)
+
+    last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
+    logs: list[StepLog] = []
+    for step in range(first, config.steps):
+        batch = source(step)
+        dist.barrier()
+        _planted_fault(rank, step)  # after the barrier: the others meet it inside the pipeline's exchanges
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        optimizer.zero_grad(set_to_none=True)
+        live = PeakLiveStorages() if step in config.memory_steps else contextlib.nullcontext()
+        with live:
+            if isinstance(live, PeakLiveStorages):
+                live.track([list(pipeline.parameters()), list(optimizer.state.values())])
+            loss = pipeline.step(batch)
+            optimizer.step()
+        scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        cpu = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(cpu, torch.tensor([time.thread_time() - cpu_start], dtype=torch.float64, device=device))
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        peaks: list[torch.Tensor] = []
+        if isinstance(live, PeakLiveStorages):
+            peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+            dist.all_gather(peaks, torch.tensor([live.peak_bytes], dtype=torch.int64, device=device))
+        if rank == last_rank:
+            entry = StepLog(
+                step=step, loss=float(loss or 0.0), step_time_s=float(elapsed), rank_cpu_s=tuple(float(c) for c in cpu),
+                rank_peak_bytes=tuple(int(b) for b in peaks),
+            )
+            logs.append(entry)
+            line = json.dumps(dataclasses.asdict(entry))
+            print(f"[omnibal run] {line}", flush=True)
+            if config.log:
+                with open(config.log, "a") as f:
+                    f.write(line + "\n")
+        if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+            save(step + 1)
+    if config.save:
+        save(config.steps)
+    dist.barrier()
+    return logs
+
+

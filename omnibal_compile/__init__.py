@@ -29,6 +29,9 @@ _LAZY: dict[str, str] = {
 }
 """Public name -> the module that defines it."""
 
+_SUBMODULES: dict[str, str] = {"devices": "omnibal_compile.costs.devices"}
+"""Public modules reachable as attributes (``oc.devices.A100_80G``) -> where they live."""
+
 __all__ = [
     "optimize",
     "OptimizeResult",
@@ -44,10 +47,15 @@ __all__ = [
     "PassError",
     "simulate",
     "SimResult",
+    "devices",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'omnibal_compile' has no attribute {name!r}")
@@ -64,4 +72,5 @@ if TYPE_CHECKING:
     from omnibal_compile.api import OptimizeResult, ParityReport, optimize
     from omnibal_compile.compile.codegen import StageInfo, stage_info
     from omnibal_compile.ir.plan import Plan, StagePlan
+    from omnibal_compile.costs import devices
     from omnibal_compile.sim import SimResult, simulate

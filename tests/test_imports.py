@@ -42,6 +42,12 @@ def test_lazy_public_names_resolve():
     assert "torch" in loaded
 
 
+def test_devices_is_a_public_module_reachable_from_the_package():
+    # The docs write oc.devices.A100_80G; it must resolve without importing torch.
+    loaded = _loaded_after("import omnibal_compile as oc; assert oc.devices.A100_80G.name == 'a100-80gb'")
+    assert "torch" not in loaded
+
+
 def test_compiler_modules_do_not_import_networkx():
     # torch.export itself may load networkx while it traces; our modules load it only to draw graphs.
     loaded = _loaded_after(

@@ -21,8 +21,16 @@ from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.planning.explain import explain_infeasible, least_memory_split
 from omnibal_compile.planning import interleaved as two_chunks
 from omnibal_compile.planning.ilp import _status_note, solve_ilp
-from omnibal_compile.planning.problem import PartitionProblem, Solution, evaluate, in_flight, lower_bound, problem_from_costs
-from omnibal_compile.planning.ties import PROFILED_TIE_TOLERANCE, break_ties
+from omnibal_compile.planning.problem import (
+    PROFILED_TIE_TOLERANCE,
+    PartitionProblem,
+    Solution,
+    evaluate,
+    in_flight,
+    lower_bound,
+    problem_from_costs,
+)
+from omnibal_compile.planning.ties import break_ties
 
 __all__ = [
     "PartitionProblem",

@@ -25,38 +25,24 @@ The plan chosen is never predicted more than tol slower than the fastest. Two ru
 same plan unless their costs differ by more than the distance of some plan from the edge of the
 tie set (nothing can remove that edge; a tolerance above the noise keeps the plans that compete
 well inside it). tol = 0, the default of :class:`PartitionProblem`, leaves every solver's exact
-optimum as it is; :func:`tie_tolerance_for` gives measured costs :data:`PROFILED_TIE_TOLERANCE`.
+optimum as it is; :func:`~omnibal_compile.planning.problem.tie_tolerance_for` gives measured costs
+:data:`~omnibal_compile.planning.problem.PROFILED_TIE_TOLERANCE`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from omnibal_compile.planning.dp import Frontiers
 from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, Solution, evaluate, stage_time_bound
 
-if TYPE_CHECKING:
-    from omnibal_compile.ir.costs import CostTable
-
-__all__ = ["PROFILED_TIE_TOLERANCE", "MAX_STATES", "tie_tolerance_for", "break_ties", "StageRule", "tie_key"]
-
-PROFILED_TIE_TOLERANCE = 0.02
-"""Tie tolerance for measured costs. A fixed value, not each run's own spread: a tolerance taken
-from a noisy spread would move the edge of the tie set from run to run. 2% is above the gaps
-between the demo's competing plans under CPU noise (``python bench/cost_stability.py`` prints them
-and the run-to-run spread); set ``tie_tolerance=`` to override it."""
+__all__ = ["MAX_STATES", "break_ties", "StageRule", "tie_key"]
 
 MAX_STATES = 200_000
 """Partial plans the search may keep; beyond that it keeps the fastest plan and says so."""
-
-
-def tie_tolerance_for(costs: CostTable) -> float:
-    """:data:`PROFILED_TIE_TOLERANCE` for costs timed with a measured spread, 0 for modelled (exact) ones."""
-    return PROFILED_TIE_TOLERANCE if any(b.time_spread > 0 for b in costs.blocks) else 0.0
 
 
 class StageRule:

@@ -132,6 +132,15 @@ def test_shape_costs_scale_linearly():
     assert doubled.blocks[3].forward_s == pytest.approx(2 * costs.blocks[3].forward_s)
     assert doubled.blocks[3].activation_bytes["full"] == 2000 and doubled.blocks[3].static_bytes == costs.blocks[3].static_bytes
     assert doubled.cut_bytes[0] == 0 and doubled.cut_bytes[5] == 4000
+    # One rule for every per-micro-batch quantity, per-block scales and one factor alike.
+    import dataclasses
+
+    block = dataclasses.replace(costs.blocks[3], workspace_bytes=100, peak_bytes={"none": 300, "selective": 200, "full": 50})
+    costs = dataclasses.replace(costs, blocks=(*costs.blocks[:3], block, *costs.blocks[4:]))
+    for scaled in (scale_costs(costs, [2.0] * len(NAMES)), scale_costs(costs, 2.0)):
+        assert scaled.blocks[3].workspace_bytes == 200 and scaled.blocks[3].peak_bytes == {"none": 600, "selective": 400, "full": 100}
+    assert scale_costs(costs, 2.0).batch_shape == {k: 2 * v for k, v in costs.batch_shape.items()}
+    assert scale_costs(costs, [2.0] * len(NAMES)).batch_shape == costs.batch_shape
     # Vision blocks follow tiles, the rest tokens; the mean shape is the reference.
     a, b = shape_costs(costs, [(1, 300), (3, 100)], vision_blocks=5)
     assert a.blocks[2].forward_s == pytest.approx(0.5 * costs.blocks[2].forward_s)

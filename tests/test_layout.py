@@ -9,7 +9,8 @@ import pytest
 from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
 from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.planning.layout import PRUNE_MARGIN, Layout, scale_costs, search_layout
+from omnibal_compile.costs.mix import scale_costs
+from omnibal_compile.planning.layout import PRUNE_MARGIN, Layout, search_layout
 from omnibal_compile.ir.plan import Plan
 from bench.studies.paper_layout import paper_layout_times
 from omnibal_compile.sim import simulate

@@ -11,7 +11,7 @@ Glossary:
                    LLM tokens (text plus image tokens).
     vision blocks  the first ``vision_blocks`` blocks of the chain (the ViT and projector) scale
                    with tiles; every later block scales with tokens.
-    linear model   a block's times, FLOPs and activation bytes scale with its load relative to the
+    linear model   a block's times, FLOPs, activation, workspace and peak bytes scale with its load relative to the
                    reference shape (attention's quadratic term is ignored: exact for MLPs and
                    projections, an under-estimate for long sequences); static bytes do not change;
                    bytes sent across a cut scale with the block before it.
@@ -39,18 +39,34 @@ def _scale_block(b: BlockCost, k: float) -> BlockCost:
         backward_s=b.backward_s * k,
         activation_bytes={o: int(round(v * k)) for o, v in b.activation_bytes.items()},
         recompute_s={o: v * k for o, v in b.recompute_s.items()},
+        workspace_bytes=int(round(b.workspace_bytes * k)),
+        peak_bytes={o: int(round(v * k)) for o, v in b.peak_bytes.items()},
     )
 
 
-def scale_costs(costs: CostTable, block_scales: Sequence[float]) -> CostTable:
-    """``costs`` with block i's load multiplied by ``block_scales[i]`` (see the linear model above)."""
-    if len(block_scales) != len(costs.blocks):
-        raise InputError(f"block_scales has {len(block_scales)} entries for {len(costs.blocks)} blocks")
-    if any(k < 0 for k in block_scales):
-        raise InputError("block scales must be non-negative")
-    cuts = [costs.cut_bytes[0]] + [int(round(c * block_scales[i - 1])) for i, c in enumerate(costs.cut_bytes) if i > 0]
+def scale_costs(costs: CostTable, scale: float | Sequence[float]) -> CostTable:
+    """``costs`` with each block's load multiplied by ``scale`` (one factor, or one per block).
+
+    The one rule of a larger or smaller micro-batch (see the linear model above): times, FLOPs,
+    activations, workspace, peaks and sent bytes scale, weights and optimizer states do not. One
+    factor also scales the table's ``batch_shape`` (the whole micro-batch grew); the layout search
+    and ``simulate(microbatch_costs=[factor])`` use this form.
+    """
+    uniform = not hasattr(scale, "__len__")
+    scales = [float(scale)] * len(costs.blocks) if uniform else [float(k) for k in scale]  # type: ignore[arg-type]
+    if len(scales) != len(costs.blocks):
+        raise InputError(f"block_scales has {len(scales)} entries for {len(costs.blocks)} blocks")
+    if any(k < 0 for k in scales) or (uniform and scales and scales[0] <= 0):
+        raise InputError(f"micro-batch scale must be positive, got {scale}" if uniform
+                         else "block scales must be non-negative")
+    if all(k == 1 for k in scales):
+        return costs
+    # the tensor crossing cut i leaves block i - 1 (cut 0 carries the inputs, scaled with block 0)
+    cuts = tuple(int(round(c * scales[max(i - 1, 0)])) for i, c in enumerate(costs.cut_bytes))
+    shape = {k: round(v * scales[0]) for k, v in costs.batch_shape.items()} if uniform else costs.batch_shape
     return dataclasses.replace(
-        costs, blocks=tuple(_scale_block(b, k) for b, k in zip(costs.blocks, block_scales)), cut_bytes=tuple(cuts)
+        costs, blocks=tuple(_scale_block(b, k) for b, k in zip(costs.blocks, scales)), cut_bytes=cuts,
+        batch_shape=shape,
     )
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.costs.devices import DeviceSpec
+from omnibal_compile.costs.mix import scale_costs
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.planning.build import plan_from_solution
 from omnibal_compile.ir.plan import Plan
@@ -49,7 +50,7 @@ from omnibal_compile.planning.problem import in_flight
 from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile._utils.units import format_size
 
-__all__ = ["DP_LAYOUTS", "Layout", "Candidate", "LayoutSearch", "search_layout", "scale_costs", "pipeline_depths"]
+__all__ = ["DP_LAYOUTS", "Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_depths"]
 
 DP_LAYOUTS: dict[str, str] = {
     "fsdp": "FSDP",
@@ -223,24 +224,6 @@ def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", 
 
 
 # -- costs -----------------------------------------------------------------------------------------
-def scale_costs(costs: CostTable, factor: float) -> CostTable:
-    """``costs`` for a micro-batch ``factor`` times as large: times, FLOPs, activations, workspace, peaks and sent
-    bytes scale, weights and optimizer states do not (the rule of ``simulate(microbatch_costs=[scale])``)."""
-    if factor == 1:
-        return costs
-    if factor <= 0:
-        raise InputError(f"micro-batch scale must be positive, got {factor}")
-    blocks = tuple(dataclasses.replace(
-        b, flops=b.flops * factor, forward_s=b.forward_s * factor, backward_s=b.backward_s * factor,
-        activation_bytes={o: int(round(v * factor)) for o, v in b.activation_bytes.items()},
-        recompute_s={o: v * factor for o, v in b.recompute_s.items()},
-        workspace_bytes=int(round(b.workspace_bytes * factor)),
-        peak_bytes={o: int(round(v * factor)) for o, v in b.peak_bytes.items()},
-    ) for b in costs.blocks)
-    return dataclasses.replace(costs, blocks=blocks, cut_bytes=tuple(int(round(c * factor)) for c in costs.cut_bytes),
-                               batch_shape={k: round(v * factor) for k, v in costs.batch_shape.items()})
-
-
 def _links(device: DeviceSpec | None, per_node: int, layout: Layout) -> tuple[str, str]:
     """(stage link, data-parallel link) names of ``layout`` (pipeline-inner ranks), or ('', '') without a device."""
     if device is None:

@@ -26,10 +26,28 @@ Glossary:
                   world size vs dp and stages, micro-batches vs stages, batch size vs dp and
                   micro-batches, dp_shard and batching names, plan vs model, the checkpoint to
                   resume from (missing, unfinished or truncated is an error here).
+    launching     :func:`launch` starts the ranks with torch's elastic agent (``elastic_launch``, the
+                  engine of ``torchrun``; one node, c10d rendezvous on loopback, no restarts), each rank
+                  running ``python -m omnibal_compile.runtime.worker CONFIG.json``.
     failures      the ranks run under :func:`~omnibal_compile.runtime.processes.run_ranks`: each
-                  collective waits at most ``collective_timeout`` s, the whole run at most
-                  ``timeout_s``; on any failure or time-out every rank and what it started is ended
-                  and the :class:`LaunchError` names the rank at fault and its first error line.
+                  collective waits at most ``collective_timeout`` s, the ranks at most ``timeout_s``
+                  (counted from their start); on any failure or time-out every rank and what it
+                  started is ended and the :class:`LaunchError` names the rank at fault and its first
+                  error line.
+    torchrun      the same worker runs under ``torchrun`` directly, on one node or many. Write the run
+                  config (``RunConfig(...).to_json()``, with ``log`` set to keep the step logs) to
+                  ``run.json``; then, on one machine (checked on CPU, gloo)::
+
+                      torchrun --nproc-per-node 2 -m omnibal_compile.runtime.worker run.json
+
+                  and on each of N machines, with the plan and ``run.json`` at the same paths on all::
+
+                      torchrun --nnodes N --nproc-per-node 8 --rdzv-backend c10d \\
+                          --rdzv-endpoint HOST:29400 --rdzv-id JOB -m omnibal_compile.runtime.worker run.json
+
+                  The world size (nodes x processes per node) must be ``dp x`` the plan's devices;
+                  the pre-launch checks do not run there (run :func:`precheck` first), nor the time
+                  limit or the report above: torchrun's own ``ChildFailedError`` says which rank failed.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def _agent_main(spec_path: str) -> int:
             result["failures"] = {str(r): {"exitcode": f.exitcode, "pid": f.pid} for r, f in e.failures.items()}
         except SignalException as e:
             result["outcome"] = f"ended by {e.sigval.name}"
-    except BaseException as e:
+    except Exception as e:  # the agent could not run: say why
         import traceback
 
         result["outcome"] = "agent failed"

@@ -2,8 +2,9 @@
 
 Every test tags the processes it causes with an environment variable and checks afterwards that
 none of them, ranks or what the ranks started, is still alive. The first tests run the process
-machinery on tiny Python ranks (no torch: fast); the last ones run the real launcher on a 2-stage
-TinyVLM plan with gloo, a fault planted in rank 1 (``_OMNIBAL_FAULT``).
+machinery (torch's elastic agent and what is kept around it) on tiny Python ranks (no torch in the
+ranks: fast); the last ones run the real launcher on a 2-stage TinyVLM plan with gloo, a fault planted
+in rank 1 by the test worker ``tests/fault_worker.py`` (``_OMNIBAL_TEST_FAULT``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 # does what argv[1] says in rank 1 while rank 0 waits for it.
 _RANK = textwrap.dedent("""
     import faulthandler, os, signal, subprocess, sys, time
-    from omnibal_compile.runtime.processes import STACK_SIGNAL, write_error_file
+    from omnibal_compile.runtime.processes import STACK_SIGNAL, die_with_parent
     faulthandler.register(STACK_SIGNAL, all_threads=True)
+    die_with_parent()
     rank, mode = int(os.environ["RANK"]), sys.argv[1]
     if mode != "alone":
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -44,12 +46,14 @@ _RANK = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
-        if mode == "raise":
-            try:
+        if mode == "raise":  # an error written to the error file by torch's @record, as the worker does
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            @record
+            def fail():
                 raise ValueError("bad value in rank 1")
-            except ValueError as e:
-                write_error_file(e)
-                raise
+
+            fail()
         if mode == "traceback":  # an error only in the output (no error file)
             raise KeyError("missing key")
     wait_for_peers()
@@ -144,11 +148,11 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     try:
         started = [proc.stdout.readline() for _ in range(2)]
         assert sorted(started) == ["rank 0 started\n", "rank 1 started\n"], started
-        assert len(_survivors(tag)) == 3  # the launcher and its two ranks
+        assert len(_survivors(tag)) == 4  # the launcher, its elastic agent and the two ranks
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    for _ in range(50):
+    for _ in range(100):
         if not _survivors(tag):
             break
         time.sleep(0.1)
@@ -187,9 +191,10 @@ def _launch_with_fault(run_config, monkeypatch, fault: str, timeout_s: float | N
 
     tag = uuid.uuid4().hex
     monkeypatch.setenv("_FAULT_TEST_TAG", tag)
-    monkeypatch.setenv("_OMNIBAL_FAULT", fault)
+    monkeypatch.setenv("_OMNIBAL_TEST_FAULT", fault)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")]))
     with pytest.raises(LaunchError) as info:
-        launch(dataclasses.replace(run_config, **changes), timeout_s=timeout_s, quiet=True)
+        launch(dataclasses.replace(run_config, **changes), timeout_s=timeout_s, quiet=True, _worker="fault_worker")
     return str(info.value), tag
 
 
@@ -249,16 +254,10 @@ _MESH_RANK = textwrap.dedent("""
 def test_device_mesh_groups_get_the_collective_timeout(tmp_path):
     # Groups smaller than the world are new process groups, which torch gives 30 minutes, not the
     # default group's timeout; with dp x pp = 2 x 2 both mesh dimensions are such groups.
-    import torch.distributed as dist
-
-    from omnibal_compile.runtime.worker import STORE_ENV
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     script = tmp_path / "mesh_rank.py"
     script.write_text(_MESH_RANK)
     tag = uuid.uuid4().hex
-    env = {**_tagged_env(tag), STORE_ENV: f"127.0.0.1:{store.port}"}
-    run_ranks([sys.executable, str(script)], nproc=4, env=env, workdir=tmp_path, timeout_s=120)
+    run_ranks([sys.executable, str(script)], nproc=4, env=_tagged_env(tag), workdir=tmp_path, timeout_s=120)
     assert _survivors(tag) == []
 
 

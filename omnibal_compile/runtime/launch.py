@@ -26,10 +26,28 @@ Glossary:
                   world size vs dp and stages, micro-batches vs stages, batch size vs dp and
                   micro-batches, dp_shard and batching names, plan vs model, the checkpoint to
                   resume from (missing, unfinished or truncated is an error here).
+    launching     :func:`launch` starts the ranks with torch's elastic agent (``elastic_launch``, the
+                  engine of ``torchrun``; one node, c10d rendezvous on loopback, no restarts), each rank
+                  running ``python -m omnibal_compile.runtime.worker CONFIG.json``.
     failures      the ranks run under :func:`~omnibal_compile.runtime.processes.run_ranks`: each
-                  collective waits at most ``collective_timeout`` s, the whole run at most
-                  ``timeout_s``; on any failure or time-out every rank and what it started is ended
-                  and the :class:`LaunchError` names the rank at fault and its first error line.
+                  collective waits at most ``collective_timeout`` s, the ranks at most ``timeout_s``
+                  (counted from their start); on any failure or time-out every rank and what it
+                  started is ended and the :class:`LaunchError` names the rank at fault and its first
+                  error line.
+    torchrun      the same worker runs under ``torchrun`` directly, on one node or many. Write the run
+                  config (``RunConfig(...).to_json()``, with ``log`` set to keep the step logs) to
+                  ``run.json``; then, on one machine (checked on CPU, gloo)::
+
+                      torchrun --nproc-per-node 2 -m omnibal_compile.runtime.worker run.json
+
+                  and on each of N machines, with the plan and ``run.json`` at the same paths on all::
+
+                      torchrun --nnodes N --nproc-per-node 8 --rdzv-backend c10d \\
+                          --rdzv-endpoint HOST:29400 --rdzv-id JOB -m omnibal_compile.runtime.worker run.json
+
+                  The world size (nodes x processes per node) must be ``dp x`` the plan's devices;
+                  the pre-launch checks do not run there (run :func:`precheck` first), nor the time
+                  limit or the report above: torchrun's own ``ChildFailedError`` says which rank failed.
 """
 
 from __future__ import annotations
@@ -40,7 +58,6 @@ import math
 import os
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -121,18 +138,21 @@ def _check_resume(config: RunConfig) -> None:
         )
 
 
-def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = False) -> list[StepLog]:
+WORKER = "omnibal_compile.runtime.worker"
+"""The module every rank runs (``python -m WORKER CONFIG.json``)."""
+
+
+def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = False,
+           _worker: str = WORKER) -> list[StepLog]:
     """Check, then run ``config`` on ``nproc`` local processes; returns the step logs.
 
-    The ranks talk over loopback only (gloo on CPU, NCCL on GPU), through a store this process
-    hosts. When a rank fails or the run exceeds ``timeout_s``, every rank (and anything it started)
-    is ended and :class:`LaunchError` names the rank at fault and its first error line; nothing is
-    left running in any case.
+    The ranks are started by torch's elastic agent (as ``torchrun --standalone`` would) and talk over
+    loopback only (gloo on CPU, NCCL on GPU). When a rank fails or the run exceeds ``timeout_s``,
+    every rank (and anything it started) is ended and :class:`LaunchError` names the rank at fault
+    and its first error line; nothing is left running in any case. ``_worker``: the rank's module
+    (tests plant faults with their own).
     """
-    import torch.distributed as dist
-
     from omnibal_compile.runtime.processes import run_ranks
-    from omnibal_compile.runtime.worker import STORE_ENV
 
     if timeout_s is not None:
         _check_seconds("timeout (--timeout)", timeout_s)
@@ -144,10 +164,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
         Path(log).unlink(missing_ok=True)
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(dataclasses.replace(config, log=log, nproc=nproc).to_json())
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=config.collective_timeout))
         env = dict(os.environ)
-        env[STORE_ENV] = f"127.0.0.1:{store.port}"
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         env.setdefault("OMP_NUM_THREADS", str(config.threads))
@@ -156,11 +173,8 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
             if not quiet and line.startswith("[omnibal run]"):
                 print(line, end="", flush=True)
 
-        try:
-            run_ranks([sys.executable, "-m", "omnibal_compile.runtime.worker", str(cfg_path)], nproc=nproc, env=env,
-                      workdir=tmp, timeout_s=timeout_s, on_line=echo)
-        finally:
-            del store
+        run_ranks([sys.executable, "-m", _worker, str(cfg_path)], nproc=nproc, env=env, workdir=tmp,
+                  timeout_s=timeout_s, on_line=echo)
         with open(log) as f:
             return [_step_log(json.loads(line)) for line in f if line.strip()]
 

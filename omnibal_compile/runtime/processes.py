@@ -1,22 +1,30 @@
-"""Local rank processes: start them, watch them, always end all of them, and say what went wrong.
+"""Local rank processes on torch's elastic agent, and what the agent does not do: a time limit, a frozen rank, leftovers.
 
-Torch-free, so the worker can set its side up before importing torch.
+The ranks are started by :func:`torch.distributed.launcher.api.elastic_launch` (``LocalElasticAgent``,
+the engine ``torchrun`` runs), in an agent process of their own (``python -m
+omnibal_compile.runtime.processes SPEC.json``): c10d rendezvous on loopback, the ranks' environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), each rank in its own session, its output and error file
+(``TORCHELASTIC_ERROR_FILE``, written by ``@record``) under the run's folder, and on the first failure
+every running rank's process group ended (SIGTERM, then SIGKILL after the grace period).
 
-Glossary:
-    rank process  one process per rank, started in its own session (so its process group holds it
-                  and everything it starts) and, on Linux, with ``PR_SET_PDEATHSIG`` = SIGKILL, so
-                  it dies with the launcher even when the launcher itself is killed.
-    ending        every rank's process group gets SIGTERM and then SIGCONT (a stopped process acts
-                  on signals only once continued), then SIGKILL after :data:`GRACE_S`; on success
-                  too, so nothing a rank started outlives the launcher.
-    first error   a rank's first error line: from its error file (``OMNIBAL_ERROR_FILE``, written by
-                  :func:`write_error_file` when the worker ends on an exception), else the exception
-                  line of the first traceback in its output, else how it ended (exit code, signal).
-    frozen rank   a rank whose process is stopped (``/proc`` state ``T``: SIGSTOP, a debugger, job
-                  control). The others fail in their next collective after its timeout, or the run
-                  hits its time limit; either way the report names the stopped rank.
-    stack dump    on a time-out each running rank gets SIGUSR1, on which the worker's faulthandler
-                  prints its Python stack: the report says where each rank was.
+Torch-free at import, so the worker can set its side up before importing torch. Kept here, because
+the agent does not do it:
+
+    time limit    the agent has no whole-run limit: at ``timeout_s`` the launcher asks every running rank
+                  for its Python stack (:data:`STACK_SIGNAL`, faulthandler in the worker: the report says
+                  where each rank was), then SIGTERMs the agent, which ends its ranks.
+    frozen rank   the agent does not see a stopped process (``/proc`` state ``T``: SIGSTOP, a debugger, job
+                  control): the launcher watches the ranks' states, so the report names the stopped rank
+                  (its peers fail in their next collective after its timeout, or the run hits its limit).
+    leftovers     the agent signals a rank's process group only while the rank runs: what a finished or
+                  failed rank started would outlive the run. After the agent, every process carrying the
+                  run's ``TORCHELASTIC_RUN_ID`` is killed, on success too.
+    launcher death  the agent process gets ``PR_SET_PDEATHSIG`` = SIGTERM (it then ends its ranks) and each
+                  rank SIGKILL (:func:`die_with_parent`, in case the agent itself is killed), on Linux.
+    the report    the agent's ``ChildFailedError`` picks its root cause by a time stamp in whole seconds and
+                  counts the ranks it ended itself as failures; :class:`LaunchError` names the rank at
+                  fault and its first error line: from its error file, else the first traceback in its
+                  output, else how it ended (exit code, signal).
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,43 +45,37 @@ from pathlib import Path
 from omnibal_compile._utils.tables import format_table
 from omnibal_compile.errors import LaunchError
 
-__all__ = [
-    "ERROR_FILE_ENV",
-    "GRACE_S",
-    "STACK_SIGNAL",
-    "first_error_line",
-    "run_ranks",
-    "write_error_file",
-]
+__all__ = ["GRACE_S", "STACK_SIGNAL", "die_with_parent", "first_error_line", "run_ranks"]
 
-ERROR_FILE_ENV = "OMNIBAL_ERROR_FILE"
-"""Environment variable naming the file a rank writes its error to (set per rank by the launcher)."""
 GRACE_S = 3.0
-"""Seconds between SIGTERM and SIGKILL when the ranks are ended."""
+"""Seconds between SIGTERM and SIGKILL when the ranks are ended (the agent's ``shutdown_timeout``)."""
 STACK_SIGNAL = signal.SIGUSR1
 """Signal on which a rank prints its Python stack (``faulthandler.register`` in the worker)."""
-SETTLE_S = 1.0
-"""Seconds the launcher keeps watching after the first failure before it ends the ranks: a rank that
-dies takes a moment to be seen dead, while its peers see their connections close at once."""
+AGENT_PID_ENV = "OMNIBAL_AGENT_PID"
+"""The agent process's pid, which its ranks check in :func:`die_with_parent`."""
+_ROLE = "rank"
+"""The agent's worker role."""
 _TAIL = 15
 """Output lines of the failing rank shown in the report."""
+_POLL_S = 0.05
+AGENT_START_S = 120.0
+"""Seconds the agent may take to start the ranks (importing torch, the rendezvous) beyond the time limit."""
 
 
 # -- the rank's side -------------------------------------------------------------------------------
 
 
-def write_error_file(exc: BaseException) -> None:
-    """Record ``exc`` as this rank's first error in ``$OMNIBAL_ERROR_FILE`` (no-op when unset)."""
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path or Path(path).exists():  # the first error only
+def die_with_parent() -> None:
+    """Make this rank die (SIGKILL) when the process that started it dies (Linux; a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
         return
-    import traceback
+    import ctypes
 
-    first = str(exc).strip().splitlines()
-    data = {"error": f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__,
-            "traceback": "".join(traceback.format_exception(exc))}
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps(data))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = os.environ.get(AGENT_PID_ENV)
+    if parent and os.getppid() != int(parent):  # the agent died before the line above
+        os._exit(1)
 
 
 # -- reading what a rank left ----------------------------------------------------------------------
@@ -96,6 +98,20 @@ def first_error_line(lines: Sequence[str]) -> str | None:
     return None
 
 
+def _error_file_line(path: Path | None) -> str | None:
+    """The first line of the error ``@record`` wrote (``{"message": {"message": "Type: text", ...}}``)."""
+    if path is None:
+        return None
+    try:
+        message = json.loads(path.read_text())["message"]
+        text = str(message["message"] if isinstance(message, dict) else message)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    kind, _, rest = text.partition(": ")
+    first = next((x.strip() for x in rest.splitlines() if x.strip()), "")
+    return f"{kind}: {first}" if first else kind.strip() or None
+
+
 def _proc_state(pid: int) -> str | None:
     """``/proc`` state letter of ``pid`` (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``...), None if unknown."""
     try:
@@ -103,6 +119,14 @@ def _proc_state(pid: int) -> str | None:
     except OSError:
         return None
     return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
 
 
 def _catches(pid: int, sig: int) -> bool:
@@ -144,45 +168,117 @@ def _short_path(path: str) -> str:
     return path
 
 
+# -- the agent process -----------------------------------------------------------------------------
+
+
+def _agent_main(spec_path: str) -> int:
+    """Run the ranks ``SPEC.json`` describes under torch's elastic agent; write what came of it to its ``result``."""
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # inherited by the ranks
+    result: dict[str, object] = {}
+    try:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=spec["nproc"], run_id=spec["run_id"], role=_ROLE,
+            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
+            monitor_interval=0.1, start_method="spawn", shutdown_timeout=spec["grace_s"],
+            logs_specs=DefaultLogsSpecs(log_dir=spec["log_dir"], redirects=Std.ALL),
+        )
+        try:
+            elastic_launch(config, spec["argv"][0])(*spec["argv"][1:])
+            result["outcome"] = "ok"
+        except ChildFailedError as e:
+            result["outcome"] = "failed"
+            result["failures"] = {str(r): {"exitcode": f.exitcode, "pid": f.pid} for r, f in e.failures.items()}
+        except SignalException as e:
+            result["outcome"] = f"ended by {e.sigval.name}"
+    except Exception as e:  # the agent could not run: say why
+        import traceback
+
+        result["outcome"] = "agent failed"
+        result["error"] = "".join(traceback.format_exception(e))
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
 # -- the launcher's side ---------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
 class _Rank:
     rank: int
-    proc: subprocess.Popen[str]
-    error_file: Path
-    lines: list[str] = field(default_factory=list)
+    pid: int
+    log_dir: Path | None = None
+    """Where the agent writes its ``stdout.log``, ``stderr.log`` and ``error.json``."""
+    state: str | None = None
+    """Its last ``/proc`` state seen while it ran."""
     ended_at: float | None = None
-    failed_at: float | None = None
-    """When its failure was seen: its error file appeared or it exited with an error."""
+    exitcode: int | None = None
     state_at_end: str | None = None
-    """``/proc`` state when the launcher ended it (None: it ended by itself)."""
-    reader: threading.Thread | None = None
+    """Its state when the launcher (or the agent, for a stopped rank) ended it; None: it ended by itself."""
+    lines: list[str] = field(default_factory=list)
+    seen: int = 0
+    """Bytes of its stdout already passed on (:meth:`pass_on`)."""
 
-    def update(self, now: float) -> None:
-        if self.ended_at is None and self.proc.poll() is not None:
-            self.ended_at = now
-        if self.failed_at is None and (self.error_file.exists() or (self.ended_at is not None and self.proc.returncode)):
-            self.failed_at = now
+    def pass_on(self, on_line: Callable[[int, str], None] | None, *, final: bool = False) -> None:
+        """Call ``on_line(rank, line)`` for each new complete line of its stdout (with ``final``, the rest too)."""
+        if on_line is None or self.log_dir is None:
+            return
+        try:
+            with open(self.log_dir / "stdout.log", "rb") as f:
+                f.seek(self.seen)
+                data = f.read()
+        except OSError:
+            return
+        end = len(data) if final else data.rfind(b"\n") + 1
+        self.seen += end
+        for line in data[:end].decode(errors="replace").splitlines(keepends=True):
+            on_line(self.rank, line)
+
+    @property
+    def error_file(self) -> Path | None:
+        return self.log_dir / "error.json" if self.log_dir is not None else None
+
+    def has_error_file(self) -> bool:
+        return self.error_file is not None and self.error_file.exists()
+
+    @property
+    def failed_at(self) -> float | None:
+        """When its failure was seen: its error file written, or its death when it ended with an error."""
+        if self.has_error_file():
+            assert self.error_file is not None
+            with contextlib.suppress(OSError):
+                return self.error_file.stat().st_mtime - time.time() + time.monotonic()
+        if self.state_at_end is None and self.exitcode:
+            return self.ended_at if self.ended_at is not None else time.monotonic()
+        return None
+
+    def read_output(self) -> None:
+        self.lines = []
+        for name in ("stdout.log", "stderr.log"):
+            with contextlib.suppress(OSError):
+                if self.log_dir is not None:
+                    self.lines += (self.log_dir / name).read_text(errors="replace").splitlines(keepends=True)
 
     def died_of_signal(self) -> bool:
-        code = self.proc.returncode
-        return self.state_at_end is None and code is not None and code < 0 and not self.error_file.exists()
+        code = self.exitcode
+        return self.state_at_end is None and code is not None and code < 0 and not self.has_error_file()
 
     def first_error(self) -> str | None:
-        line = None
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            line = str(json.loads(self.error_file.read_text())["error"])
-        line = line or first_error_line(self.lines)
+        line = _error_file_line(self.error_file) or first_error_line(self.lines)
         return _SOURCE_LOCATION.sub("", line) if line else None
 
     def how_it_ended(self) -> str:
         if self.state_at_end is not None:
             now = "stopped" if self.state_at_end in "Tt" else "failed" if self.failed_at is not None else "running"
             return f"{now}; ended by the launcher"
-        code = self.proc.returncode
-        if code is not None and code < 0:
+        code = self.exitcode
+        if code is None:
+            return "unknown"
+        if code < 0:
             return f"killed by {_signal_name(-code)}"
         return "finished" if code == 0 else f"exit {code}"
 
@@ -194,8 +290,8 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _pdeathsig() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child die with the launcher (Linux), resolved before any fork."""
+def _pdeathsig(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that sends the child ``sig`` when the launcher dies (Linux), resolved before any fork."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -207,7 +303,7 @@ def _pdeathsig() -> Callable[[], None] | None:
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the launcher died before the line above
             os._exit(1)
 
@@ -224,126 +320,191 @@ def run_ranks(
     on_line: Callable[[int, str], None] | None = None,
     grace_s: float = GRACE_S,
 ) -> None:
-    """Run ``argv`` as ranks 0..nproc-1 and wait for all of them; every rank process ends before this returns.
+    """Run ``argv`` as ranks 0..nproc-1 under torch's elastic agent; every rank process ends before this returns.
 
-    Each rank gets ``env`` plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
-    ``OMNIBAL_ERROR_FILE`` (in ``workdir``); its stdout and stderr are read line by line (``on_line(rank,
-    line)``). Raises :class:`LaunchError` when a rank fails (the others are then ended at once) or the
-    run exceeds ``timeout_s``: the message names the rank at fault and its first error line.
+    The agent and its ranks get ``env``; the ranks also get torchrun's variables (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``TORCHELASTIC_ERROR_FILE``...). Their output goes to
+    files in ``workdir``; each line a rank prints on stdout is also passed to ``on_line(rank, line)``.
+    Raises :class:`LaunchError` when a rank fails (the agent then ends the others at once) or the run
+    exceeds ``timeout_s``: the message names the rank at fault and its first error line.
     """
     workdir = Path(workdir)
-    ranks: list[_Rank] = []
-    start = time.monotonic()
-    deadline = start + timeout_s if timeout_s is not None else None
+    run_id = uuid.uuid4().hex
+    spec = {"argv": list(argv), "nproc": nproc, "run_id": run_id, "grace_s": max(1, round(grace_s)),
+            "log_dir": str(workdir / "logs"), "result": str(workdir / "agent-result.json")}
+    (workdir / "agent.json").write_text(json.dumps(spec))
+    Path(spec["result"]).unlink(missing_ok=True)
+    ranks: dict[int, _Rank] = {}
     outcome = "interrupted"
-    try:
-        preexec = _pdeathsig()
-        for r in range(nproc):
-            error_file = workdir / f"error-rank{r}.json"
-            error_file.unlink(missing_ok=True)
-            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), ERROR_FILE_ENV: str(error_file)}
-            proc = subprocess.Popen(
-                list(argv), env=rank_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, errors="replace", start_new_session=True, preexec_fn=preexec,
+    agent: subprocess.Popen[bytes] | None = None
+    with open(workdir / "agent.log", "wb") as agent_log:
+        try:
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "omnibal_compile.runtime.processes", str(workdir / "agent.json")],
+                env=dict(env), stdin=subprocess.DEVNULL, stdout=agent_log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_pdeathsig(signal.SIGTERM),
             )
-            ranks.append(_Rank(rank=r, proc=proc, error_file=error_file))
-        for rk in ranks:
-            rk.reader = threading.Thread(target=_pump, args=(rk, on_line), daemon=True)
-            rk.reader.start()
-        outcome = _watch(ranks, deadline)
-        if outcome == "timeout":
-            _dump_stacks(ranks)
-    finally:
-        _end_all(ranks, grace_s)
-        for rk in ranks:
-            if rk.reader is not None:
-                rk.reader.join(timeout=5)
-    if outcome != "ok":
-        raise LaunchError(_report(ranks, outcome, timeout_s, grace_s))
+            outcome = _watch(agent, ranks, nproc, timeout_s, on_line)
+            if outcome == "timeout":
+                for rk in ranks.values():
+                    if rk.ended_at is None:
+                        rk.state_at_end = _proc_state(rk.pid) or "?"
+                _dump_stacks(list(ranks.values()))
+        finally:
+            if agent is not None:
+                _end_agent(agent, grace_s)
+                _end_leftovers(run_id, ranks)
+    if outcome == "interrupted":
+        return  # an exception is on its way
+    result: dict[str, object] = {}
+    with contextlib.suppress(OSError, ValueError):
+        result = json.loads(Path(spec["result"]).read_text())
+    if outcome != "timeout":
+        outcome = str(result.get("outcome", "agent failed"))
+    if outcome == "ok":
+        return
+    if outcome == "agent failed":
+        tail = (workdir / "agent.log").read_text(errors="replace").strip().splitlines()[-_TAIL:]
+        detail = str(result.get("error", "")).strip() or "\n".join(tail)
+        raise LaunchError(f"the elastic agent that starts the ranks failed (exit {agent.returncode if agent else '?'}):"
+                          f"\n{detail}")
+    failures = result.get("failures", {})
+    assert isinstance(failures, dict)
+    for r in range(nproc):
+        rk = ranks.get(r)
+        if rk is None:  # ended before it was seen
+            pid = int(failures.get(str(r), {}).get("pid", 0))
+            rk = ranks[r] = _Rank(rank=r, pid=pid, ended_at=time.monotonic())
+        found = sorted((workdir / "logs").glob(f"{run_id}_*/attempt_0/{r}"))
+        rk.log_dir = found[0] if found else None
+        rk.pass_on(on_line, final=True)
+        if str(r) in failures:
+            rk.exitcode = int(failures[str(r)]["exitcode"])
+        elif outcome == "failed":
+            rk.exitcode = 0  # not among the failures: it finished
+        rk.read_output()
+    if outcome == "failed":
+        for rk in ranks.values():
+            _mark_ended_by_agent(rk, list(ranks.values()))
+    raise LaunchError(_report(list(ranks.values()), "timeout" if outcome == "timeout" else "failed", timeout_s, grace_s))
 
 
-def _pump(rank: _Rank, on_line: Callable[[int, str], None] | None) -> None:
-    assert rank.proc.stdout is not None
-    for line in rank.proc.stdout:
-        rank.lines.append(line)
-        if on_line is not None:
-            on_line(rank.rank, line)
+def _mark_ended_by_agent(rk: _Rank, ranks: list[_Rank]) -> None:
+    """Mark ``rk`` as ended by the agent (which counts those as failures too): it was last seen stopped, or
+    it was killed by SIGTERM without an error of its own while another rank failed otherwise."""
+    if rk.state_at_end is not None or rk.has_error_file() or rk.exitcode is None or rk.exitcode >= 0:
+        return
+    if rk.state in ("T", "t"):
+        rk.state_at_end = rk.state
+    elif rk.exitcode == -signal.SIGTERM and any(
+        o is not rk and o.exitcode and (o.has_error_file() or o.exitcode != -signal.SIGTERM) for o in ranks
+    ):
+        rk.state_at_end = rk.state or "S"
 
 
-def _watch(ranks: list[_Rank], deadline: float | None) -> str:
-    """Wait until every rank finished (``ok``), one failed (``failed``) or the deadline passed (``timeout``)."""
-    settled: float | None = None
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _watch(agent: subprocess.Popen[bytes], ranks: dict[int, _Rank], nproc: int, timeout_s: float | None,
+           on_line: Callable[[int, str], None] | None) -> str:
+    """Wait for the agent to end (``done``) or the time limit (``timeout``), watching its ranks meanwhile.
+
+    The limit counts from the first rank's start (the agent's own start-up is the launcher's, like the
+    pre-launch checks), and from the agent's start plus :data:`AGENT_START_S` while no rank has started.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s + AGENT_START_S if timeout_s is not None else None
     while True:
         now = time.monotonic()
-        for rk in ranks:
-            rk.update(now)
-        if settled is None and any(rk.failed_at is not None for rk in ranks):
-            settled = now + SETTLE_S
-        if settled is not None and (now >= settled or all(rk.ended_at is not None for rk in ranks)):
-            return "failed"
-        if settled is None and all(rk.ended_at is not None for rk in ranks):
-            return "ok"
-        if settled is None and deadline is not None and now >= deadline:
+        if not ranks and timeout_s is not None and _children(agent.pid):
+            deadline = now + timeout_s
+        if len(ranks) < nproc:
+            known = {rk.pid for rk in ranks.values()}
+            for pid in _children(agent.pid):
+                if pid not in known and "RANK" in (environ := _environ(pid)):
+                    error_file = environ.get("TORCHELASTIC_ERROR_FILE")
+                    rank = int(environ["RANK"])
+                    ranks[rank] = _Rank(rank=rank, pid=pid, log_dir=Path(error_file).parent if error_file else None)
+        for rk in ranks.values():
+            rk.pass_on(on_line)
+            if rk.ended_at is None:
+                state = _proc_state(rk.pid)
+                if state in (None, "Z", "X"):
+                    rk.ended_at = now
+                else:
+                    rk.state = state
+        if agent.poll() is not None:
+            return "done"
+        if deadline is not None and now >= deadline:
             return "timeout"
-        time.sleep(0.05)
+        time.sleep(_POLL_S)
 
 
 def _dump_stacks(ranks: list[_Rank], wait_s: float = 2.0) -> None:
     """Ask every running rank for its Python stack (:data:`STACK_SIGNAL`) and give them a moment to print it."""
     asked = []
     for rk in ranks:
-        running = rk.proc.poll() is None and _proc_state(rk.proc.pid) not in ("T", "t")
-        if running and _catches(rk.proc.pid, STACK_SIGNAL):  # not before the worker set its handler up
+        running = rk.ended_at is None and _proc_state(rk.pid) not in (None, "T", "t", "Z")
+        if running and _catches(rk.pid, STACK_SIGNAL):  # not before the worker set its handler up
             with contextlib.suppress(ProcessLookupError):
-                rk.proc.send_signal(STACK_SIGNAL)
+                rk.read_output()
+                os.kill(rk.pid, STACK_SIGNAL)
                 asked.append((rk, len(rk.lines)))
     end = time.monotonic() + wait_s
     while asked and time.monotonic() < end:
+        time.sleep(0.05)
+        for rk, _ in asked:
+            rk.read_output()
         if all(any(_frame(x) for x in rk.lines[n:]) for rk, n in asked):
             time.sleep(0.2)  # the rest of the dump
             break
-        time.sleep(0.05)
 
 
-def _end_all(ranks: list[_Rank], grace_s: float) -> None:
-    """End every rank's process group: SIGTERM and SIGCONT, then SIGKILL after ``grace_s``; reap them."""
-    for rk in ranks:
-        if rk.proc.poll() is None:
-            rk.state_at_end = _proc_state(rk.proc.pid) or "?"
-    groups = [rk.proc.pid for rk in ranks]  # each rank leads its own group (start_new_session)
-    for sig in (signal.SIGTERM, signal.SIGCONT):  # in this order: a stopped rank wakes up to its SIGTERM
-        for g in groups:
-            _signal_group(g, sig)
-    end = time.monotonic() + grace_s
-    for rk in ranks:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            rk.proc.wait(timeout=max(0.0, end - time.monotonic()))
-    for g in groups:
-        _signal_group(g, signal.SIGKILL)  # also whatever a rank started, even after the rank itself ended
-    for rk in ranks:
-        rk.proc.wait()
+def _end_agent(agent: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the agent if it still runs (it then ends its ranks, SIGKILL after ``grace_s``), SIGKILL it if it hangs."""
+    if agent.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(timeout=grace_s + 10)
+        except subprocess.TimeoutExpired:
+            agent.kill()  # its ranks die with it (die_with_parent)
+            agent.wait()
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+def _end_leftovers(run_id: str, ranks: dict[int, _Rank]) -> None:
+    """SIGKILL what the ranks left: their process groups and every process carrying the run's id."""
+    for rk in ranks.values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(rk.pid, signal.SIGKILL)  # each rank leads its own group (the agent's start_new_session)
+    needle = f"TORCHELASTIC_RUN_ID={run_id}\0".encode()
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                with contextlib.suppress(OSError):
+                    if needle in (entry / "environ").read_bytes():
+                        os.kill(int(entry.name), signal.SIGKILL)
 
 
 # -- the report ------------------------------------------------------------------------------------
 
 
 def _report(ranks: list[_Rank], outcome: str, timeout_s: float | None, grace_s: float) -> str:
+    ranks = sorted(ranks, key=lambda rk: rk.rank)
     stopped = [rk for rk in ranks if rk.state_at_end in ("T", "t")]
     # A rank that died of a signal without an error of its own (killed, out of memory, a crash) is
     # the cause; its peers fail next with closed connections. Otherwise the first to fail.
-    failed = sorted((rk for rk in ranks if rk.failed_at is not None),
+    failed = sorted((rk for rk in ranks if rk.failed_at is not None and rk.state_at_end is None),
                     key=lambda rk: (not rk.died_of_signal(), rk.failed_at, rk.rank))
     causes = [f"rank {rk.rank} stopped responding (its process is stopped: SIGSTOP, a debugger or job control)"
               for rk in stopped]
     first = failed[0] if failed else None
     if first is not None:
-        error, code = first.first_error(), first.proc.returncode
+        error, code = first.first_error(), first.exitcode
         then = " then" if stopped else ""
         if error:
             causes.append(f"rank {first.rank}{then} failed with {error}")
@@ -366,7 +527,7 @@ def _report(ranks: list[_Rank], outcome: str, timeout_s: float | None, grace_s: 
         if detail is None and rk.state_at_end is not None and rk.state_at_end not in "Tt":
             detail = _where(rk.lines)
         detail = detail or "-"
-        rows.append([str(rk.rank), str(rk.proc.pid), rk.how_it_ended(), detail[:117] + "..." if len(detail) > 120 else detail])
+        rows.append([str(rk.rank), str(rk.pid), rk.how_it_ended(), detail[:117] + "..." if len(detail) > 120 else detail])
     lines += ["", format_table(rows, "rrll"), "",
               f"Every rank was ended (SIGTERM, then SIGKILL after {grace_s:g} s), with anything it started."]
     if first is not None and first.lines:
@@ -374,3 +535,6 @@ def _report(ranks: list[_Rank], outcome: str, timeout_s: float | None, grace_s: 
         lines += [f"Last lines of rank {first.rank}'s output:", *(f"  {x}" for x in tail)]
     return "\n".join(lines)
 
+
+if __name__ == "__main__":
+    sys.exit(_agent_main(sys.argv[1]))

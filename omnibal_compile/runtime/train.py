@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,28 +37,6 @@ class StepLog:
 
 def _warmup(steps: int) -> Callable[[int], float]:
     return lambda step: min(1.0, (step + 1) / steps) if steps > 0 else 1.0
-
-
-_FAULT = "_OMNIBAL_FAULT"
-"""Testing hook: ``"<rank>:<step>:<how>"`` makes that rank, in that step, ``stop`` (SIGSTOP
-itself: frozen, not dead), ``kill`` (SIGKILL itself), ``raise`` an error or ``hang`` (sleep an hour)."""
-
-
-def _planted_fault(rank: int, step: int) -> None:
-    spec = os.environ.get(_FAULT)
-    if not spec:
-        return
-    where, _, how = spec.rpartition(":")
-    if where != f"{rank}:{step}":
-        return
-    if how == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif how == "raise":
-        raise RuntimeError(f"planted fault in rank {rank} at step {step}")
-    elif how == "hang":
-        time.sleep(3600)
 
 
 def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int, Any]:
@@ -124,7 +101,6 @@ def train(config: RunConfig) -> list[StepLog]:
     for step in range(first, config.steps):
         batch = source(step)
         dist.barrier()
-        _planted_fault(rank, step)  # after the barrier: the others meet it inside the pipeline's exchanges
         start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
         live = PeakLiveStorages() if step in config.memory_steps else contextlib.nullcontext()

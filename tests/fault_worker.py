@@ -5,6 +5,9 @@ first), ``stop`` (SIGSTOP itself: frozen, not dead), ``kill`` (SIGKILL itself), 
 ``hang`` (sleep an hour). The fault fires in the optimizer's ``zero_grad``, the first thing a step
 does after its barrier, so the other ranks meet it inside the pipeline's exchanges. The ranks need
 ``tests/`` on ``PYTHONPATH``.
+
+``_OMNIBAL_TEST_KILL_IN_SAVE="<rank>:<step>"`` makes that rank die right after writing its part of
+that step's checkpoint, before the save completes (a kill in the middle of a save).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from omnibal_compile.runtime import train, worker
 
 FAULT_ENV = "_OMNIBAL_TEST_FAULT"
+KILL_IN_SAVE_ENV = "_OMNIBAL_TEST_KILL_IN_SAVE"
 
 
 def _fire(how: str, rank: int, step: int) -> None:
@@ -52,7 +56,30 @@ def _plant(spec: str) -> None:
         train.OPTIMIZERS[name] = planted
 
 
+def _plant_kill_in_save(spec: str) -> None:
+    rank, step = (int(x) for x in spec.split(":"))
+    if int(os.environ["RANK"]) != rank:
+        return
+    from omnibal_compile.runtime import checkpoint
+
+    real = checkpoint.dcp
+
+    class _DieAfterWriting:  # torch.distributed.checkpoint, but this rank dies once its part is written
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def save(self, *args, checkpoint_id, **kwargs):
+            out = real.save(*args, checkpoint_id=checkpoint_id, **kwargs)
+            if str(checkpoint_id).endswith(f"step-{step:06d}"):
+                os._exit(17)
+            return out
+
+    checkpoint.dcp = _DieAfterWriting()
+
+
 if __name__ == "__main__":
     if os.environ.get(FAULT_ENV):
         _plant(os.environ[FAULT_ENV])
+    if os.environ.get(KILL_IN_SAVE_ENV):
+        _plant_kill_in_save(os.environ[KILL_IN_SAVE_ENV])
     sys.exit(worker.main())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ import torch
 from test_runtime_data import _config
 
 from omnibal_compile.errors import InputError, LaunchError
-from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint, load_into_model
 from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint, load_into_model
 from omnibal_compile.runtime.launch import launch
 
+TESTS = Path(__file__).resolve().parent
 STEPS = 6
 EXACT = 1e-6
 
@@ -44,10 +46,12 @@ def test_kill_in_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_pa
     assert [e.step for e in full] == list(range(STEPS))
     root = tmp_path / "ckpt"
     config = _base(tmp_path, lengths_file, save=str(root), save_every=1)
-    monkeypatch.setenv("_OMNIBAL_KILL_IN_SAVE", "1:4")  # rank 1 dies inside the save after step 4
-    with pytest.raises(LaunchError):
-        launch(config, timeout_s=300, quiet=True)
-    monkeypatch.delenv("_OMNIBAL_KILL_IN_SAVE")
+    # rank 1 dies inside the save after step 4 (tests/fault_worker.py plants it)
+    with monkeypatch.context() as planted:
+        planted.setenv("_OMNIBAL_TEST_KILL_IN_SAVE", "1:4")
+        planted.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+        with pytest.raises(LaunchError):
+            launch(config, timeout_s=300, quiet=True, _worker="fault_worker")
     names = sorted(p.name for p in root.iterdir())
     assert names == [".partial-step-000004", "step-000002", "step-000003"], names  # keep=2; step 4 never completed
     assert latest_checkpoint(root).name == "step-000003"

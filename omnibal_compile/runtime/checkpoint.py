@@ -23,7 +23,6 @@ Glossary:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import warnings
@@ -52,9 +51,6 @@ CHECKPOINT_FORMAT = 2
 """Version of the step-folder layout (1 was one ``rank<r>.pt`` per rank, weights only)."""
 
 _STEP = re.compile(r"^step-(\d+)$")
-_FAULT = "_OMNIBAL_KILL_IN_SAVE"
-"""Testing hook: ``"<rank>:<step>"`` makes that rank die right after writing its part of that step's
-save, before the save completes (a kill in the middle of a save)."""
 _META = "meta.json"
 
 
@@ -176,8 +172,6 @@ def save_training_state(
     names = _param_names(state)
     dcp.save({"model": dict(state), "optim": _optimizer_state(optimizer, names)}, checkpoint_id=str(partial))
     torch.save({"cpu": torch.get_rng_state()}, partial / f"rng-rank{rank}.pt")
-    if os.environ.get(_FAULT) == f"{rank}:{step}":
-        os._exit(17)
     dist.barrier()  # every rank's part is on disk before the folder counts as complete
     if rank == 0:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

@@ -59,14 +59,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_cpu import CONFIG
 
 import omnibal_compile as oc
+from omnibal_compile.calibrate.links import effective_sizes, measure_links
+from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.data import bundled_length_files
 from omnibal_compile.ir.costs import CostTable, DataParallel, Precision
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.data import bundled_length_files
 from omnibal_compile.models import TinyVLM
-from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import measure_overhead
-from omnibal_compile.calibrate.links import effective_sizes, measure_links
 from omnibal_compile.runtime.batches import packed_source
 from omnibal_compile.runtime.launch import launch
 from omnibal_compile.runtime.settings import RunConfig

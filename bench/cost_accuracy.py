@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.costs.annotate import annotate_costs, measured_activation_bytes, measured_step_time, profile_costs
 from omnibal_compile.costs._measure import LiveStorages
+from omnibal_compile.costs.annotate import annotate_costs, measured_activation_bytes, measured_step_time, profile_costs
 from omnibal_compile.costs.shapes import BatchShape, fit_shape_model
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
 
 def unsplit_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:

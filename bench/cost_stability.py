@@ -20,14 +20,14 @@ import time
 
 import torch
 
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile._utils.tables import format_table
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
 from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile.planning import PROFILED_TIE_TOLERANCE
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.sim import simulate
-from omnibal_compile.planning import PROFILED_TIE_TOLERANCE
-from omnibal_compile._utils.tables import format_table
 
 MiB = 2**20
 

@@ -22,13 +22,13 @@ is noisy on a shared machine; the target is under 30 s for 256 devices).
 from __future__ import annotations
 
 import argparse
+import sys as _sys
 import time
+from pathlib import Path as _Path
 
+from omnibal_compile.costs.analytic import INTERNVL_6B_20B
 from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.planning.layout import search_layout
-from omnibal_compile.costs.analytic import INTERNVL_6B_20B
-import sys as _sys
-from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies lives in the checkout, not the wheel
 

@@ -27,14 +27,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import sys as _sys
 import time
+from pathlib import Path as _Path
 
 import numpy as np
 
-from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, bundled_length_files, load_lengths
 from omnibal_compile.costs.analytic import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B
-import sys as _sys
-from pathlib import Path as _Path
+from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, bundled_length_files, load_lengths
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies lives in the checkout, not the wheel
 

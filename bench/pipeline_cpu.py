@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 
 import omnibal_compile as oc
-from omnibal_compile.ir.costs import CostTable
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-from omnibal_compile.planning import build as partition
 from omnibal_compile.compile.blocks import BlockGraph
 from omnibal_compile.costs.annotate import annotate_costs
-from omnibal_compile.planning.build import min_max_partition
+from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.planning import PLANNERS
+from omnibal_compile.planning import build as partition
+from omnibal_compile.planning.build import min_max_partition
 from omnibal_compile.runtime.launch import launch
 from omnibal_compile.runtime.settings import RunConfig
 

@@ -26,15 +26,14 @@ from pathlib import Path
 import torch
 
 from omnibal_compile import optimize
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile.planning import PLANNERS
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import fit_overhead, measure_overhead
 from omnibal_compile.runtime.launch import launch
 from omnibal_compile.runtime.settings import RunConfig
 from omnibal_compile.sim import simulate
-from omnibal_compile.planning import PLANNERS
-
 
 
 def main() -> int:

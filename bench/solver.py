@@ -112,9 +112,9 @@ def part1_interleaved(time_limit: float) -> None:
 
 def paper_scale_interleaved() -> None:
     """InternVL-Chat 6+34B as analytic blocks on A100 rooflines, 16 devices x 2 chunks (the issue's target)."""
-    from omnibal_compile.ir.costs import Precision
-    from omnibal_compile.costs.devices import A100_80G
     from omnibal_compile.costs.analytic import INTERNVL_6B_34B, MicroBatch, cost_table
+    from omnibal_compile.costs.devices import A100_80G
+    from omnibal_compile.ir.costs import Precision
     from omnibal_compile.planning import problem_from_costs
 
     # One packed micro-batch of 4 samples: 16 tiles (256 LLM tokens each) + 512 text tokens; dp = 8
@@ -151,8 +151,8 @@ def part2(quick: bool) -> None:
 
     import omnibal_compile as oc
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-    from omnibal_compile.planning.build import plan_with_costs
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.build import plan_with_costs
 
     print("\n== reference VLM, profiled CPU costs: bottleneck stage time / lower bound ==")
     torch.manual_seed(0)

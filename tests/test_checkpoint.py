@@ -16,8 +16,8 @@ import torch
 from test_runtime_data import _config
 
 from omnibal_compile.errors import InputError, LaunchError
-from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint, load_into_model
 from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.checkpoint import checkpoint_meta, latest_checkpoint, load_into_model
 from omnibal_compile.runtime.launch import launch
 
 STEPS = 6

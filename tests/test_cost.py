@@ -17,22 +17,22 @@ from conftest import SMALL_VLM
 from torch import nn
 
 import omnibal_compile as oc
-from omnibal_compile.ir.costs import BF16_ADAM, FP32_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
-from omnibal_compile.costs.devices import A100_80G
-from omnibal_compile.errors import InputError
-from omnibal_compile.models import make_example_batch
-from omnibal_compile.costs import annotate as cost_mod
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
+from omnibal_compile.compile.recompute_policy import with_recompute
+from omnibal_compile.costs import annotate as cost_mod
+from omnibal_compile.costs._measure import LiveStorages, count_flops
 from omnibal_compile.costs.annotate import (
     annotate_costs,
     measured_activation_bytes,
     measured_step_time,
     profile_costs,
 )
-from omnibal_compile.costs._measure import LiveStorages, count_flops
+from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.costs.shapes import BatchShape, fit_shape_costs, fit_shape_model
-from omnibal_compile.compile.recompute_policy import with_recompute
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BF16_ADAM, FP32_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
+from omnibal_compile.models import make_example_batch
 
 
 @pytest.fixture(scope="module")

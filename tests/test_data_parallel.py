@@ -112,8 +112,8 @@ def test_plan_command_takes_dp_flags():
 def test_data_parallel_collectives_use_their_own_link():
     """CostTable.dp_link_bandwidth prices gathers and reductions (planner and simulator); sends keep link_bandwidth."""
     from omnibal_compile.ir.plan import Plan
-    from omnibal_compile.sim import simulate
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.sim import simulate
 
     blocks = tuple(dataclasses.replace(block(), name=f"b{i}") for i in range(2))
     fast = CostTable(blocks=blocks, cut_bytes=(0, 500, 0), link_bandwidth=1000.0, device="x", source="roofline")

@@ -6,7 +6,16 @@ import dataclasses
 
 import pytest
 
-from omnibal_compile.costs.devices import A100_80G, DEVICES, H100_80G, H200, OP_CLASSES, DeviceSpec, get_device, known_devices
+from omnibal_compile.costs.devices import (
+    A100_80G,
+    DEVICES,
+    H100_80G,
+    H200,
+    OP_CLASSES,
+    DeviceSpec,
+    get_device,
+    known_devices,
+)
 from omnibal_compile.errors import InputError
 
 

@@ -23,8 +23,8 @@ from omnibal_compile.api import OptimizeResult  # noqa: E402
 from omnibal_compile.compile.blocks import MERGED, build_blocks  # noqa: E402
 from omnibal_compile.compile.capture import capture  # noqa: E402
 from omnibal_compile.compile.codegen import generate_stages  # noqa: E402
-from omnibal_compile.planning.build import plan_stages  # noqa: E402
 from omnibal_compile.ir.schedule import Schedule  # noqa: E402
+from omnibal_compile.planning.build import plan_stages  # noqa: E402
 
 DATA_DEPENDENT = {"qwen2_vl", "qwen2_5_vl", "mistral3", "idefics3"}
 """Families whose graphs have data-dependent sizes (per-image grids or sizes, real images picked from pixels)."""

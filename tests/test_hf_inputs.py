@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_families import build  # noqa: E402
 
 from omnibal_compile.data.collate import PackingCollator, synthetic_sample  # noqa: E402
-from omnibal_compile.integrations.hf.collate import block_ids, segment_mask  # noqa: E402
 from omnibal_compile.data.packing import PackShape  # noqa: E402
+from omnibal_compile.integrations.hf.collate import block_ids, segment_mask  # noqa: E402
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_pack_inputs  # noqa: E402
 
 TOL = 1e-5

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnibal_compile.integrations.hf.collate import HFPackingCollator, block_causal_mask, hf_lengths
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.labels import IGNORE_INDEX
+from omnibal_compile.errors import InputError
+from omnibal_compile.integrations.hf.collate import HFPackingCollator, block_causal_mask, hf_lengths
 
 tf = pytest.importorskip("transformers")
 

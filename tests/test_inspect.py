@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from omnibal_compile.ir.costs import BlockCost, CostTable
+from omnibal_compile.costs.mix import packing_shapes, scale_costs, shape_costs
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.ir.interop import megatron_layout, torchtitan_module_names
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim import simulate
-from omnibal_compile.costs.mix import packing_shapes, scale_costs, shape_costs
 
 # Named like TinyVLM's blocks: vision side, projector, LLM embedding, glue, decoder layers, head, loss glue.
 NAMES = (

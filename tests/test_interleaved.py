@@ -7,15 +7,21 @@ import math
 import numpy as np
 import pytest
 from contracts import assert_frozen_keyword_only
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile.planning import PartitionProblem, least_memory_split, solve
-from omnibal_compile.planning import interleaved
+from omnibal_compile.planning import PartitionProblem, interleaved, least_memory_split, solve
 from omnibal_compile.planning.baselines import BASELINES
 from omnibal_compile.planning.dp import interleaved_incumbent
-from omnibal_compile.planning.interleaved import _Intervals, _least_sum, _plan, _polish, _reachable, applies, two_chunk_search
+from omnibal_compile.planning.interleaved import (
+    _Intervals,
+    _least_sum,
+    _plan,
+    _polish,
+    _reachable,
+    applies,
+    two_chunk_search,
+)
 from omnibal_compile.planning.problem import OPTIONS, evaluate, stage_figures
 
 GiB = 2**30

@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from bench.studies.paper_layout import paper_layout_times
 from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.planning.layout import PRUNE_MARGIN, Layout, scale_costs, search_layout
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
 from omnibal_compile.ir.plan import Plan
-from bench.studies.paper_layout import paper_layout_times
-from omnibal_compile.sim import simulate
 from omnibal_compile.planning import problem_from_costs
+from omnibal_compile.planning.layout import PRUNE_MARGIN, Layout, scale_costs, search_layout
+from omnibal_compile.sim import simulate
 
 MIB = 2**20
 
@@ -102,8 +102,8 @@ def test_topology_puts_pipelines_on_nvlink_and_replicas_across_nodes():
 # -- paper scale ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def internvl_128():
-    from omnibal_compile.costs.analytic import INTERNVL_6B_20B
     from bench.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, sample_costs
+    from omnibal_compile.costs.analytic import INTERNVL_6B_20B
 
     costs = sample_costs(INTERNVL_6B_20B, device=A100_80G)
     budget = PAPER_BUDGET_FRACTION * A100_80G.memory_bytes

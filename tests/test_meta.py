@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import omnibal_compile as oc
-from omnibal_compile.errors import InputError
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.costs._measure import kept_bytes
+from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.costs.meta import check_only_nodes, drop_checks, inputs_read, meta_copy
+from omnibal_compile.errors import InputError
 
 
 def _meta(module_cls, *args, dtype=torch.float32):

@@ -8,23 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, Precision
-from omnibal_compile.data import LengthStats, load_lengths
-from omnibal_compile.data.lengths import bundled_length_files
-from omnibal_compile.costs.devices import A100_80G
-from omnibal_compile.errors import InputError
-from omnibal_compile.costs.analytic import (
-    INTERNLM2_20B,
-    INTERNVL_6B_20B,
-    SCALE_MODELS,
-    MicroBatch,
-    cost_table,
-    layer_activation_bytes,
-    type_costs,
-)
-from omnibal_compile.ir.plan import Plan
-from omnibal_compile.sim import simulate
-from omnibal_compile.planning import problem_from_costs, solve
 from bench.studies.bench_all import run_all
 from bench.studies.paper_scale import (
     SPLITS,
@@ -44,6 +27,23 @@ from bench.studies.paper_scale import (
     stage_times,
     vit_first_setup,
 )
+from omnibal_compile.costs.analytic import (
+    INTERNLM2_20B,
+    INTERNVL_6B_20B,
+    SCALE_MODELS,
+    MicroBatch,
+    cost_table,
+    layer_activation_bytes,
+    type_costs,
+)
+from omnibal_compile.costs.devices import A100_80G
+from omnibal_compile.data import LengthStats, load_lengths
+from omnibal_compile.data.lengths import bundled_length_files
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, Precision
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile.planning import problem_from_costs, solve
+from omnibal_compile.sim import simulate
 
 
 def test_internlm2_20b_layer_flops_match_hand_arithmetic():
@@ -80,8 +80,8 @@ def test_eager_formulas_match_the_compiled_hf_layer():
 
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
-    from omnibal_compile.costs.annotate import annotate_costs
     from omnibal_compile.costs.analytic import LLMSpec
+    from omnibal_compile.costs.annotate import annotate_costs
 
     w, f, heads, kv, t = 1024, 2816, 16, 4, 512
     cfg = tf.LlamaConfig(hidden_size=w, intermediate_size=f, num_hidden_layers=3, num_attention_heads=heads,
@@ -279,8 +279,8 @@ def compiled_small():
 def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
     """The fitted per-type costs reproduce the compiler's own tables at a study shape, and the replicated chain keeps
     every byte and parameter the compiled chain has."""
-    from omnibal_compile.costs.annotate import profile_costs
     from bench.studies.compiled_costs import CHECK_SHAPES, _example, _per_type, _stack_layers, block_types, hf_config
+    from omnibal_compile.costs.annotate import profile_costs
 
     cc = compiled_small
     assert cc.fit_error < 0.02 and cc.check_error < 0.02  # real widths: the roofline is linear in the shape

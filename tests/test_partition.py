@@ -98,11 +98,11 @@ def _hand_costs(graph):
 
 
 def test_plan_stages_with_and_without_costs(graph):
-    from omnibal_compile.ir.costs import DataParallel
     from omnibal_compile.errors import InputError
-    from omnibal_compile.planning.build import plan_stages
+    from omnibal_compile.ir.costs import DataParallel
     from omnibal_compile.ir.schedule import Schedule
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.build import plan_stages
     from omnibal_compile.planning.problem import evaluate
 
     costs, sched, n = _hand_costs(graph), Schedule(num_microbatches=4), graph.num_blocks
@@ -145,9 +145,9 @@ def test_plan_from_solution_notes_and_plan_stages_checks(graph):
     import dataclasses
 
     from omnibal_compile.errors import InputError
-    from omnibal_compile.planning.build import plan_from_solution, plan_stages, plan_with_costs
     from omnibal_compile.ir.schedule import Schedule
     from omnibal_compile.planning import problem_from_costs, solve
+    from omnibal_compile.planning.build import plan_from_solution, plan_stages, plan_with_costs
 
     costs = _hand_costs(graph)
     plan = plan_with_costs(costs, num_stages=2, num_microbatches=4)  # defaults: ILP, 1F1B, one chunk per device

@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from test_inspect import assert_picture
 
 from omnibal_compile.cli import main
 from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
-
-from test_inspect import assert_picture
 
 ARTEFACTS = ("plan.json", "plan.txt", "costs.json", "torchtitan.json", "megatron.txt", "trace.json", "blocks.png",
              "blocks.svg", "timeline.png", "stages.png")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from contracts import assert_frozen_keyword_only
+
 from omnibal_compile import InputError, PlanError
 from omnibal_compile.ir.costs import BF16_ADAM, BlockCost, CostTable, DataParallel
-from omnibal_compile.sim.simulate import operation_order
 from omnibal_compile.planning.problem import (
     PartitionProblem,
     Solution,
@@ -19,6 +18,7 @@ from omnibal_compile.planning.problem import (
     stage_peak,
     stage_transient,
 )
+from omnibal_compile.sim.simulate import operation_order
 
 
 def prob(n: int = 4, **kw) -> PartitionProblem:

@@ -8,14 +8,14 @@ every wait with a timeout and kill the ranks on failure. One launch per world si
 from __future__ import annotations
 
 import contextlib
-import operator
 import dataclasses
+import operator
 import os
 import socket
 import time
 import traceback
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 

@@ -71,9 +71,9 @@ FAMILY_KEYS = {"qwen2_vl": {"image_grid_thw", "mm_token_type_ids"}, "qwen2_5_vl"
 def _microbatch_loss(model, batch, parts):
     """The unsplit model's loss of a step run as the pipeline splits it: ``parts`` micro-batches along dim 0, each
     one's mean loss weighted by its share of the step's labelled tokens (the whole-batch mean for Llava-like rows)."""
-    from omnibal_compile.compile.capture import split_batch
-
     from torch.utils import _pytree as pytree
+
+    from omnibal_compile.compile.capture import split_batch
 
     leaves, spec = pytree.tree_flatten(batch)
     total, weights = 0.0, 0

@@ -14,11 +14,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from omnibal_compile import Plan, PlanError
 from omnibal_compile.ir.costs import BlockCost, CostTable
+from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
+from omnibal_compile.planning import problem_from_costs, solve
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import check_pipeline, get_schedule_class
-from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
 from omnibal_compile.sim import simulate
-from omnibal_compile.planning import problem_from_costs, solve
 
 STAGES = range(1, 7)
 VIRTUAL = range(1, 4)

@@ -6,13 +6,13 @@ import json
 import torch
 from torch import nn
 
-from omnibal_compile.ir.costs import CostTable
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-from omnibal_compile.costs import annotate as cost_mod
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
+from omnibal_compile.costs import annotate as cost_mod
 from omnibal_compile.costs._signature import block_signature
+from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
+from omnibal_compile.ir.costs import CostTable
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
 CFG = TinyVLMConfig(vit_layers=3, llm_layers=4, vit_hidden=32, vit_mlp=64, llm_hidden=48, llm_mlp=96)
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile.ir.costs import BlockCost, CostTable
+from omnibal_compile._utils.units import format_size, parse_size
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim import operation_order, schedule_time, simulate, stage_costs, sweep, sweep_table
-from omnibal_compile._utils.units import format_size, parse_size
 
 
 def block(i: int, f: float = 1.0, b: float = 2.0, act: int = 1000, static: int = 50, workspace: int = 0) -> BlockCost:

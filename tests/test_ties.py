@@ -120,10 +120,10 @@ def test_two_cost_passes_on_cpu_give_the_demo_the_same_plan():
     """The acceptance check of issue 17: the demo's model costed twice on this CPU, planned as the demo does."""
     import torch
 
-    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
     from omnibal_compile.costs.annotate import annotate_costs
+    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.planning.build import plan_with_costs
 
     torch.manual_seed(0)

@@ -36,6 +36,7 @@ Glossary:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tempfile
 import time
@@ -44,13 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import dataclasses
-
 import numpy as np
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable, Precision
-from omnibal_compile.costs.devices import DeviceSpec, get_device
-from omnibal_compile.errors import InputError
+from omnibal_compile._utils.tables import format_table
 from omnibal_compile.costs.analytic import (
     BLOCK_TYPES,
     MicroBatch,
@@ -60,8 +57,10 @@ from omnibal_compile.costs.analytic import (
     tensor_parallel_costs,
     type_costs,
 )
+from omnibal_compile.costs.devices import DeviceSpec, get_device
 from omnibal_compile.costs.shapes import FEATURES, BatchShape
-from omnibal_compile._utils.tables import format_table
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable, Precision
 
 __all__ = ["FAMILIES", "FIT_SHAPES", "CHECK_SHAPES", "DIFFERENCES", "CompiledCosts", "family_of", "hf_config",
            "block_types", "compile_costs", "format_difference"]
@@ -316,8 +315,8 @@ def compile_costs(spec: VLMSpec, *, device: str | DeviceSpec = "a100-80gb", shap
                   check: Sequence[BatchShape] = CHECK_SHAPES, folder: str | Path | None = None) -> CompiledCosts:
     """Build ``spec``'s reduced Hugging Face model on ``meta`` from a config written to ``folder`` (a temporary
     one by default), cost it at ``shapes`` (and ``check``) for ``device`` and fit per-type costs (module glossary)."""
-    from omnibal_compile.models.load import load_model
     from omnibal_compile.costs.annotate import profile_costs
+    from omnibal_compile.models.load import load_model
 
     start = time.perf_counter()
     target = get_device(device)

@@ -56,12 +56,12 @@ def _errors(pred: list[float], meas: list[float]) -> dict[str, float]:
 def check_costs(*, dry_run: bool, roofline: str) -> dict[str, Any]:
     import torch
 
-    from omnibal_compile.costs.devices import OP_CLASSES, get_device
-    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
-    from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
     from omnibal_compile.costs._measure import record_ops
+    from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
+    from omnibal_compile.costs.devices import OP_CLASSES, get_device
+    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
     device = "cpu" if dry_run else "cuda"
     dtype = torch.float32 if dry_run else torch.bfloat16

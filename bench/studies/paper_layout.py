@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from omnibal_compile.ir.costs import BF16_ADAM, CostTable, Precision
-from omnibal_compile.data.lengths import LengthStats, bundled_length_files, load_lengths
-from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.costs.analytic import MicroBatch, VLMSpec, cost_table
+from omnibal_compile.costs.devices import A100_80G, DeviceSpec
+from omnibal_compile.data.lengths import LengthStats, bundled_length_files, load_lengths
+from omnibal_compile.ir.costs import BF16_ADAM, CostTable, Precision
 
 __all__ = ["sample_costs", "paper_layout_times", "PAPER_GLOBAL_BATCH", "PAPER_BUDGET_FRACTION"]
 
@@ -45,11 +45,11 @@ def paper_layout_times(costs: Callable[[int], CostTable], budget: float, device:
     planned by the exact DP and simulated, under each data-parallel layout whose simulated peak fits ``budget``."""
     import dataclasses
 
-    from omnibal_compile.planning.layout import Layout
-    from omnibal_compile.planning.build import plan_from_solution
-    from omnibal_compile.sim import simulate
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.build import plan_from_solution
     from omnibal_compile.planning.dp import solve_dp
+    from omnibal_compile.planning.layout import Layout
+    from omnibal_compile.sim import simulate
 
     out = {}
     for name in ("fsdp", "fsdp-kept", "ddp"):

@@ -62,20 +62,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, DataParallel, Precision
+from omnibal_compile._utils.tables import format_table
+from omnibal_compile.costs.analytic import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
+from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.isf import isf_pack, isf_search
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats
 from omnibal_compile.data.metrics import pack_loads
 from omnibal_compile.data.packing import Packing, length_grouped_batches, random_batches
-from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.costs.analytic import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, DataParallel, Precision
 from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile.sim.simulate import operation_order
 from omnibal_compile.planning import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries
 from omnibal_compile.planning.baselines import min_max_partition
-from omnibal_compile._utils.tables import format_table
+from omnibal_compile.sim.simulate import operation_order
 
 if TYPE_CHECKING:
     from bench.studies.compiled_costs import CompiledCosts

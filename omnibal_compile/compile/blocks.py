@@ -27,10 +27,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from omnibal_compile.errors import InputError
-from omnibal_compile.compile.capture import Captured, is_data_dependent, size_hint
-from omnibal_compile.compile._subgraph import module_path
 from omnibal_compile._utils.tables import format_table
+from omnibal_compile.compile._subgraph import module_path
+from omnibal_compile.compile.capture import Captured, is_data_dependent, size_hint
+from omnibal_compile.errors import InputError
 
 if TYPE_CHECKING:
     import networkx as nx

@@ -35,10 +35,10 @@ import torch.fx as fx
 from torch import nn
 from torch._guards import detect_fake_mode
 
+from omnibal_compile.compile._subgraph import module_call, strip_call_suffix
+from omnibal_compile.compile.capture import Captured
 from omnibal_compile.errors import InputError
 from omnibal_compile.kernels import ops, reference
-from omnibal_compile.compile.capture import Captured
-from omnibal_compile.compile._subgraph import module_call, strip_call_suffix
 
 __all__ = ["Substitution", "KernelReport", "substitute_kernels"]
 

@@ -57,9 +57,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 
 __all__ = [
     "VisionSpec",

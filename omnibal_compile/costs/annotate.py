@@ -44,12 +44,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
-from omnibal_compile.costs.devices import PROFILED_DEVICES, DeviceSpec, get_device
-from omnibal_compile.errors import InputError
 from omnibal_compile.compile.blocks import Block, BlockGraph, build_blocks
 from omnibal_compile.compile.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.compile.codegen import generate_stages, stage_info
+from omnibal_compile.compile.recompute_policy import with_recompute
 from omnibal_compile.costs._cache import CACHE_FORMAT, read_cache, store_in_cache
 from omnibal_compile.costs._measure import (
     CLOCKS,
@@ -62,9 +60,11 @@ from omnibal_compile.costs._measure import (
     tensor_leaves,
     timed_runs,
 )
-from omnibal_compile.costs.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
-from omnibal_compile.compile.recompute_policy import with_recompute
 from omnibal_compile.costs._signature import block_signature
+from omnibal_compile.costs.devices import PROFILED_DEVICES, DeviceSpec, get_device
+from omnibal_compile.costs.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.progress import track
 

@@ -25,13 +25,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.errors import InputError, OmnibalError
+from omnibal_compile.compile._subgraph import module_path
 from omnibal_compile.compile.blocks import BlockGraph, build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.compile._subgraph import module_path
+from omnibal_compile.errors import InputError, OmnibalError
 
 __all__ = [
     "RUNTIME_CHECKS",

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
 
 __all__ = ["BatchShape", "ShapeCostModel", "fit_nonnegative", "fit_shape_model", "fit_shape_costs"]
 

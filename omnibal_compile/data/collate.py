@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.data.packing import PackShape
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.labels import IGNORE_INDEX
 
 __all__ = ["PackingCollator", "MODEL_KEYS", "synthetic_sample"]
 

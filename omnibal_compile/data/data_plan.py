@@ -10,14 +10,15 @@ Glossary:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from omnibal_compile._utils.validate import check_int, check_int_list, check_number, check_seed
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_sample
 from omnibal_compile.data.isf import isf_pack, isf_search
@@ -26,7 +27,6 @@ from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
 from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape, packing_from_groups, refuse_unpackable
 from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.validate import check_int, check_int_list, check_number, check_seed
 
 __all__ = ["DataOptions", "DataPlan", "plan_data"]
 

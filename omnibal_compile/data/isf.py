@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal_compile.data.lengths import LengthStats
-from omnibal_compile.data.packing import PackShape, Packing, packing_from_groups, split_oversized
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.validate import check_int, check_number, check_seed
+from omnibal_compile.data.lengths import LengthStats
+from omnibal_compile.data.packing import Packing, PackShape, packing_from_groups, split_oversized
+from omnibal_compile.errors import InputError
 
 __all__ = ["greedy_groups", "isf_groups", "isf_pack", "IsfSearch", "isf_search"]
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.validate import check_int, json_records, read_text
+from omnibal_compile.errors import InputError
 
 __all__ = ["LengthStats", "load_lengths", "save_lengths", "scale_lengths", "bundled_length_files",
            "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]

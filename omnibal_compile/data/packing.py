@@ -24,9 +24,9 @@ from typing import Literal
 
 import numpy as np
 
+from omnibal_compile._utils.validate import check_int, check_seed
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.validate import check_int, check_seed
 
 __all__ = [
     "PackShape", "Packing", "OversizedPolicy", "OVERSIZED_POLICIES", "MAX_PACK_TILES", "MAX_PACK_TOKENS",

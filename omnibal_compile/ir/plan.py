@@ -12,11 +12,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, DataParallel
-from omnibal_compile.errors import PlanError
-from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile._utils.validate import check_int_list, check_number, read_text
+from omnibal_compile.errors import PlanError
+from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, DataParallel
+from omnibal_compile.ir.schedule import Schedule
 
 __all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
 

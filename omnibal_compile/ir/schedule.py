@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omnibal_compile.errors import PlanError
 from omnibal_compile._utils.tables import counted
+from omnibal_compile.errors import PlanError
 
 __all__ = ["SCHEDULE_KINDS", "MAX_MICROBATCHES", "Schedule"]
 

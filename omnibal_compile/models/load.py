@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from omnibal_compile._utils.validate import read_text
 from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_example_batch
-from omnibal_compile._utils.validate import read_text
 
 __all__ = ["LoadedModel", "load_model", "hf_data_facts", "hf_example_batch", "import_from_spec"]
 

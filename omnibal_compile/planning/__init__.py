@@ -16,12 +16,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.planning import interleaved as two_chunks
 from omnibal_compile.planning.baselines import BASELINES, min_max_partition, uniform_boundaries
 from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.planning.explain import explain_infeasible, least_memory_split
-from omnibal_compile.planning import interleaved as two_chunks
 from omnibal_compile.planning.ilp import _status_note, solve_ilp
-from omnibal_compile.planning.problem import PartitionProblem, Solution, evaluate, in_flight, lower_bound, problem_from_costs
+from omnibal_compile.planning.problem import (
+    PartitionProblem,
+    Solution,
+    evaluate,
+    in_flight,
+    lower_bound,
+    problem_from_costs,
+)
 from omnibal_compile.planning.ties import PROFILED_TIE_TOLERANCE, break_ties
 
 __all__ = [

@@ -21,7 +21,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from omnibal_compile.errors import PlanError
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, stage_io, stage_static
+from omnibal_compile.planning.problem import (
+    OPTIONS,
+    PartitionProblem,
+    Solution,
+    evaluate,
+    in_flight,
+    stage_io,
+    stage_static,
+)
 
 __all__ = [
     "min_max_partition",

@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.planning import (

@@ -29,8 +29,8 @@ from omnibal_compile.planning.problem import (
     Solution,
     evaluate,
     in_flight,
-    stage_time_bound,
     stage_io,
+    stage_time_bound,
     stage_transient,
 )
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, in_flight, stage_io, stage_static
 from omnibal_compile._utils.tables import counted
 from omnibal_compile._utils.units import format_size
+from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, in_flight, stage_io, stage_static
 
 __all__ = ["least_memory_split", "explain_infeasible"]
 

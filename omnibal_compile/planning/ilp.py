@@ -37,8 +37,8 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 from contextlib import contextmanager
+from typing import Any
 
 from omnibal_compile.errors import PlanError
 from omnibal_compile.planning.dp import Frontiers
@@ -49,8 +49,8 @@ from omnibal_compile.planning.problem import (
     evaluate,
     in_flight,
     lower_bound,
-    stage_time_bound,
     stage_figures,
+    stage_time_bound,
     stage_transient,
 )
 

@@ -36,18 +36,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
-from omnibal_compile.costs.devices import DeviceSpec
-from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.planning.build import plan_from_solution
-from omnibal_compile.ir.plan import Plan
-from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile.sim.simulate import simulate
-from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
-from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
-from omnibal_compile.planning.problem import in_flight
 from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile._utils.units import format_size
+from omnibal_compile.costs.devices import DeviceSpec
+from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
+from omnibal_compile.planning.build import plan_from_solution
+from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
+from omnibal_compile.planning.problem import in_flight
+from omnibal_compile.sim.simulate import simulate
 
 __all__ = ["DP_LAYOUTS", "Layout", "Candidate", "LayoutSearch", "search_layout", "scale_costs", "pipeline_depths"]
 

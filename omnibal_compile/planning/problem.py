@@ -46,8 +46,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
 from omnibal_compile.ir.schedule import Schedule
 
 __all__ = [

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omnibal_compile.ir.costs import CostTable
+from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim.simulate import SimResult, stage_costs
-from omnibal_compile._utils.tables import counted
 
 if TYPE_CHECKING:
     import networkx as nx

@@ -71,11 +71,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from omnibal_compile.ir.costs import CostTable, running_peak
+from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError, PlanError, SimulationError
+from omnibal_compile.ir.costs import CostTable, running_peak
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile._utils.tables import counted
 
 __all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
 

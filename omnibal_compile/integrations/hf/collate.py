@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
+from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.labels import IGNORE_INDEX
 
 __all__ = ["HFPackingCollator", "MASK_ATTENTION", "VARLEN_ATTENTION", "hf_lengths", "mrope_positions", "segment_mask", "block_ids"]
 

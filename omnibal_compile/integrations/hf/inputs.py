@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.labels import IGNORE_INDEX
+from omnibal_compile.errors import InputError
 
 __all__ = ["HF_FAMILIES", "GRID_FAMILIES", "hf_example_batch", "hf_data_facts", "hf_family", "hf_pack_inputs",
            "stacked_positions"]

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from omnibal_compile.data.balance import balance_pack
-from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_lengths
 from omnibal_compile.data.lengths import LengthStats, load_lengths
 from omnibal_compile.data.packing import Packing, PackShape
 from omnibal_compile.data.sampler import BalancedBatchSampler
 from omnibal_compile.errors import InputError, MissingBackendError
+from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_lengths
 
 __all__ = ["BalancedTrainer", "balanced_sampler"]  # noqa: F822 (BalancedTrainer is made on first access)
 

@@ -64,7 +64,10 @@ def main() -> None:
     print(f"reference VLM of the demo: {graph.num_blocks} blocks; 4 stages, 8 micro-batches, 1F1B, 16 MiB per device")
     print(format_table([("run", "cost s", "predicted ms", "cuts", "recompute (n/s/f per block)", "cuts, no tie-break",
                          "recompute, no tie-break", "timed", "largest spread")] + rows, "rrrlllllr"))
-    for label, chosen in ((f"with the tie-break ({PROFILED_TIE_TOLERANCE:.0%})", plans), ("without it (tolerance 0)", fastest)):
+    for label, chosen in (
+        (f"with the tie-break ({PROFILED_TIE_TOLERANCE:.0%})", plans),
+        ("without it (tolerance 0)", fastest),
+    ):
         times = [simulate(p, t).iteration_time_s for p, t in zip(chosen, tables)]
         med = statistics.median(times)
         distinct = {(p.boundaries, p.recompute) for p in chosen}

@@ -66,8 +66,10 @@ def main() -> int:
                   f"the chosen layout takes {best / paper:.3f}x its time per sample")
             four = search_layout(costs, devices=n, global_batch=PAPER_GLOBAL_BATCH, memory_budget=budget,
                                  microbatch_sizes=(4,), device=A100_80G).best
-            print(f"with the paper's micro-batches of 4 samples kept: {four.layout.describe()}: "
-                  f"{four.time_per_unit_s * 1e3:.3f} ms per sample, {four.time_per_unit_s / paper:.3f}x the paper's layout")
+            print(
+                f"with the paper's micro-batches of 4 samples kept: {four.layout.describe()}: "
+                f"{four.time_per_unit_s * 1e3:.3f} ms per sample, {four.time_per_unit_s / paper:.3f}x the paper's layout"
+            )
         print()
     return 0
 

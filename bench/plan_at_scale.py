@@ -69,7 +69,9 @@ def analytic_spec(name: str, kernels: str):
     llm = an.LLMSpec(name=name + "-llm", layers=t["layers"], width=t["width"], mlp=t["mlp"], heads=t["heads"],
                      kv_heads=t["kv_heads"], vocab=t["vocab"])
     proj = an.ProjectorSpec(in_width=v["width"], hidden=t["width"], out_width=t["width"], norm=False)
-    return an.VLMSpec(name=name, vision=vision, projector=proj, llm=llm, image_tokens_per_tile=grid * grid, kernels=kernels)
+    return an.VLMSpec(
+        name=name, vision=vision, projector=proj, llm=llm, image_tokens_per_tile=grid * grid, kernels=kernels
+    )
 
 
 def block_type(name: str, after_head: bool) -> str:

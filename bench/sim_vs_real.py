@@ -101,13 +101,18 @@ def main() -> int:
                 rows.append((ranks, name, list(plan.boundaries), sim.iteration_time_s, measured, err,
                              raw.iteration_time_s / measured - 1, unshared.iteration_time_s / measured - 1))
                 q = statistics.quantiles(steps[name], n=4) if len(steps[name]) > 1 else [measured] * 3
-                print(f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
-                      f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms (quartiles "
-                      f"{q[0] * 1e3:.0f}-{q[2] * 1e3:.0f} ms over {len(steps[name])} steps), error {err:+.1%}", flush=True)
+                print(
+                    f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
+                    f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms (quartiles "
+                    f"{q[0] * 1e3:.0f}-{q[2] * 1e3:.0f} ms over {len(steps[name])} steps), error {err:+.1%}",
+                    flush=True,
+                )
     print(f"\n{'ranks':>5}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  {'error':>7}  "
           f"{'without overhead':>16}  {'core per rank':>13}")
     for ranks, name, _, s, m, e, e_raw, e_own in rows:
-        print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}  {e_own:>+13.1%}")
+        print(
+            f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}  {e_own:>+13.1%}"
+        )
     print(f"(simulated with the ranks sharing {procs or 'one core each of'} cores; 'core per rank': the same "
           "overhead runs and costs simulated as if every rank had a core of its own)")
     worst = max(abs(r[5]) for r in rows)

@@ -91,7 +91,9 @@ def part1(cold: bool = False) -> None:
 
 
 def part1_interleaved(time_limit: float) -> None:
-    print(f"\n== the same blocks, interleaved 1F1B: 4 devices x 2 chunks, 16 micro-batches (ILP time limit {time_limit:.0f} s) ==")
+    print(
+        f"\n== the same blocks, interleaved 1F1B: 4 devices x 2 chunks, 16 micro-batches (ILP time limit {time_limit:.0f} s) =="
+    )
     for budget in (None, 100 * GiB):
         base = internvl_like(None)
         P = dataclasses.replace(
@@ -104,7 +106,9 @@ def part1_interleaved(time_limit: float) -> None:
         ratios = [f"DP incumbent {start.iteration_time / ilp.iteration_time:.3f} ({start.solve_seconds:.2f} s)"]
         for name, fn in BASELINES.items():
             b = fn(P)
-            ratios.append(f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}")
+            ratios.append(
+                f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}"
+            )
         print(f"{label:>15}: ILP {time.perf_counter() - t0:.2f} s [{ilp.status}]; "
               f"{sum(r != 'none' for r in ilp.recompute)} blocks recomputed")
         print(f"{'':>15}  iteration time / ILP: " + ", ".join(ratios))
@@ -133,7 +137,9 @@ def paper_scale_interleaved() -> None:
         ratios = [f"DP incumbent {start.iteration_time / ilp.iteration_time:.3f}"]
         for name, fn in BASELINES.items():
             b = fn(P)
-            ratios.append(f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}")
+            ratios.append(
+                f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}"
+            )
         label = "no budget" if budget is None else f"budget {budget / GiB:.0f} GiB"
         bound = ilp.extra.get("lower_bound")
         proven = ilp.gap if ilp.gap is not None else float("nan")

@@ -17,8 +17,20 @@ from omnibal_compile.sim import simulate
 
 # Named like TinyVLM's blocks: vision side, projector, LLM embedding, glue, decoder layers, head, loss glue.
 NAMES = (
-    "<root>:glue", "vision.patch_embed", "vision.layers.0", "vision.layers.1", "projector", "llm.embed_tokens",
-    "<root>:glue#2", "llm.layers.0", "llm.layers.1", "llm.layers.2", "llm.layers.3", "llm.norm", "lm_head", "<root>:glue#3",
+    "<root>:glue",
+    "vision.patch_embed",
+    "vision.layers.0",
+    "vision.layers.1",
+    "projector",
+    "llm.embed_tokens",
+    "<root>:glue#2",
+    "llm.layers.0",
+    "llm.layers.1",
+    "llm.layers.2",
+    "llm.layers.3",
+    "llm.norm",
+    "lm_head",
+    "<root>:glue#3",
 )
 KINDS = ("glue", "module", "layer", "layer", "module", "module", "glue", "layer", "layer", "layer", "layer", "module",
          "module", "glue")
@@ -130,7 +142,10 @@ def test_shape_costs_scale_linearly():
     costs = costs_for()
     doubled = scale_costs(costs, [2.0] * len(NAMES))
     assert doubled.blocks[3].forward_s == pytest.approx(2 * costs.blocks[3].forward_s)
-    assert doubled.blocks[3].activation_bytes["full"] == 2000 and doubled.blocks[3].static_bytes == costs.blocks[3].static_bytes
+    assert (
+        doubled.blocks[3].activation_bytes["full"] == 2000
+        and doubled.blocks[3].static_bytes == costs.blocks[3].static_bytes
+    )
     assert doubled.cut_bytes[0] == 0 and doubled.cut_bytes[5] == 4000
     # Vision blocks follow tiles, the rest tokens; the mean shape is the reference.
     a, b = shape_costs(costs, [(1, 300), (3, 100)], vision_blocks=5)

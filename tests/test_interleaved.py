@@ -412,7 +412,11 @@ def test_search_from_any_incumbent_brackets_the_least_bottleneck(P, data):
     assert found.decisions <= 2 * math.ceil(math.log2(1 / tol)) + 10
     # a generous time limit changes nothing; none at all stops before the first decision
     later = two_chunk_search(P, start, tolerance=tol, time_limit=3600.0)
-    assert (later.bottleneck, later.lower_bound, later.decisions) == (found.bottleneck, found.lower_bound, found.decisions)
+    assert (later.bottleneck, later.lower_bound, later.decisions) == (
+        found.bottleneck,
+        found.lower_bound,
+        found.decisions,
+    )
     now = two_chunk_search(P, start, tolerance=tol, time_limit=0.0)
     assert now.decisions == 0 or math.isclose(now.bottleneck, found.bottleneck)
 

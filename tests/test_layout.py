@@ -39,7 +39,10 @@ def test_scaled_costs_are_the_simulators_micro_batch_scale():
     assert simulate(plan, scale_costs(t, 3)).iteration_time_s == pytest.approx(
         simulate(plan, t, microbatch_costs=[3.0] * 4).iteration_time_s)
     s = scale_costs(t, 3).blocks[1]
-    assert s.static_bytes == t.blocks[1].static_bytes and s.activation_bytes["full"] == 3 * t.blocks[1].activation_bytes["full"]
+    assert (
+        s.static_bytes == t.blocks[1].static_bytes
+        and s.activation_bytes["full"] == 3 * t.blocks[1].activation_bytes["full"]
+    )
 
 
 def test_pruned_search_finds_the_exhaustive_best_and_beats_every_listed_layout():
@@ -67,7 +70,9 @@ def test_candidates_are_a_table_with_reasons():
     assert len(lines) == 2 + len(result.candidates)
     # 1F1B needs a micro-batch per stage: 8 samples in micro-batches of 2 are too few for a pipeline of 8
     short = [c for c in result.candidates if c.layout.schedule == "1f1b" and c.layout.num_microbatches < c.layout.pp]
-    assert short and all(c.status == "rejected" and "needs at least one micro-batch per stage" in c.reason for c in short)
+    assert short and all(
+        c.status == "rejected" and "needs at least one micro-batch per stage" in c.reason for c in short
+    )
     assert "best" in lines[2] and result.best.layout.describe() in lines[2]
     assert "chosen: " + result.best.layout.describe() in result.summary()
 

@@ -115,7 +115,11 @@ def _ids(tokens):
 def llama_tables():
     """bf16-built at 512 and 1024 tokens, fp32-built at 512 (every input on meta)."""
     out = {}
-    for key, dtype, tokens in (("bf16", torch.bfloat16, 512), ("fp32", torch.float32, 512), ("bf16x2", torch.bfloat16, 1024)):
+    for key, dtype, tokens in (
+        ("bf16", torch.bfloat16, 512),
+        ("fp32", torch.float32, 512),
+        ("bf16x2", torch.bfloat16, 1024),
+    ):
         model = _llama(dtype)
         graph = build_blocks(capture(model, _ids(tokens)), model)
         out[key] = annotate_costs(graph, model, device="h100-80gb")

@@ -111,7 +111,9 @@ def test_plan_stages_with_and_without_costs(graph):
     P = problem_from_costs(costs, num_stages=2, num_microbatches=4)
     sol = evaluate(P, plan.boundaries, plan.block_recompute)
     assert plan.planner == "ilp" and plan.iteration_time_s == pytest.approx(sol.iteration_time)
-    assert plan.stage_time_s == pytest.approx(sol.stage_time) and plan.stage_memory_bytes == tuple(map(int, sol.stage_memory))
+    assert plan.stage_time_s == pytest.approx(sol.stage_time) and plan.stage_memory_bytes == tuple(
+        map(int, sol.stage_memory)
+    )
     assert plan.memory_budget_bytes == () and {"binding", "status", "solve seconds"} <= set(plan.notes)
     assert (plan.schedule, plan.num_microbatches, plan.virtual_stages, plan.data_parallel) == ("1f1b", 4, 1, 1)
     budget = 20 * 2**30

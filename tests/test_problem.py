@@ -126,9 +126,20 @@ def test_lower_bound_by_hand():
 
 
 def _costs(n: int = 4) -> CostTable:
-    blocks = tuple(BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=1000, static_bytes=16_000,
-                             forward_s=1.0, backward_s=2.0, activation_bytes={"none": 300, "selective": 200, "full": 100},
-                             recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0}) for i in range(n))
+    blocks = tuple(
+        BlockCost(
+            name=f"b{i}",
+            kind="layer",
+            flops=1.0,
+            num_params=1000,
+            static_bytes=16_000,
+            forward_s=1.0,
+            backward_s=2.0,
+            activation_bytes={"none": 300, "selective": 200, "full": 100},
+            recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0},
+        )
+        for i in range(n)
+    )
     return CostTable(blocks=blocks, cut_bytes=(0,) + (50,) * (n - 1) + (0,), link_bandwidth=1000.0, device="x",
                      source="roofline", precision=BF16_ADAM)
 

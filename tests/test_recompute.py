@@ -209,7 +209,11 @@ def test_recompute_pass_keeps_node_metadata(vlm, vlm_result2):
     for stage in generate_stages(result.graph, plan, model):
         before = {n.name: n.meta.get("val") for n in stage.graph.nodes}
         after = apply_recompute(stage, result.graph, plan)
-        reads = [n for n in after.graph.nodes if n.op == "call_function" and n.args and getattr(n.args[0], "op", "") == "call_module"]
+        reads = [
+            n
+            for n in after.graph.nodes
+            if n.op == "call_function" and n.args and getattr(n.args[0], "op", "") == "call_module"
+        ]
         assert reads
         for n in reads:
             region = after.get_submodule(n.args[0].target).region

@@ -52,10 +52,14 @@ def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
                 return True
             order = None
             for rank in range(D):
-                order = cls([_FakeStage(rank + c * D, S, D) for c in range(v)], M, loss_fn=loss).pipeline_order_with_comms
+                order = cls(
+                    [_FakeStage(rank + c * D, S, D) for c in range(v)], M, loss_fn=loss
+                ).pipeline_order_with_comms
             keep = {torch_schedules.F, torch_schedules.B, torch_schedules.SEND_F, torch_schedules.RECV_F,
                     torch_schedules.SEND_B, torch_schedules.RECV_B}
-            compute = {r: [a for a in acts if a is not None and a.computation_type in keep] for r, acts in order.items()}
+            compute = {
+                r: [a for a in acts if a is not None and a.computation_type in keep] for r, acts in order.items()
+            }
             torch_schedules._simulate_comms_compute(compute, lambda s: s % D, S)  # raises on a deadlock
     except (ValueError, RuntimeError, AssertionError):
         return False
@@ -169,7 +173,10 @@ def test_plans_keep_flat_schedule_fields_in_json():
     assert Plan.from_dict(old).num_microbatches == 2
     with pytest.raises(PlanError, match="1 micro-batch for 2 stages"):
         Plan.from_dict({**old, "num_microbatches": 1})
-    assert Plan.from_json(json.dumps({**old, "num_microbatches": 1}), overrides={"num_microbatches": 4}).num_microbatches == 4
+    assert (
+        Plan.from_json(json.dumps({**old, "num_microbatches": 1}), overrides={"num_microbatches": 4}).num_microbatches
+        == 4
+    )
     assert Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).num_microbatches == 3  # one per stage
     assert "3 micro-batches" in Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).summary()
 

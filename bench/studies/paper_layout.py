@@ -25,7 +25,11 @@ PAPER_BUDGET_FRACTION = 0.9
 
 
 def sample_costs(
-    model: VLMSpec, stats: LengthStats | None = None, *, device: DeviceSpec = A100_80G, precision: Precision = BF16_ADAM,
+    model: VLMSpec,
+    stats: LengthStats | None = None,
+    *,
+    device: DeviceSpec = A100_80G,
+    precision: Precision = BF16_ADAM,
 ) -> Callable[[int], CostTable]:
     """``b -> CostTable`` of a micro-batch of ``b`` mean samples of ``stats`` (default: the bundled statistics)."""
     stats = stats if stats is not None else load_lengths(bundled_length_files())
@@ -40,7 +44,9 @@ def sample_costs(
     return costs
 
 
-def paper_layout_times(costs: Callable[[int], CostTable], budget: float, device: DeviceSpec = A100_80G) -> dict[str, float]:
+def paper_layout_times(
+    costs: Callable[[int], CostTable], budget: float, device: DeviceSpec = A100_80G
+) -> dict[str, float]:
     """Predicted seconds per sample of the paper's layout (PP 8 x DP 16, 1F1B, 16 micro-batches of 4 samples),
     planned by the exact DP and simulated, under each data-parallel layout whose simulated peak fits ``budget``."""
     import dataclasses
@@ -56,7 +62,9 @@ def paper_layout_times(costs: Callable[[int], CostTable], budget: float, device:
         lay = Layout(pp=8, dp=16, dp_layout=name, microbatch_size=4, num_microbatches=16)
         t = dataclasses.replace(costs(4), link_bandwidth=device.link_bandwidth("nvlink"),
                                 dp_link_bandwidth=device.link_bandwidth("infiniband"))
-        problem = problem_from_costs(t, num_stages=8, num_microbatches=16, budget=budget, data_parallel=lay.data_parallel)
+        problem = problem_from_costs(
+            t, num_stages=8, num_microbatches=16, budget=budget, data_parallel=lay.data_parallel
+        )
         sim = simulate(plan_from_solution(solve_dp(problem), t, problem), t)
         if max(sim.peak_memory_bytes) <= budget:
             out[lay.describe()] = sim.iteration_time_s / PAPER_GLOBAL_BATCH

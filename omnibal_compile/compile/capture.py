@@ -277,7 +277,9 @@ def _culprit(model: nn.Module, exc: BaseException) -> tuple[str | None, str | No
 def _capture_error(model: nn.Module, method: str, exc: BaseException) -> CaptureError:
     path, line = _culprit(model, exc)
     name = type(model).__name__
-    where = f" in module '{path}' ({type(model.get_submodule('' if path == '<root>' else path)).__name__})" if path else ""
+    where = (
+        f" in module '{path}' ({type(model.get_submodule('' if path == '<root>' else path)).__name__})" if path else ""
+    )
     at = f"\n  at {line}" if line else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     hint = (
@@ -304,7 +306,9 @@ def _drop_specialized_placeholders(gm: fx.GraphModule, keep: int) -> None:
                     frontier.append(user)
         for node in sorted(doomed, key=lambda n: -list(gm.graph.nodes).index(n)):
             if node.op == "output":
-                raise CaptureError(f"fx capture: defaulted argument '{ph.target}' flows into the output; pass it explicitly")
+                raise CaptureError(
+                    f"fx capture: defaulted argument '{ph.target}' flows into the output; pass it explicitly"
+                )
             gm.graph.erase_node(node)
         gm.graph.erase_node(ph)
     gm.recompile()
@@ -380,7 +384,9 @@ def _quiet_real_tensor_propagation() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.export.ExportedProgram, bool]:
+def _export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.export.ExportedProgram, bool]:
     """``torch.export`` (non-strict); again with the example's real values when sizes depend on input values.
 
     Returns the program and whether it has data-dependent sizes.
@@ -395,7 +401,9 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             sys.stderr.write(printed.getvalue())
             raise _capture_error(model, "export", e) from e
     else:
-        on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves((args, kwargs, model.state_dict())))
+        on_meta = any(
+            isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves((args, kwargs, model.state_dict()))
+        )
         if on_meta or not _has_data_dependent_sizes(ep.graph_module):
             # Meta tensors have no values to propagate: the sizes stay symbolic, and the cost pass
             # names any input whose values it would need.

@@ -176,7 +176,9 @@ spell of a shared machine falls on all blocks alike instead of on whichever was 
 class _Profile:
     """Timed forward and backward runs of one block, collected over rounds."""
 
-    def __init__(self, m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, clock: str) -> None:
+    def __init__(
+        self, m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, clock: str
+    ) -> None:
         self.m, self.inputs, self.records, self.cuda, self.clock = m, inputs, records, cuda, clock
         self.wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         self.wrt += [p for p in m.parameters() if p.requires_grad]
@@ -193,7 +195,9 @@ class _Profile:
         kw = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
         self.fwd += timed_runs(self._forward, **kw)
         for _ in range(repeats):  # the selective share is timed per op: as many samples, their median kept
-            records, _ = record_ops(self.m, self.inputs, sync=torch.cuda.synchronize if self.cuda else None, clock=self.clock)
+            records, _ = record_ops(
+                self.m, self.inputs, sync=torch.cuda.synchronize if self.cuda else None, clock=self.clock
+            )
             self.rerun.append(_rerun_share(records))
         if self.has_backward:
             self.bwd += timed_runs(
@@ -388,7 +392,9 @@ def annotate_costs(
         if not torch.cuda.is_available():
             raise InputError("device='cuda' needs a CUDA GPU; none is available here. Use 'cpu' or a roofline target")
         if any(not p.is_cuda for p in model.parameters()):
-            raise InputError("device='cuda' profiles where the model lives: move the model and example inputs to CUDA first")
+            raise InputError(
+                "device='cuda' profiles where the model lives: move the model and example inputs to CUDA first"
+            )
     if link_bandwidth is None:
         link_bandwidth = spec.link_bandwidth(link) if spec is not None else CPU_LINK_BANDWIDTH
     settings = {
@@ -443,7 +449,9 @@ def annotate_costs(
                     profiles[signature] = _Profile(m, inputs, records, cuda=cuda, clock=clock)
                 rows.append((signature, graph.blocks[first_of[signature]].name, _memory(m, inputs, charged)))
             per_round = -(-repeats // PROFILE_ROUNDS)
-            for r in track(range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)):
+            for r in track(
+                range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)
+            ):
                 for prof in profiles.values():
                     prof.run(warmup=warmup if r == 0 else 1, repeats=min(per_round, repeats - r * per_round) or 1)
             timings = {sig: prof.timing() for sig, prof in profiles.items()}
@@ -466,7 +474,9 @@ def annotate_costs(
         try:
             store_in_cache(path, key, json.loads(table.to_json()))
         except OSError as e:
-            warnings.warn(f"cost cache {path} could not be written ({e}); the costs were measured but not cached", stacklevel=2)
+            warnings.warn(
+                f"cost cache {path} could not be written ({e}); the costs were measured but not cached", stacklevel=2
+            )
     return table
 
 

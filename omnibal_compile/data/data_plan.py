@@ -131,24 +131,36 @@ class DataPlan:
     def example_batch(self, *, seed: int = 0) -> dict[str, torch.Tensor]:
         """One collated micro-batch of the planned shape (random content), for capture and profiling."""
         packing = self.first_packing
-        return self.synthetic_batch(packing.pack(int(packing.steps[0, 0])), generator=torch.Generator().manual_seed(seed))
+        return self.synthetic_batch(
+            packing.pack(int(packing.steps[0, 0])), generator=torch.Generator().manual_seed(seed)
+        )
 
     def synthetic_batch(self, pack: Sequence[int], *, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """The samples of ``pack`` with their real lengths and random contents, collated to one fixed-shape row."""
         c = self.collator
-        samples = [synthetic_sample(int(self.stats.tiles[i]), int(self.stats.tokens[i]), tokens_per_tile=c.tokens_per_tile,
-                                    image_token_id=c.image_token_id,
-                                    vocab_size=int(self.options.vocab_size or c.image_token_id + 1),
-                                    image_shape=c.image_shape, generator=generator) for i in pack]
+        samples = [
+            synthetic_sample(
+                int(self.stats.tiles[i]),
+                int(self.stats.tokens[i]),
+                tokens_per_tile=c.tokens_per_tile,
+                image_token_id=c.image_token_id,
+                vocab_size=int(self.options.vocab_size or c.image_token_id + 1),
+                image_shape=c.image_shape,
+                generator=generator,
+            )
+            for i in pack
+        ]
         batch = c(samples)
         return {k: batch[k] for k in MODEL_KEYS}
 
     def summary(self) -> str:
         m = self.metrics
-        return (f"data: {len(self.stats)} samples, {self.options.method} packs of ({self.shape.tiles} tiles, "
-                f"{self.shape.tokens} tokens), row {self.seq_len}, {m.samples_per_pack:.2f} samples/pack, "
-                f"{m.num_steps} steps x {self.options.dp} ranks; Pad {m.pad_ratio:.4f}, Dist vision {m.dist_vision:.4f} "
-                f"language {m.dist_language:.4f}, oversized {m.oversized}")
+        return (
+            f"data: {len(self.stats)} samples, {self.options.method} packs of ({self.shape.tiles} tiles, "
+            f"{self.shape.tokens} tokens), row {self.seq_len}, {m.samples_per_pack:.2f} samples/pack, "
+            f"{m.num_steps} steps x {self.options.dp} ranks; Pad {m.pad_ratio:.4f}, Dist vision {m.dist_vision:.4f} "
+            f"language {m.dist_language:.4f}, oversized {m.oversized}"
+        )
 
 
 def _model_fact(options: DataOptions, model: Any, name: str) -> Any:

@@ -105,8 +105,15 @@ def isf_groups(
 
 
 def isf_pack(
-    stats: LengthStats, *, dp: int, capacity: PackShape, token_thresh: int | None = None, tile_thresh: int | None = None,
-    iterations: int = 50, seed: int = 0, oversized: str = "error",
+    stats: LengthStats,
+    *,
+    dp: int,
+    capacity: PackShape,
+    token_thresh: int | None = None,
+    tile_thresh: int | None = None,
+    iterations: int = 50,
+    seed: int = 0,
+    oversized: str = "error",
 ) -> Packing:
     """ISF packs scheduled randomly onto steps of ``dp`` ranks (as the reference sampler does).
 

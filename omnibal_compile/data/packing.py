@@ -165,8 +165,12 @@ def split_oversized(stats: LengthStats, capacity: PackShape, policy: str) -> tup
     if big.size and policy == "own-pack":
         refuse_unpackable(stats, big)  # each becomes a pack of its own shape
     if big.size and policy == "truncate":
-        stats = LengthStats(tiles=np.minimum(stats.tiles, capacity.tiles), tokens=np.minimum(stats.tokens, capacity.tokens),
-                            image_flags=np.minimum(stats.image_flags, capacity.tiles), source=stats.source)
+        stats = LengthStats(
+            tiles=np.minimum(stats.tiles, capacity.tiles),
+            tokens=np.minimum(stats.tokens, capacity.tokens),
+            image_flags=np.minimum(stats.image_flags, capacity.tiles),
+            source=stats.source,
+        )
     return stats, big
 
 
@@ -192,7 +196,9 @@ def make_divisible(sizes: np.ndarray, dp: int) -> np.ndarray:
     if need == 0:
         return sizes
     if int(np.maximum(sizes - 1, 0).sum()) < need:
-        raise InputError(f"{int(sizes.sum())} samples cannot fill whole steps of {dp} data-parallel ranks; use fewer ranks")
+        raise InputError(
+            f"{int(sizes.sum())} samples cannot fill whole steps of {dp} data-parallel ranks; use fewer ranks"
+        )
     # Fewer than dp splits, each of the currently largest group (its first half stays in place).
     out = sizes.tolist()
     for _ in range(need):

@@ -60,7 +60,9 @@ def _stack_of(name: str) -> str:
 def megatron_layout(plan: Plan) -> str:
     """The plan as a Megatron-LM ``--pipeline-model-parallel-layout`` string (see the module glossary)."""
     if not plan.block_kinds:
-        raise InputError("megatron_layout needs the plan's block_kinds (plans from optimize() and the planners have them)")
+        raise InputError(
+            "megatron_layout needs the plan's block_kinds (plans from optimize() and the planners have them)"
+        )
     layers = [i for i, k in enumerate(plan.block_kinds) if k == "layer"]
     if not layers:
         raise InputError("the plan has no layer blocks, so it has no decoder layers to lay out")
@@ -68,7 +70,11 @@ def megatron_layout(plan: Plan) -> str:
     owner = _stack_of(stack)  # e.g. "llm" for "llm.layers"
     decoder = [i for i in layers if _stack_of(plan.block_names[i]) == stack]
     first, last = decoder[0], decoder[-1]
-    after = [i for i in range(last + 1, plan.num_blocks) if plan.block_kinds[i] == "module" and _module_name(plan.block_names[i])]
+    after = [
+        i
+        for i in range(last + 1, plan.num_blocks)
+        if plan.block_kinds[i] == "module" and _module_name(plan.block_names[i])
+    ]
     head = after[-1] if after else None
     symbols: list[str] = []
     for i, (name, kind) in enumerate(zip(plan.block_names, plan.block_kinds)):

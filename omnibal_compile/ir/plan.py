@@ -146,7 +146,10 @@ class Plan:
         if bad:
             raise PlanError(f"recompute options {bad} are unknown; use {list(RECOMPUTE_OPTIONS)}")
         schedule = Schedule.for_stages(
-            self.num_stages, kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages
+            self.num_stages,
+            kind=self.schedule,
+            num_microbatches=self.num_microbatches,
+            virtual_stages=self.virtual_stages,
         )
         object.__setattr__(self, "num_microbatches", schedule.num_microbatches)
         _ = self.dp  # validates data_parallel and data_parallel_shard
@@ -232,7 +235,9 @@ class Plan:
     @property
     def dp(self) -> DataParallel:
         """The data-parallel layout the plan was made for, as one checked value."""
-        return DataParallel(size=self.data_parallel, shard=self.data_parallel_shard, reshard_after_forward=self.reshard_after_forward)
+        return DataParallel(
+            size=self.data_parallel, shard=self.data_parallel_shard, reshard_after_forward=self.reshard_after_forward
+        )
 
     def stage_of(self, block: str | int) -> int:
         """Stage that runs ``block`` (a name or an index)."""
@@ -256,7 +261,15 @@ class Plan:
             params = f"{sum(self.block_params[st.start : st.stop]):,}" if self.block_params else "-"
             counts = {o: st.recompute.count(o) for o in RECOMPUTE_OPTIONS if o != "none" and o in st.recompute}
             rec = ", ".join(f"{c} {o}" for o, c in counts.items())  # per block: plan.stages[s].recompute
-            row = [str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], str(layers), params, rec or "-"]
+            row = [
+                str(st.index),
+                f"{st.start}-{st.stop - 1}",
+                st.blocks[0],
+                st.blocks[-1],
+                str(layers),
+                params,
+                rec or "-",
+            ]
             if self.stage_time_s:
                 row.append(f"{self.stage_time_s[st.index] * 1e3:.3f}")
             if self.stage_memory_bytes:
@@ -279,10 +292,14 @@ class Plan:
             if mean:
                 lines.append(f"parameter imbalance (max/mean): {max(loads) / mean:.3f}")
         if self.data_parallel > 1:
-            lines.append(f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction")
+            lines.append(
+                f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction"
+            )
         if self.stage_peak_bytes:
-            lines.append("Memory is the bound the plan was fitted under; peak is the predicted peak, which charges each "
-                         "block the workspace of its own recompute option where it runs.")
+            lines.append(
+                "Memory is the bound the plan was fitted under; peak is the predicted peak, which charges each "
+                "block the workspace of its own recompute option where it runs."
+            )
         if self.iteration_time_s is not None:
             lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms (the schedule's closed form).")
         lines.extend(_note_sentences(self.notes))

@@ -311,7 +311,12 @@ class TinyVLM(nn.Module):
 
 
 def make_example_batch(
-    config: TinyVLMConfig | None = None, *, batch: int = 2, tiles_per_sample: int = 2, text_tokens: int = 32, seed: int = 0
+    config: TinyVLMConfig | None = None,
+    *,
+    batch: int = 2,
+    tiles_per_sample: int = 2,
+    text_tokens: int = 32,
+    seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """A random batch: each row holds ``tiles_per_sample`` tiles' image tokens followed by text.
 

@@ -97,9 +97,16 @@ def _ilp(problem: PartitionProblem, *, solver: str, time_limit: float | None, ga
             seconds = time.perf_counter() - start
             if found.gap <= gap:
                 return dataclasses.replace(
-                    found.solution, planner="ilp", status=_status_note("Optimal", found.gap), gap=found.gap,
+                    found.solution,
+                    planner="ilp",
+                    status=_status_note("Optimal", found.gap),
+                    gap=found.gap,
                     solve_seconds=seconds,
-                    extra={"solver": "two-chunk search", "lower_bound": found.lower_bound, "decisions": found.decisions},
+                    extra={
+                        "solver": "two-chunk search",
+                        "lower_bound": found.lower_bound,
+                        "decisions": found.decisions,
+                    },
                 )
             if time_limit is not None:
                 time_limit = max(1.0, time_limit - seconds)

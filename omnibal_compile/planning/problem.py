@@ -230,7 +230,10 @@ def sync_time(problem: PartitionProblem, boundaries: Sequence[int]) -> float:
     if not problem.sync:
         return 0.0
     per_stage = [sum(problem.sync[i:j]) for i, j in zip(boundaries, boundaries[1:])]
-    return max(sum(per_stage[s] for s in range(problem.num_stages) if problem.device_of(s) == d) for d in range(problem.num_devices))
+    return max(
+        sum(per_stage[s] for s in range(problem.num_stages) if problem.device_of(s) == d)
+        for d in range(problem.num_devices)
+    )
 
 
 def stage_figures(problem: PartitionProblem, s: int, i: int, j: int, options: Sequence[int]) -> tuple[float, float]:
@@ -275,7 +278,9 @@ def evaluate(
     """Predicted stage times, memory and iteration time (pipeline + D) of a plan, by the shared accounting."""
     b = tuple(int(x) for x in boundaries)
     if len(b) != problem.num_stages + 1 or b[0] != 0 or b[-1] != problem.n or any(x >= y for x, y in zip(b, b[1:])):
-        raise PlanError(f"boundaries {list(b)} are not {problem.num_stages} contiguous non-empty stages of {problem.n} blocks")
+        raise PlanError(
+            f"boundaries {list(b)} are not {problem.num_stages} contiguous non-empty stages of {problem.n} blocks"
+        )
     if len(recompute) != problem.n:
         raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
     opts = [OPTIONS.index(r) for r in recompute]

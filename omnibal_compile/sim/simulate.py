@@ -77,7 +77,16 @@ from omnibal_compile.ir.costs import CostTable, running_peak
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
 
-__all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
+__all__ = [
+    "Event",
+    "StageCost",
+    "SimResult",
+    "simulate",
+    "schedule_time",
+    "stage_costs",
+    "operation_order",
+    "SimulationError",
+]
 
 EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward", "dp_gather", "dp_reduce"]
 
@@ -193,7 +202,9 @@ class SimResult:
 def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[StageCost, ...]:
     """Per-stage costs of ``plan`` from ``costs`` (block names must match), times and activations scaled by ``scale``."""
     if tuple(costs.names) != tuple(plan.block_names):
-        diff = [f"#{i}: plan '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(plan.block_names, costs.names)) if a != b]
+        diff = [
+            f"#{i}: plan '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(plan.block_names, costs.names)) if a != b
+        ]
         raise PlanError(
             f"the cost table ({len(costs.names)} blocks) does not match the plan ({plan.num_blocks} blocks)"
             + (f"; first differences: {diff[:3]}" if diff else "")
@@ -220,7 +231,8 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
                 activation_bytes=int(round(scale * (sum(b.activation_bytes[o] for b, o in zip(blocks, opts)) + held))),
                 workspace_bytes=int(round(scale * max(b.workspace_bytes for b in blocks))),
                 running_bytes=int(round(scale * (held + running_peak(
-                    [b.activation_bytes[o] for b, o in zip(blocks, opts)], [b.peak_bytes[o] for b, o in zip(blocks, opts)]
+                    [b.activation_bytes[o] for b, o in zip(blocks, opts)],
+                    [b.peak_bytes[o] for b, o in zip(blocks, opts)],
                 )))) if all(b.peak_bytes for b in blocks) else None,
                 static_bytes=int(round(sum(c.static_bytes for c in dpc))),
                 gathered_bytes=int(round(max(c.gathered_bytes for c in dpc))),
@@ -481,7 +493,11 @@ def simulate(
         gather: list[tuple[EventKind, float]] = [("dp_gather", c.op_gather_s * bw_scale)] if c.op_gather_s > 0 else []
         if kind == "F":
             return gather + [("forward", c.forward_s + op_overhead_s)]
-        return gather + ([("recompute", c.recompute_s)] if c.recompute_s > 0 else []) + [("backward", c.backward_s + op_overhead_s)]
+        return (
+            gather
+            + ([("recompute", c.recompute_s)] if c.recompute_s > 0 else [])
+            + [("backward", c.backward_s + op_overhead_s)]
+        )
 
     # FSDP keeping weights gathered: each device gathers its stages' weights in turn from the start.
     events: list[Event] = []
@@ -516,11 +532,15 @@ def simulate(
     for (s, m), end in f_end.items():
         if s + 1 < S and send(s, m) > 0:
             d = s % D
-            events.append(Event(kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m)))
+            events.append(
+                Event(kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m))
+            )
     for (s, m), end in b_end.items():
         if s > 0 and send(s - 1, m) > 0:
             d = s % D
-            events.append(Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m)))
+            events.append(
+                Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m))
+            )
 
     T = finish + step_overhead_s
     compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]
@@ -553,7 +573,8 @@ def simulate(
         excess = max((_running_excess(per_mb[m][s]) for s in range(d, S, D) for m in range(M)), default=0)
         peak_act[d] += excess
     static = [
-        sum(per_mb[0][s].static_bytes for s in range(d, S, D)) + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
+        sum(per_mb[0][s].static_bytes for s in range(d, S, D))
+        + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
         for d in range(D)
     ]
     events.sort(key=lambda e: (e.start_s, e.device, e.kind))

@@ -47,7 +47,15 @@ from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
 
-__all__ = ["HFPackingCollator", "MASK_ATTENTION", "VARLEN_ATTENTION", "hf_lengths", "mrope_positions", "segment_mask", "block_ids"]
+__all__ = [
+    "HFPackingCollator",
+    "MASK_ATTENTION",
+    "VARLEN_ATTENTION",
+    "hf_lengths",
+    "mrope_positions",
+    "segment_mask",
+    "block_ids",
+]
 
 MASK_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
 """Attention implementations that get a 4-D additive block-causal mask."""
@@ -267,7 +275,9 @@ def mrope_positions(ids: torch.Tensor, grids: torch.Tensor, *, image_token_id: i
 
 def block_causal_mask(lengths: Sequence[int], *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(1, 1, L, L) additive mask: 0 where query and key are in the same segment and the key is not later, else min."""
-    return segment_mask(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))[None], dtype=dtype)
+    return segment_mask(
+        torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))[None], dtype=dtype
+    )
 
 
 def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32, blocks: torch.Tensor | None = None,
@@ -287,7 +297,9 @@ def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float3
         q, k = torch.arange(n, device=segment_ids.device)[:, None], torch.arange(n, device=segment_ids.device)[None, :]
         causal = causal & (k > q - window)
     allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )[:, None]
 
 
 def block_ids(segment_ids: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
@@ -322,7 +334,9 @@ def _image_facts(config: Any) -> dict[str, Any]:
     )
 
 
-def hf_lengths(dataset: Sequence[Mapping[str, Any]], collator: HFPackingCollator, *, source: str = "dataset") -> LengthStats:
+def hf_lengths(
+    dataset: Sequence[Mapping[str, Any]], collator: HFPackingCollator, *, source: str = "dataset"
+) -> LengthStats:
     """Per-sample (images, tokens) of a dataset as the collator packs them, for the balancer."""
     tiles, tokens = [], []
     for k in range(len(dataset)):

@@ -68,7 +68,8 @@ def main() -> int:
                                  microbatch_sizes=(4,), device=A100_80G).best
             print(
                 f"with the paper's micro-batches of 4 samples kept: {four.layout.describe()}: "
-                f"{four.time_per_unit_s * 1e3:.3f} ms per sample, {four.time_per_unit_s / paper:.3f}x the paper's layout"
+                f"{four.time_per_unit_s * 1e3:.3f} ms per sample, {four.time_per_unit_s / paper:.3f}x the paper's "
+                "layout"
             )
         print()
     return 0

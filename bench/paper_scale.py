@@ -91,7 +91,8 @@ def llava_lengths(stats: LengthStats) -> LengthStats:
 
 
 def setups_for(setup: Setup, batches) -> dict[str, Setup]:
-    """The baseline splits' layouts: ``setup`` for uniform and parameter-balanced, the smallest fitting one for ViT-first."""
+    """The baseline splits' layouts: ``setup`` for uniform and parameter-balanced, the smallest fitting one for
+    ViT-first."""
     vit = vit_first_setup(setup, batches["length-grouped"])
     return {"uniform": setup, "parameters": setup, "vit-first": vit or setup}
 
@@ -255,7 +256,8 @@ def main() -> int:
         print(f"paper: +data {51.9 / 61.8:.3f}, +model {29.0 / 61.8:.3f}, +memory {21.3 / 61.8:.3f}\n")
     print(
         f"our chain never slower than its step before in every configuration: "
-        f"{'yes' if not failures else 'NO: ' + '; '.join(failures)} ({steps[1]} of {steps[0]} steps at least 1% faster; "
+        f"{'yes' if not failures else 'NO: ' + '; '.join(failures)} ({steps[1]} of {steps[0]} steps at least 1% "
+        "faster; "
         "the others gain less, e.g. where the baseline split already was the ILP's)"
     )
     print(f"total {time.perf_counter() - start:.0f} s wall")

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {n: statistics.median(t) for n, t in times.items()}
     low = {n: min(t) for n, t in times.items()}
     print(
-        f"\nstep time on 2 CPU ranks ({args.schedule}, {args.microbatches} micro-batches of {args.batch // args.microbatches} "
+        f"\nstep time on 2 CPU ranks ({args.schedule}, {args.microbatches} micro-batches of "
+        f"{args.batch // args.microbatches} "
         f"samples x {args.tiles} tiles + {args.text} text tokens), {len(times[base])} timed steps per plan:"
     )
     print(f"  {'plan':>10}  {'median ms':>9}  {'min ms':>8}  {'median ratio':>12}  {'min ratio':>9}  cut before block")

@@ -5,8 +5,8 @@ the micro-batch shape (one thread, as every rank uses) plus the runtime's own ov
 in the same run on a near-empty model (``omnibal_compile.runtime.measure_overhead``: time per
 forward/backward action beyond compute, and per step), and (2) trained for a few steps on N local
 ranks by the runtime; the median step time (first step dropped) is compared with the simulated
-iteration time. The errors without the overhead terms, and without core sharing, are printed too. With more ranks than cores
-(4 ranks on this 2-core machine) the simulator shares the cores among the ranks that compute at
+iteration time. The errors without the overhead terms, and without core sharing, are printed too. With more ranks
+than cores (4 ranks on this 2-core machine) the simulator shares the cores among the ranks that compute at
 once (``simulate(processors=...)``), and the overheads are fitted under the same sharing.
 
     python bench/sim_vs_real.py                  # 2 ranks, 1f1b, 4 micro-batches

@@ -92,7 +92,8 @@ def part1(cold: bool = False) -> None:
 
 def part1_interleaved(time_limit: float) -> None:
     print(
-        f"\n== the same blocks, interleaved 1F1B: 4 devices x 2 chunks, 16 micro-batches (ILP time limit {time_limit:.0f} s) =="
+        "\n== the same blocks, interleaved 1F1B: 4 devices x 2 chunks, 16 micro-batches (ILP time limit "
+        f"{time_limit:.0f} s) =="
     )
     for budget in (None, 100 * GiB):
         base = internvl_like(None)

@@ -60,7 +60,8 @@ def test_communication_seconds_by_hand():
 
 
 def test_collective_call_latency_by_hand():
-    """Each collective of a block with parameters pays the call latency once; dp=1 and parameter-less blocks pay none."""
+    """Each collective of a block with parameters pays the call latency once; dp=1 and parameter-less blocks pay
+    none."""
     b, bw, a = block(), 1000.0, 0.25
     fsdp = DataParallel(size=4, shard="fsdp").block_cost(b, BF16_ADAM, bw, a)
     assert fsdp.gather_s == pytest.approx(a + 3 / 4 * 2000 / bw) and fsdp.reduce_s == pytest.approx(

@@ -1,4 +1,5 @@
-"""The layout search (omnibal_compile.planning.layout): paper scale against the paper's layout, pruning, budgets, costs."""
+"""The layout search (omnibal_compile.planning.layout): paper scale against the paper's layout, pruning, budgets,
+costs."""
 
 from __future__ import annotations
 

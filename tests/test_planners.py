@@ -1,4 +1,5 @@
-"""The planner registry and ``solver.solve`` (solver/__init__.py): which planner runs, with what, and what it returns."""
+"""The planner registry and ``solver.solve`` (solver/__init__.py): which planner runs, with what, and what it
+returns."""
 
 from __future__ import annotations
 

@@ -202,7 +202,8 @@ def _rebuild(cls: type, config: Any, state: dict[str, torch.Tensor], batch: Any)
 
 
 def _spawn(world: int, out: Path, models: dict[str, Any], cases: list[Any], worker: Any = None) -> list[dict[str, Any]]:
-    """Run ``worker`` (default :func:`_parity_worker`) on ``world`` ranks; models travel as (class, config, weights, batch)."""
+    """Run ``worker`` (default :func:`_parity_worker`) on ``world`` ranks; models travel as (class, config, weights,
+    batch)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     specs = {k: (type(m), m.config, m.state_dict(), b) for k, (m, b) in models.items()}
     ctx = mp.start_processes(

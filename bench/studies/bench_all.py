@@ -31,7 +31,9 @@ __all__ = ["BenchScript", "BenchResult", "KINDS", "QUICK_ARGS", "FULL_ARGS", "di
            "write_results", "default_bench_dir"]
 
 KINDS: dict[str, str] = {
-    "ablation_cpu.py": "measured and simulated (the data/partition/memory ablation on local CPU ranks vs the simulator)",
+    "ablation_cpu.py": (
+        "measured and simulated (the data/partition/memory ablation on local CPU ranks vs the simulator)"
+    ),
     "cost_accuracy.py": "measured on this CPU (profiled block costs vs whole-model runs)",
     "cost_stability.py": "measured on this CPU (repeated cost passes: plan and predicted iteration time run to run)",
     "gpu_check.sh": "measured on a GPU (kernels, cost pass vs roofline, optimize and parity on CUDA)",

@@ -1,4 +1,5 @@
-"""Paper-scale layout search (SIMULATED): analytic block costs per micro-batch size for :func:`omnibal_compile.planning.layout.search_layout`.
+"""Paper-scale layout search (SIMULATED): analytic block costs per micro-batch size for
+:func:`omnibal_compile.planning.layout.search_layout`.
 
 A micro-batch of ``b`` samples is costed as a balanced pack of ``b`` samples of the mean shape of the
 length statistics (tiles, LLM tokens and causal attention pairs per sample times ``b``: a pack attends

@@ -234,7 +234,8 @@ class Setup:
         return f"PP {self.pp} x TP {self.tp} x DP {self.dp} = {self.gpus} GPUs, M = {self.microbatches}"
 
     def type_costs(self, tiles: np.ndarray, tokens: np.ndarray, pairs: np.ndarray) -> TypeCosts:
-        """Per-type costs of micro-batches of these shapes on one device of this layout, from the setup's cost source."""
+        """Per-type costs of micro-batches of these shapes on one device of this layout, from the setup's cost
+        source."""
         return _source_costs(self.model, self.costs, tiles, tokens, pairs, device=self.device, tensor_parallel=self.tp)
 
     def type_params(self) -> dict[str, int]:
@@ -573,7 +574,8 @@ def vit_first_boundaries(model: VLMSpec, pp: int) -> tuple[int, ...]:
 def baseline_boundaries(
     model: VLMSpec, split: str, pp: int, *, params: Mapping[str, int] | None = None
 ) -> tuple[int, ...]:
-    """Cut points of a baseline split (:data:`SPLITS`); ``params``: per-type parameters (default: the analytic counts)."""
+    """Cut points of a baseline split (:data:`SPLITS`); ``params``: per-type parameters (default: the analytic
+    counts)."""
     if split == "uniform":
         return tuple(
             uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()], pp)

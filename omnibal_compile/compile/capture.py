@@ -518,7 +518,8 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
     # fx: positional tensors only, so the given inputs are the first placeholders in order.
     if kwargs or any(isinstance(v, (list, tuple, dict)) for v in args):
         raise InputError(
-            "capture_method='fx' takes a tuple of positional tensor inputs; use capture_method='export' for keyword or nested inputs"
+            "capture_method='fx' takes a tuple of positional tensor inputs; use capture_method='export' for keyword or "
+            "nested inputs"
         )
     sig = inspect.signature(model.forward)
     bound = sig.bind(*args)

@@ -198,7 +198,8 @@ def isf_search(
     if best is None:
         raise InputError(
             f"{stats.source}: the ISF search found no (Q_v, Q_t) giving {k:g}-{k + 1:g} samples per pack "
-            f"(tried {[(v, t, round(s, 2)) for v, t, s, _, _ in tried][:8]}...); change samples_per_pack or start_tokens"
+            f"(tried {[(v, t, round(s, 2)) for v, t, s, _, _ in tried][:8]}...); change samples_per_pack or "
+            "start_tokens"
         )
     r = best[1]
     return IsfSearch(capacity=r.capacity, token_thresh=r.token_thresh, packing=r.packing, tried=tuple(tried))

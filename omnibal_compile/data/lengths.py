@@ -87,7 +87,8 @@ class LengthStats:
         if over.any():
             bad = int(np.argmax(over))
             raise InputError(
-                f"{self.source}: record {bad}: image_flags {arrays['image_flags'][bad]} > vit_num {arrays['tiles'][bad]}"
+                f"{self.source}: record {bad}: image_flags {arrays['image_flags'][bad]} > vit_num "
+                f"{arrays['tiles'][bad]}"
             )
         for k, v in arrays.items():
             object.__setattr__(self, k, v)

@@ -310,7 +310,8 @@ class CostTable:
         object.__setattr__(self, "batch_shape", dict(self.batch_shape))
         if len(self.cut_bytes) != len(self.blocks) + 1:
             raise InputError(
-                f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got {len(self.cut_bytes)}"
+                f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got "
+                f"{len(self.cut_bytes)}"
             )
         if self.link_bandwidth <= 0:
             raise InputError(f"link_bandwidth must be positive, got {self.link_bandwidth}")

@@ -11,8 +11,8 @@ Glossary:
     Megatron layout    the string grammar of Megatron-LM's ``--pipeline-model-parallel-layout``:
                        stages separated by ``|``; ``E`` the language model's embedding, ``t`` one
                        decoder layer, ``L`` the output layer and loss (written where the last module
-                       block, the head, sits; the final norm travels with it in Megatron); a run of one symbol is written
-                       ``t*N``. Example: ``Et*3|t*4|t*3L``. Megatron's grammar has no symbol for a
+                       block, the head, sits; the final norm travels with it in Megatron); a run of one
+                       symbol is written ``t*N``. Example: ``Et*3|t*4|t*3L``. Megatron's grammar has no symbol for a
                        vision encoder or projector (its multimodal models place the encoder by other
                        options), so those blocks, and glue, are left out of the string; a stage that
                        holds only such blocks is an empty segment between two ``|``.

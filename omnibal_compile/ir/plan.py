@@ -75,7 +75,8 @@ class Plan:
     recompute: tuple[str, ...] = ()
     """Recompute option per block (``none``/``selective``/``full``); empty means none anywhere."""
     schedule: str = "1f1b"
-    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved`` (see :attr:`pipeline_schedule`)."""
+    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved`` (see
+    :attr:`pipeline_schedule`)."""
     num_microbatches: int | None = None
     """Micro-batches per iteration; None (the default) becomes one per stage."""
     virtual_stages: int = 1

@@ -89,7 +89,8 @@ class Schedule:
             )
         if self.kind == "1f1b" and M < S:
             raise PlanError(
-                f"{counted(M, 'micro-batch')} for {counted(S, 'stage')}: schedule '1f1b' needs at least one micro-batch per stage; "
+                f"{counted(M, 'micro-batch')} for {counted(S, 'stage')}: schedule '1f1b' needs at least one "
+                "micro-batch per stage; "
                 f"set num_microbatches >= {S}, or use schedule 'gpipe'"
             )
         if self.kind == "interleaved":

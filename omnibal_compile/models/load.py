@@ -96,7 +96,8 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     model, example = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(model, nn.Module):
         raise InputError(
-            f"model factory {spec!r} returned {type(made).__name__}; it must return an nn.Module or (model, example_batch)"
+            f"model factory {spec!r} returned {type(made).__name__}; it must return an nn.Module or (model, "
+            "example_batch)"
         )
     if example is None and hasattr(getattr(model, "config", None), "to_dict"):
         example = _hf_example(model, batch=batch, text=text, seed=seed)

@@ -18,7 +18,8 @@ Constraints:
     cut k ends stage s  e[k, s] = sum_a z[a, k, s]  (or y[k - 1, s] - y[k, s]; linear either way)
     time         T[s] = sum_{i, o} w t_io + sum_k e[k, s] c_k + sum_k e[k, s - 1] c_k
     floor        T[s] >= sum z[i, j, s] * (least time of [i, j) on stage s within its memory)
-    memory       sum_i x w_i + sum z[i, j, s] (max_{[i, j)} u + max_{[i, j)} q) + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
+    memory       sum_i x w_i + sum z[i, j, s] (max_{[i, j)} u + max_{[i, j)} q) + k_s sum_{i, o} w a_io
+                 + sum_k e[k, s - 1] bytes_k <= budget_s
     bound        objective <= DP optimum (when given): prunes variables and the search
 Objective: the schedule's iteration time (see solver.problem), then, lexicographically, the number
 of recomputed blocks (``TIE_WEIGHT`` per block, far below any time difference that matters), so

@@ -93,16 +93,19 @@ class PartitionProblem:
     allowed: tuple[str, ...] = OPTIONS
     """Recompute options the solver may use."""
     gathered: tuple[float, ...] = ()
-    """u_i: bytes block i gathers while it computes (FSDP resharding after forward); a stage adds its largest. Empty = none."""
+    """u_i: bytes block i gathers while it computes (FSDP resharding after forward); a stage adds its largest.
+    Empty = none."""
     workspace: tuple[float, ...] = ()
-    """q_i: bytes block i holds only while it computes, beyond its activations; a stage adds its largest. Empty = none."""
+    """q_i: bytes block i holds only while it computes, beyond its activations; a stage adds its largest.
+    Empty = none."""
     sync: tuple[float, ...] = ()
     """d_i: data-parallel seconds block i adds once per iteration; a device adds its blocks' sum. Empty = none."""
     peak: tuple[tuple[float, float, float], ...] = ()
     """p_io: peak bytes of one forward and backward of block i alone under none / selective / full; the
     predicted peak (not the planners' bound) reads it. Empty = not measured."""
     data_parallel: DataParallel = NO_DATA_PARALLEL
-    """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in plans)."""
+    """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in
+    plans)."""
     tie_tolerance: float = 0.0
     """Plans predicted within this fraction of the least iteration time count as equal, and
     :func:`omnibal_compile.planning.ties.break_ties` picks among them by figures that do not depend on

@@ -102,12 +102,14 @@ class StageCost:
     recompute_s: float
     """Time rerunning the forward of recomputed blocks before the backward."""
     send_s: float
-    """Time to send what crosses the cut after the stage (0 for the last stage); gradients come back in the same time."""
+    """Time to send what crosses the cut after the stage (0 for the last stage); gradients come back in the same
+    time."""
     activation_bytes: int
     """Bytes kept from forward to backward under the chosen recompute options, the stage's outputs included
     (the pipeline holds them until the micro-batch's backward)."""
     workspace_bytes: int
-    """Bytes held only while one of its blocks computes, beyond kept activations (largest ``BlockCost.workspace_bytes``)."""
+    """Bytes held only while one of its blocks computes, beyond kept activations (largest
+    ``BlockCost.workspace_bytes``)."""
     running_bytes: int | None = None
     """Most bytes one micro-batch holds while it runs through the stage (``cost_table.running_peak`` of the
     blocks' kept and peak bytes under their options); None when the blocks' peaks were not measured."""
@@ -200,7 +202,8 @@ class SimResult:
 
 
 def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[StageCost, ...]:
-    """Per-stage costs of ``plan`` from ``costs`` (block names must match), times and activations scaled by ``scale``."""
+    """Per-stage costs of ``plan`` from ``costs`` (block names must match), times and activations scaled by
+    ``scale``."""
     if tuple(costs.names) != tuple(plan.block_names):
         diff = [
             f"#{i}: plan '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(plan.block_names, costs.names)) if a != b

@@ -85,7 +85,8 @@ class HFPackingCollator:
     """
 
     attn_implementation: str = "sdpa"
-    """The model's ``config._attn_implementation``: ``sdpa``/``eager`` (4-D mask) or a flash one (variable-length kwargs)."""
+    """The model's ``config._attn_implementation``: ``sdpa``/``eager`` (4-D mask) or a flash one (variable-length
+    kwargs)."""
     image_token_id: int | None = None
     """Id of the image placeholder token; None for a text-only model."""
     tokens_per_image: int | None = None

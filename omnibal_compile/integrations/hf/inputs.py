@@ -214,7 +214,8 @@ def hf_family(model: nn.Module) -> str:
         return "text"
     raise InputError(
         f"cannot build example inputs for a {type(model).__name__} ({kind!r}): its images are not fixed-size tiles "
-        f"and its family is not one of {sorted(HF_FAMILIES)}; pass example_inputs= (one batch as its processor emits it)"
+        f"and its family is not one of {sorted(HF_FAMILIES)}; pass example_inputs= (one batch as its processor emits "
+        "it)"
     )
 
 

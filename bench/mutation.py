@@ -461,7 +461,7 @@ def _child(request: dict, result_path: str) -> int:
         if request.get("subprocesses"):
             sub_dir = _start_subprocess_coverage(request["collect"], result_path)
     plugin = _CollectPlugin(cov)
-    log = open(result_path + ".log", "w")
+    log = open(result_path + ".log", "w")  # noqa: SIM115 -- stdout and stderr for the rest of this process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     code = int(pytest.main(_pytest_args(request["tests"]), plugins=[plugin]))

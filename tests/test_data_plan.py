@@ -44,7 +44,7 @@ def test_optimize_with_lengths_plans_on_the_balanced_shape_and_feeds_it() -> Non
         for i, (v, t) in enumerate(zip(tiles, tokens))
     ]
     loader = DataLoader(dataset, batch_sampler=plan.sampler(rank=1), collate_fn=plan.collator)
-    for step, batch in zip(range(2), loader):
+    for _step, batch in zip(range(2), loader):
         inputs = {k: batch[k] for k in MODEL_KEYS}
         assert inputs["pixel_values"].shape[0] == plan.shape.tiles
         assert inputs["input_ids"].shape == (1, plan.seq_len)

@@ -116,7 +116,10 @@ def test_planner_simulator_runtime_and_torch_accept_the_same_schedules(kind):
         for S, v, M in itertools.product(STAGES, VIRTUAL, MICROBATCHES):
             verdicts = {
                 "torch": torch_runs(kind, M, v, S),
-                "schedule": _accepts(lambda: Schedule.for_stages(S, kind=kind, num_microbatches=M, virtual_stages=v)),
+                # the lambdas run at once, inside _accepts, so they read this iteration's values
+                "schedule": _accepts(
+                    lambda: Schedule.for_stages(S, kind=kind, num_microbatches=M, virtual_stages=v)  # noqa: B023
+                ),
                 "planner": planner_accepts(kind, M, v, S),
                 "simulator": simulator_accepts(kind, M, v, S),
                 "runtime": runtime_accepts(kind, M, v, S),
@@ -156,7 +159,7 @@ def test_kind_maps_to_one_torch_class():
     assert get_schedule_class("interleaved") is torch_schedules.ScheduleInterleaved1F1B
     for kind in SCHEDULE_KINDS:  # several stages per device exactly where the torch class takes several
         multi = issubclass(get_schedule_class(kind), PipelineScheduleMulti)
-        assert _accepts(lambda: Schedule(kind=kind, num_microbatches=4, virtual_stages=2)) == multi, kind
+        assert _accepts(lambda: Schedule(kind=kind, num_microbatches=4, virtual_stages=2)) == multi, kind  # noqa: B023
     with pytest.raises(PlanError, match="unknown"):
         get_schedule_class("looped-bfs")
 

@@ -418,10 +418,10 @@ def format_difference(compiled: CompiledCosts, shape: MicroBatch, *, device: Dev
     lines = [("type", "params", "FLOPs", "fwd+bwd s", "/eager", "kept: none", "/eager", "selective", "full", "send",
               "named difference (compiled / analytic formulas)")]
     for t in BLOCK_TYPES:
-        def time(x: TypeCosts) -> float:
+        def time(x: TypeCosts, t: str = t) -> float:
             return float(x.forward_s[t][0] + x.backward_s[t][0])
 
-        def kept(x: TypeCosts, o: str) -> float:
+        def kept(x: TypeCosts, o: str, t: str = t) -> float:
             return float(x.activation_bytes[t][o][0])
 
         lines.append(

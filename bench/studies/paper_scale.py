@@ -717,8 +717,8 @@ def _stage_layout(model: VLMSpec, plan: PlanChoice) -> str:
     parts = []
     for s in range(len(plan.boundaries) - 1):
         ts = types[plan.boundaries[s]:plan.boundaries[s + 1]]
-        v, l = ts.count("vision.layer"), ts.count("llm.layer")
-        parts.append(f"v{v}" if not l else (f"l{l}" if not v else f"v{v}+l{l}"))
+        v, n = ts.count("vision.layer"), ts.count("llm.layer")
+        parts.append(f"v{v}" if not n else (f"l{n}" if not v else f"v{v}+l{n}"))
     rec = {o: plan.recompute.count(o) for o in RECOMPUTE_OPTIONS if plan.recompute.count(o)}
     return "|".join(parts) + "  " + ",".join(f"{o[:3]}:{c}" for o, c in rec.items())
 

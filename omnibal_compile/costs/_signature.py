@@ -89,11 +89,9 @@ def block_signature(gm: fx.GraphModule, inputs: Sequence[Any]) -> str:
         if node in passed:
             continue
         if node.op == "output":
-            computed: list[tuple[str, int]] = []
-            fx.node.map_aggregate(
-                node.args,
-                lambda x: computed.append(position[x]) if isinstance(x, fx.Node) and x not in passed else None,
-            )
+            leaves: list[Any] = []
+            fx.node.map_aggregate(node.args, leaves.append)  # every leaf of the output's args, in order
+            computed = [position[x] for x in leaves if isinstance(x, fx.Node) and x not in passed]
             items.append(("out", sorted(computed)))
             continue
         if node.op == "get_attr":

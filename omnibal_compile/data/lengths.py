@@ -63,10 +63,13 @@ class LengthStats:
             a = np.asarray(getattr(self, name))
             if a.ndim != 1:
                 raise InputError(f"{self.source}: {name} must be one-dimensional, got shape {a.shape}")
-            if a.size and not np.issubdtype(a.dtype, np.integer):
-                if not np.issubdtype(a.dtype, np.floating) or not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
-                    bad = _first_bad(a, lambda x: not float(x).is_integer())
-                    raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]!r} is not an integer")
+            if (
+                a.size
+                and not np.issubdtype(a.dtype, np.integer)
+                and (not np.issubdtype(a.dtype, np.floating) or not np.all(np.isfinite(a)) or np.any(a != np.round(a)))
+            ):
+                bad = _first_bad(a, lambda x: not float(x).is_integer())
+                raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]!r} is not an integer")
             if a.size and (a.min() < 0 or a.max() > MAX_SAMPLE_LENGTH):
                 bad = int(np.argmax((a < 0) | (a > MAX_SAMPLE_LENGTH)))
                 what = "is negative" if a[bad] < 0 else f"is over {MAX_SAMPLE_LENGTH:,}, the most one sample may have"

@@ -220,10 +220,7 @@ def packing_from_groups(
     sizes = np.asarray(sizes, np.int64)
     sizes = make_divisible(sizes[sizes > 0], dp)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    if in_order:
-        steps = np.arange(sizes.size).reshape(-1, dp)
-    else:
-        steps = assign_steps(sizes.size, dp, seed=seed)
+    steps = np.arange(sizes.size).reshape(-1, dp) if in_order else assign_steps(sizes.size, dp, seed=seed)
     return Packing(order=np.asarray(order, np.int64), offsets=offsets, steps=steps, capacity=capacity, layout=layout,
                    oversized=np.asarray(oversized, np.int64), oversized_policy=policy, method=method)
 

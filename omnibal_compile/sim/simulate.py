@@ -281,15 +281,16 @@ def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_mi
             next_mb = [0] * v
             next_bmb = [0] * v
 
+            # fwd and bwd run only within this iteration, so the loop variables they read are this device's
             def fwd(k: int) -> Op:
-                c = (k // R) % v
-                next_mb[c] += 1
-                return ("F", c * D + d, next_mb[c] - 1)
+                c = (k // R) % v  # noqa: B023
+                next_mb[c] += 1  # noqa: B023
+                return ("F", c * D + d, next_mb[c] - 1)  # noqa: B023
 
             def bwd(j: int) -> Op:
-                c = v - 1 - (j // R) % v
-                next_bmb[c] += 1
-                return ("B", c * D + d, next_bmb[c] - 1)
+                c = v - 1 - (j // R) % v  # noqa: B023
+                next_bmb[c] += 1  # noqa: B023
+                return ("B", c * D + d, next_bmb[c] - 1)  # noqa: B023
 
             ops += [fwd(k) for k in range(warm)]
             for j in range(total):

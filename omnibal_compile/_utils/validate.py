@@ -128,7 +128,7 @@ def json_records(text: str, name: str, *, lines: bool, expected: str) -> list[tu
     """The records of a JSON list (``lines=False``) or of JSON Lines, each with a label for messages
     (``"NAME record I (line L)"``); ``expected`` describes a record for the error when the JSON is not a list."""
     if lines:
-        out = []
+        out: list[tuple[str, Any]] = []
         for line_no, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue

@@ -36,7 +36,7 @@ import typing
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch._functorch.config  # fake_tensor_propagate_real_tensors; not loaded by `import torch` alone
@@ -51,6 +51,11 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import CaptureError, InputError
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # transformers types **kwargs with typing_extensions' Unpack there (torch depends on typing_extensions)
+    from typing_extensions import Unpack
 
 __all__ = [
     "Captured",
@@ -184,11 +189,11 @@ def _accepted_keywords(sig: inspect.Signature) -> set[str] | None:
     names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for p in sig.parameters.values():
         if p.kind is p.VAR_KEYWORD:
-            typed = typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is typing.Unpack else None
+            typed = typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is Unpack else None
             keys = getattr(typed, "__required_keys__", None)
             if keys is None:
                 return None
-            return names | set(keys) | set(typed.__optional_keys__)
+            return names | set(keys) | set(typed.__optional_keys__)  # a TypedDict has both
     return names
 
 
@@ -228,9 +233,9 @@ def input_names(spec: pytree.TreeSpec) -> list[str]:
     for path, i in pytree.tree_flatten_with_path(tree)[0]:
         head, rest = path[0], pytree.keystr(path[2:])
         if getattr(head, "idx", 0) == 0:
-            names[i] = f"positional input #{path[1].idx}{rest}"
+            names[i] = f"positional input #{cast(pytree.SequenceKey, path[1]).idx}{rest}"
         else:
-            names[i] = f"{path[1].key}{rest}"
+            names[i] = f"{cast(pytree.MappingKey, path[1]).key}{rest}"
     return names
 
 

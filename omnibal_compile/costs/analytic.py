@@ -297,9 +297,9 @@ class _Ops:
 
     def __init__(self, spec: DeviceSpec) -> None:
         self.spec = spec
-        self.flops = 0.0
-        self.forward = 0.0
-        self.memory = 0.0
+        self.flops: np.ndarray | float = 0.0
+        self.forward: np.ndarray | float = 0.0
+        self.memory: np.ndarray | float = 0.0
 
     def _time(self, op_class: str, flops: np.ndarray | float, nbytes: np.ndarray | float) -> np.ndarray:
         # The roofline of DeviceSpec.op_time, on arrays.

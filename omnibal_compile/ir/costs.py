@@ -341,7 +341,7 @@ class CostTable:
         """Per-block table: forward/backward ms, GFLOPs, static and activation MiB per option."""
         mib = 1 / 2**20
         profiled = self.source == "profiled"
-        rows = [
+        rows: list[tuple[str, ...]] = [
             ("#", "block", "fwd ms", "bwd ms", "GFLOP", "static MiB", "act none/sel/full MiB", "recomp ms sel/full")
         ]
         if profiled:

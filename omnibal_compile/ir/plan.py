@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile._utils.validate import check_int_list, check_number, read_text
@@ -138,9 +138,10 @@ class Plan:
                     f"stage {s} is empty (boundaries {list(b)}): every stage needs at least one block; "
                     "use fewer stages or other cut points"
                 )
-        for name, values in (
+        lists: tuple[tuple[str, Sequence[object]], ...] = (
             ("block_params", self.block_params), ("block_kinds", self.block_kinds), ("recompute", self.recompute)
-        ):
+        )
+        for name, values in lists:
             if values and len(values) != n:
                 raise PlanError(f"{name} has {len(values)} entries for {n} blocks")
         bad = sorted({r for r in self.recompute if r not in RECOMPUTE_OPTIONS})
@@ -226,7 +227,12 @@ class Plan:
     @property
     def pipeline_schedule(self) -> Schedule:
         """The schedule, micro-batches and chunks per device, as one checked value."""
-        return Schedule(kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages)
+        return Schedule(kind=self.schedule, num_microbatches=self._microbatches, virtual_stages=self.virtual_stages)
+
+    @property
+    def _microbatches(self) -> int:
+        """``num_microbatches``, which ``__post_init__`` always fills in."""
+        return cast(int, self.num_microbatches)
 
     @property
     def num_devices(self) -> int:
@@ -284,7 +290,7 @@ class Plan:
         numeric = {0, 4, 5, 7, 8, 9}
         lines = [
             f"Plan by '{self.planner}': {counted(self.num_blocks, 'block')} in {counted(self.num_stages, 'stage')}, "
-            f"schedule {self.schedule}, {counted(self.num_microbatches, 'micro-batch')}",
+            f"schedule {self.schedule}, {counted(self._microbatches, 'micro-batch')}",
             format_table(rows, "".join("r" if i in numeric else "l" for i in range(len(header)))),
         ]
         if self.block_params:

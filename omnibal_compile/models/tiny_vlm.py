@@ -225,6 +225,8 @@ class DecoderLayer(nn.Module):
 
 
 class RotaryTable(nn.Module):
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, cfg: TinyVLMConfig) -> None:
         super().__init__()
         dim = cfg.llm_hidden // cfg.llm_heads

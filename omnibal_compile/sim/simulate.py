@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError, PlanError, SimulationError
@@ -476,7 +476,7 @@ def simulate(
     if microbatch_costs is not None and num_microbatches is None:
         M = len(microbatch_costs)
     else:
-        M = num_microbatches if num_microbatches is not None else plan.num_microbatches
+        M = num_microbatches if num_microbatches is not None else cast(int, plan.num_microbatches)  # filled by Plan
     S, v = plan.num_stages, plan.virtual_stages
     D = plan.num_devices
     orders = operation_order(sched, D, v, M)

@@ -192,7 +192,7 @@ class _Profile:
             return self.m(*self.inputs)
 
     def run(self, *, warmup: int, repeats: int) -> None:
-        kw = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
+        kw: dict[str, Any] = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
         self.fwd += timed_runs(self._forward, **kw)
         for _ in range(repeats):  # the selective share is timed per op: as many samples, their median kept
             records, _ = record_ops(
@@ -247,7 +247,7 @@ def _roofline_blocks(
     precision: Precision, *, progress: bool,
 ) -> tuple[list[BlockCost], str]:
     """Roofline costs of every block, each distinct block signature costed once; and the attention kernel."""
-    done: dict[tuple[str, tuple[bool, ...]], tuple[float, _Timing, dict[str, int], int, str]] = {}
+    done: dict[tuple[str, tuple[bool, ...]], tuple[float, _Timing, _Memory, str]] = {}
     records_all: list[OpRecord] = []
     blocks: list[BlockCost] = []
     for k in track(range(graph.num_blocks), f"costing blocks for {spec.name}", enabled=progress):

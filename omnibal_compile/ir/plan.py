@@ -141,9 +141,9 @@ class Plan:
         lists: tuple[tuple[str, Sequence[object]], ...] = (
             ("block_params", self.block_params), ("block_kinds", self.block_kinds), ("recompute", self.recompute)
         )
-        for name, values in lists:
-            if values and len(values) != n:
-                raise PlanError(f"{name} has {len(values)} entries for {n} blocks")
+        for name, entries in lists:
+            if entries and len(entries) != n:
+                raise PlanError(f"{name} has {len(entries)} entries for {n} blocks")
         bad = sorted({r for r in self.recompute if r not in RECOMPUTE_OPTIONS})
         if bad:
             raise PlanError(f"recompute options {bad} are unknown; use {list(RECOMPUTE_OPTIONS)}")
@@ -155,14 +155,15 @@ class Plan:
         )
         object.__setattr__(self, "num_microbatches", schedule.num_microbatches)
         _ = self.dp  # validates data_parallel and data_parallel_shard
-        for name, values in (
+        per_stage: tuple[tuple[str, Sequence[float]], ...] = (
             ("stage_time_s", self.stage_time_s),
             ("stage_memory_bytes", self.stage_memory_bytes),
             ("stage_peak_bytes", self.stage_peak_bytes),
             ("memory_budget_bytes", self.memory_budget_bytes),
-        ):
-            if values and len(values) != self.num_stages:
-                raise PlanError(f"{name} has {len(values)} entries for {self.num_stages} stages")
+        )
+        for name, entries in per_stage:
+            if entries and len(entries) != self.num_stages:
+                raise PlanError(f"{name} has {len(entries)} entries for {self.num_stages} stages")
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod

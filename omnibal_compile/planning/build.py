@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
@@ -146,7 +146,7 @@ def plan_from_solution(
     )
 
 
-def _dp_fields(dp: DataParallel) -> dict[str, object]:
+def _dp_fields(dp: DataParallel) -> dict[str, Any]:
     """The plan fields that record ``dp``."""
     return {
         "data_parallel": dp.size,

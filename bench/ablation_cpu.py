@@ -59,14 +59,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_cpu import CONFIG
 
 import omnibal_compile as oc
+from omnibal_compile.calibrate.links import effective_sizes, measure_links
+from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.data import bundled_length_files
 from omnibal_compile.ir.costs import CostTable, DataParallel, Precision
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.data import bundled_length_files
 from omnibal_compile.models import TinyVLM
-from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import measure_overhead
-from omnibal_compile.calibrate.links import effective_sizes, measure_links
 from omnibal_compile.runtime.batches import packed_source
 from omnibal_compile.runtime.launch import launch
 from omnibal_compile.runtime.settings import RunConfig
@@ -90,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per run; the first 2 are not timed (default 4)")
     p.add_argument("--packs", type=int, default=2, help="packs per dp rank per step (= micro-batches, one pack each)")
     p.add_argument("--samples-per-pack", type=int, default=4)
-    p.add_argument("--plans-only", action="store_true", help="profile and print the plans with their predicted memory, run nothing")
+    p.add_argument(
+        "--plans-only", action="store_true", help="profile and print the plans with their predicted memory, run nothing"
+    )
     p.add_argument("--layouts", default=",".join(f"{d}x{q}" for d, q in LAYOUTS),
                    help="dp x pp layouts to run, comma-separated (default all: %(default)s)")
     p.add_argument("--dp-shard", choices=("fsdp", "ddp"), default="fsdp", help="data parallelism of the dp > 1 rows")
-    p.add_argument("--keep-gathered", action="store_true", help="FSDP keeps weights gathered (no reshard after forward)")
+    p.add_argument(
+        "--keep-gathered", action="store_true", help="FSDP keeps weights gathered (no reshard after forward)"
+    )
     p.add_argument("--save", type=Path, help="write every measured and planned figure to this JSON file")
     p.add_argument("--resimulate", type=Path, help="print the table of a --save file, simulated again; run nothing")
     args = p.parse_args(argv)
@@ -306,16 +310,22 @@ def report(record: dict) -> int:
         mem_err = max((pr / m - 1 for pr, m in zip(predicted, peak)), key=abs) if peak else float("nan")
         worst_sim = max(worst_sim, abs(sim_err))
         worst_mem = max(worst_mem, abs(mem_err)) if peak else worst_mem
-        print(f"{dp} x {pp:<3}  {step:<11}  {measured:8.0f}  {measured / base:6.2f}x  {measured / prev:6.2f}x  "
-              f"{sim:9.0f}  {sim_err:+7.1%}  {busy:10.0%}  {fmt_mib(peak):>22}  {fmt_mib(predicted):>14}  {mem_err:+7.1%}")
+        print(
+            f"{dp} x {pp:<3}  {step:<11}  {measured:8.0f}  {measured / base:6.2f}x  {measured / prev:6.2f}x  "
+            f"{sim:9.0f}  {sim_err:+7.1%}  {busy:10.0%}  {fmt_mib(peak):>22}  {fmt_mib(predicted):>14}  {mem_err:+7.1%}"
+        )
         if step != "baseline":
-            verdicts.append((f"dp={dp} pp={pp} {step} >= 1.0x the step before ({measured / prev:.2f}x)", measured >= prev))
+            verdicts.append(
+                (f"dp={dp} pp={pp} {step} >= 1.0x the step before ({measured / prev:.2f}x)", measured >= prev)
+            )
     if (2, 2, "+ recompute") in by:
         full = by[2, 2, "+ recompute"][1] / by[2, 2, "baseline"][1]
         verdicts.append((f"dp=2 x pp=2 full method >= 1.8x baseline ({full:.2f}x)", full >= 1.8))
     verdicts.append((f"simulated vs measured tokens/s within 15% (worst {worst_sim:.1%})", worst_sim <= 0.15))
     verdicts.append((f"peak memory predicted vs measured within 15% (worst {worst_mem:.1%})", worst_mem <= 0.15))
-    budget_text = ", ".join(f"dp={k.split('x')[0]} pp={k.split('x')[1]}: {b / 2**20:.0f} MiB" for k, b in budgets.items())
+    budget_text = ", ".join(
+        f"dp={k.split('x')[0]} pp={k.split('x')[1]}: {b / 2**20:.0f} MiB" for k, b in budgets.items()
+    )
     print("(tokens/s: real LLM tokens, padding excluded; sim: simulator with runtime overheads; cores busy: the ranks' "
           "CPU seconds over the cores' wall seconds in the timed steps; memory: each rank's "
           "peak live tensor bytes in one step vs its stage's predicted peak (the plan's stage_peak_bytes; the bound "

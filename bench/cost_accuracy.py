@@ -18,13 +18,13 @@ import time
 
 import torch
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.costs.annotate import annotate_costs, measured_activation_bytes, measured_step_time, profile_costs
 from omnibal_compile.costs._measure import LiveStorages
+from omnibal_compile.costs.annotate import annotate_costs, measured_activation_bytes, measured_step_time, profile_costs
 from omnibal_compile.costs.shapes import BatchShape, fit_shape_model
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
 
 def unsplit_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
@@ -82,8 +82,10 @@ def main() -> None:
     for opt in RECOMPUTE_OPTIONS:
         pred = sum(b.activation_bytes[opt] for b in table.blocks)
         meas = measured_activation_bytes(graph, model, opt)
-        print(f"  {opt:<9} predicted {pred / 2**20:8.3f} MiB  measured {meas / 2**20:8.3f} MiB  ratio {pred / meas:.3f} "
-              f"(within 10%: {abs(pred / meas - 1) <= 0.10})")
+        print(
+            f"  {opt:<9} predicted {pred / 2**20:8.3f} MiB  measured {meas / 2**20:8.3f} MiB  ratio {pred / meas:.3f} "
+            f"(within 10%: {abs(pred / meas - 1) <= 0.10})"
+        )
     eager = unsplit_activation_bytes(model, batch)
     pred = sum(b.activation_bytes["none"] for b in table.blocks)
     print(f"  none vs the unsplit eager model: measured {eager / 2**20:.3f} MiB, ratio {pred / eager:.3f}")
@@ -117,7 +119,9 @@ def main() -> None:
     for t, sh in zip(measured, held):
         p = shape_model.table(sh)
         ps, ms = sum(b.forward_s + b.backward_s for b in p.blocks), sum(b.forward_s + b.backward_s for b in t.blocks)
-        print(f"  held-back {sh.as_dict()}: predicted {ps * 1e3:.2f} ms, measured {ms * 1e3:.2f} ms, ratio {ps / ms:.3f}")
+        print(
+            f"  held-back {sh.as_dict()}: predicted {ps * 1e3:.2f} ms, measured {ms * 1e3:.2f} ms, ratio {ps / ms:.3f}"
+        )
     print(f"  worst held-back step-time error {errs['step_time']:.1%} (target 15%: {errs['step_time'] <= 0.15}); "
           f"worst block {errs['worst_block_time']:.1%}")
 

@@ -20,14 +20,14 @@ import time
 
 import torch
 
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile._utils.tables import format_table
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
 from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile.planning import PROFILED_TIE_TOLERANCE
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.sim import simulate
-from omnibal_compile.planning import PROFILED_TIE_TOLERANCE
-from omnibal_compile._utils.tables import format_table
 
 MiB = 2**20
 
@@ -64,7 +64,10 @@ def main() -> None:
     print(f"reference VLM of the demo: {graph.num_blocks} blocks; 4 stages, 8 micro-batches, 1F1B, 16 MiB per device")
     print(format_table([("run", "cost s", "predicted ms", "cuts", "recompute (n/s/f per block)", "cuts, no tie-break",
                          "recompute, no tie-break", "timed", "largest spread")] + rows, "rrrlllllr"))
-    for label, chosen in ((f"with the tie-break ({PROFILED_TIE_TOLERANCE:.0%})", plans), ("without it (tolerance 0)", fastest)):
+    for label, chosen in (
+        (f"with the tie-break ({PROFILED_TIE_TOLERANCE:.0%})", plans),
+        ("without it (tolerance 0)", fastest),
+    ):
         times = [simulate(p, t).iteration_time_s for p, t in zip(chosen, tables)]
         med = statistics.median(times)
         distinct = {(p.boundaries, p.recompute) for p in chosen}

@@ -49,7 +49,9 @@ def main() -> int:
     print(format_comparison(result))
     isf_row = next(r for r in result.rows if r.method == "isf")
     t0 = time.perf_counter()
-    costed = balance_pack(stats, dp=args.dp, samples_per_pack=isf_row.samples_per_pack, seed=args.seed, cost=ShapeCost())
+    costed = balance_pack(
+        stats, dp=args.dp, samples_per_pack=isf_row.samples_per_pack, seed=args.seed, cost=ShapeCost()
+    )
     m = balance_metrics(stats, costed, seconds=time.perf_counter() - t0)
     shape = costed.capacity
     print(f"{'ours (FLOP cost)':<16} {m.samples_per_pack:>12.2f} {m.pad_ratio:>7.4f} {m.dist_vision:>9.5f} "
@@ -57,8 +59,10 @@ def main() -> int:
           f"{f'({shape.tiles}, {shape.tokens})' if shape else '':>17} {m.seconds:>7.2f}")
     ours = next(r for r in result.rows if r.method == "ours")
     ok = ours.dist_vision <= 0.01 and ours.dist_language <= 0.02
-    print(f"\ntarget ours Dist vision <= 0.01 and language <= 0.02 at ISF's {isf_row.samples_per_pack:.2f} samples/pack: "
-          f"{ours.dist_vision:.5f}, {ours.dist_language:.5f} -> {'met' if ok else 'MISSED'}")
+    print(
+        f"\ntarget ours Dist vision <= 0.01 and language <= 0.02 at ISF's {isf_row.samples_per_pack:.2f} samples/pack: "
+        f"{ours.dist_vision:.5f}, {ours.dist_language:.5f} -> {'met' if ok else 'MISSED'}"
+    )
     if args.scale:
         big = stats.resample(args.scale, seed=args.seed)
         print(f"\nscale: {len(big)} samples drawn with replacement")
@@ -71,11 +75,15 @@ def main() -> int:
         packing = balance_pack(big, dp=args.dp, samples_per_pack=found.packing.samples_per_pack(), seed=args.seed)
         ours_wall, ours_cpu = time.perf_counter() - wall, time.process_time() - cpu
         ours_m = balance_metrics(big, packing)
-        print(f"ISF search ({len(found.tried)} candidates x T=50) + packing: {isf_wall:.1f} s wall, {isf_cpu:.1f} s CPU; "
-              f"shape ({found.capacity.tiles}, {found.capacity.tokens}), {isf_m.samples_per_pack:.2f} samples/pack, "
-              f"Pad {isf_m.pad_ratio:.4f}, Dist vision {isf_m.dist_vision:.4f} language {isf_m.dist_language:.4f}")
-        print(f"ours packing: {ours_wall:.1f} s wall, {ours_cpu:.1f} s CPU; {ours_m.samples_per_pack:.2f} samples/pack, "
-              f"Pad {ours_m.pad_ratio:.4f}, Dist vision {ours_m.dist_vision:.5f} language {ours_m.dist_language:.5f}")
+        print(
+            f"ISF search ({len(found.tried)} candidates x T=50) + packing: {isf_wall:.1f} s wall, {isf_cpu:.1f} s CPU; "
+            f"shape ({found.capacity.tiles}, {found.capacity.tokens}), {isf_m.samples_per_pack:.2f} samples/pack, "
+            f"Pad {isf_m.pad_ratio:.4f}, Dist vision {isf_m.dist_vision:.4f} language {isf_m.dist_language:.4f}"
+        )
+        print(
+            f"ours packing: {ours_wall:.1f} s wall, {ours_cpu:.1f} s CPU; {ours_m.samples_per_pack:.2f} samples/pack, "
+            f"Pad {ours_m.pad_ratio:.4f}, Dist vision {ours_m.dist_vision:.5f} language {ours_m.dist_language:.5f}"
+        )
         print(f"target ISF search + packing < 30 s: {'met' if isf_wall < 30 else 'missed'} on wall clock, "
               f"{'met' if isf_cpu < 30 else 'missed'} on CPU time")
     return 0

@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draws", type=int, default=2000, help="problems to draw (default 2000)")
-    ap.add_argument("--interleaved", action="store_true", help="interleaved schedules (v in {1, 2}) against brute force")
+    ap.add_argument(
+        "--interleaved", action="store_true", help="interleaved schedules (v in {1, 2}) against brute force"
+    )
     ap.add_argument("--solver", default="auto", choices=("auto", "cbc"))
     args = ap.parse_args(argv)
     if args.draws < 1:

@@ -22,13 +22,13 @@ is noisy on a shared machine; the target is under 30 s for 256 devices).
 from __future__ import annotations
 
 import argparse
+import sys as _sys
 import time
+from pathlib import Path as _Path
 
+from omnibal_compile.costs.analytic import INTERNVL_6B_20B
 from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.planning.layout import search_layout
-from omnibal_compile.costs.analytic import INTERNVL_6B_20B
-import sys as _sys
-from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies lives in the checkout, not the wheel
 
@@ -66,8 +66,11 @@ def main() -> int:
                   f"the chosen layout takes {best / paper:.3f}x its time per sample")
             four = search_layout(costs, devices=n, global_batch=PAPER_GLOBAL_BATCH, memory_budget=budget,
                                  microbatch_sizes=(4,), device=A100_80G).best
-            print(f"with the paper's micro-batches of 4 samples kept: {four.layout.describe()}: "
-                  f"{four.time_per_unit_s * 1e3:.3f} ms per sample, {four.time_per_unit_s / paper:.3f}x the paper's layout")
+            print(
+                f"with the paper's micro-batches of 4 samples kept: {four.layout.describe()}: "
+                f"{four.time_per_unit_s * 1e3:.3f} ms per sample, {four.time_per_unit_s / paper:.3f}x the paper's "
+                "layout"
+            )
         print()
     return 0
 

@@ -131,8 +131,11 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="build the dataset here (default: a temporary folder)")
     ap.add_argument("--workers", type=int, default=None, help="the command's --workers (default: its own default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--build-only", action="store_true",
-                    help="build the images, tokenizer and datasets in --workdir and stop (a sample to try the command on)")
+    ap.add_argument(
+        "--build-only",
+        action="store_true",
+        help="build the images, tokenizer and datasets in --workdir and stop (a sample to try the command on)",
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
     if args.build_only and not args.workdir:

@@ -77,15 +77,31 @@ _RECOMPUTE_RUNTIME = "tests/test_runtime.py::test_build_pipeline_runs_each_block
 """The recompute pass applied through ``build_pipeline``, one rank in the test's process."""
 
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "problem": ("omnibal_compile/planning/problem.py", (*_SOLVER_TESTS, "tests/test_interleaved.py", "tests/test_problem.py")),
+    "problem": (
+        "omnibal_compile/planning/problem.py",
+        (*_SOLVER_TESTS, "tests/test_interleaved.py", "tests/test_problem.py"),
+    ),
     # the tie-break's frontiers with slack (dp.py's grid and near-optimal points) are run only by test_ties
-    "dp": ("omnibal_compile/planning/dp.py", (*_SOLVER_TESTS, "tests/test_ties.py", "--deselect",
-                                            "tests/test_ties.py::test_two_cost_passes_on_cpu_give_the_demo_the_same_plan")),
+    "dp": (
+        "omnibal_compile/planning/dp.py",
+        (
+            *_SOLVER_TESTS,
+            "tests/test_ties.py",
+            "--deselect",
+            "tests/test_ties.py::test_two_cost_passes_on_cpu_give_the_demo_the_same_plan",
+        ),
+    ),
     "ilp": ("omnibal_compile/planning/ilp.py", ("tests/test_ilp.py", *_SOLVER_TESTS, "tests/test_interleaved.py")),
     "interleaved": ("omnibal_compile/planning/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),
-    "baselines": ("omnibal_compile/planning/baselines.py", (*_SOLVER_TESTS, "tests/test_partition.py", "tests/test_baselines.py")),
+    "baselines": (
+        "omnibal_compile/planning/baselines.py",
+        (*_SOLVER_TESTS, "tests/test_partition.py", "tests/test_baselines.py"),
+    ),
     "explain": ("omnibal_compile/planning/explain.py", (*_SOLVER_TESTS, "tests/test_explain.py")),
-    "solver": ("omnibal_compile/planning/__init__.py", (*_SOLVER_TESTS, "tests/test_planners.py", "tests/test_interleaved.py")),
+    "solver": (
+        "omnibal_compile/planning/__init__.py",
+        (*_SOLVER_TESTS, "tests/test_planners.py", "tests/test_interleaved.py"),
+    ),
     "sampler": ("omnibal_compile/data/sampler.py", ("tests/test_data_sampler.py",)),
     "packing": ("omnibal_compile/data/packing.py", ("tests/test_data_balance.py", "tests/test_data_sampler.py")),
     "metrics": ("omnibal_compile/data/metrics.py", ("tests/test_data_balance.py",)),
@@ -445,7 +461,7 @@ def _child(request: dict, result_path: str) -> int:
         if request.get("subprocesses"):
             sub_dir = _start_subprocess_coverage(request["collect"], result_path)
     plugin = _CollectPlugin(cov)
-    log = open(result_path + ".log", "w")
+    log = open(result_path + ".log", "w")  # noqa: SIM115 -- stdout and stderr for the rest of this process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     code = int(pytest.main(_pytest_args(request["tests"]), plugins=[plugin]))
@@ -556,7 +572,9 @@ def scratch_copy() -> Path:
 def collect_coverage(server: Server, copy_root: Path, name: str) -> Coverage:
     """Run module ``name``'s tests once unmutated under coverage; stop when they do not pass."""
     path, tests = MODULES[name]
-    result = server.run(list(tests), timeout=7200, collect=str(copy_root / path), subprocesses=name in SUBPROCESS_COVERAGE)
+    result = server.run(
+        list(tests), timeout=7200, collect=str(copy_root / path), subprocesses=name in SUBPROCESS_COVERAGE
+    )
     if result["status"] != "passed":
         raise SystemExit(f"{name}: the unmutated tests do not pass ({result.get('first') or result['status']}); "
                          f"fix them first\n{result.get('log_tail', '')}")
@@ -581,7 +599,11 @@ def mutate_module(name: str, *, server: Server, copy_root: Path, max_mutants: in
     if only is not None:
         mutants = [m for m in mutants if (m.line, m.start[1], m.mutation) in only]
     if max_mutants and len(mutants) > max_mutants:
-        mutants = sorted(random.Random(seed).sample(mutants, max_mutants), key=lambda m: m.start) if sample else mutants[:max_mutants]
+        mutants = (
+            sorted(random.Random(seed).sample(mutants, max_mutants), key=lambda m: m.start)
+            if sample
+            else mutants[:max_mutants]
+        )
     started = time.monotonic()
     cov = collect_coverage(server, copy_root, name)
     stmt_of = statement_lines(original)
@@ -669,7 +691,9 @@ def write_report(reports: list[dict], out: Path, command: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--module", action="append", choices=sorted(MODULES), help="a module to mutate (repeatable; default all)")
+    ap.add_argument(
+        "--module", action="append", choices=sorted(MODULES), help="a module to mutate (repeatable; default all)"
+    )
     ap.add_argument("--max-mutants", type=int, default=0, metavar="N", help="at most N mutants per module (0: all)")
     ap.add_argument("--sample", action="store_true", help="a random subset of --max-mutants sites, not the first ones")
     ap.add_argument("--seed", type=int, default=0, help="seed of --sample")

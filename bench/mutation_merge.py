@@ -40,7 +40,9 @@ def main(argv: list[str]) -> int:
         kind = "killed" if st in ("killed", "timeout") else st if st in ("equivalent", "never run") else "not killed"
         counts[kind] += 1
         if kind in listed:
-            listed[kind].append(f"- {path}:{m.line}:{m.start[1]}  {m.mutation}  in `{m.source_line}`  -- {st} ({report})")
+            listed[kind].append(
+                f"- {path}:{m.line}:{m.start[1]}  {m.mutation}  in `{m.source_line}`  -- {st} ({report})"
+            )
     ran = len(current) - counts["never run"]
     live = ran - counts["equivalent"]
     print(f"{module}: {len(current)} mutants in the current source, {ran} run: {counts['equivalent']} equivalent, "

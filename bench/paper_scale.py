@@ -27,14 +27,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import sys as _sys
 import time
+from pathlib import Path as _Path
 
 import numpy as np
 
-from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, bundled_length_files, load_lengths
 from omnibal_compile.costs.analytic import INTERNVL_6B_20B, INTERNVL_6B_34B, LLAVA15_13B
-import sys as _sys
-from pathlib import Path as _Path
+from omnibal_compile.data import INTERNVL_TOKENS_PER_TILE, LengthStats, bundled_length_files, load_lengths
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies lives in the checkout, not the wheel
 
@@ -85,22 +85,29 @@ def llava_lengths(stats: LengthStats) -> LengthStats:
     """InternVL-unit statistics (256 tokens per tile) as LLaVA-1.5 sees the samples: one 576-token image at most."""
     images = (stats.image_flags > 0).astype(np.int64)
     tokens = stats.tokens - INTERNVL_TOKENS_PER_TILE * stats.image_flags + 576 * images
-    return LengthStats(tiles=images, tokens=np.maximum(tokens, 1), image_flags=images, source=f"{stats.source} as LLaVA-1.5")
+    return LengthStats(
+        tiles=images, tokens=np.maximum(tokens, 1), image_flags=images, source=f"{stats.source} as LLaVA-1.5"
+    )
 
 
 def setups_for(setup: Setup, batches) -> dict[str, Setup]:
-    """The baseline splits' layouts: ``setup`` for uniform and parameter-balanced, the smallest fitting one for ViT-first."""
+    """The baseline splits' layouts: ``setup`` for uniform and parameter-balanced, the smallest fitting one for
+    ViT-first."""
     vit = vit_first_setup(setup, batches["length-grouped"])
     return {"uniform": setup, "parameters": setup, "vit-first": vit or setup}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=1_200_000, help="samples per epoch, drawn from the bundled statistics")
+    ap.add_argument(
+        "--samples", type=int, default=1_200_000, help="samples per epoch, drawn from the bundled statistics"
+    )
     ap.add_argument("--quick", action="store_true", help="200k samples instead of 1.2M")
     ap.add_argument("--tiles", choices=("internvl-1.5", "as-is"), default="internvl-1.5",
                     help="re-tile the statistics to InternVL-1.5's limits (default) or keep them")
-    ap.add_argument("--ilp-time-limit", type=float, default=5.0, help="seconds per ILP solve (warm-started at the DP optimum)")
+    ap.add_argument(
+        "--ilp-time-limit", type=float, default=5.0, help="seconds per ILP solve (warm-started at the DP optimum)"
+    )
     ap.add_argument("--no-sensitivity", action="store_true", help="main configurations only")
     ap.add_argument("--no-compiled", action="store_true", help="skip the rows on compiler-produced cost tables")
     ap.add_argument("--seed", type=int, default=0)
@@ -122,8 +129,14 @@ def main() -> int:
     def batches_for(data: LengthStats, setup: Setup, tag: str) -> dict:
         key = (setup.per_step, tag + setup.model.name)
         if key not in cache:
-            cache[key] = make_batches(data, per_step=setup.per_step, samples_per_microbatch=setup.samples_per_microbatch,
-                                      cost=pack_cost(setup.model), seed=args.seed, isf_search_samples=20_000)
+            cache[key] = make_batches(
+                data,
+                per_step=setup.per_step,
+                samples_per_microbatch=setup.samples_per_microbatch,
+                cost=pack_cost(setup.model),
+                seed=args.seed,
+                isf_search_samples=20_000,
+            )
         return cache[key]
 
     def compiled_batches_for(data: LengthStats, setup: Setup, tag: str) -> dict:
@@ -143,7 +156,9 @@ def main() -> int:
             steps[0] += len(ours) - 1
             steps[1] += sum(b < a * (1 - 0.01) for a, b in zip(ours, ours[1:]))
             if not all(b <= a * (1 + 1e-9) for a, b in zip(ours, ours[1:])):
-                failures.append(f"{tag} {setup.model.name} {split} ({setup.cost_source}): our chain {[round(x, 3) for x in ours]}")
+                failures.append(
+                    f"{tag} {setup.model.name} {split} ({setup.cost_source}): our chain {[round(x, 3) for x in ours]}"
+                )
         return rows
 
     compiled_summary: list[tuple] = []
@@ -168,7 +183,9 @@ def main() -> int:
         for split in SPLITS:
             a, c = chain_ratios(analytic, split, "ours"), chain_ratios(rows, split, "ours")
             pa, pc = chain_ratios(analytic, split, "paper"), chain_ratios(rows, split, "paper")
-            compiled_summary.append((setup.model.name, split, f"{pa[-1]:.3f}", f"{pc[-1]:.3f}", f"{a[-1]:.3f}", f"{c[-1]:.3f}"))
+            compiled_summary.append(
+                (setup.model.name, split, f"{pa[-1]:.3f}", f"{pc[-1]:.3f}", f"{a[-1]:.3f}", f"{c[-1]:.3f}")
+            )
         print(f"elapsed {time.perf_counter() - start:.0f} s\n")
 
     base = {"internvl-6b-20b": Setup(model=INTERNVL_6B_20B, pp=8, dp=16, ilp_time_limit=args.ilp_time_limit),
@@ -207,8 +224,12 @@ def main() -> int:
         setup = base["internvl-6b-20b"]
         variants = [
             ("as assumed above", stats, setup, "main"),
-            ("statistics as measured (<= 5 tiles)", raw if args.tiles == "internvl-1.5" else retile_internvl15(raw), setup,
-             "other-tiles"),
+            (
+                "statistics as measured (<= 5 tiles)",
+                raw if args.tiles == "internvl-1.5" else retile_internvl15(raw),
+                setup,
+                "other-tiles",
+            ),
             ("no data-parallel collectives", stats, dataclasses.replace(setup, dp_comm=False), "main"),
             ("ZeRO-3 (weights gathered per op)", stats, dataclasses.replace(setup, dp_shard="fsdp"), "main"),
             ("budget 80% of 80 GiB", stats, dataclasses.replace(setup, memory_fraction=0.8), "main"),
@@ -222,13 +243,23 @@ def main() -> int:
             for split in SPLITS:
                 b = next(r for r in rows if r.split == split and r.chain == "baseline")
                 p, o = chain_ratios(rows, split, "paper"), chain_ratios(rows, split, "ours")
-                lines.append((label if split == SPLITS[0] else "", split + (f" ({b.setup.layout()})" if split == "vit-first" else ""),
-                              f"{b.gpu_days:.2f}", *(f"{x:.3f}" for x in p[1:]), *(f"{x:.3f}" for x in o[1:])))
+                lines.append(
+                    (
+                        label if split == SPLITS[0] else "",
+                        split + (f" ({b.setup.layout()})" if split == "vit-first" else ""),
+                        f"{b.gpu_days:.2f}",
+                        *(f"{x:.3f}" for x in p[1:]),
+                        *(f"{x:.3f}" for x in o[1:]),
+                    )
+                )
         print(format_table(lines, "llrrrrrrr"))
         print(f"paper: +data {51.9 / 61.8:.3f}, +model {29.0 / 61.8:.3f}, +memory {21.3 / 61.8:.3f}\n")
-    print(f"our chain never slower than its step before in every configuration: "
-          f"{'yes' if not failures else 'NO: ' + '; '.join(failures)} ({steps[1]} of {steps[0]} steps at least 1% faster; "
-          "the others gain less, e.g. where the baseline split already was the ILP's)")
+    print(
+        f"our chain never slower than its step before in every configuration: "
+        f"{'yes' if not failures else 'NO: ' + '; '.join(failures)} ({steps[1]} of {steps[0]} steps at least 1% "
+        "faster; "
+        "the others gain less, e.g. where the baseline split already was the ILP's)"
+    )
     print(f"total {time.perf_counter() - start:.0f} s wall")
     return 1 if failures else 0
 

@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 
 import omnibal_compile as oc
-from omnibal_compile.ir.costs import CostTable
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-from omnibal_compile.planning import build as partition
 from omnibal_compile.compile.blocks import BlockGraph
 from omnibal_compile.costs.annotate import annotate_costs
-from omnibal_compile.planning.build import min_max_partition
+from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.planning import PLANNERS
+from omnibal_compile.planning import build as partition
+from omnibal_compile.planning.build import min_max_partition
 from omnibal_compile.runtime.launch import launch
 from omnibal_compile.runtime.settings import RunConfig
 
@@ -80,14 +80,21 @@ def make_plans(
         if name == "measured":
             plans[name] = measured_planner(costs, graph, stages)
         else:
-            plans[name] = partition.plan_with_costs(costs, num_stages=stages, num_microbatches=microbatches, planner=name)
+            plans[name] = partition.plan_with_costs(
+                costs, num_stages=stages, num_microbatches=microbatches, planner=name
+            )
     return plans
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = ["ilp", "measured", "uniform", "parameters"]
-    p.add_argument("--planners", nargs="+", default=default, help=f"default: {' '.join(default)}; the first is the baseline of the ratios")
+    p.add_argument(
+        "--planners",
+        nargs="+",
+        default=default,
+        help=f"default: {' '.join(default)}; the first is the baseline of the ratios",
+    )
     p.add_argument("--steps", type=int, default=10, help="training steps per plan (the first 2 are not timed)")
     p.add_argument("--repeats", type=int, default=1, help="run every plan this many times, interleaved")
     p.add_argument("--batch", type=int, default=8, help="samples per step")
@@ -116,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for name, plan in plans.items():
                 path = Path(tmp) / f"{name}.json"
-                plan = dataclasses.replace(plan, schedule=args.schedule, num_microbatches=args.microbatches, virtual_stages=1)
+                plan = dataclasses.replace(
+                    plan, schedule=args.schedule, num_microbatches=args.microbatches, virtual_stages=1
+                )
                 path.write_text(plan.to_json())
                 config = RunConfig(
                     plan=str(path), model="tinyvlm", model_config=dataclasses.asdict(CONFIG), batch_size=args.batch,
@@ -137,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     base = args.planners[0]
     med = {n: statistics.median(t) for n, t in times.items()}
     low = {n: min(t) for n, t in times.items()}
-    print(f"\nstep time on 2 CPU ranks ({args.schedule}, {args.microbatches} micro-batches of {args.batch // args.microbatches} "
-          f"samples x {args.tiles} tiles + {args.text} text tokens), {len(times[base])} timed steps per plan:")
+    print(
+        f"\nstep time on 2 CPU ranks ({args.schedule}, {args.microbatches} micro-batches of "
+        f"{args.batch // args.microbatches} "
+        f"samples x {args.tiles} tiles + {args.text} text tokens), {len(times[base])} timed steps per plan:"
+    )
     print(f"  {'plan':>10}  {'median ms':>9}  {'min ms':>8}  {'median ratio':>12}  {'min ratio':>9}  cut before block")
     for name in plans:
         cuts = plans[name].boundaries[1:-1]

@@ -69,7 +69,9 @@ def analytic_spec(name: str, kernels: str):
     llm = an.LLMSpec(name=name + "-llm", layers=t["layers"], width=t["width"], mlp=t["mlp"], heads=t["heads"],
                      kv_heads=t["kv_heads"], vocab=t["vocab"])
     proj = an.ProjectorSpec(in_width=v["width"], hidden=t["width"], out_width=t["width"], norm=False)
-    return an.VLMSpec(name=name, vision=vision, projector=proj, llm=llm, image_tokens_per_tile=grid * grid, kernels=kernels)
+    return an.VLMSpec(
+        name=name, vision=vision, projector=proj, llm=llm, image_tokens_per_tile=grid * grid, kernels=kernels
+    )
 
 
 def block_type(name: str, after_head: bool) -> str:
@@ -165,7 +167,8 @@ def _ratio(a: float, b: float) -> str:
 def report(r: dict) -> str:
     t = r["timings"]
     lines = [
-        f"== {r['name']}: {r['blocks']} blocks, {r['tokens']} LLM tokens per micro-batch (1 image), {DEVICE}, budget {BUDGET}",
+        f"== {r['name']}: {r['blocks']} blocks, {r['tokens']} LLM tokens per micro-batch (1 image), {DEVICE}, budget "
+        f"{BUDGET}",
         f"build {r['build_s']:.1f} s | capture {t.get('capture', 0):.1f} s | blocks {t.get('blocks', 0):.1f} s | "
         f"cost {t.get('cost', 0):.1f} s | plan {t.get('plan', 0):.1f} s | codegen {t.get('codegen', 0):.1f} s | "
         f"total {r['build_s'] + sum(t.values()):.1f} s wall, {r['cpu_s']:.1f} s CPU (incl. imports) | "
@@ -183,7 +186,8 @@ def report(r: dict) -> str:
             continue
         e, f = r["analytic"]["eager"][kind], r["analytic"]["fused"][kind]
         lines.append(
-            f"{kind:<13} {c['flops'] / 1e9:10.1f} {_ratio(c['flops'], e['flops']):>7} {_ratio(c['flops'], f['flops']):>7} "
+            f"{kind:<13} {c['flops'] / 1e9:10.1f} {_ratio(c['flops'], e['flops']):>7} "
+            f"{_ratio(c['flops'], f['flops']):>7} "
             f"{c['none'] / MIB:13.2f} {_ratio(c['none'], e['none']):>7} {_ratio(c['none'], f['none']):>7} "
             f"{_ratio(c['selective'], e['selective']):>10} {_ratio(c['full'], e['full']):>11}  {NAMED[kind]}"
         )

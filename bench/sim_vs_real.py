@@ -5,8 +5,8 @@ the micro-batch shape (one thread, as every rank uses) plus the runtime's own ov
 in the same run on a near-empty model (``omnibal_compile.runtime.measure_overhead``: time per
 forward/backward action beyond compute, and per step), and (2) trained for a few steps on N local
 ranks by the runtime; the median step time (first step dropped) is compared with the simulated
-iteration time. The errors without the overhead terms, and without core sharing, are printed too. With more ranks than cores
-(4 ranks on this 2-core machine) the simulator shares the cores among the ranks that compute at
+iteration time. The errors without the overhead terms, and without core sharing, are printed too. With more ranks
+than cores (4 ranks on this 2-core machine) the simulator shares the cores among the ranks that compute at
 once (``simulate(processors=...)``), and the overheads are fitted under the same sharing.
 
     python bench/sim_vs_real.py                  # 2 ranks, 1f1b, 4 micro-batches
@@ -26,15 +26,14 @@ from pathlib import Path
 import torch
 
 from omnibal_compile import optimize
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+from omnibal_compile.planning import PLANNERS
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import fit_overhead, measure_overhead
 from omnibal_compile.runtime.launch import launch
 from omnibal_compile.runtime.settings import RunConfig
 from omnibal_compile.sim import simulate
-from omnibal_compile.planning import PLANNERS
-
 
 
 def main() -> int:
@@ -102,13 +101,18 @@ def main() -> int:
                 rows.append((ranks, name, list(plan.boundaries), sim.iteration_time_s, measured, err,
                              raw.iteration_time_s / measured - 1, unshared.iteration_time_s / measured - 1))
                 q = statistics.quantiles(steps[name], n=4) if len(steps[name]) > 1 else [measured] * 3
-                print(f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
-                      f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms (quartiles "
-                      f"{q[0] * 1e3:.0f}-{q[2] * 1e3:.0f} ms over {len(steps[name])} steps), error {err:+.1%}", flush=True)
+                print(
+                    f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
+                    f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms (quartiles "
+                    f"{q[0] * 1e3:.0f}-{q[2] * 1e3:.0f} ms over {len(steps[name])} steps), error {err:+.1%}",
+                    flush=True,
+                )
     print(f"\n{'ranks':>5}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  {'error':>7}  "
           f"{'without overhead':>16}  {'core per rank':>13}")
     for ranks, name, _, s, m, e, e_raw, e_own in rows:
-        print(f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}  {e_own:>+13.1%}")
+        print(
+            f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}  {e_own:>+13.1%}"
+        )
     print(f"(simulated with the ranks sharing {procs or 'one core each of'} cores; 'core per rank': the same "
           "overhead runs and costs simulated as if every rank had a core of its own)")
     worst = max(abs(r[5]) for r in rows)

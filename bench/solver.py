@@ -91,7 +91,10 @@ def part1(cold: bool = False) -> None:
 
 
 def part1_interleaved(time_limit: float) -> None:
-    print(f"\n== the same blocks, interleaved 1F1B: 4 devices x 2 chunks, 16 micro-batches (ILP time limit {time_limit:.0f} s) ==")
+    print(
+        "\n== the same blocks, interleaved 1F1B: 4 devices x 2 chunks, 16 micro-batches (ILP time limit "
+        f"{time_limit:.0f} s) =="
+    )
     for budget in (None, 100 * GiB):
         base = internvl_like(None)
         P = dataclasses.replace(
@@ -104,7 +107,9 @@ def part1_interleaved(time_limit: float) -> None:
         ratios = [f"DP incumbent {start.iteration_time / ilp.iteration_time:.3f} ({start.solve_seconds:.2f} s)"]
         for name, fn in BASELINES.items():
             b = fn(P)
-            ratios.append(f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}")
+            ratios.append(
+                f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}"
+            )
         print(f"{label:>15}: ILP {time.perf_counter() - t0:.2f} s [{ilp.status}]; "
               f"{sum(r != 'none' for r in ilp.recompute)} blocks recomputed")
         print(f"{'':>15}  iteration time / ILP: " + ", ".join(ratios))
@@ -112,9 +117,9 @@ def part1_interleaved(time_limit: float) -> None:
 
 def paper_scale_interleaved() -> None:
     """InternVL-Chat 6+34B as analytic blocks on A100 rooflines, 16 devices x 2 chunks (the issue's target)."""
-    from omnibal_compile.ir.costs import Precision
-    from omnibal_compile.costs.devices import A100_80G
     from omnibal_compile.costs.analytic import INTERNVL_6B_34B, MicroBatch, cost_table
+    from omnibal_compile.costs.devices import A100_80G
+    from omnibal_compile.ir.costs import Precision
     from omnibal_compile.planning import problem_from_costs
 
     # One packed micro-batch of 4 samples: 16 tiles (256 LLM tokens each) + 512 text tokens; dp = 8
@@ -133,7 +138,9 @@ def paper_scale_interleaved() -> None:
         ratios = [f"DP incumbent {start.iteration_time / ilp.iteration_time:.3f}"]
         for name, fn in BASELINES.items():
             b = fn(P)
-            ratios.append(f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}")
+            ratios.append(
+                f"{name} {b.iteration_time / ilp.iteration_time:.3f}{'' if b.feasible else ' (does not fit!)'}"
+            )
         label = "no budget" if budget is None else f"budget {budget / GiB:.0f} GiB"
         bound = ilp.extra.get("lower_bound")
         proven = ilp.gap if ilp.gap is not None else float("nan")
@@ -151,8 +158,8 @@ def part2(quick: bool) -> None:
 
     import omnibal_compile as oc
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-    from omnibal_compile.planning.build import plan_with_costs
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.build import plan_with_costs
 
     print("\n== reference VLM, profiled CPU costs: bottleneck stage time / lower bound ==")
     torch.manual_seed(0)

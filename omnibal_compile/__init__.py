@@ -71,6 +71,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from omnibal_compile.api import OptimizeResult, ParityReport, optimize
     from omnibal_compile.compile.codegen import StageInfo, stage_info
-    from omnibal_compile.ir.plan import Plan, StagePlan
     from omnibal_compile.costs import devices
+    from omnibal_compile.ir.plan import Plan, StagePlan
     from omnibal_compile.sim import SimResult, simulate

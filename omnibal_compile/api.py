@@ -15,18 +15,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.ir.costs import (
-    BF16_ADAM,
-    DEFAULT_DP_SHARD,
-    RECOMPUTE_OPTIONS,
-    CostTable,
-    DataParallel,
-    Precision,
-)
-from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
-from omnibal_compile.costs.devices import DeviceSpec
-from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
-from omnibal_compile.models.examples import ExampleInputs, describe_batch, example_inputs_for
+from omnibal_compile._utils.units import parse_size
+from omnibal_compile._utils.validate import check_choice, check_number, read_text
 from omnibal_compile.compile.blocks import BlockGraph, build_blocks
 from omnibal_compile.compile.capture import (
     Captured,
@@ -40,15 +30,25 @@ from omnibal_compile.compile.capture import (
 )
 from omnibal_compile.compile.codegen import StageInfo, generate_stages, run_stages, stage_info
 from omnibal_compile.costs.annotate import annotate_costs
-from omnibal_compile.planning.build import Planner, check_costs, check_num_stages, plan_stages
+from omnibal_compile.costs.devices import DeviceSpec
+from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
+from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
+from omnibal_compile.ir.costs import (
+    BF16_ADAM,
+    DEFAULT_DP_SHARD,
+    RECOMPUTE_OPTIONS,
+    CostTable,
+    DataParallel,
+    Precision,
+)
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile._utils.units import parse_size
-from omnibal_compile._utils.validate import check_choice, check_number, read_text
+from omnibal_compile.models.examples import ExampleInputs, describe_batch, example_inputs_for
+from omnibal_compile.planning.build import Planner, check_costs, check_num_stages, plan_stages
 
 if TYPE_CHECKING:  # the kernel pass imports Triton glue; load it only when kernels= is asked for
-    from omnibal_compile.planning.layout import LayoutSearch
     from omnibal_compile.compile.fuse import KernelReport
+    from omnibal_compile.planning.layout import LayoutSearch
 
 __all__ = ["optimize", "compile_for_microbatches", "OptimizeResult", "ParityReport", "PassError"]
 

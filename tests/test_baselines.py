@@ -53,11 +53,15 @@ def test_omnibal_searches_around_the_anchor():
     # anchor (0, 1, 5) for times 6, 1, 1, 1, 1 (target 5): spread 5; the search finds (0, 1, 5) at best too,
     # while times 2, 2, 2, 2, 2, 2 with S = 2 anchor at 3 (spread 0)
     assert omnibal(prob([2.0] * 6)).boundaries == (0, 3, 6)
-    P = prob([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0])  # target 6: the greedy cuts at 6 (5 + 0.5 ... ) and the search moves it
+    P = prob(
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0]
+    )  # target 6: the greedy cuts at 6 (5 + 0.5 ... ) and the search moves it
     anchor = omnibal(P, max_candidates=1).boundaries
     best = omnibal(P).boundaries
     spread = lambda b: abs(sum(P.time[i][0] for i in range(b[0], b[1])) - sum(P.time[i][0] for i in range(b[1], b[2])))  # noqa: E731
-    assert spread(best) <= spread(anchor) and spread(best) == min(spread((0, c, 8)) for c in range(max(1, anchor[1] - 2), min(8, anchor[1] + 3)))
+    assert spread(best) <= spread(anchor) and spread(best) == min(
+        spread((0, c, 8)) for c in range(max(1, anchor[1] - 2), min(8, anchor[1] + 3))
+    )
 
 
 def test_baselines_pick_recomputation_for_the_whole_model_and_omnibal_per_stage():
@@ -92,7 +96,12 @@ def test_split_helpers_refuse_impossible_stage_counts():
             min_max_partition([1.0, 2.0, 3.0], bad)
         with pytest.raises(PlanError):
             uniform_boundaries(("layer",) * 3, bad)
-    assert min_max_partition([1.0, 2.0, 3.0], 1)[0] == [0, 3] and list(uniform_boundaries(("layer",) * 3, 3)) == [0, 1, 2, 3]
+    assert min_max_partition([1.0, 2.0, 3.0], 1)[0] == [0, 3] and list(uniform_boundaries(("layer",) * 3, 3)) == [
+        0,
+        1,
+        2,
+        3,
+    ]
 
 
 def test_omnibal_ties_keep_the_first_candidate():

@@ -25,8 +25,10 @@ def test_a_mismatch_is_printed_and_fails_the_run(ilp_cold, capsys, monkeypatch):
     from omnibal_compile.planning import ilp
 
     real = ilp.solve_ilp
-    monkeypatch.setattr("omnibal_compile.planning.solve_ilp",
-                        lambda P, **kw: dataclasses.replace(real(P, **kw), iteration_time=real(P, **kw).iteration_time * 1.01))
+    monkeypatch.setattr(
+        "omnibal_compile.planning.solve_ilp",
+        lambda P, **kw: dataclasses.replace(real(P, **kw), iteration_time=real(P, **kw).iteration_time * 1.01),
+    )
     assert ilp_cold.main(["--draws", "5"]) == 1
     out = capsys.readouterr().out
     assert out.count("MISMATCH") == 5 and "5 where the cold ILP (auto) differs" in out

@@ -42,7 +42,9 @@ def test_skip_tensors_cross_many_cuts(vlm_graph):
         crossing = {v.name for v in vlm_graph.crossing(cut)}
         assert {"labels", "cos", "sin"} <= crossing, crossing  # labels, rotary tables
         # the attention mask is built once and read by every layer
-        assert any(v.shape is not None and len(v.shape) == 4 and v.dtype == "torch.bool" for v in vlm_graph.crossing(cut))
+        assert any(
+            v.shape is not None and len(v.shape) == 4 and v.dtype == "torch.bool" for v in vlm_graph.crossing(cut)
+        )
 
 
 def test_crossing_values_are_consistent(vlm_graph):

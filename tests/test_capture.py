@@ -35,7 +35,9 @@ def test_example_inputs_that_do_not_match_the_model(vlm):
     model, batch = vlm
     with pytest.raises(InputError, match="do not match TinyVLM.forward"):
         capture(model, {"pixel_values": batch["pixel_values"]})
-    with pytest.raises(InputError, match="example input .images. is not an input of TinyVLM.forward; it accepts pixel_values"):
+    with pytest.raises(
+        InputError, match="example input .images. is not an input of TinyVLM.forward; it accepts pixel_values"
+    ):
         capture(model, {**batch, "images": batch["pixel_values"]})
     with pytest.raises(InputError, match="example_inputs must be"):
         capture(model, 3)
@@ -166,8 +168,15 @@ def test_use_cache_is_turned_off_for_capture_and_said_once():
     tf = pytest.importorskip("transformers")
     import omnibal_compile.compile.capture as capture_module
 
-    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=32)
+    cfg = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     assert cfg.use_cache  # the default a user gets
     model = tf.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -184,7 +193,9 @@ def test_use_cache_is_turned_off_for_capture_and_said_once():
 def test_misspelled_keywords_list_the_accepted_ones(tiny_llava, vlm):
     model, batch = tiny_llava
     bad = {**{k: v for k, v in batch.items() if k != "pixel_values"}, "pixel_value": batch["pixel_values"]}
-    with pytest.raises(InputError, match=r"'pixel_value' is not an input of .*did you mean 'pixel_values'.*accepts input_ids"):
+    with pytest.raises(
+        InputError, match=r"'pixel_value' is not an input of .*did you mean 'pixel_values'.*accepts input_ids"
+    ):
         capture(model, bad)  # HF forward takes **kwargs: without the check the image would be dropped silently
     model, batch = vlm
     result = oc.optimize(model, batch, num_stages=2)

@@ -46,7 +46,9 @@ def test_console_script_entry_point():
         pytest.skip("omnibal_compile is not installed (pip install -e .): there is no console script to run")
     (entry,) = [e for e in dist.entry_points if e.group == "console_scripts" and e.name == "omnibal-compile"]
     assert entry.value == "omnibal_compile.cli:main"
-    script = shutil.which("omnibal-compile", path=os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")]))
+    script = shutil.which(
+        "omnibal-compile", path=os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+    )
     assert script is not None, "the omnibal-compile script is not on PATH nor in this interpreter's scripts folder"
     proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "demo" in proc.stdout, proc.stderr

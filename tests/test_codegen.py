@@ -111,7 +111,9 @@ def test_bad_requests(vlm):
         oc.optimize(model, batch, num_stages=2, planner="magic")
     with pytest.raises(oc.InputError, match="do not match"):
         oc.optimize(model, {"input_ids": batch["input_ids"]}, num_stages=2)
-    with pytest.raises(oc.InputError, match="2 positional inputs instead of 0; missing .pixel_values.*Accepted inputs: pixel_values"):
+    with pytest.raises(
+        oc.InputError, match="2 positional inputs instead of 0; missing .pixel_values.*Accepted inputs: pixel_values"
+    ):
         oc.optimize(model, batch, num_stages=2).run(batch["pixel_values"], batch["input_ids"])
 
 

@@ -17,22 +17,22 @@ from conftest import SMALL_VLM
 from torch import nn
 
 import omnibal_compile as oc
-from omnibal_compile.ir.costs import BF16_ADAM, FP32_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
-from omnibal_compile.costs.devices import A100_80G
-from omnibal_compile.errors import InputError
-from omnibal_compile.models import make_example_batch
-from omnibal_compile.costs import annotate as cost_mod
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
+from omnibal_compile.compile.recompute_policy import with_recompute
+from omnibal_compile.costs import annotate as cost_mod
+from omnibal_compile.costs._measure import LiveStorages, count_flops
 from omnibal_compile.costs.annotate import (
     annotate_costs,
     measured_activation_bytes,
     measured_step_time,
     profile_costs,
 )
-from omnibal_compile.costs._measure import LiveStorages, count_flops
+from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.costs.shapes import BatchShape, fit_shape_costs, fit_shape_model
-from omnibal_compile.compile.recompute_policy import with_recompute
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BF16_ADAM, FP32_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
+from omnibal_compile.models import make_example_batch
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +254,9 @@ def _synthetic(shape: BatchShape, tpt: int) -> CostTable:
 
 def test_shape_model_recovers_exact_costs():
     tpt = 16
-    shapes = [BatchShape(tiles=t, text_tokens=x, sequences=2) for t, x in ((2, 64), (6, 64), (2, 256), (6, 256), (4, 128))]
+    shapes = [
+        BatchShape(tiles=t, text_tokens=x, sequences=2) for t, x in ((2, 64), (6, 64), (2, 256), (6, 256), (4, 128))
+    ]
     model = fit_shape_model([_synthetic(s, tpt) for s in shapes], shapes, tokens_per_tile=tpt)
     assert model.fit_error < 1e-6
     new = BatchShape(tiles=8, text_tokens=300, sequences=2)
@@ -274,9 +276,14 @@ def test_shape_model_on_reference_vlm(vlm):
         return make_example_batch(SMALL_VLM, batch=s.sequences, tiles_per_sample=s.tiles // s.sequences,
                                   text_tokens=s.text_tokens // s.sequences)
 
-    fit = [BatchShape(tiles=2 * t, text_tokens=2 * x, sequences=2) for t, x in ((1, 16), (3, 16), (1, 64), (3, 64), (2, 40))]
+    fit = [
+        BatchShape(tiles=2 * t, text_tokens=2 * x, sequences=2)
+        for t, x in ((1, 16), (3, 16), (1, 64), (3, 64), (2, 40))
+    ]
     held = [BatchShape(tiles=4, text_tokens=64, sequences=2)]
-    shape_model, tables = fit_shape_costs(model, make, fit, tokens_per_tile=SMALL_VLM.tokens_per_tile, repeats=2, clock="thread")
+    shape_model, tables = fit_shape_costs(
+        model, make, fit, tokens_per_tile=SMALL_VLM.tokens_per_tile, repeats=2, clock="thread"
+    )
     assert [t.batch_shape for t in tables] == [s.as_dict() for s in fit]
     measured = [profile_costs(model, make(held[0]), repeats=2, clock="thread")]
     errors = shape_model.errors(measured[:1], held)

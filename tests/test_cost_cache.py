@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from omnibal_compile.errors import InputError
 from omnibal_compile.costs._cache import CACHE_FORMAT, CACHE_KIND, read_cache, store_in_cache
+from omnibal_compile.errors import InputError
 
 # Each writer process stores its own keys one by one, all writers released at the same moment.
 _WRITER = """

@@ -338,7 +338,10 @@ def test_groups_steps_and_baselines_by_hand() -> None:
     # a modality's tail of exactly dp samples is a mega-batch of its own: 2 image samples, 2 text-only, dp 2
     p = length_grouped_batches(s, dp=2, batch_size=2, seed=0)
     assert sorted(sorted(int(x) for x in p.pack(k)) for k in range(p.num_packs)) == [[0], [1], [2], [3]]
-    assert {frozenset(int(p.pack(int(k))[0]) for k in step) for step in p.steps} == {frozenset({0, 2}), frozenset({1, 3})}
+    assert {frozenset(int(p.pack(int(k))[0]) for k in step) for step in p.steps} == {
+        frozenset({0, 2}),
+        frozenset({1, 3}),
+    }
 
 
 def test_baseline_defaults_tails_digests_and_truncation_by_hand() -> None:
@@ -394,6 +397,8 @@ def test_shape_model_cost_by_hand():
     })
     cost = shape_model_cost(model)  # summed: (3.5, 7, 1.75, 0.03)
     # one sample of 2 tiles and 30 tokens: text 30 - 20 = 10; pairs (30^2 + 30) / 2 = 465 -> squares 2 x 465 - 30 = 900
-    assert cost(np.array([2]), np.array([30]), np.array([465.0]))[0] == pytest.approx(3.5 + 7 * 2 + 1.75 * 10 + 0.03 * 900)
+    assert cost(np.array([2]), np.array([30]), np.array([465.0]))[0] == pytest.approx(
+        3.5 + 7 * 2 + 1.75 * 10 + 0.03 * 900
+    )
     # more image tokens than tokens: no negative text
     assert cost(np.array([5]), np.array([30]), np.array([465.0]))[0] == pytest.approx(3.5 + 7 * 5 + 0 + 0.03 * 900)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from contracts import assert_frozen_keyword_only
 import torch
 import torch.nn.functional as F
+from conftest import SMALL_VLM
+from contracts import assert_frozen_keyword_only
 
 from omnibal_compile.data import MODEL_KEYS, PackingCollator, PackShape, synthetic_sample
 from omnibal_compile.errors import InputError
 from omnibal_compile.models import TinyVLM
-
-from conftest import SMALL_VLM
 
 TPT = SMALL_VLM.tokens_per_tile
 IMG = SMALL_VLM.image_token_id

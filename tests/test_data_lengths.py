@@ -45,13 +45,19 @@ def test_image_flags_optional_defaults_to_tiles(tmp_path: Path) -> None:
         ("", ".json", ["empty"]),
         ("[]", ".json", ["empty"]),
         ('{"vit_num": 1}', ".json", ["JSON list"]),
-        ('{"vit_num": 1, "token_num": 2}\n{"vit_num": 1, "token_num": "x"}\n', ".jsonl", ["record 1", "line 2", "token_num"]),
+        (
+            '{"vit_num": 1, "token_num": 2}\n{"vit_num": 1, "token_num": "x"}\n',
+            ".jsonl",
+            ["record 1", "line 2", "token_num"],
+        ),
         ("vit_num,token_num\n1,2\n3,-4\n", ".csv", ["record 1", "line 3", "token_num", "negative"]),
         ("vit_num,tokens\n1,2\n", ".csv", ["token_num"]),
         ('[{"vit_num": 1, "token_num": 3, "image_flags": 2}]', ".json", ["record 0", "image_flags"]),
     ],
 )
-def test_malformed_input_names_file_record_and_field(tmp_path: Path, text: str, suffix: str, needles: list[str]) -> None:
+def test_malformed_input_names_file_record_and_field(
+    tmp_path: Path, text: str, suffix: str, needles: list[str]
+) -> None:
     path = tmp_path / f"bad{suffix}"
     path.write_text(text)
     with pytest.raises(InputError) as e:

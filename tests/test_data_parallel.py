@@ -60,10 +60,13 @@ def test_communication_seconds_by_hand():
 
 
 def test_collective_call_latency_by_hand():
-    """Each collective of a block with parameters pays the call latency once; dp=1 and parameter-less blocks pay none."""
+    """Each collective of a block with parameters pays the call latency once; dp=1 and parameter-less blocks pay
+    none."""
     b, bw, a = block(), 1000.0, 0.25
     fsdp = DataParallel(size=4, shard="fsdp").block_cost(b, BF16_ADAM, bw, a)
-    assert fsdp.gather_s == pytest.approx(a + 3 / 4 * 2000 / bw) and fsdp.reduce_s == pytest.approx(a + 3 / 4 * 2000 / bw)
+    assert fsdp.gather_s == pytest.approx(a + 3 / 4 * 2000 / bw) and fsdp.reduce_s == pytest.approx(
+        a + 3 / 4 * 2000 / bw
+    )
     ddp = DataParallel(size=4, shard="ddp").block_cost(b, BF16_ADAM, bw, a)
     assert ddp.reduce_s == pytest.approx(a + 2 * 3 / 4 * 2000 / bw) and ddp.gather_s == 0
     empty = dataclasses.replace(b, num_params=0, static_bytes=0)
@@ -91,7 +94,9 @@ def test_cost_table_json_keeps_its_precision():
 def test_optimize_threads_dp_into_the_plan_and_the_simulator(vlm):
     model, batch = vlm
     base = oc.optimize(model, batch, num_stages=2, device="a100-80gb", planner="dp", num_microbatches=4)
-    fsdp = oc.optimize(model, batch, num_stages=2, planner="dp", num_microbatches=4, costs=base.costs, dp=4, dp_shard="fsdp")
+    fsdp = oc.optimize(
+        model, batch, num_stages=2, planner="dp", num_microbatches=4, costs=base.costs, dp=4, dp_shard="fsdp"
+    )
     assert (fsdp.plan.data_parallel, fsdp.plan.data_parallel_shard) == (4, "fsdp")
     assert max(fsdp.plan.stage_memory_bytes) < max(base.plan.stage_memory_bytes)
     sim = oc.simulate(fsdp.plan, fsdp.costs)  # picks the layout up from the plan
@@ -112,8 +117,8 @@ def test_plan_command_takes_dp_flags():
 def test_data_parallel_collectives_use_their_own_link():
     """CostTable.dp_link_bandwidth prices gathers and reductions (planner and simulator); sends keep link_bandwidth."""
     from omnibal_compile.ir.plan import Plan
-    from omnibal_compile.sim import simulate
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.sim import simulate
 
     blocks = tuple(dataclasses.replace(block(), name=f"b{i}") for i in range(2))
     fast = CostTable(blocks=blocks, cut_bytes=(0, 500, 0), link_bandwidth=1000.0, device="x", source="roofline")
@@ -122,9 +127,13 @@ def test_data_parallel_collectives_use_their_own_link():
     dp = DataParallel(size=4, shard="ddp")
     p_fast, p_slow = (problem_from_costs(t, num_stages=2, num_microbatches=2, data_parallel=dp) for t in (fast, slow))
     assert p_slow.sync[0] == pytest.approx(10 * p_fast.sync[0]) and p_slow.cut_time == p_fast.cut_time
-    plan = Plan(block_names=("b0", "b1"), boundaries=(0, 1, 2), num_microbatches=2, data_parallel=4, data_parallel_shard="ddp")
+    plan = Plan(
+        block_names=("b0", "b1"), boundaries=(0, 1, 2), num_microbatches=2, data_parallel=4, data_parallel_shard="ddp"
+    )
     reduce_fast = 2 * 3 / 4 * 2000 / 1000.0
-    assert simulate(plan, slow).iteration_time_s - simulate(plan, fast).iteration_time_s == pytest.approx(9 * reduce_fast)
+    assert simulate(plan, slow).iteration_time_s - simulate(plan, fast).iteration_time_s == pytest.approx(
+        9 * reduce_fast
+    )
     with pytest.raises(InputError, match="dp_link_bandwidth"):
         dataclasses.replace(fast, dp_link_bandwidth=0.0)
     # CostTable.dp_link_latency_s: both pay it per block and call; DDP reduces each block once after its

@@ -31,12 +31,20 @@ def test_optimize_with_lengths_plans_on_the_balanced_shape_and_feeds_it() -> Non
     assert plan is not None and "data" in result.timings
     assert result.captured.flatten_inputs(**plan.example_batch())[1].shape == (1, plan.seq_len)
     # Feed rank 1's first two steps through the stages: the fixed shape runs and matches the model.
-    dataset = [synthetic_sample(int(v), int(t), tokens_per_tile=SMALL_VLM.tokens_per_tile,
-                                image_token_id=SMALL_VLM.image_token_id, vocab_size=SMALL_VLM.vocab_size,
-                                image_shape=(3, SMALL_VLM.image_size, SMALL_VLM.image_size),
-                                generator=torch.Generator().manual_seed(i)) for i, (v, t) in enumerate(zip(tiles, tokens))]
+    dataset = [
+        synthetic_sample(
+            int(v),
+            int(t),
+            tokens_per_tile=SMALL_VLM.tokens_per_tile,
+            image_token_id=SMALL_VLM.image_token_id,
+            vocab_size=SMALL_VLM.vocab_size,
+            image_shape=(3, SMALL_VLM.image_size, SMALL_VLM.image_size),
+            generator=torch.Generator().manual_seed(i),
+        )
+        for i, (v, t) in enumerate(zip(tiles, tokens))
+    ]
     loader = DataLoader(dataset, batch_sampler=plan.sampler(rank=1), collate_fn=plan.collator)
-    for step, batch in zip(range(2), loader):
+    for _step, batch in zip(range(2), loader):
         inputs = {k: batch[k] for k in MODEL_KEYS}
         assert inputs["pixel_values"].shape[0] == plan.shape.tiles
         assert inputs["input_ids"].shape == (1, plan.seq_len)

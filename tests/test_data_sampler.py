@@ -117,7 +117,8 @@ def test_works_as_a_dataloader_batch_sampler() -> None:
 
 
 def _hand_packer(calls: list[int], steps: list[list[int]] | None = None):
-    """Packs [0, 1], [2], [3, 4, 5], [6], [7], [8, 9], steps written by hand (default: on 2 ranks); records its seeds."""
+    """Packs [0, 1], [2], [3, 4, 5], [6], [7], [8, 9], steps written by hand (default: on 2 ranks); records its
+    seeds."""
     from omnibal_compile.data.packing import Packing
 
     def packer(seed: int) -> Packing:

@@ -6,7 +6,16 @@ import dataclasses
 
 import pytest
 
-from omnibal_compile.costs.devices import A100_80G, DEVICES, H100_80G, H200, OP_CLASSES, DeviceSpec, get_device, known_devices
+from omnibal_compile.costs.devices import (
+    A100_80G,
+    DEVICES,
+    H100_80G,
+    H200,
+    OP_CLASSES,
+    DeviceSpec,
+    get_device,
+    known_devices,
+)
 from omnibal_compile.errors import InputError
 
 
@@ -48,6 +57,8 @@ def test_bad_specs():
     with pytest.raises(InputError, match=r"\(0, 1\]"):
         dataclasses.replace(A100_80G, calibration={"matmul": 1.5, "attention": 0.5, "memory": 0.5})
     with pytest.raises(InputError, match="positive"):
-        DeviceSpec(name="x", peak_flops=0, memory_bandwidth=1, memory_bytes=1, nvlink_bandwidth=1, infiniband_bandwidth=1)
+        DeviceSpec(
+            name="x", peak_flops=0, memory_bandwidth=1, memory_bytes=1, nvlink_bandwidth=1, infiniband_bandwidth=1
+        )
     with pytest.raises(InputError, match="link"):
         A100_80G.link_bandwidth("ethernet")

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 import omnibal_compile as oc
+from omnibal_compile._utils.units import parse_size
 from omnibal_compile.cli import main
+from omnibal_compile.compile.codegen import generate_stages
 from omnibal_compile.data import BalancedBatchSampler, DataOptions, LengthStats, PackShape, load_lengths, plan_data
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.packing import MAX_PACK_TOKENS
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.compile.codegen import generate_stages
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.runtime.settings import RunConfig
 from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile._utils.units import parse_size
+from omnibal_compile.runtime.settings import RunConfig
 
 # Model facts for the data pass without a model (so the sampler tests build no torch module).
 FACTS = dict(source_tokens_per_tile=None, tokens_per_tile=4, image_token_id=63, image_shape=(3, 16, 16), vocab_size=64)

@@ -83,7 +83,9 @@ def _run(tmp_path: Path, mode: str, **kw) -> tuple[str | None, str]:
     script.write_text(_RANK)
     tag = uuid.uuid4().hex
     try:
-        run_ranks([sys.executable, str(script), mode], nproc=2, env=_tagged_env(tag), workdir=tmp_path, grace_s=1.0, **kw)
+        run_ranks(
+            [sys.executable, str(script), mode], nproc=2, env=_tagged_env(tag), workdir=tmp_path, grace_s=1.0, **kw
+        )
     except LaunchError as e:
         return str(e), tag
     return None, tag
@@ -186,7 +188,9 @@ def run_config(tmp_path_factory):
                      steps=3, optimizer="sgd", schedule="1f1b", num_microbatches=2)
 
 
-def _launch_with_fault(run_config, monkeypatch, fault: str, timeout_s: float | None = None, **changes) -> tuple[str, str]:
+def _launch_with_fault(
+    run_config, monkeypatch, fault: str, timeout_s: float | None = None, **changes
+) -> tuple[str, str]:
     from omnibal_compile.runtime.launch import launch
 
     tag = uuid.uuid4().hex

@@ -23,8 +23,8 @@ from omnibal_compile.api import OptimizeResult  # noqa: E402
 from omnibal_compile.compile.blocks import MERGED, build_blocks  # noqa: E402
 from omnibal_compile.compile.capture import capture  # noqa: E402
 from omnibal_compile.compile.codegen import generate_stages  # noqa: E402
-from omnibal_compile.planning.build import plan_stages  # noqa: E402
 from omnibal_compile.ir.schedule import Schedule  # noqa: E402
+from omnibal_compile.planning.build import plan_stages  # noqa: E402
 
 DATA_DEPENDENT = {"qwen2_vl", "qwen2_5_vl", "mistral3", "idefics3"}
 """Families whose graphs have data-dependent sizes (per-image grids or sizes, real images picked from pixels)."""
@@ -50,7 +50,9 @@ def _decoder_layers(graph) -> list[int]:
 
 
 def _result(model, captured, graph, plan) -> OptimizeResult:
-    return OptimizeResult(model=model, captured=captured, graph=graph, plan=plan, stages=generate_stages(graph, plan, model))
+    return OptimizeResult(
+        model=model, captured=captured, graph=graph, plan=plan, stages=generate_stages(graph, plan, model)
+    )
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -59,7 +61,9 @@ def test_splits_with_exact_parity(family, stages):
     llm = _decoder_layers(graph)
     assert len(llm) == H.LAYERS, f"{name}: every LLM layer must stay a block of its own"
     manual = Plan(block_names=graph.names, boundaries=(0, *llm[1:stages], graph.num_blocks), schedule="gpipe")
-    planned = plan_stages(graph, num_stages=stages, schedule=Schedule.for_stages(stages, kind="gpipe"), planner="parameters")
+    planned = plan_stages(
+        graph, num_stages=stages, schedule=Schedule.for_stages(stages, kind="gpipe"), planner="parameters"
+    )
     for plan in (manual, planned):
         report = _result(model, captured, graph, plan).check_parity(batch, tolerance=1e-5)
         assert report.ok, f"{name} {plan.boundaries}: {report}"
@@ -74,7 +78,10 @@ def test_data_dependent_sizes_take_the_example_values(family):
     for v in graph.values:  # sizes are the example's, never symbols
         if v.shape is not None:
             assert all(type(d) is int for d in v.shape)
-            assert v.nbytes == math.prod(v.shape) * torch.empty(0, dtype=getattr(torch, v.dtype.split(".")[1])).element_size()
+            assert (
+                v.nbytes
+                == math.prod(v.shape) * torch.empty(0, dtype=getattr(torch, v.dtype.split(".")[1])).element_size()
+            )
     llm = {graph.blocks[i].name for i in _decoder_layers(graph)}
     for cut in graph.refused_cuts:
         assert cut.values and all(v.data_dependent for v in cut.values)

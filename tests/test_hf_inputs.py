@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_families import build  # noqa: E402
 
 from omnibal_compile.data.collate import PackingCollator, synthetic_sample  # noqa: E402
-from omnibal_compile.integrations.hf.collate import block_ids, segment_mask  # noqa: E402
 from omnibal_compile.data.packing import PackShape  # noqa: E402
+from omnibal_compile.integrations.hf.collate import block_ids, segment_mask  # noqa: E402
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_pack_inputs  # noqa: E402
 
 TOL = 1e-5
@@ -50,8 +50,13 @@ def test_each_sample_of_a_pack_sees_what_it_sees_alone(family):
         logits = model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
     start = 0
     for (tiles, tokens), sample in zip(lengths, made):
-        alone_collator = PackingCollator(shape=PackShape(tiles=tiles, tokens=tokens), tokens_per_tile=tpt, seq_len=tokens,
-                                         image_token_id=facts["image_token_id"], image_shape=facts["image_shape"])
+        alone_collator = PackingCollator(
+            shape=PackShape(tiles=tiles, tokens=tokens),
+            tokens_per_tile=tpt,
+            seq_len=tokens,
+            image_token_id=facts["image_token_id"],
+            image_shape=facts["image_shape"],
+        )
         alone = hf_pack_inputs(model, alone_collator([sample]))
         # the model's own masking and positions: no mask, no positions given
         alone = {k: v for k, v in alone.items() if k not in ("labels", "attention_mask", "position_ids")}

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnibal_compile.integrations.hf.collate import HFPackingCollator, block_causal_mask, hf_lengths
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.labels import IGNORE_INDEX
+from omnibal_compile.errors import InputError
+from omnibal_compile.integrations.hf.collate import HFPackingCollator, block_causal_mask, hf_lengths
 
 tf = pytest.importorskip("transformers")
 
@@ -108,7 +108,11 @@ def _qwen_samples() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-FAMILIES = {"llama": (_llama, _llama_samples), "llava": (_llava, _llava_samples), "qwen2_vl": (_qwen2_vl, _qwen_samples)}
+FAMILIES = {
+    "llama": (_llama, _llama_samples),
+    "llava": (_llava, _llava_samples),
+    "qwen2_vl": (_qwen2_vl, _qwen_samples),
+}
 
 
 def _alone(collator: HFPackingCollator, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -253,7 +257,9 @@ def test_llava_placeholders_expand_as_the_processor_does() -> None:
 
 def test_labels_are_ignored_at_each_sample_start_and_positions_restart() -> None:
     collator = HFPackingCollator(attn_implementation="sdpa")
-    batch = collator([{"input_ids": torch.arange(1, 5)}, {"input_ids": torch.arange(10, 13), "labels": torch.tensor([1, 2, 3])}])
+    batch = collator(
+        [{"input_ids": torch.arange(1, 5)}, {"input_ids": torch.arange(10, 13), "labels": torch.tensor([1, 2, 3])}]
+    )
     assert batch["labels"][0].tolist() == [IGNORE_INDEX, 2, 3, 4, IGNORE_INDEX, 2, 3]
     assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2]
     assert set(batch) == {"input_ids", "labels", "position_ids", "attention_mask"}
@@ -275,7 +281,9 @@ def test_qwen2_vl_positions_match_the_models_own() -> None:
         assert torch.equal(batch["position_ids"][1:, :, start:start + n], ref)
         assert batch["position_ids"][0, 0, start:start + n].tolist() == list(range(n))
         start += n
-    assert torch.equal(batch["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in samples if "image_grid_thw" in s]))
+    assert torch.equal(
+        batch["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in samples if "image_grid_thw" in s])
+    )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -344,7 +352,12 @@ def test_errors_name_the_sample_and_the_fix() -> None:
     with pytest.raises(InputError, match="no 'input_ids'"):
         llava([{"labels": torch.ones(3)}])
     with pytest.raises(InputError, match="sample 1: labels has 2 entries"):
-        llava([{"input_ids": torch.ones(3, dtype=torch.long)}, {"input_ids": torch.ones(3, dtype=torch.long), "labels": torch.ones(2)}])
+        llava(
+            [
+                {"input_ids": torch.ones(3, dtype=torch.long)},
+                {"input_ids": torch.ones(3, dtype=torch.long), "labels": torch.ones(2)},
+            ]
+        )
     with pytest.raises(InputError, match="text-only"):
         HFPackingCollator()([{"input_ids": torch.ones(3, dtype=torch.long), "pixel_values": torch.zeros(1, 3, 4, 4)}])
     with pytest.raises(InputError, match="attn_implementation"):

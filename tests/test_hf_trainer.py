@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_lengths
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
+from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_lengths
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

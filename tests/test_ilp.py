@@ -40,10 +40,19 @@ def problem(time, act=None, *, S=2, M=1, schedule="gpipe", budget=(), static=Non
     n = len(time)
     cut_bytes = cut_bytes or (0,) * (n + 1)
     return PartitionProblem(
-        names=tuple(f"b{i}" for i in range(n)), kinds=("layer",) * n, time=tuple(map(tuple, time)),
-        act=tuple(map(tuple, act or [(0, 0, 0)] * n)), static=tuple(static or (0,) * n),
-        cut_time=tuple(cut_time or (0.0,) * (n + 1)), cut_bytes=tuple(cut_bytes), num_params=(0,) * n, flops=(1e12,) * n,
-        num_stages=S, num_microbatches=M, schedule=schedule, virtual_stages=v,
+        names=tuple(f"b{i}" for i in range(n)),
+        kinds=("layer",) * n,
+        time=tuple(map(tuple, time)),
+        act=tuple(map(tuple, act or [(0, 0, 0)] * n)),
+        static=tuple(static or (0,) * n),
+        cut_time=tuple(cut_time or (0.0,) * (n + 1)),
+        cut_bytes=tuple(cut_bytes),
+        num_params=(0,) * n,
+        flops=(1e12,) * n,
+        num_stages=S,
+        num_microbatches=M,
+        schedule=schedule,
+        virtual_stages=v,
         budget=tuple(budget) if not isinstance(budget, (int, float)) else (float(budget),) * (S // v),
     )
 
@@ -137,10 +146,23 @@ def test_fastest_fitting_repairs_slow_or_over_budget_stages_and_keeps_ties():
     out = _fastest_fitting(P, fr, (0, 2, 4), ["full", "selective", "none", "none"])
     assert out[:2] == ["none", "none"] and out[2:] in (["selective", "none"], ["none", "selective"])
     # either of the tied fits is kept as the solver chose it
-    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "none", "selective"]) == ["none", "none", "none", "selective"]
-    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "selective", "none"]) == ["none", "none", "selective", "none"]
+    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "none", "selective"]) == [
+        "none",
+        "none",
+        "none",
+        "selective",
+    ]
+    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "selective", "none"]) == [
+        "none",
+        "none",
+        "selective",
+        "none",
+    ]
     # a slower fit on stage 1 (block 3 in full: 2 + 2) is replaced by a tied fastest one
-    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "none", "full"])[2:] in (["selective", "none"], ["none", "selective"])
+    assert _fastest_fitting(P, fr, (0, 2, 4), ["none", "none", "none", "full"])[2:] in (
+        ["selective", "none"],
+        ["none", "selective"],
+    )
 
 
 def test_fastest_fitting_replaces_a_stage_over_its_budget_and_keeps_one_exactly_at_it():
@@ -318,17 +340,32 @@ def test_tiny_send_times_do_not_mislead_highs():
     """Sends of 2e-9 to 8e-8 of the bottleneck (found by hypothesis): HiGHS's presolve reported the plan
     (0, 1, 2, 3, 5), 3% slower than the DP's (0, 2, 3, 4, 5), as optimal while they were in the model."""
     P = PartitionProblem(
-        names=("b0", "b1", "b2", "b3", "b4"), kinds=("layer", "layer", "module", "layer", "module"),
-        time=((7.765192265478818, 8.146495838996222, 8.642360905616824),
-              (0.13020199133383065, 0.4059236040599602, 0.4059236040599602),
-              (5.505917071315433, 5.887220644832837, 13.328870831321218),
-              (9.10509064408046, 9.195320427922258, 21.212334494217338), (0.5, 1.0, 1.2900664509027622)),
+        names=("b0", "b1", "b2", "b3", "b4"),
+        kinds=("layer", "layer", "module", "layer", "module"),
+        time=(
+            (7.765192265478818, 8.146495838996222, 8.642360905616824),
+            (0.13020199133383065, 0.4059236040599602, 0.4059236040599602),
+            (5.505917071315433, 5.887220644832837, 13.328870831321218),
+            (9.10509064408046, 9.195320427922258, 21.212334494217338),
+            (0.5, 1.0, 1.2900664509027622),
+        ),
         act=((15389, 1706, 1024), (4031, 2427, 530), (4511592, 1013, 219), (0, 0, 0), (19, 11, 0)),
         static=(1, 227, 0, 1970, 8216),
-        cut_time=(0.0, 2.2258609533309937e-07, 1.9874423742294312e-07, 1.862645149230957e-11, 7.234327495098114e-07, 0.0),
-        cut_bytes=(0, 11950, 10670, 1, 38839, 0), num_params=(0, 14, 0, 123, 513),
+        cut_time=(
+            0.0,
+            2.2258609533309937e-07,
+            1.9874423742294312e-07,
+            1.862645149230957e-11,
+            7.234327495098114e-07,
+            0.0,
+        ),
+        cut_bytes=(0, 11950, 10670, 1, 38839, 0),
+        num_params=(0, 14, 0, 123, 513),
         flops=(7765192265478.818, 130201991333.83064, 5505917071315.433, 9105090644080.46, 500000000000.0),
-        num_stages=4, num_microbatches=4, schedule="1f1b")
+        num_stages=4,
+        num_microbatches=4,
+        schedule="1f1b",
+    )
     dp = solve_dp(P)
     assert dp.boundaries == (0, 2, 3, 4, 5)
     ilp = solve_ilp(P, time_limit=30, gap=1e-9)
@@ -685,16 +722,25 @@ def test_a_plan_that_fills_a_stage_to_the_budget_is_found():
     """The least-memory plan (0, 3, 4) fills stage 0 to within the budget's 1e-9 allowance (found by
     bench/ilp_cold.py): HiGHS's presolve called the model infeasible; without presolve it solves."""
     P = PartitionProblem(
-        names=("b0", "b1", "b2", "b3"), kinds=("module", "layer", "layer", "layer"),
-        time=((0.12808789360538486, 0.12818789360538485, 0.12818789360538485),
-              (2.9788912838919757, 2.9789523190482257, 5.769817763598338),
-              (0.12808789360538486, 0.12808789360538486, 0.2555552744985948), (1.0, 1.469908938711736, 3.4600268370410063)),
+        names=("b0", "b1", "b2", "b3"),
+        kinds=("module", "layer", "layer", "layer"),
+        time=(
+            (0.12808789360538486, 0.12818789360538485, 0.12818789360538485),
+            (2.9788912838919757, 2.9789523190482257, 5.769817763598338),
+            (0.12808789360538486, 0.12808789360538486, 0.2555552744985948),
+            (1.0, 1.469908938711736, 3.4600268370410063),
+        ),
         act=((305, 0, 0), (679057, 43, 23), (554435070, 305, 278), (2979, 809, 301)),
         static=(3679, 17196, 1348913127, 11623),
         cut_time=(0.0, 1.6307458281517028e-07, 1.8274784088134766e-06, 5.401670932769775e-09, 0.0),
-        cut_bytes=(0, 8755, 98112, 290, 0), num_params=(229, 1074, 84307070, 726),
+        cut_bytes=(0, 8755, 98112, 290, 0),
+        num_params=(229, 1074, 84307070, 726),
         flops=(128087893605.38486, 2978891283891.9756, 128087893605.38486, 1000000000000.0),
-        num_stages=2, num_microbatches=4, schedule="1f1b", budget=(1348935184.0, 1348935184.0))
+        num_stages=2,
+        num_microbatches=4,
+        schedule="1f1b",
+        budget=(1348935184.0, 1348935184.0),
+    )
     dp = solve_dp(P)
     assert (dp.boundaries, dp.recompute) == ((0, 3, 4), ("selective", "full", "full", "none"))
     assert dp.stage_memory[0] == pytest.approx(P.budget[0], rel=1e-8)  # at the budget

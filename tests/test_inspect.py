@@ -8,17 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from omnibal_compile.ir.costs import BlockCost, CostTable
+from omnibal_compile.costs.mix import packing_shapes, scale_costs, shape_costs
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.ir.interop import megatron_layout, torchtitan_module_names
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim import simulate
-from omnibal_compile.costs.mix import packing_shapes, scale_costs, shape_costs
 
 # Named like TinyVLM's blocks: vision side, projector, LLM embedding, glue, decoder layers, head, loss glue.
 NAMES = (
-    "<root>:glue", "vision.patch_embed", "vision.layers.0", "vision.layers.1", "projector", "llm.embed_tokens",
-    "<root>:glue#2", "llm.layers.0", "llm.layers.1", "llm.layers.2", "llm.layers.3", "llm.norm", "lm_head", "<root>:glue#3",
+    "<root>:glue",
+    "vision.patch_embed",
+    "vision.layers.0",
+    "vision.layers.1",
+    "projector",
+    "llm.embed_tokens",
+    "<root>:glue#2",
+    "llm.layers.0",
+    "llm.layers.1",
+    "llm.layers.2",
+    "llm.layers.3",
+    "llm.norm",
+    "lm_head",
+    "<root>:glue#3",
 )
 KINDS = ("glue", "module", "layer", "layer", "module", "module", "glue", "layer", "layer", "layer", "layer", "module",
          "module", "glue")
@@ -130,7 +142,10 @@ def test_shape_costs_scale_linearly():
     costs = costs_for()
     doubled = scale_costs(costs, [2.0] * len(NAMES))
     assert doubled.blocks[3].forward_s == pytest.approx(2 * costs.blocks[3].forward_s)
-    assert doubled.blocks[3].activation_bytes["full"] == 2000 and doubled.blocks[3].static_bytes == costs.blocks[3].static_bytes
+    assert (
+        doubled.blocks[3].activation_bytes["full"] == 2000
+        and doubled.blocks[3].static_bytes == costs.blocks[3].static_bytes
+    )
     assert doubled.cut_bytes[0] == 0 and doubled.cut_bytes[5] == 4000
     # One rule for every per-micro-batch quantity, per-block scales and one factor alike.
     import dataclasses

@@ -7,15 +7,21 @@ import math
 import numpy as np
 import pytest
 from contracts import assert_frozen_keyword_only
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile.planning import PartitionProblem, least_memory_split, solve
-from omnibal_compile.planning import interleaved
+from omnibal_compile.planning import PartitionProblem, interleaved, least_memory_split, solve
 from omnibal_compile.planning.baselines import BASELINES
 from omnibal_compile.planning.dp import interleaved_incumbent
-from omnibal_compile.planning.interleaved import _Intervals, _least_sum, _plan, _polish, _reachable, applies, two_chunk_search
+from omnibal_compile.planning.interleaved import (
+    _Intervals,
+    _least_sum,
+    _plan,
+    _polish,
+    _reachable,
+    applies,
+    two_chunk_search,
+)
 from omnibal_compile.planning.problem import OPTIONS, evaluate, stage_figures
 
 GiB = 2**30
@@ -406,7 +412,11 @@ def test_search_from_any_incumbent_brackets_the_least_bottleneck(P, data):
     assert found.decisions <= 2 * math.ceil(math.log2(1 / tol)) + 10
     # a generous time limit changes nothing; none at all stops before the first decision
     later = two_chunk_search(P, start, tolerance=tol, time_limit=3600.0)
-    assert (later.bottleneck, later.lower_bound, later.decisions) == (found.bottleneck, found.lower_bound, found.decisions)
+    assert (later.bottleneck, later.lower_bound, later.decisions) == (
+        found.bottleneck,
+        found.lower_bound,
+        found.decisions,
+    )
     now = two_chunk_search(P, start, tolerance=tol, time_limit=0.0)
     assert now.decisions == 0 or math.isclose(now.bottleneck, found.bottleneck)
 

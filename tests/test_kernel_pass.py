@@ -14,8 +14,8 @@ from conftest import SMALL_VLM
 from test_kernels import CUDA, needs_triton, run_triton_cases_in_child, triton_impl
 
 import omnibal_compile as oc
-from omnibal_compile.kernels import ops
 from omnibal_compile.compile.fuse import KernelReport, substitute_kernels
+from omnibal_compile.kernels import ops
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "eager"]
 VLM_SITES = {

@@ -1,4 +1,5 @@
-"""The layout search (omnibal_compile.planning.layout): paper scale against the paper's layout, pruning, budgets, costs."""
+"""The layout search (omnibal_compile.planning.layout): paper scale against the paper's layout, pruning, budgets,
+costs."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import math
 
 import pytest
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
-from omnibal_compile.costs.devices import A100_80G
-from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.costs.mix import scale_costs
-from omnibal_compile.planning.layout import PRUNE_MARGIN, Layout, search_layout
-from omnibal_compile.ir.plan import Plan
 from bench.studies.paper_layout import paper_layout_times
-from omnibal_compile.sim import simulate
+from omnibal_compile.costs.devices import A100_80G
+from omnibal_compile.costs.mix import scale_costs
+from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
+from omnibal_compile.ir.plan import Plan
 from omnibal_compile.planning import problem_from_costs
+from omnibal_compile.planning.layout import PRUNE_MARGIN, Layout, search_layout
+from omnibal_compile.sim import simulate
 
 MIB = 2**20
 
@@ -40,7 +41,10 @@ def test_scaled_costs_are_the_simulators_micro_batch_scale():
     assert simulate(plan, scale_costs(t, 3)).iteration_time_s == pytest.approx(
         simulate(plan, t, microbatch_costs=[3.0] * 4).iteration_time_s)
     s = scale_costs(t, 3).blocks[1]
-    assert s.static_bytes == t.blocks[1].static_bytes and s.activation_bytes["full"] == 3 * t.blocks[1].activation_bytes["full"]
+    assert (
+        s.static_bytes == t.blocks[1].static_bytes
+        and s.activation_bytes["full"] == 3 * t.blocks[1].activation_bytes["full"]
+    )
 
 
 def test_pruned_search_finds_the_exhaustive_best_and_beats_every_listed_layout():
@@ -68,7 +72,9 @@ def test_candidates_are_a_table_with_reasons():
     assert len(lines) == 2 + len(result.candidates)
     # 1F1B needs a micro-batch per stage: 8 samples in micro-batches of 2 are too few for a pipeline of 8
     short = [c for c in result.candidates if c.layout.schedule == "1f1b" and c.layout.num_microbatches < c.layout.pp]
-    assert short and all(c.status == "rejected" and "needs at least one micro-batch per stage" in c.reason for c in short)
+    assert short and all(
+        c.status == "rejected" and "needs at least one micro-batch per stage" in c.reason for c in short
+    )
     assert "best" in lines[2] and result.best.layout.describe() in lines[2]
     assert "chosen: " + result.best.layout.describe() in result.summary()
 
@@ -103,8 +109,8 @@ def test_topology_puts_pipelines_on_nvlink_and_replicas_across_nodes():
 # -- paper scale ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def internvl_128():
-    from omnibal_compile.costs.analytic import INTERNVL_6B_20B
     from bench.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, sample_costs
+    from omnibal_compile.costs.analytic import INTERNVL_6B_20B
 
     costs = sample_costs(INTERNVL_6B_20B, device=A100_80G)
     budget = PAPER_BUDGET_FRACTION * A100_80G.memory_bytes

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from omnibal_compile.errors import InputError
 from omnibal_compile.calibrate.links import effective_sizes, measure_links
+from omnibal_compile.errors import InputError
 
 
 @pytest.mark.distributed

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import omnibal_compile as oc
-from omnibal_compile.errors import InputError
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.costs._measure import kept_bytes
+from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.costs.meta import check_only_nodes, drop_checks, inputs_read, meta_copy
+from omnibal_compile.errors import InputError
 
 
 def _meta(module_cls, *args, dtype=torch.float32):
@@ -115,7 +115,11 @@ def _ids(tokens):
 def llama_tables():
     """bf16-built at 512 and 1024 tokens, fp32-built at 512 (every input on meta)."""
     out = {}
-    for key, dtype, tokens in (("bf16", torch.bfloat16, 512), ("fp32", torch.float32, 512), ("bf16x2", torch.bfloat16, 1024)):
+    for key, dtype, tokens in (
+        ("bf16", torch.bfloat16, 512),
+        ("fp32", torch.float32, 512),
+        ("bf16x2", torch.bfloat16, 1024),
+    ):
         model = _llama(dtype)
         graph = build_blocks(capture(model, _ids(tokens)), model)
         out[key] = annotate_costs(graph, model, device="h100-80gb")

@@ -8,23 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, Precision
-from omnibal_compile.data import LengthStats, load_lengths
-from omnibal_compile.data.lengths import bundled_length_files
-from omnibal_compile.costs.devices import A100_80G
-from omnibal_compile.errors import InputError
-from omnibal_compile.costs.analytic import (
-    INTERNLM2_20B,
-    INTERNVL_6B_20B,
-    SCALE_MODELS,
-    MicroBatch,
-    cost_table,
-    layer_activation_bytes,
-    type_costs,
-)
-from omnibal_compile.ir.plan import Plan
-from omnibal_compile.sim import simulate
-from omnibal_compile.planning import problem_from_costs, solve
 from bench.studies.bench_all import run_all
 from bench.studies.paper_scale import (
     SPLITS,
@@ -44,6 +27,23 @@ from bench.studies.paper_scale import (
     stage_times,
     vit_first_setup,
 )
+from omnibal_compile.costs.analytic import (
+    INTERNLM2_20B,
+    INTERNVL_6B_20B,
+    SCALE_MODELS,
+    MicroBatch,
+    cost_table,
+    layer_activation_bytes,
+    type_costs,
+)
+from omnibal_compile.costs.devices import A100_80G
+from omnibal_compile.data import LengthStats, load_lengths
+from omnibal_compile.data.lengths import bundled_length_files
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, Precision
+from omnibal_compile.ir.plan import Plan
+from omnibal_compile.planning import problem_from_costs, solve
+from omnibal_compile.sim import simulate
 
 
 def test_internlm2_20b_layer_flops_match_hand_arithmetic():
@@ -80,8 +80,8 @@ def test_eager_formulas_match_the_compiled_hf_layer():
 
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
-    from omnibal_compile.costs.annotate import annotate_costs
     from omnibal_compile.costs.analytic import LLMSpec
+    from omnibal_compile.costs.annotate import annotate_costs
 
     w, f, heads, kv, t = 1024, 2816, 16, 4, 512
     cfg = tf.LlamaConfig(hidden_size=w, intermediate_size=f, num_hidden_layers=3, num_attention_heads=heads,
@@ -177,11 +177,15 @@ def test_tensor_parallel_splits_work_and_adds_collectives():
     assert two.backward_s["llm.layer"][0] == pytest.approx(one.backward_s["llm.layer"][0] / 2 + comm, rel=1e-12)
     assert two.flops["vision.layer"][0] == pytest.approx(one.flops["vision.layer"][0] / 2)
     for option in RECOMPUTE_OPTIONS:
-        assert two.activation_bytes["llm.layer"][option][0] == pytest.approx(one.activation_bytes["llm.layer"][option][0] / 2)
+        assert two.activation_bytes["llm.layer"][option][0] == pytest.approx(
+            one.activation_bytes["llm.layer"][option][0] / 2
+        )
     assert two.out_bytes["llm.layer"][0] == one.out_bytes["llm.layer"][0] / 2  # sequence-parallel sends
     shape = MicroBatch(tiles=8, tokens=4096, attention_pairs=float(args[2][0]))
     whole, half = cost_table(INTERNVL_6B_20B, shape), cost_table(INTERNVL_6B_20B, shape, tensor_parallel=2)
-    assert sum(b.static_bytes for b in half.blocks) == pytest.approx(sum(b.static_bytes for b in whole.blocks) / 2, rel=1e-6)
+    assert sum(b.static_bytes for b in half.blocks) == pytest.approx(
+        sum(b.static_bytes for b in whole.blocks) / 2, rel=1e-6
+    )
     with pytest.raises(InputError):
         type_costs(INTERNVL_6B_20B, *args, tensor_parallel=0)
 
@@ -279,8 +283,8 @@ def compiled_small():
 def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
     """The fitted per-type costs reproduce the compiler's own tables at a study shape, and the replicated chain keeps
     every byte and parameter the compiled chain has."""
-    from omnibal_compile.costs.annotate import profile_costs
     from bench.studies.compiled_costs import CHECK_SHAPES, _example, _per_type, _stack_layers, block_types, hf_config
+    from omnibal_compile.costs.annotate import profile_costs
 
     cc = compiled_small
     assert cc.fit_error < 0.02 and cc.check_error < 0.02  # real widths: the roofline is linear in the shape
@@ -299,9 +303,14 @@ def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
                                 llm=dataclasses.replace(cc.model.llm, layers=3))
     rows, per_row = shape.sequences, (shape.tiles * 256 + shape.text_tokens) // shape.sequences
     study = MicroBatch(tiles=shape.tiles, tokens=rows * per_row, attention_pairs=rows * per_row * (per_row + 1) / 2)
-    fitted = dataclasses.replace(cc, model=three).cost_table(study, device=A100_80G, precision=Precision(), link="nvlink")
+    fitted = dataclasses.replace(cc, model=three).cost_table(
+        study, device=A100_80G, precision=Precision(), link="nvlink"
+    )
     assert sum(b.num_params for b in fitted.blocks) == sum(b.num_params for b in table.blocks)
-    for got, want in ((lambda t: sum(b.flops for b in t.blocks)), 1e-3), ((lambda t: sum(b.forward_s + b.backward_s for b in t.blocks)), 0.02):
+    for got, want in (
+        ((lambda t: sum(b.flops for b in t.blocks)), 1e-3),
+        ((lambda t: sum(b.forward_s + b.backward_s for b in t.blocks)), 0.02),
+    ):
         assert got(fitted) == pytest.approx(got(table), rel=want)
     for option in RECOMPUTE_OPTIONS:
         kept = [sum(b.activation_bytes[option] for b in t.blocks) for t in (fitted, table)]
@@ -324,7 +333,9 @@ def test_compiled_tables_are_the_compilers_and_fit_study_shapes(compiled_small):
     eager = type_costs(dataclasses.replace(cc.model, kernels="eager"), *args)
     for t, ref in (("vision.layer", fused), ("projector", fused), ("llm.layer", eager), ("llm.head", fused)):
         assert c.flops[t][0] == pytest.approx(ref.flops[t][0], rel=0.01), t
-    assert c.activation_bytes["llm.layer"]["none"][0] == pytest.approx(eager.activation_bytes["llm.layer"]["none"][0], rel=0.02)
+    assert c.activation_bytes["llm.layer"]["none"][0] == pytest.approx(
+        eager.activation_bytes["llm.layer"]["none"][0], rel=0.02
+    )
     two = cc.type_costs(*args, device=A100_80G, tensor_parallel=2)  # the analytic path's Megatron rule
     assert two.flops["llm.layer"][0] == pytest.approx(c.flops["llm.layer"][0] / 2)
     assert two.forward_s["llm.layer"][0] > c.forward_s["llm.layer"][0] / 2
@@ -353,7 +364,9 @@ def test_ablation_runs_on_compiled_tables_next_to_the_analytic_row(compiled_smal
         c_base = next(r for r in c_rows if r.split == split and r.chain == "baseline")
         assert 1.05 < c_base.gpu_days / a_base.gpu_days < 1.6, split  # eager HF code does more than the fused formulas
         for chain in ("paper", "ours"):
-            assert chain_ratios(c_rows, split, chain)[-1] == pytest.approx(chain_ratios(a_rows, split, chain)[-1], abs=0.1)
+            assert chain_ratios(c_rows, split, chain)[-1] == pytest.approx(
+                chain_ratios(a_rows, split, chain)[-1], abs=0.1
+            )
     text = format_cost_sources(a_rows, c_rows)
     assert "compiled GPU-days" in text and all(r.name in text for r in c_rows)
     assert "costs: compiled from Hugging Face code" in format_ablation(c_rows)

@@ -98,11 +98,11 @@ def _hand_costs(graph):
 
 
 def test_plan_stages_with_and_without_costs(graph):
-    from omnibal_compile.ir.costs import DataParallel
     from omnibal_compile.errors import InputError
-    from omnibal_compile.planning.build import plan_stages
+    from omnibal_compile.ir.costs import DataParallel
     from omnibal_compile.ir.schedule import Schedule
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.build import plan_stages
     from omnibal_compile.planning.problem import evaluate
 
     costs, sched, n = _hand_costs(graph), Schedule(num_microbatches=4), graph.num_blocks
@@ -111,7 +111,9 @@ def test_plan_stages_with_and_without_costs(graph):
     P = problem_from_costs(costs, num_stages=2, num_microbatches=4)
     sol = evaluate(P, plan.boundaries, plan.block_recompute)
     assert plan.planner == "ilp" and plan.iteration_time_s == pytest.approx(sol.iteration_time)
-    assert plan.stage_time_s == pytest.approx(sol.stage_time) and plan.stage_memory_bytes == tuple(map(int, sol.stage_memory))
+    assert plan.stage_time_s == pytest.approx(sol.stage_time) and plan.stage_memory_bytes == tuple(
+        map(int, sol.stage_memory)
+    )
     assert plan.memory_budget_bytes == () and {"binding", "status", "solve seconds"} <= set(plan.notes)
     assert (plan.schedule, plan.num_microbatches, plan.virtual_stages, plan.data_parallel) == ("1f1b", 4, 1, 1)
     budget = 20 * 2**30
@@ -145,9 +147,9 @@ def test_plan_from_solution_notes_and_plan_stages_checks(graph):
     import dataclasses
 
     from omnibal_compile.errors import InputError
-    from omnibal_compile.planning.build import plan_from_solution, plan_stages, plan_with_costs
     from omnibal_compile.ir.schedule import Schedule
     from omnibal_compile.planning import problem_from_costs, solve
+    from omnibal_compile.planning.build import plan_from_solution, plan_stages, plan_with_costs
 
     costs = _hand_costs(graph)
     plan = plan_with_costs(costs, num_stages=2, num_microbatches=4)  # defaults: ILP, 1F1B, one chunk per device

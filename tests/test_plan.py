@@ -88,12 +88,26 @@ def test_bad_data_parallel_fields_name_the_input():
 
 
 def test_summary_speaks_in_sentences_and_counts_in_the_right_number():
-    plan = Plan(block_names=("a", "b"), boundaries=(0, 1, 2), num_microbatches=1, schedule="gpipe", iteration_time_s=0.5,
-                notes={"binding": "time of stage 1", "status": "Optimal", "solve seconds": 0.012, "gap": 0.0,
-                       "max_stage_params": 1234})
+    plan = Plan(
+        block_names=("a", "b"),
+        boundaries=(0, 1, 2),
+        num_microbatches=1,
+        schedule="gpipe",
+        iteration_time_s=0.5,
+        notes={
+            "binding": "time of stage 1",
+            "status": "Optimal",
+            "solve seconds": 0.012,
+            "gap": 0.0,
+            "max_stage_params": 1234,
+        },
+    )
     text = plan.summary()
     assert "1 micro-batch" in text and "1 micro-batches" not in text and "2 blocks in 2 stages" in text
     assert "Binding constraint: the time of stage 1." in text
     assert "Solver: optimal in 0.012 s, proven gap 0.00%." in text and "Largest stage: 1,234 parameters." in text
     # no raw "key: value" line of an internal name
-    assert not any(line.startswith(("binding:", "status:", "solve seconds:", "gap:", "max_stage_params")) for line in text.splitlines())
+    assert not any(
+        line.startswith(("binding:", "status:", "solve seconds:", "gap:", "max_stage_params"))
+        for line in text.splitlines()
+    )

@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from test_inspect import assert_picture
 
 from omnibal_compile.cli import main
 from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
-
-from test_inspect import assert_picture
 
 ARTEFACTS = ("plan.json", "plan.txt", "costs.json", "torchtitan.json", "megatron.txt", "trace.json", "blocks.png",
              "blocks.svg", "timeline.png", "stages.png")
@@ -41,8 +40,26 @@ def test_plan_tiny_vlm(tmp_path, capsys):
     out = tmp_path / "out"
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([{"vit_num": 1 + i % 5, "token_num": 300 + 97 * (i % 13)} for i in range(300)]))
-    code = main(["plan", "tiny-vlm", "--stages", "3", "--microbatches", "6", "--memory", "1GiB", "--device", "a100-80gb",
-                 "--sweep-stages", "2,3", "--lengths", str(lengths), "--out", str(out)])
+    code = main(
+        [
+            "plan",
+            "tiny-vlm",
+            "--stages",
+            "3",
+            "--microbatches",
+            "6",
+            "--memory",
+            "1GiB",
+            "--device",
+            "a100-80gb",
+            "--sweep-stages",
+            "2,3",
+            "--lengths",
+            str(lengths),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     plan = check_artefacts(out, 3, 6)
@@ -130,5 +147,7 @@ def test_plan_chooses_the_layout_for_a_device_count(tmp_path, capsys):
     assert "layout search: 8 devices" in printed and "predicted ms/micro-batch" in printed
     plan = Plan.from_json((out / "plan.json").read_text())
     best = next(line for line in (out / "layout.txt").read_text().splitlines() if line.rstrip().endswith("best"))
-    assert best.startswith(f"PP {plan.num_devices} x DP {plan.dp.size}, ") and f"M {plan.num_microbatches} x b 1" in best
+    assert (
+        best.startswith(f"PP {plan.num_devices} x DP {plan.dp.size}, ") and f"M {plan.num_microbatches} x b 1" in best
+    )
     assert f"simulated {plan.schedule}: {plan.num_stages} stages on {plan.num_devices} devices" in printed

@@ -1,13 +1,14 @@
-"""The planner registry and ``solver.solve`` (solver/__init__.py): which planner runs, with what, and what it returns."""
+"""The planner registry and ``solver.solve`` (solver/__init__.py): which planner runs, with what, and what it
+returns."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+from contracts import assert_frozen_keyword_only
 
 import omnibal_compile.planning as solver_module
-from contracts import assert_frozen_keyword_only
 from omnibal_compile import PlanError
 from omnibal_compile.planning import PLANNERS, break_ties, solve, solve_dp
 from omnibal_compile.planning import interleaved as two_chunks

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from contracts import assert_frozen_keyword_only
+
 from omnibal_compile import InputError, PlanError
 from omnibal_compile.ir.costs import BF16_ADAM, BlockCost, CostTable, DataParallel
-from omnibal_compile.sim.simulate import operation_order
 from omnibal_compile.planning.problem import (
     PartitionProblem,
     Solution,
@@ -19,6 +18,7 @@ from omnibal_compile.planning.problem import (
     stage_peak,
     stage_transient,
 )
+from omnibal_compile.sim.simulate import operation_order
 
 
 def prob(n: int = 4, **kw) -> PartitionProblem:
@@ -126,9 +126,20 @@ def test_lower_bound_by_hand():
 
 
 def _costs(n: int = 4) -> CostTable:
-    blocks = tuple(BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=1000, static_bytes=16_000,
-                             forward_s=1.0, backward_s=2.0, activation_bytes={"none": 300, "selective": 200, "full": 100},
-                             recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0}) for i in range(n))
+    blocks = tuple(
+        BlockCost(
+            name=f"b{i}",
+            kind="layer",
+            flops=1.0,
+            num_params=1000,
+            static_bytes=16_000,
+            forward_s=1.0,
+            backward_s=2.0,
+            activation_bytes={"none": 300, "selective": 200, "full": 100},
+            recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0},
+        )
+        for i in range(n)
+    )
     return CostTable(blocks=blocks, cut_bytes=(0,) + (50,) * (n - 1) + (0,), link_bandwidth=1000.0, device="x",
                      source="roofline", precision=BF16_ADAM)
 

@@ -10,7 +10,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import readme_check as R  # noqa: E402
 
-SETUP = "# title\n\n```bash\npip install -e . && omnibal-compile demo\npip install -e '.[test]' && \\\n  python -m pytest tests\n```\n"
+SETUP = (
+    "# title\n\n```bash\npip install -e . && omnibal-compile demo\n"
+    "pip install -e '.[test]' && \\\n  python -m pytest tests\n```\n"
+)
 
 
 def _check(tmp_path: Path, body: str, *extra: str) -> int:
@@ -51,10 +54,13 @@ def test_unknown_language_and_unclosed_block_are_errors() -> None:
 
 
 def test_blocks_run_in_order_in_one_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    body = ("```python\n# save as helper.py\nVALUE = 41\n```\n"
-            "```python\nimport sys; sys.path.insert(0, '.')\nimport helper\nopen('out.txt', 'w').write(str(helper.VALUE + 1))\n```\n"
-            "```bash\ntest \"$(cat out.txt)\" = 42\n```\n"
-            '```json\n{"ok": true}\n```\n')
+    body = (
+        "```python\n# save as helper.py\nVALUE = 41\n```\n"
+        "```python\nimport sys; sys.path.insert(0, '.')\nimport helper\n"
+        "open('out.txt', 'w').write(str(helper.VALUE + 1))\n```\n"
+        '```bash\ntest "$(cat out.txt)" = 42\n```\n'
+        '```json\n{"ok": true}\n```\n'
+    )
     assert _check(tmp_path, body) == 0
     out = capsys.readouterr().out
     assert out.count(" pass ") == 4 and "0 failed" in out and "set-up" in out

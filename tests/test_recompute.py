@@ -11,14 +11,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import omnibal_compile as oc
 from omnibal_compile import Plan, PlanError
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, running_peak
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
 from omnibal_compile.compile.codegen import generate_stages, run_stages, stage_info
-from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules, charged_inputs
-from omnibal_compile.costs._measure import kept_bytes
 from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recompute
 from omnibal_compile.compile.recompute_policy import SAVED_OPS, op_class, selective_policy, with_recompute
+from omnibal_compile.costs._measure import kept_bytes
+from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules, charged_inputs
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, running_peak
 
 TOL = 1e-5
 
@@ -177,8 +177,8 @@ def test_predicted_memory_bounds_the_measured_peak(option):
     """Kept activations plus the largest block workspace (the planners' bound): at least the peak live
     bytes of one micro-batch's forward and backward through the recompute pass's stage, and within 20%
     of it; the predicted peak (``running_peak``) within 8% of it and never above the bound."""
-    from omnibal_compile.models import TinyVLM, make_example_batch
     from omnibal_compile.costs._measure import PeakLiveStorages
+    from omnibal_compile.models import TinyVLM, make_example_batch
 
     torch.manual_seed(0)
     model, batch = TinyVLM(), make_example_batch(batch=2, tiles_per_sample=2, text_tokens=48)
@@ -209,7 +209,11 @@ def test_recompute_pass_keeps_node_metadata(vlm, vlm_result2):
     for stage in generate_stages(result.graph, plan, model):
         before = {n.name: n.meta.get("val") for n in stage.graph.nodes}
         after = apply_recompute(stage, result.graph, plan)
-        reads = [n for n in after.graph.nodes if n.op == "call_function" and n.args and getattr(n.args[0], "op", "") == "call_module"]
+        reads = [
+            n
+            for n in after.graph.nodes
+            if n.op == "call_function" and n.args and getattr(n.args[0], "op", "") == "call_module"
+        ]
         assert reads
         for n in reads:
             region = after.get_submodule(n.args[0].target).region

@@ -8,14 +8,14 @@ every wait with a timeout and kill the ranks on failure. One launch per world si
 from __future__ import annotations
 
 import contextlib
-import operator
 import dataclasses
+import operator
 import os
 import socket
 import time
 import traceback
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +202,8 @@ def _rebuild(cls: type, config: Any, state: dict[str, torch.Tensor], batch: Any)
 
 
 def _spawn(world: int, out: Path, models: dict[str, Any], cases: list[Any], worker: Any = None) -> list[dict[str, Any]]:
-    """Run ``worker`` (default :func:`_parity_worker`) on ``world`` ranks; models travel as (class, config, weights, batch)."""
+    """Run ``worker`` (default :func:`_parity_worker`) on ``world`` ranks; models travel as (class, config, weights,
+    batch)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     specs = {k: (type(m), m.config, m.state_dict(), b) for k, (m, b) in models.items()}
     ctx = mp.start_processes(
@@ -362,7 +363,9 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
 
     # resuming from the checkpoint: --steps counts all steps, so one more step is step 2, on batch 2
     # (with the peak-memory accounting on: it reports every rank's bytes and changes no result)
-    resumed = launch(dataclasses.replace(config, resume=str(ckpt), steps=3, memory_steps=(2,)), timeout_s=200, quiet=True)
+    resumed = launch(
+        dataclasses.replace(config, resume=str(ckpt), steps=3, memory_steps=(2,)), timeout_s=200, quiet=True
+    )
     assert [e.step for e in resumed] == [2]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(resumed[0].rank_peak_bytes) == 2 and sum(resumed[0].rank_peak_bytes) > weights
@@ -495,7 +498,9 @@ def mixed_two_stages_one_rank() -> tuple[torch.nn.Module, dict[str, torch.Tensor
     batch = _vlm_batch()
     graph = oc.optimize(model, {k: v[:1] for k, v in batch.items()}, num_stages=1).graph
     plan = uniform(graph, 2)
-    plan = dataclasses.replace(plan, schedule="interleaved", num_microbatches=4, virtual_stages=2, recompute=_alternating(plan))
+    plan = dataclasses.replace(
+        plan, schedule="interleaved", num_microbatches=4, virtual_stages=2, recompute=_alternating(plan)
+    )
     return model, batch, plan
 
 
@@ -607,7 +612,9 @@ def test_adamw_steps_through_the_pipeline_match_the_unsplit_model(one_rank_group
             assert float((mine[key] - theirs[key]).abs().max()) <= TOL, (name, key)
 
 
-def _unsplit_loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+def _unsplit_loss_and_grads(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
     import copy
 
     return _reference(copy.deepcopy(model), batch)
@@ -631,8 +638,22 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
     assert pipe.dp_group is None and pipe.dp_shard is None and pipe.tied == ()
     assert pipe.stage_indices == (0, 1) and pipe.has_first and pipe.has_last
     text = repr(pipe)  # for a person: no modules, schedule, tensors or groups
-    assert not [w for w in (" modules=", " stages=", " in_spec=", " state=", " tied=", " dp_group=", "Schedule", "TreeSpec",
-                            "Parameter", "tensor(") if w in text]
+    assert not [
+        w
+        for w in (
+            " modules=",
+            " stages=",
+            " in_spec=",
+            " state=",
+            " tied=",
+            " dp_group=",
+            "Schedule",
+            "TreeSpec",
+            "Parameter",
+            "tensor(",
+        )
+        if w in text
+    ]
     assert len(text) < 2000 and "stage_indices=(0, 1)" in text
     with pytest.raises(dataclasses.FrozenInstanceError):
         pipe.rank = 1  # type: ignore[misc]
@@ -684,7 +705,9 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
 def test_a_tied_parameter_record_is_frozen_keyword_only_and_prints_no_group_or_tensor():
     from omnibal_compile.runtime import TiedParameter
 
-    t = TiedParameter(names=("embed.weight", "head.weight"), ranks=(0, 1), group="GROUP", param=torch.nn.Parameter(torch.ones(2)))
+    t = TiedParameter(
+        names=("embed.weight", "head.weight"), ranks=(0, 1), group="GROUP", param=torch.nn.Parameter(torch.ones(2))
+    )
     assert repr(t) == "TiedParameter(names=('embed.weight', 'head.weight'), ranks=(0, 1))"
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.ranks = (0,)  # type: ignore[misc]
@@ -772,7 +795,14 @@ def test_a_tied_model_in_one_stage_on_one_rank_matches_the_unsplit_model(one_ran
     ref_loss, ref_grads = _unsplit_loss_and_grads(model, batch)
     tied = [n for n in ref_grads if n.endswith("embed_tokens.weight") or n == "lm_head.weight"]
     assert len(tied) == 2 and pipe.state[tied[0]] is pipe.state[tied[1]] and pipe.tied == ()
-    assert (pipe.rank, pipe.world_size, pipe.dp_rank, pipe.dp_size, pipe.dp_group, pipe.dp_shard) == (0, 1, 0, 1, None, None)
+    assert (pipe.rank, pipe.world_size, pipe.dp_rank, pipe.dp_size, pipe.dp_group, pipe.dp_shard) == (
+        0,
+        1,
+        0,
+        1,
+        None,
+        None,
+    )
     loss = pipe.step(batch)
     assert loss is not None and abs(loss - ref_loss) <= TOL
     grads = pipe.named_grads()
@@ -806,7 +836,9 @@ def test_the_pipeline_trains_on_the_loss_output_when_it_is_not_the_first(one_ran
     plan = dataclasses.replace(uniform(graph, 2), schedule="interleaved", num_microbatches=2, virtual_stages=2)
     pipe = build_pipeline(compile_for_microbatches(model, batch, plan), rank=0, world_size=1, weighting="rows")
     ref_loss = model(**batch)[1]
-    ref_grads = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(ref_loss, list(model.parameters()))))
+    ref_grads = dict(
+        zip([n for n, _ in model.named_parameters()], torch.autograd.grad(ref_loss, list(model.parameters())))
+    )
     loss = pipe.step(batch)
     assert loss is not None and abs(loss - float(ref_loss)) <= TOL
     grads = pipe.named_grads()

@@ -63,17 +63,22 @@ def test_two_ranks_train_on_balanced_packs_like_the_unsplit_model(tmp_path, leng
 
 HF_VLMS = ["llava", "internvl", "qwen2_vl", "qwen2_5_vl", "mistral3", "idefics3", "paligemma", "gemma3"]
 """Every Hugging Face VLM class the tests build (tests/hf_families.py, plus the conftest's Llava)."""
-FAMILY_KEYS = {"qwen2_vl": {"image_grid_thw", "mm_token_type_ids"}, "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
-               "mistral3": {"image_sizes"}, "idefics3": {"pixel_attention_mask"}, "paligemma": {"token_type_ids"},
-               "gemma3": {"token_type_ids"}}
+FAMILY_KEYS = {
+    "qwen2_vl": {"image_grid_thw", "mm_token_type_ids"},
+    "qwen2_5_vl": {"image_grid_thw", "mm_token_type_ids"},
+    "mistral3": {"image_sizes"},
+    "idefics3": {"pixel_attention_mask"},
+    "paligemma": {"token_type_ids"},
+    "gemma3": {"token_type_ids"},
+}
 
 
 def _microbatch_loss(model, batch, parts):
     """The unsplit model's loss of a step run as the pipeline splits it: ``parts`` micro-batches along dim 0, each
     one's mean loss weighted by its share of the step's labelled tokens (the whole-batch mean for Llava-like rows)."""
-    from omnibal_compile.compile.capture import split_batch
-
     from torch.utils import _pytree as pytree
+
+    from omnibal_compile.compile.capture import split_batch
 
     leaves, spec = pytree.tree_flatten(batch)
     total, weights = 0.0, 0
@@ -88,7 +93,9 @@ def _microbatch_loss(model, batch, parts):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", HF_VLMS)
-def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengths_file, tiny_llava, monkeypatch, family):
+def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(
+    tmp_path, lengths_file, tiny_llava, monkeypatch, family
+):
     """`omnibal-compile run --model hf:CLASS:config.json --lengths ...` on 2 ranks, from the current directory."""
     from hf_families import build
 
@@ -103,7 +110,9 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengt
     probe = RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1)
     model = load_model(spec).model
     micro = batch_source(probe, model)(0)
-    want_keys = {"pixel_values", "input_ids", "labels", "position_ids", "attention_mask"} | FAMILY_KEYS.get(family, set())
+    want_keys = {"pixel_values", "input_ids", "labels", "position_ids", "attention_mask"} | FAMILY_KEYS.get(
+        family, set()
+    )
     assert set(micro) == want_keys  # the keys the family's processor emits, the samples kept apart by the mask
     # the pack's samples kept apart: the block-causal mask of the samples the positions restart at
     from omnibal_compile.integrations.hf.collate import block_causal_mask

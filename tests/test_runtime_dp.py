@@ -71,12 +71,16 @@ def _dp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
                 "grads": grads,
                 "params": {n: t for n, t in pipe.full_state().items() if n in pipe.named_grads()},
                 "dp": (pipe.dp_rank, pipe.dp_size, pipe.dp_shard),
-                "units": sum(type(m).__name__.startswith(("FSDP", "Replicate")) for mod in pipe.modules for m in mod.modules()),
+                "units": sum(
+                    type(m).__name__.startswith(("FSDP", "Replicate")) for mod in pipe.modules for m in mod.modules()
+                ),
             }
         torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
-def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reference(
+    model: torch.nn.Module, batches: list[Any]
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The unsplit model trained like the pipelines: losses, the first step's gradients, final parameters."""
     import copy
 
@@ -120,11 +124,16 @@ def test_dp2_pp2_trains_like_the_unsplit_model(vlm, tiny_llava, tiny_llama, tmp_
         stages = 4 if schedule == "interleaved" else 2
         plan = plans[key][stages]
         mixed = _alternating(plan) if recompute else ()
-        return dataclasses.replace(plan, schedule=schedule, num_microbatches=2, virtual_stages=stages // 2, recompute=mixed)
+        return dataclasses.replace(
+            plan, schedule=schedule, num_microbatches=2, virtual_stages=stages // 2, recompute=mixed
+        )
 
     cases = [  # (name, model, plan, dp_shard, apply recompute)
         (f"{key}-{shard}-{schedule}" + ("-recompute" if rc else ""), key, p(key, schedule, rc), shard, rc)
-        for key in ("vlm", "llava") for shard in ("fsdp", "ddp") for schedule in ("1f1b", "interleaved") for rc in (False, True)
+        for key in ("vlm", "llava")
+        for shard in ("fsdp", "ddp")
+        for schedule in ("1f1b", "interleaved")
+        for rc in (False, True)
     ]
     cases.append(("llama-tied-fsdp-1f1b", "llama", p("llama", "1f1b", False), "fsdp", True))
     ranks = _spawn(4, tmp_path, {k: (m, b) for k, (m, b) in models.items()}, cases, worker=_dp_worker)
@@ -168,7 +177,9 @@ def test_each_dp_rank_gets_its_own_balanced_packs(tmp_path, lengths_file):
             assert sources[r].packs(k, r) == want, (k, r)  # rank r, row i: step 2k + i of the packing, column r
             text = [int((stats.tokens[ids] - stats.tiles[ids] * tpt).sum()) for ids in want]  # images lead each sample
             assert (parts[r]["labels"] != -100).sum(dim=1).tolist() == text, (k, r)
-        assert not {i for ids in sources[0].packs(k, 0) for i in ids} & {i for ids in sources[1].packs(k, 1) for i in ids}
+        assert not {i for ids in sources[0].packs(k, 0) for i in ids} & {
+            i for ids in sources[1].packs(k, 1) for i in ids
+        }
         both = whole(k)
         for key in both:
             assert torch.equal(both[key], torch.cat([parts[0][key], parts[1][key]])), key

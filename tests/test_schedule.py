@@ -14,11 +14,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from omnibal_compile import Plan, PlanError
 from omnibal_compile.ir.costs import BlockCost, CostTable
+from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
+from omnibal_compile.planning import problem_from_costs, solve
 from omnibal_compile.planning.build import plan_with_costs
 from omnibal_compile.runtime import check_pipeline, get_schedule_class
-from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
 from omnibal_compile.sim import simulate
-from omnibal_compile.planning import problem_from_costs, solve
 
 STAGES = range(1, 7)
 VIRTUAL = range(1, 4)
@@ -52,10 +52,14 @@ def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
                 return True
             order = None
             for rank in range(D):
-                order = cls([_FakeStage(rank + c * D, S, D) for c in range(v)], M, loss_fn=loss).pipeline_order_with_comms
+                order = cls(
+                    [_FakeStage(rank + c * D, S, D) for c in range(v)], M, loss_fn=loss
+                ).pipeline_order_with_comms
             keep = {torch_schedules.F, torch_schedules.B, torch_schedules.SEND_F, torch_schedules.RECV_F,
                     torch_schedules.SEND_B, torch_schedules.RECV_B}
-            compute = {r: [a for a in acts if a is not None and a.computation_type in keep] for r, acts in order.items()}
+            compute = {
+                r: [a for a in acts if a is not None and a.computation_type in keep] for r, acts in order.items()
+            }
             torch_schedules._simulate_comms_compute(compute, lambda s: s % D, S)  # raises on a deadlock
     except (ValueError, RuntimeError, AssertionError):
         return False
@@ -112,7 +116,10 @@ def test_planner_simulator_runtime_and_torch_accept_the_same_schedules(kind):
         for S, v, M in itertools.product(STAGES, VIRTUAL, MICROBATCHES):
             verdicts = {
                 "torch": torch_runs(kind, M, v, S),
-                "schedule": _accepts(lambda: Schedule.for_stages(S, kind=kind, num_microbatches=M, virtual_stages=v)),
+                # the lambdas run at once, inside _accepts, so they read this iteration's values
+                "schedule": _accepts(
+                    lambda: Schedule.for_stages(S, kind=kind, num_microbatches=M, virtual_stages=v)  # noqa: B023
+                ),
                 "planner": planner_accepts(kind, M, v, S),
                 "simulator": simulator_accepts(kind, M, v, S),
                 "runtime": runtime_accepts(kind, M, v, S),
@@ -152,7 +159,7 @@ def test_kind_maps_to_one_torch_class():
     assert get_schedule_class("interleaved") is torch_schedules.ScheduleInterleaved1F1B
     for kind in SCHEDULE_KINDS:  # several stages per device exactly where the torch class takes several
         multi = issubclass(get_schedule_class(kind), PipelineScheduleMulti)
-        assert _accepts(lambda: Schedule(kind=kind, num_microbatches=4, virtual_stages=2)) == multi, kind
+        assert _accepts(lambda: Schedule(kind=kind, num_microbatches=4, virtual_stages=2)) == multi, kind  # noqa: B023
     with pytest.raises(PlanError, match="unknown"):
         get_schedule_class("looped-bfs")
 
@@ -169,7 +176,10 @@ def test_plans_keep_flat_schedule_fields_in_json():
     assert Plan.from_dict(old).num_microbatches == 2
     with pytest.raises(PlanError, match="1 micro-batch for 2 stages"):
         Plan.from_dict({**old, "num_microbatches": 1})
-    assert Plan.from_json(json.dumps({**old, "num_microbatches": 1}), overrides={"num_microbatches": 4}).num_microbatches == 4
+    assert (
+        Plan.from_json(json.dumps({**old, "num_microbatches": 1}), overrides={"num_microbatches": 4}).num_microbatches
+        == 4
+    )
     assert Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).num_microbatches == 3  # one per stage
     assert "3 micro-batches" in Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 2, 3)).summary()
 

@@ -6,13 +6,13 @@ import json
 import torch
 from torch import nn
 
-from omnibal_compile.ir.costs import CostTable
-from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-from omnibal_compile.costs import annotate as cost_mod
 from omnibal_compile.compile.blocks import build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
+from omnibal_compile.costs import annotate as cost_mod
 from omnibal_compile.costs._signature import block_signature
+from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
+from omnibal_compile.ir.costs import CostTable
+from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
 CFG = TinyVLMConfig(vit_layers=3, llm_layers=4, vit_hidden=32, vit_mlp=64, llm_hidden=48, llm_mlp=96)
 
@@ -20,7 +20,9 @@ CFG = TinyVLMConfig(vit_layers=3, llm_layers=4, vit_hidden=32, vit_mlp=64, llm_h
 def _blocks(batch=2, text=16):
     torch.manual_seed(0)
     model = TinyVLM(CFG)
-    graph = build_blocks(capture(model, make_example_batch(CFG, batch=batch, tiles_per_sample=1, text_tokens=text)), model)
+    graph = build_blocks(
+        capture(model, make_example_batch(CFG, batch=batch, tiles_per_sample=1, text_tokens=text)), model
+    )
     modules = block_modules(graph, model)
     return model, graph, modules, block_inputs(graph, modules)
 
@@ -52,7 +54,12 @@ def test_cost_pass_times_each_signature_once_and_says_so():
         for i in range(1, n):
             b = by_name[f"{stack}.layers.{i}"]
             assert b.profiled_as == f"{stack}.layers.0" and b.signature == first.signature
-            assert (b.forward_s, b.backward_s, b.flops, b.recompute_s) == (first.forward_s, first.backward_s, first.flops, first.recompute_s)
+            assert (b.forward_s, b.backward_s, b.flops, b.recompute_s) == (
+                first.forward_s,
+                first.backward_s,
+                first.flops,
+                first.recompute_s,
+            )
     assert all(not b.profiled_as for b in table.blocks if ".layers." not in b.name)
     assert "share the times of an identical block" in table.summary()
     again = CostTable.from_json(table.to_json())
@@ -62,7 +69,9 @@ def test_cost_pass_times_each_signature_once_and_says_so():
     for b in data["blocks"]:
         for field in ("signature", "profiled_as", "time_spread"):
             b.pop(field)
-    assert CostTable.from_dict(data).blocks[3] == dataclasses.replace(table.blocks[3], signature="", profiled_as="", time_spread=0.0)
+    assert CostTable.from_dict(data).blocks[3] == dataclasses.replace(
+        table.blocks[3], signature="", profiled_as="", time_spread=0.0
+    )
 
 
 # -- on the meta device, as real-size planning costs them --------------------------------------------

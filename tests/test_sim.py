@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnibal_compile.ir.costs import BlockCost, CostTable
+from omnibal_compile._utils.units import format_size, parse_size
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim import operation_order, schedule_time, simulate, stage_costs, sweep, sweep_table
-from omnibal_compile._utils.units import format_size, parse_size
 
 
 def block(i: int, f: float = 1.0, b: float = 2.0, act: int = 1000, static: int = 50, workspace: int = 0) -> BlockCost:
@@ -25,7 +25,9 @@ def block(i: int, f: float = 1.0, b: float = 2.0, act: int = 1000, static: int =
 
 def table(blocks: list[BlockCost], cut: int = 0, bw: float = 1.0) -> CostTable:
     n = len(blocks)
-    return CostTable(blocks=blocks, cut_bytes=[0] + [cut] * (n - 1) + [0], link_bandwidth=bw, device="test", source="profiled")
+    return CostTable(
+        blocks=blocks, cut_bytes=[0] + [cut] * (n - 1) + [0], link_bandwidth=bw, device="test", source="profiled"
+    )
 
 
 def chain_plan(S: int, *, schedule: str, M: int, v: int = 1, per_stage: int = 1, recompute: str = "none") -> Plan:
@@ -37,7 +39,9 @@ def chain_plan(S: int, *, schedule: str, M: int, v: int = 1, per_stage: int = 1,
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("S,M,F,B", [(1, 1, 1.0, 2.0), (2, 4, 1.0, 2.0), (4, 8, 0.5, 1.0), (4, 2, 1.0, 3.0), (8, 32, 1.0, 2.0)])
+@pytest.mark.parametrize(
+    "S,M,F,B", [(1, 1, 1.0, 2.0), (2, 4, 1.0, 2.0), (4, 8, 0.5, 1.0), (4, 2, 1.0, 3.0), (8, 32, 1.0, 2.0)]
+)
 def test_equal_stages_match_closed_form(schedule, S, M, F, B):
     if schedule == "1f1b" and M < S:
         return  # torch's Schedule1F1B needs M >= S (omnibal_compile.ir.schedule); GPipe covers M < S
@@ -51,7 +55,18 @@ def test_equal_stages_match_closed_form(schedule, S, M, F, B):
     assert res.peak_memory_bytes == tuple(50 + n * 1000 for n in want)
 
 
-@pytest.mark.parametrize("D,v,M,f,b", [(1, 3, 2, 1.0, 2.0), (2, 1, 4, 1.0, 2.0), (2, 2, 4, 1.0, 1.0), (4, 2, 8, 1.0, 2.0), (4, 3, 12, 1.0, 2.0), (3, 2, 9, 1.0, 3.0), (4, 2, 4, 0.5, 1.0)])
+@pytest.mark.parametrize(
+    "D,v,M,f,b",
+    [
+        (1, 3, 2, 1.0, 2.0),
+        (2, 1, 4, 1.0, 2.0),
+        (2, 2, 4, 1.0, 1.0),
+        (4, 2, 8, 1.0, 2.0),
+        (4, 3, 12, 1.0, 2.0),
+        (3, 2, 9, 1.0, 3.0),
+        (4, 2, 4, 0.5, 1.0),
+    ],
+)
 def test_interleaved_matches_closed_form(D, v, M, f, b):
     res = simulate(chain_plan(D * v, schedule="interleaved", M=M, v=v), table([block(i, f, b) for i in range(D * v)]))
     assert res.num_devices == D
@@ -85,7 +100,9 @@ def test_recompute_adds_time_and_cuts_memory():
     assert full.peak_activation_bytes == tuple(min(S - s, M) * 100 + 900 for s in range(S))
     assert base.peak_activation_bytes == tuple(min(S - s, M) * 1000 + 900 for s in range(S))
     # The saving grows with the micro-batches in flight: 900 per micro-batch.
-    assert [b - f for f, b in zip(full.peak_activation_bytes, base.peak_activation_bytes)] == [900 * min(S - s, M) for s in range(S)]
+    assert [b - f for f, b in zip(full.peak_activation_bytes, base.peak_activation_bytes)] == [
+        900 * min(S - s, M) for s in range(S)
+    ]
 
 
 def test_sends_delay_each_hop():
@@ -132,12 +149,18 @@ def test_errors_name_the_problem():
 
 def test_stage_costs_sum_blocks():
     costs = table([block(i, f=i + 1.0, b=2 * (i + 1.0), workspace=100 * i) for i in range(4)], cut=8, bw=4.0)
-    plan = Plan(block_names=[f"b{i}" for i in range(4)], boundaries=(0, 3, 4), recompute=("none", "selective", "none", "full"))
+    plan = Plan(
+        block_names=[f"b{i}" for i in range(4)], boundaries=(0, 3, 4), recompute=("none", "selective", "none", "full")
+    )
     sc = stage_costs(plan, costs)
     assert sc[0].forward_s == 6.0 and sc[0].backward_s == 12.0 and sc[0].recompute_s == pytest.approx(2.0 / 4)
     assert sc[0].send_s == 2.0 and sc[1].send_s == 0.0
     # the first stage also holds its output (8 bytes across the cut) until the micro-batch's backward
-    assert sc[0].activation_bytes == 1000 + 500 + 1000 + 8 and sc[0].workspace_bytes == 200 and sc[1].workspace_bytes == 300
+    assert (
+        sc[0].activation_bytes == 1000 + 500 + 1000 + 8
+        and sc[0].workspace_bytes == 200
+        and sc[1].workspace_bytes == 300
+    )
     assert sc[1].activation_bytes == 100 and sc[1].static_bytes == 50
     assert sc[0].running_bytes is None  # no measured peaks: the workspace bound applies
 
@@ -147,7 +170,9 @@ def test_stage_costs_running_peak_from_measured_peaks():
     plus its own peak, and the stage's output (cut bytes) whenever it is in flight."""
     import dataclasses
 
-    blocks = [dataclasses.replace(block(i), peak_bytes={"none": 1500, "selective": 1200, "full": 1100}) for i in range(3)]
+    blocks = [
+        dataclasses.replace(block(i), peak_bytes={"none": 1500, "selective": 1200, "full": 1100}) for i in range(3)
+    ]
     plan = Plan(block_names=["b0", "b1", "b2"], boundaries=(0, 2, 3), recompute=("none", "full", "none"))
     sc = stage_costs(plan, table(blocks, cut=8))
     assert sc[0].activation_bytes == 1000 + 100 + 8
@@ -196,7 +221,12 @@ def test_properties_random_plans(times, M, schedule, scales):
 
 
 @settings(max_examples=25, deadline=None)
-@given(D=st.integers(1, 4), v=st.integers(1, 3), rounds=st.integers(1, 3), schedule=st.sampled_from(["gpipe", "interleaved"]))
+@given(
+    D=st.integers(1, 4),
+    v=st.integers(1, 3),
+    rounds=st.integers(1, 3),
+    schedule=st.sampled_from(["gpipe", "interleaved"]),
+)
 def test_orders_cover_every_op_once(D, v, rounds, schedule):
     M = D * rounds
     v = 1 if schedule == "gpipe" else v  # ScheduleGPipe runs one stage per device
@@ -282,7 +312,12 @@ def test_shared_processors_by_hand():
     # device computes at a time: F0 [0,1], F1 [1,2], B1 [2,4], B0 [4,6].
     res = simulate(chain_plan(2, schedule="gpipe", M=1), table([block(0, 1.0, 2.0), block(1, 1.0, 2.0)]), processors=1)
     spans = [(e.kind, e.stage, e.start_s, e.end_s) for e in res.events if e.kind in ("forward", "backward")]
-    assert spans == [("forward", 0, 0.0, 1.0), ("forward", 1, 1.0, 2.0), ("backward", 1, 2.0, 4.0), ("backward", 0, 4.0, 6.0)]
+    assert spans == [
+        ("forward", 0, 0.0, 1.0),
+        ("forward", 1, 1.0, 2.0),
+        ("backward", 1, 2.0, 4.0),
+        ("backward", 0, 4.0, 6.0),
+    ]
     # 2 micro-batches: F0(m1) and F1(m0) overlap on [1, 3] at half speed each.
     res = simulate(chain_plan(2, schedule="gpipe", M=2), table([block(0, 1.0, 2.0), block(1, 1.0, 2.0)]), processors=1)
     f = {(e.stage, e.microbatch): (e.start_s, e.end_s) for e in res.events if e.kind == "forward"}
@@ -328,7 +363,11 @@ def test_planner_predicts_the_simulated_data_parallel_iteration_on_equal_stages(
     from omnibal_compile.planning import evaluate, problem_from_costs
 
     costs = table([block(i, 1.0, 2.0, static=16_000) for i in range(4)], bw=1000.0)
-    for layout in (DataParallel(size=4, shard="ddp"), DataParallel(size=4, shard="fsdp"), DataParallel(size=4, shard="fsdp", reshard_after_forward=False)):
+    for layout in (
+        DataParallel(size=4, shard="ddp"),
+        DataParallel(size=4, shard="fsdp"),
+        DataParallel(size=4, shard="fsdp", reshard_after_forward=False),
+    ):
         P = problem_from_costs(costs, num_stages=4, num_microbatches=8, data_parallel=layout)
         sol = evaluate(P, (0, 1, 2, 3, 4), ["none"] * 4)
         plan = dp_plan(4, 8, "1f1b", layout.size, layout.shard, layout.reshard_after_forward)
@@ -371,7 +410,13 @@ def test_result_values_are_frozen_and_the_summary_prints_mib():
     assert sim.peak_memory_bytes[0] == 3 << 20 and "3.0" in sim.summary().splitlines()[2]
     cost = StageCost(forward_s=1.0, backward_s=1.0, recompute_s=0.0, send_s=0.0, activation_bytes=0, workspace_bytes=0,
                      static_bytes=0)
-    assert (cost.gathered_bytes, cost.op_gather_s, cost.step_gather_s, cost.reduce_s, cost.running_bytes) == (0, 0.0, 0.0, 0.0, None)
+    assert (cost.gathered_bytes, cost.op_gather_s, cost.step_gather_s, cost.reduce_s, cost.running_bytes) == (
+        0,
+        0.0,
+        0.0,
+        0.0,
+        None,
+    )
 
 
 def test_fsdp_stage_holds_its_largest_blocks_gathered_weights():

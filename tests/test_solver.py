@@ -364,11 +364,19 @@ def dp_problems(draw):
     for i in range(n):
         f = draw(st.floats(0.1, 5))
         a = draw(st.integers(0, GiB))
-        blocks.append(BlockCost(
-            name=f"b{i}", kind="layer", flops=f * 1e12, num_params=0, static_bytes=16 * draw(st.integers(2**16, GiB // 8)),
-            forward_s=f, backward_s=2 * f, activation_bytes={"none": a, "selective": a // 2, "full": a // 8},
-            recompute_s={"none": 0.0, "selective": draw(st.floats(0, f / 2)), "full": f},
-        ))
+        blocks.append(
+            BlockCost(
+                name=f"b{i}",
+                kind="layer",
+                flops=f * 1e12,
+                num_params=0,
+                static_bytes=16 * draw(st.integers(2**16, GiB // 8)),
+                forward_s=f,
+                backward_s=2 * f,
+                activation_bytes={"none": a, "selective": a // 2, "full": a // 8},
+                recompute_s={"none": 0.0, "selective": draw(st.floats(0, f / 2)), "full": f},
+            )
+        )
     costs = CostTable(blocks=tuple(blocks), cut_bytes=(0, *[draw(st.integers(0, GiB // 8)) for _ in range(n - 1)], 0),
                       link_bandwidth=draw(st.sampled_from([0.5, 2.0, 8.0])) * GiB, device="test", source="profiled")
     layout = DataParallel(size=draw(st.sampled_from([2, 4])), shard=draw(st.sampled_from(["ddp", "fsdp"])),
@@ -376,7 +384,9 @@ def dp_problems(draw):
     free = problem_from_costs(costs, num_stages=S, num_microbatches=M, schedule=schedule, data_parallel=layout)
     _, _, needed = least_memory_split(free)
     budget = needed * draw(st.sampled_from([1.0, 1.05, 1.3, 3.0])) + 1
-    return problem_from_costs(costs, num_stages=S, num_microbatches=M, schedule=schedule, budget=budget, data_parallel=layout)
+    return problem_from_costs(
+        costs, num_stages=S, num_microbatches=M, schedule=schedule, budget=budget, data_parallel=layout
+    )
 
 
 def _at_the_rounding_allowance() -> PartitionProblem:
@@ -385,10 +395,23 @@ def _at_the_rounding_allowance() -> PartitionProblem:
     from omnibal_compile.ir.costs import DataParallel
 
     return PartitionProblem(
-        names=("b0", "b1"), kinds=("layer", "layer"), time=((3.0, 3.0, 4.0), (3.0, 3.0, 4.0)),
-        act=((4, 2, 0), (0, 0, 0)), static=(1048576, 998950336), cut_time=(0.0, 0.0, 0.0), cut_bytes=(0, 0, 0),
-        num_params=(0, 0), flops=(1e12, 1e12), num_stages=1, num_microbatches=1, schedule="gpipe", virtual_stages=1,
-        budget=(999998913.0,), allowed=("none", "selective", "full"), gathered=(), sync=(0.000244140625, 0.23258624970912933),
+        names=("b0", "b1"),
+        kinds=("layer", "layer"),
+        time=((3.0, 3.0, 4.0), (3.0, 3.0, 4.0)),
+        act=((4, 2, 0), (0, 0, 0)),
+        static=(1048576, 998950336),
+        cut_time=(0.0, 0.0, 0.0),
+        cut_bytes=(0, 0, 0),
+        num_params=(0, 0),
+        flops=(1e12, 1e12),
+        num_stages=1,
+        num_microbatches=1,
+        schedule="gpipe",
+        virtual_stages=1,
+        budget=(999998913.0,),
+        allowed=("none", "selective", "full"),
+        gathered=(),
+        sync=(0.000244140625, 0.23258624970912933),
         data_parallel=DataParallel(size=2, shard="ddp", reshard_after_forward=False),
     )
 
@@ -407,7 +430,9 @@ def test_dp_and_ilp_match_brute_force_under_data_parallelism(P):
     ilp = solve_ilp(P, time_limit=30, gap=1e-9, solver="cbc")
     assert ilp.feasible and close(ilp.iteration_time, oracle.iteration_time), (ilp, oracle)
     assert close(solve(P, "ilp").iteration_time, oracle.iteration_time)
-    assert dp.sync_time > 0 and close(dp.iteration_time - dp.sync_time, sum(dp.stage_time) + (P.num_microbatches - 1) * max(dp.stage_time))
+    assert dp.sync_time > 0 and close(
+        dp.iteration_time - dp.sync_time, sum(dp.stage_time) + (P.num_microbatches - 1) * max(dp.stage_time)
+    )
 
 
 def test_fsdp_lowers_memory_and_fits_a_tighter_budget():
@@ -417,10 +442,14 @@ def test_fsdp_lowers_memory_and_fits_a_tighter_budget():
     blocks = [BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=GiB // 16, static_bytes=GiB, forward_s=1.0,
                         backward_s=2.0, activation_bytes={"none": GiB // 4, "selective": GiB // 8, "full": GiB // 32},
                         recompute_s={"none": 0.0, "selective": 0.2, "full": 1.0}) for i in range(8)]
-    costs = CostTable(blocks=tuple(blocks), cut_bytes=(0,) * 9, link_bandwidth=10 * GiB, device="test", source="profiled")
+    costs = CostTable(
+        blocks=tuple(blocks), cut_bytes=(0,) * 9, link_bandwidth=10 * GiB, device="test", source="profiled"
+    )
     need = {}
     for size in (1, 2, 4, 8):
-        P = problem_from_costs(costs, num_stages=4, num_microbatches=8, data_parallel=DataParallel(size=size, shard="fsdp"))
+        P = problem_from_costs(
+            costs, num_stages=4, num_microbatches=8, data_parallel=DataParallel(size=size, shard="fsdp")
+        )
         need[size] = least_memory_split(P)[2]
     assert need[1] > need[2] > need[4] > need[8]
     budget = (need[2] + need[4]) / 2
@@ -486,13 +515,20 @@ def test_stage_time_bound_is_tight_for_equal_stages_and_cut_times_come_from_the_
     # Equal 2-layer stages of 2 s: 1F1B (8 + 4 - 1) x 2 s; interleaved 2 x 2 chunks: (2 x 8 + 2 - 1) x 2 s,
     # a device's two chunks take 4 s. The bound is the optimum's own stage (device) time.
     assert stage_time_bound(equal_problem(), (8 + 4 - 1) * 2.0) == pytest.approx(2.0)
-    assert stage_time_bound(equal_problem(S=4, schedule="interleaved", v=2), (2 * 8 + 2 - 1) * 2.0) == pytest.approx(4.0)
+    assert stage_time_bound(equal_problem(S=4, schedule="interleaved", v=2), (2 * 8 + 2 - 1) * 2.0) == pytest.approx(
+        4.0
+    )
     blocks = tuple(BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=0, static_bytes=0, forward_s=1.0,
                              backward_s=2.0, activation_bytes={"none": 0, "selective": 0, "full": 0},
                              recompute_s={"none": 0.0, "selective": 0.0, "full": 1.0}) for i in range(3))
     costs = CostTable(blocks=blocks, cut_bytes=(8, 4, 6, 2), link_bandwidth=2.0, device="test", source="profiled")
     P = problem_from_costs(costs, num_stages=2, num_microbatches=2)
-    assert P.cut_time == (0.0, 2.0, 3.0, 0.0) and P.cut_bytes == (0, 4, 6, 0)  # the model's own inputs and outputs are not sent
+    assert P.cut_time == (0.0, 2.0, 3.0, 0.0) and P.cut_bytes == (
+        0,
+        4,
+        6,
+        0,
+    )  # the model's own inputs and outputs are not sent
     sol = evaluate(P, (0, 1, 3), ("none",) * 3)
     assert (sol.solve_seconds, sol.planner, sol.gap) == (0.0, "", None)  # an evaluation, not a solve
 
@@ -615,7 +651,9 @@ def test_predicted_peak_never_exceeds_the_bound(P, data):
     frac = data.draw(st.lists(st.floats(0, 1), min_size=3 * n, max_size=3 * n))
     peak = tuple(tuple(P.act[i][o] + int(frac[3 * i + o] * q[i]) for o in range(3)) for i in range(n))
     with_peaks = dataclasses.replace(P, workspace=tuple(float(x) for x in q), peak=peak)
-    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, n - 1)), min_size=P.num_stages - 1, max_size=P.num_stages - 1)))
+    cuts = sorted(
+        data.draw(st.sets(st.integers(1, max(1, n - 1)), min_size=P.num_stages - 1, max_size=P.num_stages - 1))
+    )
     b = (0, *cuts, n)
     rec = [OPTIONS[o] for o in data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))]
     sol = evaluate(with_peaks, b, rec)
@@ -687,8 +725,11 @@ def test_dp_counts_a_slow_link_on_both_stages_it_joins():
     # GPipe, M = 4, blocks 2, 3, 1, 3 s, the link after block 2 costs 2 s on both stages it joins:
     #   cut at 1: 2 | 7 -> 9 + 3 x 7 = 30;  cut at 2: 5 + 2 | 4 + 2 -> 13 + 3 x 7 = 34;  cut at 3: 6 | 3 -> 27 (best).
     # Without the link on the stage before it, the cut at 2 would look like 3 | 6 -> 27, a tie.
-    P = dataclasses.replace(equal_problem(n=4, S=2, M=4, schedule="gpipe"), time=tuple((f, f, f) for f in (2.0, 3.0, 1.0, 3.0)),
-                            cut_time=(0.0, 0.0, 2.0, 0.0, 0.0))
+    P = dataclasses.replace(
+        equal_problem(n=4, S=2, M=4, schedule="gpipe"),
+        time=tuple((f, f, f) for f in (2.0, 3.0, 1.0, 3.0)),
+        cut_time=(0.0, 0.0, 2.0, 0.0, 0.0),
+    )
     for b, want in (((0, 1, 4), 30.0), ((0, 2, 4), 34.0), ((0, 3, 4), 27.0)):
         assert evaluate(P, b, ("none",) * 4).iteration_time == pytest.approx(want)
     sol = solve_dp(P)
@@ -708,7 +749,9 @@ def test_dp_without_data_parallelism_adds_no_sync_term():
     #   cut at 3: [0, 3) none, full, full: 3 + 2 x 4.5 = 12 GiB, 1.25 s | 1.25 s -> 2.5 + 2 x 1.25 = 5.0 s (best)
     #   cut at 2: [0, 2) selective x 2: 2 + 2 x 4 = 10 GiB, 0.75 s | [2, 4) none 1.5 s -> 2.25 + 2 x 1.5 = 5.25 s
     # A sync term of one per block (D = the larger stage's block count, 3 against 2) would pick the second.
-    P = dataclasses.replace(equal_problem(n=4, S=2, M=3, budget=12 * GiB), time=tuple((f, 1.5 * f, 2 * f) for f in (0.25, 0.25, 0.25, 1.25)))
+    P = dataclasses.replace(
+        equal_problem(n=4, S=2, M=3, budget=12 * GiB), time=tuple((f, 1.5 * f, 2 * f) for f in (0.25, 0.25, 0.25, 1.25))
+    )
     assert evaluate(P, (0, 2, 4), ("selective", "selective", "none", "none")).iteration_time == pytest.approx(5.25)
     sol = solve_dp(P)
     assert sol.boundaries == (0, 3, 4) and sol.iteration_time == pytest.approx(5.0)  # (which block keeps all is a tie)
@@ -780,23 +823,29 @@ def _one_block_frontier(options, slack: float) -> list[tuple[float, float]]:
     return sorted(zip(F.acts[0][0].tolist(), F.times[0][0].tolist()))
 
 
-@pytest.mark.parametrize("options,slack,kept", [
-    # (act, time) of none, selective, full; kept points as (act, time)
-    (((300, 1.04), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),                 # strict: no slower with more
-    (((300, 1.04), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0), (300, 1.04)]),    # within 10% of 1.0
-    (((300, 1.2), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0)]),                  # 1.2 x 0.9 > 1.0
-    (((300, 2.0), (200, 1.0), (100, 3.0)), 0.5, [(100, 3.0), (200, 1.0), (300, 2.0)]),      # 2.0 x 0.5 == 1.0: kept
-    (((300, 1.0), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),                  # equal time, more act
-    (((100, 1.0), (200, 1.0), (300, 1.0)), 0.1, [(100, 1.0), (200, 1.0), (300, 1.0)]),      # same time, other acts
-    (((300, 1.0), (300, 1.02), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0), (300, 1.02)]),    # same act, other times
-    (((300, 1e-6), (300, 1.0001e-6), (100, 2e-6)), 0.1,                                       # a tenth of a ns apart
-     [(100, 2e-6), (300, 1e-6), (300, 1.0001e-6)]),
-    (((300, 1.0), (300, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0)]),                  # an exact repeat: once
-    # strict frontiers drop a point less than 1e-15 x max(1, time) faster than one with less activation
-    (((200, 1e-6 - 5e-16), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6)]),                   # absolute 1e-15 below 1 s
-    (((200, 1000.0 - 5e-13), (100, 1000.0), (100, 1000.0)), 0.0, [(100, 1000.0)]),           # relative 1e-15 above
-    (((200, 1e-6 - 2e-15), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6), (200, 1e-6 - 2e-15)]),  # past it: kept
-])
+@pytest.mark.parametrize(
+    "options,slack,kept",
+    [
+        # (act, time) of none, selective, full; kept points as (act, time)
+        (((300, 1.04), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),  # strict: no slower with more
+        (((300, 1.04), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0), (300, 1.04)]),  # within 10% of 1.0
+        (((300, 1.2), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0)]),  # 1.2 x 0.9 > 1.0
+        (((300, 2.0), (200, 1.0), (100, 3.0)), 0.5, [(100, 3.0), (200, 1.0), (300, 2.0)]),  # 2.0 x 0.5 == 1.0: kept
+        (((300, 1.0), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),  # equal time, more act
+        (((100, 1.0), (200, 1.0), (300, 1.0)), 0.1, [(100, 1.0), (200, 1.0), (300, 1.0)]),  # same time, other acts
+        (((300, 1.0), (300, 1.02), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0), (300, 1.02)]),  # same act, other times
+        (
+            ((300, 1e-6), (300, 1.0001e-6), (100, 2e-6)),
+            0.1,  # a tenth of a ns apart
+            [(100, 2e-6), (300, 1e-6), (300, 1.0001e-6)],
+        ),
+        (((300, 1.0), (300, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0)]),  # an exact repeat: once
+        # strict frontiers drop a point less than 1e-15 x max(1, time) faster than one with less activation
+        (((200, 1e-6 - 5e-16), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6)]),  # absolute 1e-15 below 1 s
+        (((200, 1000.0 - 5e-13), (100, 1000.0), (100, 1000.0)), 0.0, [(100, 1000.0)]),  # relative 1e-15 above
+        (((200, 1e-6 - 2e-15), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6), (200, 1e-6 - 2e-15)]),  # past it: kept
+    ],
+)
 def test_slack_frontier_of_one_block_by_hand(options, slack, kept):
     """The tie-break's near-optimal frontier: a point is dropped only when one with no more activation is
     more than ``slack`` faster, or when it repeats an earlier point (same activation, same time to 1e-9 of
@@ -822,15 +871,25 @@ def test_cold_ilp_finds_a_plan_whose_send_times_are_below_highs_matrix_tolerance
     to 1e-5 of the bottleneck, at HiGHS's tolerances: it called the model infeasible until the model
     left out times under ``ilp.NEGLIGIBLE``."""
     P = PartitionProblem(
-        names=("b0", "b1", "b2", "b3"), kinds=("layer", "module", "layer", "module"),
-        time=((0.5, 0.9140836173076904, 1.503663365020385), (0.44624505176508644, 0.44624505176508644, 0.4462451113697312),
-              (3.601071239556333, 4.065963654839117, 9.687044782842023), (2.9977774171950484, 3.4977774171950484, 5.468617894569768)),
+        names=("b0", "b1", "b2", "b3"),
+        kinds=("layer", "module", "layer", "module"),
+        time=(
+            (0.5, 0.9140836173076904, 1.503663365020385),
+            (0.44624505176508644, 0.44624505176508644, 0.4462451113697312),
+            (3.601071239556333, 4.065963654839117, 9.687044782842023),
+            (2.9977774171950484, 3.4977774171950484, 5.468617894569768),
+        ),
         act=((2631993, 47577, 167), (2338, 138, 44), (54785, 300, 112), (38125, 0, 0)),
         static=(185389626, 4294967295, 11716020, 47862),
         cut_time=(0.0, 1.9744038581848146e-09, 1.0275840759277344e-05, 4.9024689942598343e-05, 0.0),
-        cut_bytes=(0, 106, 551680, 2631993, 0), num_params=(11586851, 268435455, 732251, 2991),
+        cut_bytes=(0, 106, 551680, 2631993, 0),
+        num_params=(11586851, 268435455, 732251, 2991),
         flops=(500000000000.0, 446245051765.0864, 3601071239556.333, 2997777417195.0483),
-        num_stages=4, num_microbatches=4, schedule="1f1b", budget=(4296622672.740733,) * 4)
+        num_stages=4,
+        num_microbatches=4,
+        schedule="1f1b",
+        budget=(4296622672.740733,) * 4,
+    )
     dp = solve_dp(P)
     assert (dp.boundaries, dp.recompute) == ((0, 1, 2, 3, 4), ("none", "full", "none", "none"))
     ilp = solve_ilp(P, time_limit=30, gap=1e-9)

@@ -91,7 +91,9 @@ def _perturbed(costs: CostTable, sigma: float, rng: random.Random) -> CostTable:
     factor: dict[str, tuple[float, float, float]] = {}
     blocks = []
     for b in costs.blocks:
-        f, g, h = factor.setdefault(b.signature, (1 + rng.gauss(0, sigma), 1 + rng.gauss(0, sigma), 1 + rng.gauss(0, sigma / 3)))
+        f, g, h = factor.setdefault(
+            b.signature, (1 + rng.gauss(0, sigma), 1 + rng.gauss(0, sigma), 1 + rng.gauss(0, sigma / 3))
+        )
         fwd = b.forward_s * f
         blocks.append(dataclasses.replace(
             b, forward_s=fwd, backward_s=b.backward_s * g,
@@ -120,10 +122,10 @@ def test_two_cost_passes_on_cpu_give_the_demo_the_same_plan():
     """The acceptance check of issue 17: the demo's model costed twice on this CPU, planned as the demo does."""
     import torch
 
-    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
     from omnibal_compile.costs.annotate import annotate_costs
+    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.planning.build import plan_with_costs
 
     torch.manual_seed(0)
@@ -143,6 +145,10 @@ def test_two_cost_passes_on_cpu_give_the_demo_the_same_plan():
     # full-suite runs on the quiet machine); a disagreement is measured again once, so the check fails only
     # when two pairs of passes in a row disagree (without the tie-break, most pairs do).
     first = two_passes()
-    plans = first if first[0].boundaries == first[1].boundaries and first[0].recompute == first[1].recompute else two_passes()
+    plans = (
+        first
+        if first[0].boundaries == first[1].boundaries and first[0].recompute == first[1].recompute
+        else two_passes()
+    )
     assert [(p.boundaries, p.recompute) for p in plans[1:]] == [(plans[0].boundaries, plans[0].recompute)], first
     assert "tie-break" in plans[0].notes

@@ -31,7 +31,9 @@ __all__ = ["BenchScript", "BenchResult", "KINDS", "QUICK_ARGS", "FULL_ARGS", "di
            "write_results", "default_bench_dir"]
 
 KINDS: dict[str, str] = {
-    "ablation_cpu.py": "measured and simulated (the data/partition/memory ablation on local CPU ranks vs the simulator)",
+    "ablation_cpu.py": (
+        "measured and simulated (the data/partition/memory ablation on local CPU ranks vs the simulator)"
+    ),
     "cost_accuracy.py": "measured on this CPU (profiled block costs vs whole-model runs)",
     "cost_stability.py": "measured on this CPU (repeated cost passes: plan and predicted iteration time run to run)",
     "gpu_check.sh": "measured on a GPU (kernels, cost pass vs roofline, optimize and parity on CUDA)",
@@ -51,7 +53,17 @@ KINDS: dict[str, str] = {
 
 FULL_ARGS: dict[str, tuple[str, ...]] = {
     "data_balance.py": ("--no-progress",),
-    "mutation.py": ("--module", "sampler", "--module", "metrics", "--module", "recompute", "--max-mutants", "8", "--sample"),
+    "mutation.py": (
+        "--module",
+        "sampler",
+        "--module",
+        "metrics",
+        "--module",
+        "recompute",
+        "--max-mutants",
+        "8",
+        "--sample",
+    ),
     "sim_vs_real.py": ("--ranks", "2", "4"),
 }
 """Flags every run passes (e.g. no progress bars in a log)."""
@@ -128,11 +140,24 @@ def discover(bench_dir: Path, *, quick: bool = False, include_kernels: bool = Fa
                                        quick=quick and path.name in QUICK_ARGS))
         else:
             gpu = shutil.which("nvidia-smi") is not None
-            scripts.append(BenchScript(name=path.name, argv=("bash", str(path), *flags), display=" ".join(("bash", rel)),
-                                       kind=kind, skip_reason="" if gpu else "needs an NVIDIA GPU (no nvidia-smi here)"))
+            scripts.append(
+                BenchScript(
+                    name=path.name,
+                    argv=("bash", str(path), *flags),
+                    display=" ".join(("bash", rel)),
+                    kind=kind,
+                    skip_reason="" if gpu else "needs an NVIDIA GPU (no nvidia-smi here)",
+                )
+            )
     if include_kernels:
-        scripts.append(BenchScript(name="kernels", argv=(sys.executable, "-m", "omnibal_compile.cli", "bench", "kernels"),
-                                   display="omnibal-compile bench kernels", kind=KINDS["kernels"]))
+        scripts.append(
+            BenchScript(
+                name="kernels",
+                argv=(sys.executable, "-m", "omnibal_compile.cli", "bench", "kernels"),
+                display="omnibal-compile bench kernels",
+                kind=KINDS["kernels"],
+            )
+        )
     return scripts
 
 
@@ -151,7 +176,9 @@ def run_script(script: BenchScript, *, cwd: Path, timeout: float) -> BenchResult
         os.killpg(proc.pid, signal.SIGKILL)  # the script and whatever it launched
         out, _ = proc.communicate()
         status = f"timed out after {timeout:.0f} s"
-    return BenchResult(script=script, status=status, seconds=time.perf_counter() - start, output=_ANSI.sub("", out or ""))
+    return BenchResult(
+        script=script, status=status, seconds=time.perf_counter() - start, output=_ANSI.sub("", out or "")
+    )
 
 
 def _machine() -> str:
@@ -169,7 +196,9 @@ def _machine() -> str:
 def _commit(cwd: Path) -> str:
     """The checked-out commit, and whether tracked files differ from it (what actually ran)."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=cwd, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown commit"
@@ -178,7 +207,9 @@ def _commit(cwd: Path) -> str:
     return f"commit {rev.stdout.strip()}" + (" with uncommitted changes" if dirty.returncode == 1 else "")
 
 
-def write_results(results: Sequence[BenchResult], path: Path, *, command: str, commit: str, started: dt.datetime) -> None:
+def write_results(
+    results: Sequence[BenchResult], path: Path, *, command: str, commit: str, started: dt.datetime
+) -> None:
     """The results page: machine, date, a summary table, then each script's command, kind and output."""
     quick = [r.script.name for r in results if r.script.quick]
     lines = [

@@ -36,6 +36,7 @@ Glossary:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tempfile
 import time
@@ -44,13 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import dataclasses
-
 import numpy as np
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable, Precision
-from omnibal_compile.costs.devices import DeviceSpec, get_device
-from omnibal_compile.errors import InputError
+from omnibal_compile._utils.tables import format_table
 from omnibal_compile.costs.analytic import (
     BLOCK_TYPES,
     MicroBatch,
@@ -60,8 +57,10 @@ from omnibal_compile.costs.analytic import (
     tensor_parallel_costs,
     type_costs,
 )
+from omnibal_compile.costs.devices import DeviceSpec, get_device
 from omnibal_compile.costs.shapes import FEATURES, BatchShape
-from omnibal_compile._utils.tables import format_table
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, CostTable, Precision
 
 __all__ = ["FAMILIES", "FIT_SHAPES", "CHECK_SHAPES", "DIFFERENCES", "CompiledCosts", "family_of", "hf_config",
            "block_types", "compile_costs", "format_difference"]
@@ -98,7 +97,9 @@ def family_of(spec: VLMSpec) -> str:
     for family in FAMILIES:
         if spec.name.lower().startswith(family):
             return family
-    raise InputError(f"no Hugging Face family for model {spec.name!r}: its name must start with one of {list(FAMILIES)}")
+    raise InputError(
+        f"no Hugging Face family for model {spec.name!r}: its name must start with one of {list(FAMILIES)}"
+    )
 
 
 def _tokens_per_tile(spec: VLMSpec) -> int:
@@ -120,7 +121,9 @@ def hf_config(spec: VLMSpec, *, vision_layers: int, llm_layers: int) -> tuple[st
                           max_position_embeddings=32768, use_cache=False, tie_word_embeddings=False)
     if family == "internvl":
         if not p.norm or 4 * v.width != p.in_width:
-            raise InputError(f"{spec.name}: an InternVL projector has a LayerNorm over 4 x the ViT width (pixel shuffle 0.5)")
+            raise InputError(
+                f"{spec.name}: an InternVL projector has a LayerNorm over 4 x the ViT width (pixel shuffle 0.5)"
+            )
         vision = tf.InternVLVisionConfig(hidden_size=v.width, intermediate_size=v.mlp, num_hidden_layers=vision_layers,
                                          num_attention_heads=v.heads, use_qk_norm=True, norm_type="rms_norm",
                                          image_size=image, patch_size=v.patch_size, use_mean_pooling=False,
@@ -132,8 +135,14 @@ def hf_config(spec: VLMSpec, *, vision_layers: int, llm_layers: int) -> tuple[st
     vision = tf.CLIPVisionConfig(hidden_size=v.width, intermediate_size=v.mlp, num_hidden_layers=vision_layers,
                                  num_attention_heads=v.heads, image_size=image, patch_size=v.patch_size,
                                  hidden_act=v.activation)
-    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=vocab - 1, vision_feature_layer=-1,
-                            image_seq_length=spec.image_tokens_per_tile, tie_word_embeddings=False)
+    config = tf.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=vocab - 1,
+        vision_feature_layer=-1,
+        image_seq_length=spec.image_tokens_per_tile,
+        tie_word_embeddings=False,
+    )
     return "LlavaForConditionalGeneration", config
 
 
@@ -208,7 +217,9 @@ class CompiledCosts:
                    tensor_parallel: int = 1) -> TypeCosts:
         """As :func:`omnibal_compile.costs.analytic.type_costs`, from the compiled tables."""
         if device.name != self.device:
-            raise InputError(f"these compiled costs are for {self.device}; the study asks for {device.name}: compile for it")
+            raise InputError(
+                f"these compiled costs are for {self.device}; the study asks for {device.name}: compile for it"
+            )
         x = self.features(tiles, tokens, attention_pairs)
 
         def q(t: str, name: str) -> np.ndarray:
@@ -230,8 +241,17 @@ class CompiledCosts:
         """As :func:`omnibal_compile.costs.analytic.cost_table`, from the compiled tables."""
         tc = self.type_costs(np.array([shape.tiles]), np.array([shape.tokens]), np.array([shape.attention_pairs]),
                              device=device, tensor_parallel=tensor_parallel)
-        return table_from_type_costs(self.model, tc, self.params, shape, device=device, precision=precision, link=link,
-                                     tensor_parallel=tensor_parallel, source="roofline, compiled from Hugging Face code")
+        return table_from_type_costs(
+            self.model,
+            tc,
+            self.params,
+            shape,
+            device=device,
+            precision=precision,
+            link=link,
+            tensor_parallel=tensor_parallel,
+            source="roofline, compiled from Hugging Face code",
+        )
 
 
 def _example(spec: VLMSpec, shape: BatchShape, image_token: int) -> dict[str, Any]:
@@ -316,13 +336,15 @@ def compile_costs(spec: VLMSpec, *, device: str | DeviceSpec = "a100-80gb", shap
                   check: Sequence[BatchShape] = CHECK_SHAPES, folder: str | Path | None = None) -> CompiledCosts:
     """Build ``spec``'s reduced Hugging Face model on ``meta`` from a config written to ``folder`` (a temporary
     one by default), cost it at ``shapes`` (and ``check``) for ``device`` and fit per-type costs (module glossary)."""
-    from omnibal_compile.models.load import load_model
     from omnibal_compile.costs.annotate import profile_costs
+    from omnibal_compile.models.load import load_model
 
     start = time.perf_counter()
     target = get_device(device)
     if len(set(shapes)) < len(FEATURES):
-        raise InputError(f"fitting {len(FEATURES)} features needs at least {len(FEATURES)} distinct shapes, got {len(set(shapes))}")
+        raise InputError(
+            f"fitting {len(FEATURES)} features needs at least {len(FEATURES)} distinct shapes, got {len(set(shapes))}"
+        )
     layers = 3
     cls, config = hf_config(spec, vision_layers=layers, llm_layers=layers)
     with tempfile.TemporaryDirectory() as tmp:
@@ -396,17 +418,27 @@ def format_difference(compiled: CompiledCosts, shape: MicroBatch, *, device: Dev
     lines = [("type", "params", "FLOPs", "fwd+bwd s", "/eager", "kept: none", "/eager", "selective", "full", "send",
               "named difference (compiled / analytic formulas)")]
     for t in BLOCK_TYPES:
-        def time(x: TypeCosts) -> float:
+        def time(x: TypeCosts, t: str = t) -> float:
             return float(x.forward_s[t][0] + x.backward_s[t][0])
 
-        def kept(x: TypeCosts, o: str) -> float:
+        def kept(x: TypeCosts, o: str, t: str = t) -> float:
             return float(x.activation_bytes[t][o][0])
 
-        lines.append((t, _ratio(compiled.params[t], params[t]), _ratio(float(c.flops[t][0]), float(fused.flops[t][0])),
-                      _ratio(time(c), time(fused)), _ratio(time(c), time(eager)), _ratio(kept(c, "none"), kept(fused, "none")),
-                      _ratio(kept(c, "none"), kept(eager, "none")), _ratio(kept(c, "selective"), kept(fused, "selective")),
-                      _ratio(kept(c, "full"), kept(fused, "full")), _ratio(float(c.out_bytes[t][0]), float(fused.out_bytes[t][0])),
-                      named.get(t, "")))
+        lines.append(
+            (
+                t,
+                _ratio(compiled.params[t], params[t]),
+                _ratio(float(c.flops[t][0]), float(fused.flops[t][0])),
+                _ratio(time(c), time(fused)),
+                _ratio(time(c), time(eager)),
+                _ratio(kept(c, "none"), kept(fused, "none")),
+                _ratio(kept(c, "none"), kept(eager, "none")),
+                _ratio(kept(c, "selective"), kept(fused, "selective")),
+                _ratio(kept(c, "full"), kept(fused, "full")),
+                _ratio(float(c.out_bytes[t][0]), float(fused.out_bytes[t][0])),
+                named.get(t, ""),
+            )
+        )
     head = (f"{compiled.model.name}: {compiled.hf_class} at the spec's widths, {compiled.layers} layers per stack, on "
             f"meta in bf16, costed for {compiled.device} at {compiled.shapes} shapes in {compiled.seconds:.0f} s; fit "
             f"error {compiled.fit_error:.1%}, {compiled.check_error:.1%} on unseen shapes; {compiled.notes}\n"

@@ -43,7 +43,10 @@ def fit_calibration(ideal: list[dict[str, float]], measured: list[float], classe
 
     x = np.array([[row.get(c, 0.0) for c in classes] for row in ideal])
     inv = fit_nonnegative(x, np.array(measured))
-    return {c: float(min(1.0, max(1e-3, 1 / v))) if v > 0 and x[:, k].any() else 1.0 for k, (c, v) in enumerate(zip(classes, inv))}
+    return {
+        c: float(min(1.0, max(1e-3, 1 / v))) if v > 0 and x[:, k].any() else 1.0
+        for k, (c, v) in enumerate(zip(classes, inv))
+    }
 
 
 def _errors(pred: list[float], meas: list[float]) -> dict[str, float]:
@@ -56,12 +59,12 @@ def _errors(pred: list[float], meas: list[float]) -> dict[str, float]:
 def check_costs(*, dry_run: bool, roofline: str) -> dict[str, Any]:
     import torch
 
-    from omnibal_compile.costs.devices import OP_CLASSES, get_device
-    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
-    from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
     from omnibal_compile.costs._measure import record_ops
+    from omnibal_compile.costs.annotate import annotate_costs, block_inputs, block_modules
+    from omnibal_compile.costs.devices import OP_CLASSES, get_device
+    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
     device = "cpu" if dry_run else "cuda"
     dtype = torch.float32 if dry_run else torch.bfloat16
@@ -141,22 +144,45 @@ def _report(results: dict[str, Any]) -> str:
     lines = []
     costs = results.get("costs", {})
     if "blocks" in costs:
-        lines.append(f"cost pass on {costs['device']} ({costs['dtype']}) vs the {costs['roofline']} roofline, per block "
-                     f"({costs['seconds']:.1f} s):")
-        rows = [("block", "measured fwd ms", "bwd ms", "roofline fwd ms", "measured/roofline", "bwd/fwd", "spread", "times of")]
+        lines.append(
+            f"cost pass on {costs['device']} ({costs['dtype']}) vs the {costs['roofline']} roofline, per block "
+            f"({costs['seconds']:.1f} s):"
+        )
+        rows = [
+            (
+                "block",
+                "measured fwd ms",
+                "bwd ms",
+                "roofline fwd ms",
+                "measured/roofline",
+                "bwd/fwd",
+                "spread",
+                "times of",
+            )
+        ]
         for b in costs["blocks"]:
-            rows.append((b["block"], f"{b['measured_fwd_ms']:.3f}", f"{b['measured_bwd_ms']:.3f}", f"{b['roofline_fwd_ms']:.4f}",
-                         f"{b['ratio_fwd']:.2f}" if b["ratio_fwd"] is not None else "-",
-                         f"{b['bwd_over_fwd']:.2f}" if b["bwd_over_fwd"] is not None else "-",
-                         f"{b['spread']:.1%}", b["times_of"]))
+            rows.append(
+                (
+                    b["block"],
+                    f"{b['measured_fwd_ms']:.3f}",
+                    f"{b['measured_bwd_ms']:.3f}",
+                    f"{b['roofline_fwd_ms']:.4f}",
+                    f"{b['ratio_fwd']:.2f}" if b["ratio_fwd"] is not None else "-",
+                    f"{b['bwd_over_fwd']:.2f}" if b["bwd_over_fwd"] is not None else "-",
+                    f"{b['spread']:.1%}",
+                    b["times_of"],
+                )
+            )
         lines.append(format_table(rows, "lrrrrrrl"))
         cal = " ".join(f"{c} {costs['calibration_before'][c]:.2f} -> {costs['calibration_fitted'][c]:.3f}"
                        for c in costs["calibration_fitted"])
         lines.append(f"calibration (fraction of the roofline reached) before -> fitted: {cal}")
         eb, ea = costs["error_before"], costs["error_after"]
-        lines.append(f"forward-time error of the roofline over {len(costs['fitted_on'])} blocks: median {eb['median']:.1%}, "
-                     f"worst {eb['worst']:.1%} with the default calibration; median {ea['median']:.1%}, worst "
-                     f"{ea['worst']:.1%} with the fitted one")
+        lines.append(
+            f"forward-time error of the roofline over {len(costs['fitted_on'])} blocks: median {eb['median']:.1%}, "
+            f"worst {eb['worst']:.1%} with the default calibration; median {ea['median']:.1%}, worst "
+            f"{ea['worst']:.1%} with the fitted one"
+        )
     parity = results.get("parity", {})
     if "report" in parity:
         lines.append(f"\noptimize() on {parity['device']} (4 stages, ILP, Triton kernels), {parity['seconds']:.1f} s:")
@@ -171,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.studies.gpu_check", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json")
     ap.add_argument("--dry-run", action="store_true", help="run on the CPU with the small reference VLM (no CUDA)")
-    ap.add_argument("--roofline", default="h200", help="roofline target the measurements are compared with (default h200)")
+    ap.add_argument(
+        "--roofline", default="h200", help="roofline target the measurements are compared with (default h200)"
+    )
     args = ap.parse_args(argv)
     import torch
 

@@ -1,4 +1,5 @@
-"""Paper-scale layout search (SIMULATED): analytic block costs per micro-batch size for :func:`omnibal_compile.planning.layout.search_layout`.
+"""Paper-scale layout search (SIMULATED): analytic block costs per micro-batch size for
+:func:`omnibal_compile.planning.layout.search_layout`.
 
 A micro-batch of ``b`` samples is costed as a balanced pack of ``b`` samples of the mean shape of the
 length statistics (tiles, LLM tokens and causal attention pairs per sample times ``b``: a pack attends
@@ -11,10 +12,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from omnibal_compile.ir.costs import BF16_ADAM, CostTable, Precision
-from omnibal_compile.data.lengths import LengthStats, bundled_length_files, load_lengths
-from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.costs.analytic import MicroBatch, VLMSpec, cost_table
+from omnibal_compile.costs.devices import A100_80G, DeviceSpec
+from omnibal_compile.data.lengths import LengthStats, bundled_length_files, load_lengths
+from omnibal_compile.ir.costs import BF16_ADAM, CostTable, Precision
 
 __all__ = ["sample_costs", "paper_layout_times", "PAPER_GLOBAL_BATCH", "PAPER_BUDGET_FRACTION"]
 
@@ -25,7 +26,11 @@ PAPER_BUDGET_FRACTION = 0.9
 
 
 def sample_costs(
-    model: VLMSpec, stats: LengthStats | None = None, *, device: DeviceSpec = A100_80G, precision: Precision = BF16_ADAM,
+    model: VLMSpec,
+    stats: LengthStats | None = None,
+    *,
+    device: DeviceSpec = A100_80G,
+    precision: Precision = BF16_ADAM,
 ) -> Callable[[int], CostTable]:
     """``b -> CostTable`` of a micro-batch of ``b`` mean samples of ``stats`` (default: the bundled statistics)."""
     stats = stats if stats is not None else load_lengths(bundled_length_files())
@@ -40,23 +45,27 @@ def sample_costs(
     return costs
 
 
-def paper_layout_times(costs: Callable[[int], CostTable], budget: float, device: DeviceSpec = A100_80G) -> dict[str, float]:
+def paper_layout_times(
+    costs: Callable[[int], CostTable], budget: float, device: DeviceSpec = A100_80G
+) -> dict[str, float]:
     """Predicted seconds per sample of the paper's layout (PP 8 x DP 16, 1F1B, 16 micro-batches of 4 samples),
     planned by the exact DP and simulated, under each data-parallel layout whose simulated peak fits ``budget``."""
     import dataclasses
 
-    from omnibal_compile.planning.layout import Layout
-    from omnibal_compile.planning.build import plan_from_solution
-    from omnibal_compile.sim import simulate
     from omnibal_compile.planning import problem_from_costs
+    from omnibal_compile.planning.build import plan_from_solution
     from omnibal_compile.planning.dp import solve_dp
+    from omnibal_compile.planning.layout import Layout
+    from omnibal_compile.sim import simulate
 
     out = {}
     for name in ("fsdp", "fsdp-kept", "ddp"):
         lay = Layout(pp=8, dp=16, dp_layout=name, microbatch_size=4, num_microbatches=16)
         t = dataclasses.replace(costs(4), link_bandwidth=device.link_bandwidth("nvlink"),
                                 dp_link_bandwidth=device.link_bandwidth("infiniband"))
-        problem = problem_from_costs(t, num_stages=8, num_microbatches=16, budget=budget, data_parallel=lay.data_parallel)
+        problem = problem_from_costs(
+            t, num_stages=8, num_microbatches=16, budget=budget, data_parallel=lay.data_parallel
+        )
         sim = simulate(plan_from_solution(solve_dp(problem), t, problem), t)
         if max(sim.peak_memory_bytes) <= budget:
             out[lay.describe()] = sim.iteration_time_s / PAPER_GLOBAL_BATCH

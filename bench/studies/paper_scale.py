@@ -62,20 +62,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, DataParallel, Precision
+from omnibal_compile._utils.tables import format_table
+from omnibal_compile.costs.analytic import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
+from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.isf import isf_pack, isf_search
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats
 from omnibal_compile.data.metrics import pack_loads
 from omnibal_compile.data.packing import Packing, length_grouped_batches, random_batches
-from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.costs.analytic import BLOCK_TYPES, MicroBatch, TypeCosts, VLMSpec, cost_table, type_costs
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, DataParallel, Precision
 from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile.sim.simulate import operation_order
 from omnibal_compile.planning import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries
 from omnibal_compile.planning.baselines import min_max_partition
-from omnibal_compile._utils.tables import format_table
+from omnibal_compile.sim.simulate import operation_order
 
 if TYPE_CHECKING:
     from bench.studies.compiled_costs import CompiledCosts
@@ -122,8 +122,16 @@ VLM layout puts the vision encoder on the first stage, under "3D parallelism" (T
 and the paper's steps are ISF, its search partition and per-stage recomputation."""
 
 
-def _source_costs(model: VLMSpec, costs: CompiledCosts | None, tiles: np.ndarray, tokens: np.ndarray, pairs: np.ndarray, *,
-                  device: DeviceSpec, tensor_parallel: int) -> TypeCosts:
+def _source_costs(
+    model: VLMSpec,
+    costs: CompiledCosts | None,
+    tiles: np.ndarray,
+    tokens: np.ndarray,
+    pairs: np.ndarray,
+    *,
+    device: DeviceSpec,
+    tensor_parallel: int,
+) -> TypeCosts:
     """Per-type costs from compiled tables when given, else from the analytic formulas of ``model``."""
     if costs is not None:
         return costs.type_costs(tiles, tokens, pairs, device=device, tensor_parallel=tensor_parallel)
@@ -173,10 +181,14 @@ class Setup:
 
     def __post_init__(self) -> None:
         if self.costs is not None and self.costs.model != self.model:
-            raise InputError(f"the compiled costs are of {self.costs.model.name}, the setup's model is {self.model.name}")
+            raise InputError(
+                f"the compiled costs are of {self.costs.model.name}, the setup's model is {self.model.name}"
+            )
         per_step = self.dp * self.samples_per_microbatch
         if self.global_batch % per_step or self.global_batch // per_step < 1:
-            raise InputError(f"global_batch {self.global_batch} must be a multiple of dp x samples_per_microbatch = {per_step}")
+            raise InputError(
+                f"global_batch {self.global_batch} must be a multiple of dp x samples_per_microbatch = {per_step}"
+            )
         try:  # the study runs 1F1B: the schedule's own rules
             Schedule(kind="1f1b", num_microbatches=self.microbatches).check(self.pp)
         except PlanError as e:
@@ -222,7 +234,8 @@ class Setup:
         return f"PP {self.pp} x TP {self.tp} x DP {self.dp} = {self.gpus} GPUs, M = {self.microbatches}"
 
     def type_costs(self, tiles: np.ndarray, tokens: np.ndarray, pairs: np.ndarray) -> TypeCosts:
-        """Per-type costs of micro-batches of these shapes on one device of this layout, from the setup's cost source."""
+        """Per-type costs of micro-batches of these shapes on one device of this layout, from the setup's cost
+        source."""
         return _source_costs(self.model, self.costs, tiles, tokens, pairs, device=self.device, tensor_parallel=self.tp)
 
     def type_params(self) -> dict[str, int]:
@@ -266,7 +279,9 @@ class MicroBatches:
                           attention_pairs=float(self.pairs.mean()))
 
     def planning_shape(self) -> MicroBatch:
-        return MicroBatch(tiles=int(self.tiles.max()), tokens=int(self.tokens.max()), attention_pairs=float(self.pairs.max()))
+        return MicroBatch(
+            tiles=int(self.tiles.max()), tokens=int(self.tokens.max()), attention_pairs=float(self.pairs.max())
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,8 +349,12 @@ def retile_internvl15(stats: LengthStats, *, max_tiles: int = 12, max_tokens: in
     real = stats.image_flags == stats.tiles  # dummy tiles of text-only samples stay as they are
     tiles = np.where(real & (crops > 1), new_crops + 1, stats.tiles)
     tokens = stats.tokens + INTERNVL_TOKENS_PER_TILE * (tiles - stats.tiles)
-    return LengthStats(tiles=tiles, tokens=np.minimum(tokens, max_tokens), image_flags=np.where(real, tiles, stats.image_flags),
-                       source=f"{stats.source}, re-tiled to <= {max_tiles} crops + thumbnail, <= {max_tokens} tokens")
+    return LengthStats(
+        tiles=tiles,
+        tokens=np.minimum(tokens, max_tokens),
+        image_flags=np.where(real, tiles, stats.image_flags),
+        source=f"{stats.source}, re-tiled to <= {max_tiles} crops + thumbnail, <= {max_tokens} tokens",
+    )
 
 
 def pipeline_times(
@@ -435,7 +454,9 @@ def make_batches(
     return out
 
 
-def pack_cost(model: VLMSpec, *, device: DeviceSpec = A100_80G, costs: CompiledCosts | None = None) -> Callable[..., np.ndarray]:
+def pack_cost(
+    model: VLMSpec, *, device: DeviceSpec = A100_80G, costs: CompiledCosts | None = None
+) -> Callable[..., np.ndarray]:
     """Predicted forward + backward seconds of a pack, for our balancer's grouping of packs into steps
     (from ``costs`` when given, else the analytic formulas)."""
     types = model.block_types()
@@ -550,10 +571,15 @@ def vit_first_boundaries(model: VLMSpec, pp: int) -> tuple[int, ...]:
     return (*bounds, model.num_blocks)
 
 
-def baseline_boundaries(model: VLMSpec, split: str, pp: int, *, params: Mapping[str, int] | None = None) -> tuple[int, ...]:
-    """Cut points of a baseline split (:data:`SPLITS`); ``params``: per-type parameters (default: the analytic counts)."""
+def baseline_boundaries(
+    model: VLMSpec, split: str, pp: int, *, params: Mapping[str, int] | None = None
+) -> tuple[int, ...]:
+    """Cut points of a baseline split (:data:`SPLITS`); ``params``: per-type parameters (default: the analytic
+    counts)."""
     if split == "uniform":
-        return tuple(uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()], pp))
+        return tuple(
+            uniform_boundaries(["layer" if t.endswith(".layer") else "module" for t in model.block_types()], pp)
+        )
     if split == "parameters":
         params = params or model.type_params()
         return tuple(min_max_partition([params[t] for t in model.block_types()], pp)[0])
@@ -579,8 +605,11 @@ def vit_first_setup(setup: Setup, batches: MicroBatches, *, layouts: Sequence[tu
             cand = dataclasses.replace(setup, pp=pp, tp=tp, dp=setup.gpus // (pp * tp))
         except InputError:  # too few micro-batches per rank for this many stages
             continue
-        plan = PlanChoice(boundaries=vit_first_boundaries(setup.model, pp), recompute=("full",) * setup.model.num_blocks,
-                          planner="vit-first")
+        plan = PlanChoice(
+            boundaries=vit_first_boundaries(setup.model, pp),
+            recompute=("full",) * setup.model.num_blocks,
+            planner="vit-first",
+        )
         if _memory(cand, plan, batches.planning_shape())[1]:
             return cand
     return None
@@ -658,9 +687,21 @@ def run_ablation(setups: Mapping[str, Setup], batches: Mapping[str, MicroBatches
                 costs[ck] = setup.type_costs(b.tiles, b.tokens, b.pairs)
             epoch = epoch_seconds(setup, b, costs[ck], plan)
             peak, fits = _memory(setup, plan, b.planning_shape())
-            rows.append(Row(name=name, split=split, chain=chain, batching=batching, setup=setup, plan=plan, epoch_s=epoch,
-                            gpu_days=epoch * setup.gpus / 86400, peak_memory_gib=peak, fits=fits,
-                            notes={"status": plan.status} if plan.status else {}))
+            rows.append(
+                Row(
+                    name=name,
+                    split=split,
+                    chain=chain,
+                    batching=batching,
+                    setup=setup,
+                    plan=plan,
+                    epoch_s=epoch,
+                    gpu_days=epoch * setup.gpus / 86400,
+                    peak_memory_gib=peak,
+                    fits=fits,
+                    notes={"status": plan.status} if plan.status else {},
+                )
+            )
     return rows
 
 
@@ -676,8 +717,8 @@ def _stage_layout(model: VLMSpec, plan: PlanChoice) -> str:
     parts = []
     for s in range(len(plan.boundaries) - 1):
         ts = types[plan.boundaries[s]:plan.boundaries[s + 1]]
-        v, l = ts.count("vision.layer"), ts.count("llm.layer")
-        parts.append(f"v{v}" if not l else (f"l{l}" if not v else f"v{v}+l{l}"))
+        v, n = ts.count("vision.layer"), ts.count("llm.layer")
+        parts.append(f"v{v}" if not n else (f"l{n}" if not v else f"v{v}+l{n}"))
     rec = {o: plan.recompute.count(o) for o in RECOMPUTE_OPTIONS if plan.recompute.count(o)}
     return "|".join(parts) + "  " + ",".join(f"{o[:3]}:{c}" for o, c in rec.items())
 

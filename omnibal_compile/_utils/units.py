@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.validate import check_number
+from omnibal_compile.errors import InputError
 
 __all__ = ["parse_size", "format_size"]
 

@@ -128,7 +128,7 @@ def json_records(text: str, name: str, *, lines: bool, expected: str) -> list[tu
     """The records of a JSON list (``lines=False``) or of JSON Lines, each with a label for messages
     (``"NAME record I (line L)"``); ``expected`` describes a record for the error when the JSON is not a list."""
     if lines:
-        out = []
+        out: list[tuple[str, Any]] = []
         for line_no, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -141,7 +141,9 @@ def json_records(text: str, name: str, *, lines: bool, expected: str) -> list[tu
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise InputError(f"{name}: not valid JSON at line {e.lineno} ({e.msg}); use a .jsonl suffix for JSON Lines") from None
+        raise InputError(
+            f"{name}: not valid JSON at line {e.lineno} ({e.msg}); use a .jsonl suffix for JSON Lines"
+        ) from None
     if not isinstance(data, list):
         raise InputError(f"{name}: expected a JSON list of {expected}, got {type(data).__name__}")
     return [(f"{name} record {i}", rec) for i, rec in enumerate(data)]

@@ -111,7 +111,9 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
         gather = timed(lambda: dist.all_gather_into_tensor(whole, shard))
         scatter = timed(lambda: dist.reduce_scatter_tensor(shard, whole))
         dot, dots = torch.ones(1), torch.ones(world)
-        tiny = (timed(lambda: dist.all_gather_into_tensor(dots, dot)) + timed(lambda: dist.reduce_scatter_tensor(dot, dots))) / 2
+        tiny = (
+            timed(lambda: dist.all_gather_into_tensor(dots, dot)) + timed(lambda: dist.reduce_scatter_tensor(dot, dots))
+        ) / 2
         few, many = _fsdp_stack(world, 2), _fsdp_stack(world, 10)
         latency = max(0.0, (timed(many) - timed(few)) / (8 * 3))  # 8 more layers, 3 collectives each
         if rank == 0:

@@ -51,9 +51,9 @@ def measure_overhead(
     ``processors``: cores the ranks share (pass the same number to ``simulate``); None: one each.
     ``rounds``: runs per micro-batch count, alternating; their steps are pooled.
     """
-    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
+    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.planning.build import uniform
     from omnibal_compile.runtime.launch import launch
     from omnibal_compile.runtime.settings import RunConfig

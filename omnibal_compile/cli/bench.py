@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
 from dataclasses import asdict
+from typing import Any
 
 from omnibal_compile._utils.validate import int_option, number_option
 

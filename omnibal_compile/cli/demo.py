@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from omnibal_compile._utils.validate import MAX_SEED, int_option
 from omnibal_compile.ir.schedule import SCHEDULE_KINDS
 from omnibal_compile.planning import PLANNERS, planner_help
-from omnibal_compile._utils.validate import MAX_SEED, int_option
 
 NAME = "demo"
 HELP = "plan the built-in tiny VLM into balanced pipeline stages and check they reproduce it (CPU, ~30 s)"
@@ -43,10 +43,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import omnibal_compile as oc
-    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
-    from omnibal_compile.planning.build import plan_stages
     from omnibal_compile._utils.tables import counted, format_table
     from omnibal_compile._utils.units import parse_size
+    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+    from omnibal_compile.planning.build import plan_stages
 
     if args.memory is None:  # a device holds about 1/stages of the model: a fixed default would not fit 2 stages
         args.memory = f"{64 / args.stages:g}MiB"

@@ -23,12 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, DP_SHARDS
+from omnibal_compile._utils.validate import MAX_SEED, int_option
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.progress import Progress
+from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, DP_SHARDS
 from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
 from omnibal_compile.planning import PLANNERS, planner_help
-from omnibal_compile._utils.validate import MAX_SEED, int_option
+from omnibal_compile.progress import Progress
 
 NAME = "plan"
 HELP = "plan a model's pipeline stages, simulate an iteration, and write the plan, pictures and a trace"
@@ -124,9 +124,9 @@ def _parse_list(text: str, item: Callable[[str], Any], flag: str) -> list[Any]:
 # -- the command ----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     import omnibal_compile as oc
+    from omnibal_compile._utils.units import format_size, parse_size
     from omnibal_compile.ir.interop import megatron_layout, torchtitan_module_names
     from omnibal_compile.sim import simulate
-    from omnibal_compile._utils.units import format_size, parse_size
 
     if args.devices is None:  # a fixed layout: the defaults, checked before any work
         args.stages = 4 if args.stages is None else args.stages
@@ -243,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker, budget: int | None, costs: Any,
            out: Path, pictures: bool, written: list[Path], planner: str) -> str:
-    from omnibal_compile.sim import sweep, sweep_table
     from omnibal_compile._utils.units import format_size, parse_size
+    from omnibal_compile.sim import sweep, sweep_table
 
     if kind == "memory":
         values = _parse_list(text, parse_size, "--sweep-memory")
@@ -272,9 +272,9 @@ def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker,
 
 def _lengths_report(args: argparse.Namespace, plan: Any, costs: Any, result: Any) -> str:
     """Simulate micro-batches drawn from real length statistics: random batches vs balanced packs."""
+    from omnibal_compile.costs.mix import packing_shapes, shape_costs
     from omnibal_compile.data import balance_pack, load_lengths, random_batches
     from omnibal_compile.sim import simulate
-    from omnibal_compile.costs.mix import packing_shapes, shape_costs
 
     stats = load_lengths(args.lengths)
     M = plan.num_microbatches

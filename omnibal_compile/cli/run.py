@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from omnibal_compile.ir.schedule import SCHEDULE_KINDS
 from omnibal_compile._utils.validate import MAX_SEED, int_option, number_option
+from omnibal_compile.ir.schedule import SCHEDULE_KINDS
 
 NAME = "run"
 HELP = "train a model from a saved plan on local ranks (dp pipelines x plan devices)"

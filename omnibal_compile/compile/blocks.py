@@ -27,15 +27,24 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from omnibal_compile.errors import InputError
-from omnibal_compile.compile.capture import Captured, is_data_dependent, size_hint
-from omnibal_compile.compile._subgraph import module_path
 from omnibal_compile._utils.tables import format_table
+from omnibal_compile.compile._subgraph import module_path
+from omnibal_compile.compile.capture import Captured, is_data_dependent, size_hint
+from omnibal_compile.errors import InputError
 
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Block", "BlockEdge", "CrossingValue", "BlockGraph", "RefusedCut", "MERGED", "build_blocks", "find_layer_stacks"]
+__all__ = [
+    "Block",
+    "BlockEdge",
+    "CrossingValue",
+    "BlockGraph",
+    "RefusedCut",
+    "MERGED",
+    "build_blocks",
+    "find_layer_stacks",
+]
 
 BlockKind = Literal["layer", "module", "glue"]
 INPUT = -1
@@ -234,10 +243,20 @@ def _value_info(node: fx.Node, example: Any = None) -> tuple[tuple[int, ...] | N
         tm = node.meta["tensor_meta"]
         if hasattr(tm, "shape"):
             shape = tuple(size_hint(d) for d in tm.shape)
-            return shape, str(tm.dtype), math.prod(shape) * tm.dtype.itemsize, any(is_data_dependent(d) for d in tm.shape)
+            return (
+                shape,
+                str(tm.dtype),
+                math.prod(shape) * tm.dtype.itemsize,
+                any(is_data_dependent(d) for d in tm.shape),
+            )
     if isinstance(val, torch.Tensor):
         shape = tuple(size_hint(d) for d in val.shape)
-        return shape, str(val.dtype), math.prod(shape) * val.element_size(), any(is_data_dependent(d) for d in val.shape)
+        return (
+            shape,
+            str(val.dtype),
+            math.prod(shape) * val.element_size(),
+            any(is_data_dependent(d) for d in val.shape),
+        )
     return None, None, 0, is_data_dependent(val) if isinstance(val, torch.SymInt) else False
 
 
@@ -376,7 +395,9 @@ def _chain(
             except AttributeError:
                 pass  # a buffer or constant
         blocks.append(
-            Block(index=i, name=name, kind=kind, nodes=tuple(n.name for n in nodes), params=tuple(attrs), num_params=num)
+            Block(
+                index=i, name=name, kind=kind, nodes=tuple(n.name for n in nodes), params=tuple(attrs), num_params=num
+            )
         )
 
     # Crossing values: produced in block p (or input), read in a later block (or output).
@@ -402,8 +423,15 @@ def _chain(
             continue
         shape, dtype, nbytes, dependent = _value_info(node, examples.get(node.name))
         values.append(
-            CrossingValue(name=node.name, producer=producer, last_use=max(later), shape=shape, dtype=dtype, nbytes=nbytes,
-                          data_dependent=dependent)
+            CrossingValue(
+                name=node.name,
+                producer=producer,
+                last_use=max(later),
+                shape=shape,
+                dtype=dtype,
+                nbytes=nbytes,
+                data_dependent=dependent,
+            )
         )
         for u in sorted(set(later)):
             if producer >= 0 and u < n_blocks:

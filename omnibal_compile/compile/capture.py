@@ -36,7 +36,7 @@ import typing
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch._functorch.config  # fake_tensor_propagate_real_tensors; not loaded by `import torch` alone
@@ -51,6 +51,11 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import CaptureError, InputError
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # transformers types **kwargs with typing_extensions' Unpack there (torch depends on typing_extensions)
+    from typing_extensions import Unpack
 
 __all__ = [
     "Captured",
@@ -184,11 +189,11 @@ def _accepted_keywords(sig: inspect.Signature) -> set[str] | None:
     names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for p in sig.parameters.values():
         if p.kind is p.VAR_KEYWORD:
-            typed = typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is typing.Unpack else None
+            typed = typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is Unpack else None
             keys = getattr(typed, "__required_keys__", None)
             if keys is None:
                 return None
-            return names | set(keys) | set(typed.__optional_keys__)
+            return names | set(keys) | set(typed.__optional_keys__)  # a TypedDict has both
     return names
 
 
@@ -228,9 +233,9 @@ def input_names(spec: pytree.TreeSpec) -> list[str]:
     for path, i in pytree.tree_flatten_with_path(tree)[0]:
         head, rest = path[0], pytree.keystr(path[2:])
         if getattr(head, "idx", 0) == 0:
-            names[i] = f"positional input #{path[1].idx}{rest}"
+            names[i] = f"positional input #{cast(pytree.SequenceKey, path[1]).idx}{rest}"
         else:
-            names[i] = f"{path[1].key}{rest}"
+            names[i] = f"{cast(pytree.MappingKey, path[1]).key}{rest}"
     return names
 
 
@@ -277,7 +282,9 @@ def _culprit(model: nn.Module, exc: BaseException) -> tuple[str | None, str | No
 def _capture_error(model: nn.Module, method: str, exc: BaseException) -> CaptureError:
     path, line = _culprit(model, exc)
     name = type(model).__name__
-    where = f" in module '{path}' ({type(model.get_submodule('' if path == '<root>' else path)).__name__})" if path else ""
+    where = (
+        f" in module '{path}' ({type(model.get_submodule('' if path == '<root>' else path)).__name__})" if path else ""
+    )
     at = f"\n  at {line}" if line else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     hint = (
@@ -304,7 +311,9 @@ def _drop_specialized_placeholders(gm: fx.GraphModule, keep: int) -> None:
                     frontier.append(user)
         for node in sorted(doomed, key=lambda n: -list(gm.graph.nodes).index(n)):
             if node.op == "output":
-                raise CaptureError(f"fx capture: defaulted argument '{ph.target}' flows into the output; pass it explicitly")
+                raise CaptureError(
+                    f"fx capture: defaulted argument '{ph.target}' flows into the output; pass it explicitly"
+                )
             gm.graph.erase_node(node)
         gm.graph.erase_node(ph)
     gm.recompile()
@@ -380,7 +389,9 @@ def _quiet_real_tensor_propagation() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.export.ExportedProgram, bool]:
+def _export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.export.ExportedProgram, bool]:
     """``torch.export`` (non-strict); again with the example's real values when sizes depend on input values.
 
     Returns the program and whether it has data-dependent sizes.
@@ -395,7 +406,9 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             sys.stderr.write(printed.getvalue())
             raise _capture_error(model, "export", e) from e
     else:
-        on_meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves((args, kwargs, model.state_dict())))
+        on_meta = any(
+            isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves((args, kwargs, model.state_dict()))
+        )
         if on_meta or not _has_data_dependent_sizes(ep.graph_module):
             # Meta tensors have no values to propagate: the sizes stay symbolic, and the cost pass
             # names any input whose values it would need.
@@ -510,7 +523,8 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
     # fx: positional tensors only, so the given inputs are the first placeholders in order.
     if kwargs or any(isinstance(v, (list, tuple, dict)) for v in args):
         raise InputError(
-            "capture_method='fx' takes a tuple of positional tensor inputs; use capture_method='export' for keyword or nested inputs"
+            "capture_method='fx' takes a tuple of positional tensor inputs; use capture_method='export' for keyword or "
+            "nested inputs"
         )
     sig = inspect.signature(model.forward)
     bound = sig.bind(*args)

@@ -21,9 +21,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from omnibal_compile.errors import PlanError
-from omnibal_compile.compile.blocks import BlockGraph
 from omnibal_compile.compile._subgraph import SubgraphCopy
+from omnibal_compile.compile.blocks import BlockGraph
+from omnibal_compile.errors import PlanError
 from omnibal_compile.ir.plan import Plan
 
 __all__ = ["StageInfo", "generate_stages", "stage_info", "check_plan_matches", "run_stages"]

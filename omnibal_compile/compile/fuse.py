@@ -28,17 +28,17 @@ import dataclasses
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch._guards import detect_fake_mode
 
+from omnibal_compile.compile._subgraph import module_call, strip_call_suffix
+from omnibal_compile.compile.capture import Captured
 from omnibal_compile.errors import InputError
 from omnibal_compile.kernels import ops, reference
-from omnibal_compile.compile.capture import Captured
-from omnibal_compile.compile._subgraph import module_call, strip_call_suffix
 
 __all__ = ["Substitution", "KernelReport", "substitute_kernels"]
 
@@ -92,7 +92,25 @@ def _real_users(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.target is not _ASSERT]
 
 
-def _is_call(node: Any, targets: Iterable[Any]) -> bool:
+if TYPE_CHECKING:
+
+    class _Call(fx.Node):
+        """For the type checker only: a matched call's arguments are whatever its aten op takes."""
+
+        @property
+        def args(self) -> tuple[Any, ...]: ...
+        @args.setter
+        def args(self, a: tuple[Any, ...]) -> None: ...
+        @property
+        def kwargs(self) -> dict[str, Any]: ...
+        @kwargs.setter
+        def kwargs(self, k: dict[str, Any]) -> None: ...
+
+else:
+    _Call = fx.Node
+
+
+def _is_call(node: Any, targets: Iterable[Any]) -> TypeGuard[_Call]:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in set(targets)
 
 
@@ -363,7 +381,7 @@ def _loss_sites(rw: _Rewriter) -> None:
         if not _is_call(ce, [aten.cross_entropy_loss.default]):
             continue
         names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
-        args = dict(zip(names, (None, None, None, 1, -100, 0.0), strict=True))
+        args: dict[str, Any] = dict(zip(names, (None, None, None, 1, -100, 0.0), strict=True))
         args.update(zip(names, ce.args, strict=False))  # trailing defaults may be omitted
         args.update(ce.kwargs)
         if args["weight"] is not None or args["reduction"] != 1 or args["label_smoothing"] != 0.0:

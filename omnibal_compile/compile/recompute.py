@@ -17,11 +17,11 @@ from typing import Any
 
 from torch import fx, nn
 
-from omnibal_compile.errors import PlanError
+from omnibal_compile.compile._subgraph import SubgraphCopy
 from omnibal_compile.compile.blocks import BlockGraph
 from omnibal_compile.compile.codegen import _META_KEY, stage_info
 from omnibal_compile.compile.recompute_policy import with_recompute
-from omnibal_compile.compile._subgraph import SubgraphCopy
+from omnibal_compile.errors import PlanError
 from omnibal_compile.ir.plan import Plan
 
 __all__ = ["CheckpointedRegion", "apply_recompute"]

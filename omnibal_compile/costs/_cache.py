@@ -55,7 +55,9 @@ def read_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError as e:
-        raise InputError(f"cost cache {path} is not a cost cache (not JSON: {e}); it was left as it is; {_FIX}") from None
+        raise InputError(
+            f"cost cache {path} is not a cost cache (not JSON: {e}); it was left as it is; {_FIX}"
+        ) from None
     # caches written before the marker existed: exactly these two keys, formats 1 and 2
     legacy = isinstance(data, dict) and set(data) == {"format", "entries"} and data["format"] in (1, 2)
     if not isinstance(data, dict) or (data.get("kind") != CACHE_KIND and not legacy):

@@ -106,7 +106,9 @@ class _Recorder(TorchDispatchMode):
         packet = func.overloadpacket
         flops = self.flop_registry[packet](*args, **kwargs, out_val=out) if packet in self.flop_registry else 0
         nbytes = 0 if is_view else sum(_nbytes(t) for t in ins + outs)
-        self.records.append(OpRecord(name=str(func), op_class=op_class(func), flops=float(flops), nbytes=nbytes, seconds=seconds))
+        self.records.append(
+            OpRecord(name=str(func), op_class=op_class(func), flops=float(flops), nbytes=nbytes, seconds=seconds)
+        )
         return out
 
 
@@ -136,10 +138,16 @@ class _FusedAttention(fx.Interpreter):
         mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
         nbytes = sum(_nbytes(t) for t in (q, k, v, out)) + (_nbytes(mask) if isinstance(mask, torch.Tensor) else 0)
         flops = _flop_counter().sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        rec.records.append(OpRecord(
-            name="scaled_dot_product_attention", op_class="attention", flops=float(flops), nbytes=nbytes, seconds=seconds,
-            masked=isinstance(mask, torch.Tensor),
-        ))
+        rec.records.append(
+            OpRecord(
+                name="scaled_dot_product_attention",
+                op_class="attention",
+                flops=float(flops),
+                nbytes=nbytes,
+                seconds=seconds,
+                masked=isinstance(mask, torch.Tensor),
+            )
+        )
         return out
 
 
@@ -285,7 +293,9 @@ def kept_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[
     return nbytes
 
 
-def peak_bytes(fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[bool], params: Sequence[torch.Tensor]) -> int:
+def peak_bytes(
+    fn: Callable[..., Any], inputs: Sequence[Any], charged: Sequence[bool], params: Sequence[torch.Tensor]
+) -> int:
     """Peak live bytes of one forward and backward of ``fn`` on ``inputs`` (the ``charged`` rule of
     :func:`kept_bytes`): what it keeps for backward plus temporaries, the incoming gradient, the
     backward's scratch.

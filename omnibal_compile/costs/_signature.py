@@ -73,20 +73,25 @@ def block_signature(gm: fx.GraphModule, inputs: Sequence[Any]) -> str:
     # Inputs merely passed on (as they are, or through the ``contiguous`` the stage code adds to every
     # output) cost nothing: left out, as are those outputs.
     passed = {
-        n for n in gm.graph.nodes
+        n
+        for n in gm.graph.nodes
         if n.op == "placeholder"
-        or (n.op in ("call_method", "call_function") and str(getattr(n.target, "__name__", n.target)) == "contiguous"
-            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and all(u.op == "output" for u in n.users))
+        or (
+            n.op in ("call_method", "call_function")
+            and str(getattr(n.target, "__name__", n.target)) == "contiguous"
+            and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "placeholder"
+            and all(u.op == "output" for u in n.users)
+        )
     }
     items: list[Any] = []
     for node in gm.graph.nodes:
         if node in passed:
             continue
         if node.op == "output":
-            computed: list[tuple[str, int]] = []
-            fx.node.map_aggregate(
-                node.args, lambda x: computed.append(position[x]) if isinstance(x, fx.Node) and x not in passed else None
-            )
+            leaves: list[Any] = []
+            fx.node.map_aggregate(node.args, leaves.append)  # every leaf of the output's args, in order
+            computed = [position[x] for x in leaves if isinstance(x, fx.Node) and x not in passed]
             items.append(("out", sorted(computed)))
             continue
         if node.op == "get_attr":

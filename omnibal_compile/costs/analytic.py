@@ -57,9 +57,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 
 __all__ = [
     "VisionSpec",
@@ -297,9 +297,9 @@ class _Ops:
 
     def __init__(self, spec: DeviceSpec) -> None:
         self.spec = spec
-        self.flops = 0.0
-        self.forward = 0.0
-        self.memory = 0.0
+        self.flops: np.ndarray | float = 0.0
+        self.forward: np.ndarray | float = 0.0
+        self.memory: np.ndarray | float = 0.0
 
     def _time(self, op_class: str, flops: np.ndarray | float, nbytes: np.ndarray | float) -> np.ndarray:
         # The roofline of DeviceSpec.op_time, on arrays.
@@ -337,7 +337,12 @@ def _check_shapes(tiles: np.ndarray, tokens: np.ndarray, attention_pairs: np.nda
 
 
 def type_costs(
-    model: VLMSpec, tiles: np.ndarray, tokens: np.ndarray, attention_pairs: np.ndarray, *, device: DeviceSpec = A100_80G,
+    model: VLMSpec,
+    tiles: np.ndarray,
+    tokens: np.ndarray,
+    attention_pairs: np.ndarray,
+    *,
+    device: DeviceSpec = A100_80G,
     tensor_parallel: int = 1,
 ) -> TypeCosts:
     """Costs of one block of every type for each micro-batch shape (arrays of equal length), per device of
@@ -428,9 +433,15 @@ def type_costs(
     none = tokens * (4 * m.width + 4 * m.vocab + (6 * m.width if eager else 0))  # norm in, head in, fp32 logits
     # (eager: the final RMSNorm's fp32 copy and normalised output too)
     # selective: norm in, head in and the 16-bit logits (a matmul output) kept; the fp32 logits rerun.
-    store("llm.head", ops, {"none": none, "selective": tokens * (4.0 * m.width + 2.0 * m.vocab), "full": 2.0 * tokens * m.width},
-          _zeros(tiles))
-    one_gpu = TypeCosts(flops=flops, forward_s=fwd, backward_s=bwd, selective_s=sel, activation_bytes=act, out_bytes=out)
+    store(
+        "llm.head",
+        ops,
+        {"none": none, "selective": tokens * (4.0 * m.width + 2.0 * m.vocab), "full": 2.0 * tokens * m.width},
+        _zeros(tiles),
+    )
+    one_gpu = TypeCosts(
+        flops=flops, forward_s=fwd, backward_s=bwd, selective_s=sel, activation_bytes=act, out_bytes=out
+    )
     return tensor_parallel_costs(one_gpu, model, tiles, tokens, tensor_parallel=tensor_parallel, device=device)
 
 

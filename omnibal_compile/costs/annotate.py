@@ -44,12 +44,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
-from omnibal_compile.costs.devices import PROFILED_DEVICES, DeviceSpec, get_device
-from omnibal_compile.errors import InputError
 from omnibal_compile.compile.blocks import Block, BlockGraph, build_blocks
 from omnibal_compile.compile.capture import capture, normalize_example_inputs, scalar_to_differentiate
 from omnibal_compile.compile.codegen import generate_stages, stage_info
+from omnibal_compile.compile.recompute_policy import with_recompute
 from omnibal_compile.costs._cache import CACHE_FORMAT, read_cache, store_in_cache
 from omnibal_compile.costs._measure import (
     CLOCKS,
@@ -62,9 +60,11 @@ from omnibal_compile.costs._measure import (
     tensor_leaves,
     timed_runs,
 )
-from omnibal_compile.costs.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
-from omnibal_compile.compile.recompute_policy import with_recompute
 from omnibal_compile.costs._signature import block_signature
+from omnibal_compile.costs.devices import PROFILED_DEVICES, DeviceSpec, get_device
+from omnibal_compile.costs.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
+from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.progress import track
 
@@ -176,7 +176,9 @@ spell of a shared machine falls on all blocks alike instead of on whichever was 
 class _Profile:
     """Timed forward and backward runs of one block, collected over rounds."""
 
-    def __init__(self, m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, clock: str) -> None:
+    def __init__(
+        self, m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, clock: str
+    ) -> None:
         self.m, self.inputs, self.records, self.cuda, self.clock = m, inputs, records, cuda, clock
         self.wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         self.wrt += [p for p in m.parameters() if p.requires_grad]
@@ -190,10 +192,12 @@ class _Profile:
             return self.m(*self.inputs)
 
     def run(self, *, warmup: int, repeats: int) -> None:
-        kw = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
+        kw: dict[str, Any] = {"warmup": warmup, "repeats": repeats, "cuda": self.cuda, "clock": self.clock}
         self.fwd += timed_runs(self._forward, **kw)
         for _ in range(repeats):  # the selective share is timed per op: as many samples, their median kept
-            records, _ = record_ops(self.m, self.inputs, sync=torch.cuda.synchronize if self.cuda else None, clock=self.clock)
+            records, _ = record_ops(
+                self.m, self.inputs, sync=torch.cuda.synchronize if self.cuda else None, clock=self.clock
+            )
             self.rerun.append(_rerun_share(records))
         if self.has_backward:
             self.bwd += timed_runs(
@@ -243,7 +247,7 @@ def _roofline_blocks(
     precision: Precision, *, progress: bool,
 ) -> tuple[list[BlockCost], str]:
     """Roofline costs of every block, each distinct block signature costed once; and the attention kernel."""
-    done: dict[tuple[str, tuple[bool, ...]], tuple[float, _Timing, dict[str, int], int, str]] = {}
+    done: dict[tuple[str, tuple[bool, ...]], tuple[float, _Timing, _Memory, str]] = {}
     records_all: list[OpRecord] = []
     blocks: list[BlockCost] = []
     for k in track(range(graph.num_blocks), f"costing blocks for {spec.name}", enabled=progress):
@@ -388,7 +392,9 @@ def annotate_costs(
         if not torch.cuda.is_available():
             raise InputError("device='cuda' needs a CUDA GPU; none is available here. Use 'cpu' or a roofline target")
         if any(not p.is_cuda for p in model.parameters()):
-            raise InputError("device='cuda' profiles where the model lives: move the model and example inputs to CUDA first")
+            raise InputError(
+                "device='cuda' profiles where the model lives: move the model and example inputs to CUDA first"
+            )
     if link_bandwidth is None:
         link_bandwidth = spec.link_bandwidth(link) if spec is not None else CPU_LINK_BANDWIDTH
     settings = {
@@ -443,7 +449,9 @@ def annotate_costs(
                     profiles[signature] = _Profile(m, inputs, records, cuda=cuda, clock=clock)
                 rows.append((signature, graph.blocks[first_of[signature]].name, _memory(m, inputs, charged)))
             per_round = -(-repeats // PROFILE_ROUNDS)
-            for r in track(range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)):
+            for r in track(
+                range(PROFILE_ROUNDS), f"timing {len(profiles)} distinct blocks", enabled=progress and bool(profiles)
+            ):
                 for prof in profiles.values():
                     prof.run(warmup=warmup if r == 0 else 1, repeats=min(per_round, repeats - r * per_round) or 1)
             timings = {sig: prof.timing() for sig, prof in profiles.items()}
@@ -466,7 +474,9 @@ def annotate_costs(
         try:
             store_in_cache(path, key, json.loads(table.to_json()))
         except OSError as e:
-            warnings.warn(f"cost cache {path} could not be written ({e}); the costs were measured but not cached", stacklevel=2)
+            warnings.warn(
+                f"cost cache {path} could not be written ({e}); the costs were measured but not cached", stacklevel=2
+            )
     return table
 
 

@@ -25,13 +25,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-
 from torch.utils import _pytree as pytree
 
-from omnibal_compile.errors import InputError, OmnibalError
+from omnibal_compile.compile._subgraph import module_path
 from omnibal_compile.compile.blocks import BlockGraph, build_blocks
 from omnibal_compile.compile.capture import capture
-from omnibal_compile.compile._subgraph import module_path
+from omnibal_compile.errors import InputError, OmnibalError
 
 __all__ = [
     "RUNTIME_CHECKS",
@@ -114,7 +113,9 @@ def value_reads(graph: fx.Graph, checks: frozenset[str] | None = None) -> tuple[
 def _read_args(node: fx.Node) -> list[fx.Node]:
     """The arguments whose values a value read reads: its boolean and integer tensors (masks, indices)
     when it has any, else all of them (``item`` of a float)."""
-    args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)] or list(node.all_input_nodes)
+    args = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)] or list(
+        node.all_input_nodes
+    )
     discrete = [a for a in args if not a.meta["val"].is_floating_point()] if all("val" in a.meta for a in args) else []
     return discrete or args
 

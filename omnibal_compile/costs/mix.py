@@ -25,8 +25,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import BlockCost, CostTable
 
 __all__ = ["scale_costs", "shape_costs", "packing_shapes"]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import RECOMPUTE_OPTIONS, BlockCost, CostTable
 
 __all__ = ["BatchShape", "ShapeCostModel", "fit_nonnegative", "fit_shape_model", "fit_shape_costs"]
 
@@ -169,16 +169,22 @@ class ShapeCostModel:
         return "\n".join(lines)
 
 
-def fit_shape_model(tables: Sequence[CostTable], shapes: Sequence[BatchShape], *, tokens_per_tile: int = 0) -> ShapeCostModel:
+def fit_shape_model(
+    tables: Sequence[CostTable], shapes: Sequence[BatchShape], *, tokens_per_tile: int = 0
+) -> ShapeCostModel:
     """Fit a :class:`ShapeCostModel` to tables measured at ``shapes`` (at least 4 distinct ones)."""
     if len(tables) != len(shapes):
         raise InputError(f"got {len(tables)} tables for {len(shapes)} shapes; give one table per shape")
     if len(set(shapes)) < len(FEATURES):
-        raise InputError(f"fitting {len(FEATURES)} features needs at least {len(FEATURES)} distinct shapes, got {len(set(shapes))}")
+        raise InputError(
+            f"fitting {len(FEATURES)} features needs at least {len(FEATURES)} distinct shapes, got {len(set(shapes))}"
+        )
     names = tables[0].names
     for t, s in zip(tables, shapes):
         if t.names != names:
-            raise InputError(f"the blocks at shape {s} differ from those at {shapes[0]}; the model must keep its structure")
+            raise InputError(
+                f"the blocks at shape {s} differ from those at {shapes[0]}; the model must keep its structure"
+            )
     x = np.array([s.features(tokens_per_tile) for s in shapes])
     per_table = [_quantities(t) for t in tables]
     coefficients: dict[str, tuple[tuple[float, ...], ...]] = {}
@@ -186,7 +192,11 @@ def fit_shape_model(tables: Sequence[CostTable], shapes: Sequence[BatchShape], *
         y = np.array([pt[q] for pt in per_table])  # shapes x items
         coefficients[q] = tuple(tuple(float(v) for v in fit_nonnegative(x, y[:, i])) for i in range(y.shape[1]))
     model = ShapeCostModel(
-        template=tables[0], tokens_per_tile=tokens_per_tile, coefficients=coefficients, shapes=tuple(shapes), fit_error=0.0
+        template=tables[0],
+        tokens_per_tile=tokens_per_tile,
+        coefficients=coefficients,
+        shapes=tuple(shapes),
+        fit_error=0.0,
     )
     err = max(abs(_step(model.table(s)) / _step(t) - 1) for t, s in zip(tables, shapes))
     block_err = {}

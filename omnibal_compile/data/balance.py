@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from omnibal_compile._utils.validate import check_int, check_number, check_seed
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.data.metrics import CostFn, pack_loads
 from omnibal_compile.data.packing import (
@@ -37,7 +38,6 @@ from omnibal_compile.data.packing import (
     split_oversized,
 )
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.validate import check_int, check_number, check_seed
 
 __all__ = ["balanced_partition", "balance_pack"]
 

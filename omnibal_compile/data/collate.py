@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.data.packing import PackShape
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.labels import IGNORE_INDEX
 
 __all__ = ["PackingCollator", "MODEL_KEYS", "synthetic_sample"]
 
@@ -89,7 +89,7 @@ class PackingCollator:
         pad_ids[: n_dummy * self.tokens_per_tile] = self.image_token_id
         ids = [p[1] for p in parts] + [pad_ids]
         labels = []
-        for _, sid, lab in parts:
+        for _, _sid, lab in parts:
             lab = lab.clone()
             lab[0] = IGNORE_INDEX
             labels.append(lab)

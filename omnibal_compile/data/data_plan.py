@@ -10,14 +10,15 @@ Glossary:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from omnibal_compile._utils.validate import check_int, check_int_list, check_number, check_seed
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_sample
 from omnibal_compile.data.isf import isf_pack, isf_search
@@ -26,7 +27,6 @@ from omnibal_compile.data.metrics import BalanceMetrics, CostFn, balance_metrics
 from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape, packing_from_groups, refuse_unpackable
 from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.validate import check_int, check_int_list, check_number, check_seed
 
 __all__ = ["DataOptions", "DataPlan", "plan_data"]
 
@@ -131,24 +131,36 @@ class DataPlan:
     def example_batch(self, *, seed: int = 0) -> dict[str, torch.Tensor]:
         """One collated micro-batch of the planned shape (random content), for capture and profiling."""
         packing = self.first_packing
-        return self.synthetic_batch(packing.pack(int(packing.steps[0, 0])), generator=torch.Generator().manual_seed(seed))
+        return self.synthetic_batch(
+            packing.pack(int(packing.steps[0, 0])), generator=torch.Generator().manual_seed(seed)
+        )
 
     def synthetic_batch(self, pack: Sequence[int], *, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """The samples of ``pack`` with their real lengths and random contents, collated to one fixed-shape row."""
         c = self.collator
-        samples = [synthetic_sample(int(self.stats.tiles[i]), int(self.stats.tokens[i]), tokens_per_tile=c.tokens_per_tile,
-                                    image_token_id=c.image_token_id,
-                                    vocab_size=int(self.options.vocab_size or c.image_token_id + 1),
-                                    image_shape=c.image_shape, generator=generator) for i in pack]
+        samples = [
+            synthetic_sample(
+                int(self.stats.tiles[i]),
+                int(self.stats.tokens[i]),
+                tokens_per_tile=c.tokens_per_tile,
+                image_token_id=c.image_token_id,
+                vocab_size=int(self.options.vocab_size or c.image_token_id + 1),
+                image_shape=c.image_shape,
+                generator=generator,
+            )
+            for i in pack
+        ]
         batch = c(samples)
         return {k: batch[k] for k in MODEL_KEYS}
 
     def summary(self) -> str:
         m = self.metrics
-        return (f"data: {len(self.stats)} samples, {self.options.method} packs of ({self.shape.tiles} tiles, "
-                f"{self.shape.tokens} tokens), row {self.seq_len}, {m.samples_per_pack:.2f} samples/pack, "
-                f"{m.num_steps} steps x {self.options.dp} ranks; Pad {m.pad_ratio:.4f}, Dist vision {m.dist_vision:.4f} "
-                f"language {m.dist_language:.4f}, oversized {m.oversized}")
+        return (
+            f"data: {len(self.stats)} samples, {self.options.method} packs of ({self.shape.tiles} tiles, "
+            f"{self.shape.tokens} tokens), row {self.seq_len}, {m.samples_per_pack:.2f} samples/pack, "
+            f"{m.num_steps} steps x {self.options.dp} ranks; Pad {m.pad_ratio:.4f}, Dist vision {m.dist_vision:.4f} "
+            f"language {m.dist_language:.4f}, oversized {m.oversized}"
+        )
 
 
 def _model_fact(options: DataOptions, model: Any, name: str) -> Any:

@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from omnibal_compile._utils.validate import json_records, read_text
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.validate import json_records, read_text
 from omnibal_compile.progress import Progress
 
 __all__ = ["TilingOptions", "SkippedRecord", "DatasetLengths", "tile_grid", "count_tiles", "read_image_size",

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnibal_compile.data.lengths import LengthStats
-from omnibal_compile.data.packing import PackShape, Packing, packing_from_groups, split_oversized
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.validate import check_int, check_number, check_seed
+from omnibal_compile.data.lengths import LengthStats
+from omnibal_compile.data.packing import Packing, PackShape, packing_from_groups, split_oversized
+from omnibal_compile.errors import InputError
 
 __all__ = ["greedy_groups", "isf_groups", "isf_pack", "IsfSearch", "isf_search"]
 
@@ -105,8 +105,15 @@ def isf_groups(
 
 
 def isf_pack(
-    stats: LengthStats, *, dp: int, capacity: PackShape, token_thresh: int | None = None, tile_thresh: int | None = None,
-    iterations: int = 50, seed: int = 0, oversized: str = "error",
+    stats: LengthStats,
+    *,
+    dp: int,
+    capacity: PackShape,
+    token_thresh: int | None = None,
+    tile_thresh: int | None = None,
+    iterations: int = 50,
+    seed: int = 0,
+    oversized: str = "error",
 ) -> Packing:
     """ISF packs scheduled randomly onto steps of ``dp`` ranks (as the reference sampler does).
 
@@ -191,7 +198,8 @@ def isf_search(
     if best is None:
         raise InputError(
             f"{stats.source}: the ISF search found no (Q_v, Q_t) giving {k:g}-{k + 1:g} samples per pack "
-            f"(tried {[(v, t, round(s, 2)) for v, t, s, _, _ in tried][:8]}...); change samples_per_pack or start_tokens"
+            f"(tried {[(v, t, round(s, 2)) for v, t, s, _, _ in tried][:8]}...); change samples_per_pack or "
+            "start_tokens"
         )
     r = best[1]
     return IsfSearch(capacity=r.capacity, token_thresh=r.token_thresh, packing=r.packing, tried=tuple(tried))

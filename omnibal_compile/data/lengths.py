@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.validate import check_int, json_records, read_text
+from omnibal_compile.errors import InputError
 
 __all__ = ["LengthStats", "load_lengths", "save_lengths", "scale_lengths", "bundled_length_files",
            "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]
@@ -63,10 +63,13 @@ class LengthStats:
             a = np.asarray(getattr(self, name))
             if a.ndim != 1:
                 raise InputError(f"{self.source}: {name} must be one-dimensional, got shape {a.shape}")
-            if a.size and not np.issubdtype(a.dtype, np.integer):
-                if not np.issubdtype(a.dtype, np.floating) or not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
-                    bad = _first_bad(a, lambda x: not float(x).is_integer())
-                    raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]!r} is not an integer")
+            if (
+                a.size
+                and not np.issubdtype(a.dtype, np.integer)
+                and (not np.issubdtype(a.dtype, np.floating) or not np.all(np.isfinite(a)) or np.any(a != np.round(a)))
+            ):
+                bad = _first_bad(a, lambda x: not float(x).is_integer())
+                raise InputError(f"{self.source}: {name}[{bad}] = {a[bad]!r} is not an integer")
             if a.size and (a.min() < 0 or a.max() > MAX_SAMPLE_LENGTH):
                 bad = int(np.argmax((a < 0) | (a > MAX_SAMPLE_LENGTH)))
                 what = "is negative" if a[bad] < 0 else f"is over {MAX_SAMPLE_LENGTH:,}, the most one sample may have"
@@ -86,7 +89,10 @@ class LengthStats:
         over = arrays["image_flags"] > arrays["tiles"]
         if over.any():
             bad = int(np.argmax(over))
-            raise InputError(f"{self.source}: record {bad}: image_flags {arrays['image_flags'][bad]} > vit_num {arrays['tiles'][bad]}")
+            raise InputError(
+                f"{self.source}: record {bad}: image_flags {arrays['image_flags'][bad]} > vit_num "
+                f"{arrays['tiles'][bad]}"
+            )
         for k, v in arrays.items():
             object.__setattr__(self, k, v)
 
@@ -107,8 +113,12 @@ class LengthStats:
                     image_flags: Sequence[int] | np.ndarray | None = None, *, source: str = "arrays") -> LengthStats:
         """Two (or three) arrays from Python; ``image_flags`` defaults to ``tiles``."""
         t = np.asarray(tiles)
-        return cls(tiles=t, tokens=np.asarray(tokens), image_flags=t if image_flags is None else np.asarray(image_flags),
-                   source=source)
+        return cls(
+            tiles=t,
+            tokens=np.asarray(tokens),
+            image_flags=t if image_flags is None else np.asarray(image_flags),
+            source=source,
+        )
 
     @classmethod
     def concat(cls, parts: Sequence[LengthStats]) -> LengthStats:
@@ -206,8 +216,12 @@ def _load_file(path: Path) -> LengthStats:
         # Header is line 1, so record i sits on line i + 2.
         rows = ((f"{name} record {i} (line {i + 2})", r) for i, r in enumerate(reader))
         return _records_to_stats(rows, name, text=True)
-    records = json_records(text, name, lines=suffix in (".jsonl", ".ndjson"),
-                           expected='records like {"vit_num": 5, "token_num": 1420, "image_flags": 5} (or use .csv for CSV)')
+    records = json_records(
+        text,
+        name,
+        lines=suffix in (".jsonl", ".ndjson"),
+        expected='records like {"vit_num": 5, "token_num": 1420, "image_flags": 5} (or use .csv for CSV)',
+    )
     return _records_to_stats(records, name)
 
 
@@ -283,8 +297,12 @@ def scale_lengths(stats: LengthStats, *, tokens_per_tile: int, source_tokens_per
             f"image tiles x {source_tokens_per_tile}; is source_tokens_per_tile right?"
         )
     new_text = np.maximum(np.ceil(text * scale).astype(np.int64), min_text_tokens)
-    return LengthStats(tiles=stats.tiles, tokens=new_text + stats.image_flags * tokens_per_tile,
-                       image_flags=stats.image_flags, source=f"{stats.source} (scaled to {tokens_per_tile} tokens/tile)")
+    return LengthStats(
+        tiles=stats.tiles,
+        tokens=new_text + stats.image_flags * tokens_per_tile,
+        image_flags=stats.image_flags,
+        source=f"{stats.source} (scaled to {tokens_per_tile} tokens/tile)",
+    )
 
 
 def bundled_length_files() -> list[Path]:

@@ -24,9 +24,9 @@ from typing import Literal
 
 import numpy as np
 
+from omnibal_compile._utils.validate import check_int, check_seed
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.validate import check_int, check_seed
 
 __all__ = [
     "PackShape", "Packing", "OversizedPolicy", "OVERSIZED_POLICIES", "MAX_PACK_TILES", "MAX_PACK_TOKENS",
@@ -165,8 +165,12 @@ def split_oversized(stats: LengthStats, capacity: PackShape, policy: str) -> tup
     if big.size and policy == "own-pack":
         refuse_unpackable(stats, big)  # each becomes a pack of its own shape
     if big.size and policy == "truncate":
-        stats = LengthStats(tiles=np.minimum(stats.tiles, capacity.tiles), tokens=np.minimum(stats.tokens, capacity.tokens),
-                            image_flags=np.minimum(stats.image_flags, capacity.tiles), source=stats.source)
+        stats = LengthStats(
+            tiles=np.minimum(stats.tiles, capacity.tiles),
+            tokens=np.minimum(stats.tokens, capacity.tokens),
+            image_flags=np.minimum(stats.image_flags, capacity.tiles),
+            source=stats.source,
+        )
     return stats, big
 
 
@@ -192,7 +196,9 @@ def make_divisible(sizes: np.ndarray, dp: int) -> np.ndarray:
     if need == 0:
         return sizes
     if int(np.maximum(sizes - 1, 0).sum()) < need:
-        raise InputError(f"{int(sizes.sum())} samples cannot fill whole steps of {dp} data-parallel ranks; use fewer ranks")
+        raise InputError(
+            f"{int(sizes.sum())} samples cannot fill whole steps of {dp} data-parallel ranks; use fewer ranks"
+        )
     # Fewer than dp splits, each of the currently largest group (its first half stays in place).
     out = sizes.tolist()
     for _ in range(need):
@@ -214,10 +220,7 @@ def packing_from_groups(
     sizes = np.asarray(sizes, np.int64)
     sizes = make_divisible(sizes[sizes > 0], dp)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    if in_order:
-        steps = np.arange(sizes.size).reshape(-1, dp)
-    else:
-        steps = assign_steps(sizes.size, dp, seed=seed)
+    steps = np.arange(sizes.size).reshape(-1, dp) if in_order else assign_steps(sizes.size, dp, seed=seed)
     return Packing(order=np.asarray(order, np.int64), offsets=offsets, steps=steps, capacity=capacity, layout=layout,
                    oversized=np.asarray(oversized, np.int64), oversized_policy=policy, method=method)
 

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from omnibal_compile._utils.validate import check_int, check_seed
 from omnibal_compile.data.packing import Packing
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.validate import check_int, check_seed
 
 __all__ = ["BalancedBatchSampler", "epoch_seed"]
 

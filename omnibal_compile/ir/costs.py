@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.tables import format_table
+from omnibal_compile.errors import InputError
 
 __all__ = [
     "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
@@ -148,7 +148,11 @@ class DataParallel:
         """One plain phrase, e.g. ``4 data-parallel replicas, FSDP (reshard after forward)``."""
         if self.size == 1:
             return "no data parallelism"
-        how = "DDP" if self.shard == "ddp" else "FSDP (" + ("reshard after forward" if self.reshard_after_forward else "weights kept gathered") + ")"
+        how = (
+            "DDP"
+            if self.shard == "ddp"
+            else "FSDP (" + ("reshard after forward" if self.reshard_after_forward else "weights kept gathered") + ")"
+        )
         return f"{self.size} data-parallel replicas, {how}"
 
     def block_cost(
@@ -182,7 +186,8 @@ class DataParallel:
             raise InputError(f"collective latency must be >= 0 seconds, got {latency_s}")
         call = latency_s if params > 0 and self.size > 1 else 0.0
         return DataParallelCost(
-            static_bytes=block.static_bytes * (precision.bytes_per_param_on(self) / per_param if per_param > 0 else 1.0) + kept,
+            static_bytes=block.static_bytes * (precision.bytes_per_param_on(self) / per_param if per_param > 0 else 1.0)
+            + kept,
             gathered_bytes=weights if self.gathers and self.reshard_after_forward else 0.0,
             gather_s=call + ratio * weights / link_bandwidth if self.gathers else 0.0,
             reduce_s=call + (1 if self.shard == "fsdp" else 2) * ratio * params * precision.grad_bytes / link_bandwidth,
@@ -304,7 +309,10 @@ class CostTable:
         object.__setattr__(self, "cut_bytes", tuple(int(b) for b in self.cut_bytes))
         object.__setattr__(self, "batch_shape", dict(self.batch_shape))
         if len(self.cut_bytes) != len(self.blocks) + 1:
-            raise InputError(f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got {len(self.cut_bytes)}")
+            raise InputError(
+                f"cut_bytes needs {len(self.blocks) + 1} entries (one per cut incl. both ends), got "
+                f"{len(self.cut_bytes)}"
+            )
         if self.link_bandwidth <= 0:
             raise InputError(f"link_bandwidth must be positive, got {self.link_bandwidth}")
         if self.dp_link_bandwidth is not None and self.dp_link_bandwidth <= 0:
@@ -333,7 +341,9 @@ class CostTable:
         """Per-block table: forward/backward ms, GFLOPs, static and activation MiB per option."""
         mib = 1 / 2**20
         profiled = self.source == "profiled"
-        rows = [("#", "block", "fwd ms", "bwd ms", "GFLOP", "static MiB", "act none/sel/full MiB", "recomp ms sel/full")]
+        rows: list[tuple[str, ...]] = [
+            ("#", "block", "fwd ms", "bwd ms", "GFLOP", "static MiB", "act none/sel/full MiB", "recomp ms sel/full")
+        ]
         if profiled:
             rows[0] += ("spread", "times of")
         for i, b in enumerate(self.blocks):

@@ -11,8 +11,8 @@ Glossary:
     Megatron layout    the string grammar of Megatron-LM's ``--pipeline-model-parallel-layout``:
                        stages separated by ``|``; ``E`` the language model's embedding, ``t`` one
                        decoder layer, ``L`` the output layer and loss (written where the last module
-                       block, the head, sits; the final norm travels with it in Megatron); a run of one symbol is written
-                       ``t*N``. Example: ``Et*3|t*4|t*3L``. Megatron's grammar has no symbol for a
+                       block, the head, sits; the final norm travels with it in Megatron); a run of one
+                       symbol is written ``t*N``. Example: ``Et*3|t*4|t*3L``. Megatron's grammar has no symbol for a
                        vision encoder or projector (its multimodal models place the encoder by other
                        options), so those blocks, and glue, are left out of the string; a stage that
                        holds only such blocks is an empty segment between two ``|``.
@@ -60,7 +60,9 @@ def _stack_of(name: str) -> str:
 def megatron_layout(plan: Plan) -> str:
     """The plan as a Megatron-LM ``--pipeline-model-parallel-layout`` string (see the module glossary)."""
     if not plan.block_kinds:
-        raise InputError("megatron_layout needs the plan's block_kinds (plans from optimize() and the planners have them)")
+        raise InputError(
+            "megatron_layout needs the plan's block_kinds (plans from optimize() and the planners have them)"
+        )
     layers = [i for i, k in enumerate(plan.block_kinds) if k == "layer"]
     if not layers:
         raise InputError("the plan has no layer blocks, so it has no decoder layers to lay out")
@@ -68,7 +70,11 @@ def megatron_layout(plan: Plan) -> str:
     owner = _stack_of(stack)  # e.g. "llm" for "llm.layers"
     decoder = [i for i in layers if _stack_of(plan.block_names[i]) == stack]
     first, last = decoder[0], decoder[-1]
-    after = [i for i in range(last + 1, plan.num_blocks) if plan.block_kinds[i] == "module" and _module_name(plan.block_names[i])]
+    after = [
+        i
+        for i in range(last + 1, plan.num_blocks)
+        if plan.block_kinds[i] == "module" and _module_name(plan.block_names[i])
+    ]
     head = after[-1] if after else None
     symbols: list[str] = []
     for i, (name, kind) in enumerate(zip(plan.block_names, plan.block_kinds)):

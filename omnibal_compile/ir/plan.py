@@ -10,13 +10,13 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, DataParallel
-from omnibal_compile.errors import PlanError
-from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile._utils.validate import check_int_list, check_number, read_text
+from omnibal_compile.errors import PlanError
+from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, DataParallel
+from omnibal_compile.ir.schedule import Schedule
 
 __all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
 
@@ -75,7 +75,8 @@ class Plan:
     recompute: tuple[str, ...] = ()
     """Recompute option per block (``none``/``selective``/``full``); empty means none anywhere."""
     schedule: str = "1f1b"
-    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved`` (see :attr:`pipeline_schedule`)."""
+    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved`` (see
+    :attr:`pipeline_schedule`)."""
     num_microbatches: int | None = None
     """Micro-batches per iteration; None (the default) becomes one per stage."""
     virtual_stages: int = 1
@@ -137,27 +138,32 @@ class Plan:
                     f"stage {s} is empty (boundaries {list(b)}): every stage needs at least one block; "
                     "use fewer stages or other cut points"
                 )
-        for name, values in (
+        lists: tuple[tuple[str, Sequence[object]], ...] = (
             ("block_params", self.block_params), ("block_kinds", self.block_kinds), ("recompute", self.recompute)
-        ):
-            if values and len(values) != n:
-                raise PlanError(f"{name} has {len(values)} entries for {n} blocks")
+        )
+        for name, entries in lists:
+            if entries and len(entries) != n:
+                raise PlanError(f"{name} has {len(entries)} entries for {n} blocks")
         bad = sorted({r for r in self.recompute if r not in RECOMPUTE_OPTIONS})
         if bad:
             raise PlanError(f"recompute options {bad} are unknown; use {list(RECOMPUTE_OPTIONS)}")
         schedule = Schedule.for_stages(
-            self.num_stages, kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages
+            self.num_stages,
+            kind=self.schedule,
+            num_microbatches=self.num_microbatches,
+            virtual_stages=self.virtual_stages,
         )
         object.__setattr__(self, "num_microbatches", schedule.num_microbatches)
         _ = self.dp  # validates data_parallel and data_parallel_shard
-        for name, values in (
+        per_stage: tuple[tuple[str, Sequence[float]], ...] = (
             ("stage_time_s", self.stage_time_s),
             ("stage_memory_bytes", self.stage_memory_bytes),
             ("stage_peak_bytes", self.stage_peak_bytes),
             ("memory_budget_bytes", self.memory_budget_bytes),
-        ):
-            if values and len(values) != self.num_stages:
-                raise PlanError(f"{name} has {len(values)} entries for {self.num_stages} stages")
+        )
+        for name, entries in per_stage:
+            if entries and len(entries) != self.num_stages:
+                raise PlanError(f"{name} has {len(entries)} entries for {self.num_stages} stages")
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -222,7 +228,12 @@ class Plan:
     @property
     def pipeline_schedule(self) -> Schedule:
         """The schedule, micro-batches and chunks per device, as one checked value."""
-        return Schedule(kind=self.schedule, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages)
+        return Schedule(kind=self.schedule, num_microbatches=self._microbatches, virtual_stages=self.virtual_stages)
+
+    @property
+    def _microbatches(self) -> int:
+        """``num_microbatches``, which ``__post_init__`` always fills in."""
+        return cast(int, self.num_microbatches)
 
     @property
     def num_devices(self) -> int:
@@ -232,7 +243,9 @@ class Plan:
     @property
     def dp(self) -> DataParallel:
         """The data-parallel layout the plan was made for, as one checked value."""
-        return DataParallel(size=self.data_parallel, shard=self.data_parallel_shard, reshard_after_forward=self.reshard_after_forward)
+        return DataParallel(
+            size=self.data_parallel, shard=self.data_parallel_shard, reshard_after_forward=self.reshard_after_forward
+        )
 
     def stage_of(self, block: str | int) -> int:
         """Stage that runs ``block`` (a name or an index)."""
@@ -256,7 +269,15 @@ class Plan:
             params = f"{sum(self.block_params[st.start : st.stop]):,}" if self.block_params else "-"
             counts = {o: st.recompute.count(o) for o in RECOMPUTE_OPTIONS if o != "none" and o in st.recompute}
             rec = ", ".join(f"{c} {o}" for o, c in counts.items())  # per block: plan.stages[s].recompute
-            row = [str(st.index), f"{st.start}-{st.stop - 1}", st.blocks[0], st.blocks[-1], str(layers), params, rec or "-"]
+            row = [
+                str(st.index),
+                f"{st.start}-{st.stop - 1}",
+                st.blocks[0],
+                st.blocks[-1],
+                str(layers),
+                params,
+                rec or "-",
+            ]
             if self.stage_time_s:
                 row.append(f"{self.stage_time_s[st.index] * 1e3:.3f}")
             if self.stage_memory_bytes:
@@ -270,7 +291,7 @@ class Plan:
         numeric = {0, 4, 5, 7, 8, 9}
         lines = [
             f"Plan by '{self.planner}': {counted(self.num_blocks, 'block')} in {counted(self.num_stages, 'stage')}, "
-            f"schedule {self.schedule}, {counted(self.num_microbatches, 'micro-batch')}",
+            f"schedule {self.schedule}, {counted(self._microbatches, 'micro-batch')}",
             format_table(rows, "".join("r" if i in numeric else "l" for i in range(len(header)))),
         ]
         if self.block_params:
@@ -279,10 +300,14 @@ class Plan:
             if mean:
                 lines.append(f"parameter imbalance (max/mean): {max(loads) / mean:.3f}")
         if self.data_parallel > 1:
-            lines.append(f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction")
+            lines.append(
+                f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction"
+            )
         if self.stage_peak_bytes:
-            lines.append("Memory is the bound the plan was fitted under; peak is the predicted peak, which charges each "
-                         "block the workspace of its own recompute option where it runs.")
+            lines.append(
+                "Memory is the bound the plan was fitted under; peak is the predicted peak, which charges each "
+                "block the workspace of its own recompute option where it runs."
+            )
         if self.iteration_time_s is not None:
             lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms (the schedule's closed form).")
         lines.extend(_note_sentences(self.notes))

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omnibal_compile.errors import PlanError
 from omnibal_compile._utils.tables import counted
+from omnibal_compile.errors import PlanError
 
 __all__ = ["SCHEDULE_KINDS", "MAX_MICROBATCHES", "Schedule"]
 
@@ -89,7 +89,8 @@ class Schedule:
             )
         if self.kind == "1f1b" and M < S:
             raise PlanError(
-                f"{counted(M, 'micro-batch')} for {counted(S, 'stage')}: schedule '1f1b' needs at least one micro-batch per stage; "
+                f"{counted(M, 'micro-batch')} for {counted(S, 'stage')}: schedule '1f1b' needs at least one "
+                "micro-batch per stage; "
                 f"set num_microbatches >= {S}, or use schedule 'gpipe'"
             )
         if self.kind == "interleaved":

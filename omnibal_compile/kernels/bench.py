@@ -26,9 +26,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from omnibal_compile._utils.tables import format_table
 from omnibal_compile.kernels import ops
 from omnibal_compile.kernels import reference as R
-from omnibal_compile._utils.tables import format_table
 
 __all__ = [
     "LiveBytes", "Case", "BenchRow", "LossMemory", "cases", "run_bench", "loss_memory", "format_rows",

@@ -23,9 +23,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.errors import InputError, MissingBackendError
 from omnibal_compile.kernels import eager
-from omnibal_compile._utils.labels import IGNORE_INDEX
 
 __all__ = [
     "Backend", "BACKENDS", "INSTALL_HINT", "MissingBackendError", "triton_available", "check_triton_installed",

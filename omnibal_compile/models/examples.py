@@ -70,8 +70,11 @@ def example_inputs_for(model: nn.Module, *, batch: int = EXAMPLE_ROWS, text: int
     name = type(model).__name__
     if isinstance(model, TinyVLM):
         made = make_example_batch(model.config, batch=batch, text_tokens=text, seed=seed)
-        return describe_batch(made, source=f"the reference VLM's example ({batch} rows of 2 tiles and {text} text tokens)",
-                              synthesized=True)
+        return describe_batch(
+            made,
+            source=f"the reference VLM's example ({batch} rows of 2 tiles and {text} text tokens)",
+            synthesized=True,
+        )
     own = getattr(model, "example_inputs", None)
     if callable(own):
         return describe_batch(own(), source=f"{name}.example_inputs()", synthesized=True)

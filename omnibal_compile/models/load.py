@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from omnibal_compile._utils.validate import read_text
 from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_example_batch
-from omnibal_compile._utils.validate import read_text
 
 __all__ = ["LoadedModel", "load_model", "hf_data_facts", "hf_example_batch", "import_from_spec"]
 
@@ -69,7 +69,9 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     config = dict(config or {})
     torch.manual_seed(seed)
     if meta and not spec.startswith("hf:"):
-        raise InputError(f"--meta builds hf:ClassName:config.json models only; MODEL {spec!r} is built as its factory makes it")
+        raise InputError(
+            f"--meta builds hf:ClassName:config.json models only; MODEL {spec!r} is built as its factory makes it"
+        )
     if spec in TINY_VLM:
         from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
@@ -82,7 +84,9 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     if spec.startswith("hf:"):
         parts = spec.split(":", 2)
         if len(parts) != 3 or not parts[1] or not parts[2]:
-            raise InputError(f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json")
+            raise InputError(
+                f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json"
+            )
         model = _hf_model(parts[1], parts[2], meta=meta)
         example = _hf_example(model, batch=batch, text=text, seed=seed)
         return LoadedModel(model=model, example_batch=_on_meta(example) if meta and example else example, name=parts[1])
@@ -92,7 +96,8 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     model, example = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(model, nn.Module):
         raise InputError(
-            f"model factory {spec!r} returned {type(made).__name__}; it must return an nn.Module or (model, example_batch)"
+            f"model factory {spec!r} returned {type(made).__name__}; it must return an nn.Module or (model, "
+            "example_batch)"
         )
     if example is None and hasattr(getattr(model, "config", None), "to_dict"):
         example = _hf_example(model, batch=batch, text=text, seed=seed)
@@ -106,7 +111,9 @@ def _hf_model(class_name: str, config_path: str, *, meta: bool = False) -> nn.Mo
         raise InputError("hf: models need transformers: pip install 'omnibal-compile[hf]'") from None
     cls = getattr(transformers, class_name, None)
     if cls is None or not hasattr(cls, "config_class"):
-        raise InputError(f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)")
+        raise InputError(
+            f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)"
+        )
     read_text(config_path, "config file")  # says whether it is missing, a directory or unreadable
     try:
         config = cls.config_class.from_json_file(config_path)
@@ -129,4 +136,6 @@ def _hf_example(model: nn.Module, *, batch: int, text: int, seed: int) -> dict[s
 
 def _on_meta(example: dict[str, Any]) -> dict[str, Any]:
     """An example batch on the meta device, floats in bf16 (as the model ``meta=True`` builds)."""
-    return {k: v.to(device="meta", dtype=torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in example.items()}
+    return {
+        k: v.to(device="meta", dtype=torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in example.items()
+    }

@@ -225,6 +225,8 @@ class DecoderLayer(nn.Module):
 
 
 class RotaryTable(nn.Module):
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, cfg: TinyVLMConfig) -> None:
         super().__init__()
         dim = cfg.llm_hidden // cfg.llm_heads
@@ -311,7 +313,12 @@ class TinyVLM(nn.Module):
 
 
 def make_example_batch(
-    config: TinyVLMConfig | None = None, *, batch: int = 2, tiles_per_sample: int = 2, text_tokens: int = 32, seed: int = 0
+    config: TinyVLMConfig | None = None,
+    *,
+    batch: int = 2,
+    tiles_per_sample: int = 2,
+    text_tokens: int = 32,
+    seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """A random batch: each row holds ``tiles_per_sample`` tiles' image tokens followed by text.
 

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.planning import interleaved as two_chunks
 from omnibal_compile.planning.baselines import BASELINES, min_max_partition, uniform_boundaries
 from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.planning.explain import explain_infeasible, least_memory_split
-from omnibal_compile.planning import interleaved as two_chunks
 from omnibal_compile.planning.ilp import _status_note, solve_ilp
 from omnibal_compile.planning.problem import (
     PROFILED_TIE_TOLERANCE,
@@ -98,9 +98,16 @@ def _ilp(problem: PartitionProblem, *, solver: str, time_limit: float | None, ga
             seconds = time.perf_counter() - start
             if found.gap <= gap:
                 return dataclasses.replace(
-                    found.solution, planner="ilp", status=_status_note("Optimal", found.gap), gap=found.gap,
+                    found.solution,
+                    planner="ilp",
+                    status=_status_note("Optimal", found.gap),
+                    gap=found.gap,
                     solve_seconds=seconds,
-                    extra={"solver": "two-chunk search", "lower_bound": found.lower_bound, "decisions": found.decisions},
+                    extra={
+                        "solver": "two-chunk search",
+                        "lower_bound": found.lower_bound,
+                        "decisions": found.decisions,
+                    },
                 )
             if time_limit is not None:
                 time_limit = max(1.0, time_limit - seconds)

@@ -21,7 +21,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from omnibal_compile.errors import PlanError
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, Solution, evaluate, in_flight, stage_io, stage_static
+from omnibal_compile.planning.problem import (
+    OPTIONS,
+    PartitionProblem,
+    Solution,
+    evaluate,
+    in_flight,
+    stage_io,
+    stage_static,
+)
 
 __all__ = [
     "min_max_partition",
@@ -107,7 +115,9 @@ def least_recompute(problem: PartitionProblem, boundaries: Sequence[int], *, per
 
 def _finish(problem: PartitionProblem, boundaries: Sequence[int], name: str, start: float, per_stage: bool) -> Solution:
     recompute = least_recompute(problem, boundaries, per_stage=per_stage)
-    return evaluate(problem, boundaries, recompute, planner=name, status="heuristic", solve_seconds=time.perf_counter() - start)
+    return evaluate(
+        problem, boundaries, recompute, planner=name, status="heuristic", solve_seconds=time.perf_counter() - start
+    )
 
 
 def uniform(problem: PartitionProblem) -> Solution:
@@ -149,7 +159,9 @@ def omnibal(problem: PartitionProblem, *, radius: int = 2, max_candidates: int =
         radius -= 1
     prefix = np.concatenate(([0.0], np.cumsum(t)))
     cut_time = np.asarray(P.cut_time)
-    offsets = np.array(list(itertools.product(range(-radius, radius + 1), repeat=S - 1)), dtype=np.int64).reshape(-1, S - 1)
+    offsets = np.array(list(itertools.product(range(-radius, radius + 1), repeat=S - 1)), dtype=np.int64).reshape(
+        -1, S - 1
+    )
     inner = np.asarray(anchor[1:-1])[None, :] + offsets
     cands = np.concatenate([np.zeros((len(inner), 1), np.int64), inner, np.full((len(inner), 1), n, np.int64)], axis=1)
     ok = np.all(np.diff(cands, axis=1) > 0, axis=1)

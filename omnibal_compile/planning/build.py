@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.planning import (
@@ -146,9 +146,13 @@ def plan_from_solution(
     )
 
 
-def _dp_fields(dp: DataParallel) -> dict[str, object]:
+def _dp_fields(dp: DataParallel) -> dict[str, Any]:
     """The plan fields that record ``dp``."""
-    return {"data_parallel": dp.size, "data_parallel_shard": dp.shard, "reshard_after_forward": dp.reshard_after_forward}
+    return {
+        "data_parallel": dp.size,
+        "data_parallel_shard": dp.shard,
+        "reshard_after_forward": dp.reshard_after_forward,
+    }
 
 
 def plan_with_costs(
@@ -213,7 +217,9 @@ def plan_stages(
     check_num_stages(graph, num_stages)
     schedule.check(num_stages)
     if costs is None and memory_budget is not None:
-        raise InputError("memory_budget needs block costs: pass device='cpu', a target such as 'a100-80gb', or costs=...")
+        raise InputError(
+            "memory_budget needs block costs: pass device='cpu', a target such as 'a100-80gb', or costs=..."
+        )
     planner = planner or ("ilp" if costs is not None else "parameters")
     if isinstance(planner, str) and costs is not None:
         planner_info(planner)  # an unknown name fails here, before the problem is built
@@ -227,11 +233,16 @@ def plan_stages(
     elif callable(planner):
         plan = planner(graph, num_stages)
         if not isinstance(plan, Plan):
-            raise InputError(f"planner {getattr(planner, '__name__', planner)!r} returned {type(plan).__name__}, not a Plan")
+            raise InputError(
+                f"planner {getattr(planner, '__name__', planner)!r} returned {type(plan).__name__}, not a Plan"
+            )
     else:
         raise InputError(f"planner must be a name or a callable, got {type(planner).__name__}")
     plan = dataclasses.replace(
-        plan, schedule=schedule.kind, num_microbatches=schedule.num_microbatches, virtual_stages=schedule.virtual_stages,
+        plan,
+        schedule=schedule.kind,
+        num_microbatches=schedule.num_microbatches,
+        virtual_stages=schedule.virtual_stages,
         **_dp_fields(data_parallel),
     )
     if costs is None:

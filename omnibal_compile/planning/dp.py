@@ -29,8 +29,8 @@ from omnibal_compile.planning.problem import (
     Solution,
     evaluate,
     in_flight,
-    stage_time_bound,
     stage_io,
+    stage_time_bound,
     stage_transient,
 )
 
@@ -182,7 +182,8 @@ def _max_stage_time(P: PartitionProblem) -> float:
 
 
 State = tuple[float, float, float, int, int, int]
-"""(sum of stage times, max stage time, max stage sync D, start block i of the last stage, parent state, frontier point)."""
+"""(sum of stage times, max stage time, max stage sync D, start block i of the last stage, parent state, frontier
+point)."""
 
 
 def _pareto_states(P: PartitionProblem, F: Frontiers) -> list[list[list[State]]]:

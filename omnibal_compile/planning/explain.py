@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, in_flight, stage_io, stage_static
 from omnibal_compile._utils.tables import counted
 from omnibal_compile._utils.units import format_size
+from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, in_flight, stage_io, stage_static
 
 __all__ = ["least_memory_split", "explain_infeasible"]
 
@@ -32,7 +32,9 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         k = in_flight(P, s)
         for j in range(s + 1, n - (S - s - 1) + 1):
             i = np.arange(s, j)
-            transient = _suffix_max(P.gathered, s, j) + _suffix_max(P.workspace, s, j)  # stage_transient(P, i, j) for each i
+            transient = _suffix_max(P.gathered, s, j) + _suffix_max(
+                P.workspace, s, j
+            )  # stage_transient(P, i, j) for each i
             out = k * P.cut_bytes[j] if j < n else 0.0  # outputs held per micro-batch in flight (stage_io)
             need = v * (static[j] - static[i] + transient + k * (act[j] - act[i]) + recv[i] + out)
             cand = np.maximum(best[s, i], need)
@@ -43,8 +45,11 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
         boundaries.append(int(arg[s, boundaries[-1]]))
     boundaries = boundaries[::-1]
     mems = [
-        float(stage_static(P, boundaries[s], boundaries[s + 1]) + in_flight(P, s) * (act[boundaries[s + 1]] - act[boundaries[s]])
-              + stage_io(P, s, boundaries[s], boundaries[s + 1]))
+        float(
+            stage_static(P, boundaries[s], boundaries[s + 1])
+            + in_flight(P, s) * (act[boundaries[s + 1]] - act[boundaries[s]])
+            + stage_io(P, s, boundaries[s], boundaries[s + 1])
+        )
         for s in range(S)
     ]
     return boundaries, mems, float(best[S, n])

@@ -18,7 +18,8 @@ Constraints:
     cut k ends stage s  e[k, s] = sum_a z[a, k, s]  (or y[k - 1, s] - y[k, s]; linear either way)
     time         T[s] = sum_{i, o} w t_io + sum_k e[k, s] c_k + sum_k e[k, s - 1] c_k
     floor        T[s] >= sum z[i, j, s] * (least time of [i, j) on stage s within its memory)
-    memory       sum_i x w_i + sum z[i, j, s] (max_{[i, j)} u + max_{[i, j)} q) + k_s sum_{i, o} w a_io + sum_k e[k, s - 1] bytes_k <= budget_s
+    memory       sum_i x w_i + sum z[i, j, s] (max_{[i, j)} u + max_{[i, j)} q) + k_s sum_{i, o} w a_io
+                 + sum_k e[k, s - 1] bytes_k <= budget_s
     bound        objective <= DP optimum (when given): prunes variables and the search
 Objective: the schedule's iteration time (see solver.problem), then, lexicographically, the number
 of recomputed blocks (``TIE_WEIGHT`` per block, far below any time difference that matters), so
@@ -37,8 +38,8 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 from contextlib import contextmanager
+from typing import Any
 
 from omnibal_compile.errors import PlanError
 from omnibal_compile.planning.dp import Frontiers
@@ -49,8 +50,8 @@ from omnibal_compile.planning.problem import (
     evaluate,
     in_flight,
     lower_bound,
-    stage_time_bound,
     stage_figures,
+    stage_time_bound,
     stage_transient,
 )
 
@@ -183,7 +184,9 @@ def solve_ilp(
     if proven_bound is not None:
         proven_bound /= unit
     if warm is not None:
-        warm = dataclasses.replace(warm, stage_time=tuple(t / unit for t in warm.stage_time), sync_time=warm.sync_time / unit)
+        warm = dataclasses.replace(
+            warm, stage_time=tuple(t / unit for t in warm.stage_time), sync_time=warm.sync_time / unit
+        )
     P = problem
     n, S = P.n, P.num_stages
     opts = P.option_indices()
@@ -192,8 +195,19 @@ def solve_ilp(
     lo, hi = _stage_windows(P, tau)
     if P.schedule == "interleaved":
         return _solve_paths(
-            P, original, unit, lo, hi, tau, upper_bound=upper_bound, proven_bound=proven_bound, warm=warm, solver=solver,
-            time_limit=time_limit, gap=gap, start=start,
+            P,
+            original,
+            unit,
+            lo,
+            hi,
+            tau,
+            upper_bound=upper_bound,
+            proven_bound=proven_bound,
+            warm=warm,
+            solver=solver,
+            time_limit=time_limit,
+            gap=gap,
+            start=start,
         )
     model = _joint_model(P, lo, hi, tau, upper_bound=upper_bound)
     prob, w, z, T, Tmax, D, objective = model.prob, model.w, model.z, model.T, model.Tmax, model.D, model.objective
@@ -222,7 +236,9 @@ def solve_ilp(
     boundaries, recompute = _read(w, n, S, opts)
     if frontiers is not None:  # under a budget: decide each stage's fit exactly, not within tolerance
         recompute = _fastest_fitting(P, frontiers, boundaries, recompute)
-    return _solution(original, boundaries, recompute, note, found_gap, start, solver, (pulp.value(objective) or 0.0) * unit)
+    return _solution(
+        original, boundaries, recompute, note, found_gap, start, solver, (pulp.value(objective) or 0.0) * unit
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -333,7 +349,8 @@ def _joint_model(
         if budget != float("inf"):
             mem = (
                 pulp.lpSum(x(i, s) * P.static[i] for i in range(n) if lo[i] <= s <= hi[i])
-                + in_flight(P, s) * pulp.lpSum(w[i, s, o] * P.act[i][o] for i in range(n) for o in opts if (i, s, o) in w)
+                + in_flight(P, s)
+                * pulp.lpSum(w[i, s, o] * P.act[i][o] for i in range(n) for o in opts if (i, s, o) in w)
                 + (pulp.lpSum(ends(k, s - 1) * P.cut_bytes[k] for k in cuts) if s > 0 else 0)
                 # the outputs each micro-batch in flight holds until its backward (problem.stage_io)
                 + (in_flight(P, s) * pulp.lpSum(ends(k, s) * P.cut_bytes[k] for k in cuts) if s < S - 1 else 0)
@@ -349,7 +366,9 @@ def _joint_model(
             for var, c in share.items():
                 if c > 1:
                     var.upBound = 0
-            fits = pulp.LpAffineExpression([(var, c) for var, c in share.items() if 0 < c <= 1], constant=share.constant)
+            fits = pulp.LpAffineExpression(
+                [(var, c) for var, c in share.items() if 0 < c <= 1], constant=share.constant
+            )
             if fits:
                 prob += fits <= 1, f"memory_{s}"
     Tmax = pulp.LpVariable("Tmax", lowBound=0)
@@ -376,15 +395,26 @@ def _joint_model(
         prob += objective + TIE_WEIGHT * pulp.lpSum(w[k] for k in recomp)
     else:
         prob += objective
-    return _JointModel(prob=prob, w=w, z=z, T=T, Tmax=Tmax, D=D, objective=objective, useful=useful, frontiers=frontiers)
+    return _JointModel(
+        prob=prob, w=w, z=z, T=T, Tmax=Tmax, D=D, objective=objective, useful=useful, frontiers=frontiers
+    )
+
 
 def _solution(
     problem: PartitionProblem, boundaries: Sequence[int], recompute: Sequence[str], status: str, gap: float | None,
     start: float, solver: str, objective: float,
 ) -> Solution:
     """The plan the ILP found, evaluated exactly on the original problem, with what the solver reported."""
-    return evaluate(problem, boundaries, recompute, planner="ilp", status=status, solve_seconds=time.perf_counter() - start,
-                    gap=gap, extra={"solver": type(make_solver(solver)).__name__, "objective": objective})
+    return evaluate(
+        problem,
+        boundaries,
+        recompute,
+        planner="ilp",
+        status=status,
+        solve_seconds=time.perf_counter() - start,
+        gap=gap,
+        extra={"solver": type(make_solver(solver)).__name__, "objective": objective},
+    )
 
 
 def _status_note(status: str, found_gap: float | None) -> str:
@@ -582,7 +612,9 @@ def _interval_floors(
     return floor, frontiers
 
 
-def _fastest_fitting(P: PartitionProblem, frontiers: Frontiers, boundaries: Sequence[int], recompute: Sequence[str]) -> list[str]:
+def _fastest_fitting(
+    P: PartitionProblem, frontiers: Frontiers, boundaries: Sequence[int], recompute: Sequence[str]
+) -> list[str]:
     """Each stage's options, replaced by its interval's fastest option vector that fits exactly where
     that one is faster.
 
@@ -600,7 +632,8 @@ def _fastest_fitting(P: PartitionProblem, frontiers: Frontiers, boundaries: Sequ
         mine = [OPTIONS.index(o) for o in out[i:j]]
         # the same tolerance can also accept a vector a few bytes over the budget: replace it too
         over = stage_figures(P, s, i, j, mine)[1] > P.memory_limit(s)
-        if over or best[0] - P.cut_time[i] - P.cut_time[j] < sum(P.time[b][o] for b, o in zip(range(i, j), mine)) * (1 - 1e-9):
+        mine_time = sum(P.time[b][o] for b, o in zip(range(i, j), mine))
+        if over or best[0] - P.cut_time[i] - P.cut_time[j] < mine_time * (1 - 1e-9):
             out[i:j] = [OPTIONS[o] for o in frontiers.options(i, j, best[1])]
     return out
 

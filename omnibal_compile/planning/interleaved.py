@@ -85,7 +85,12 @@ class _Intervals:
             for a in range(1, min(len(F.acts[i]), n - i) + 1):
                 j = i + a
                 # Frontiers.best_stage's memory for every stage at once (stage_io's k_s differs by stage)
-                fixed = F.prefix_static[j] - F.prefix_static[i] + stage_transient(P, i, j) + (P.cut_bytes[i] if i > 0 else 0)
+                fixed = (
+                    F.prefix_static[j]
+                    - F.prefix_static[i]
+                    + stage_transient(P, i, j)
+                    + (P.cut_bytes[i] if i > 0 else 0)
+                )
                 out = in_flight * (P.cut_bytes[j] if j < n else 0)
                 cap = (budget - fixed - out) / in_flight
                 acts = F.acts[i][a - 1]

@@ -36,19 +36,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
+from omnibal_compile._utils.tables import counted, format_table
+from omnibal_compile._utils.units import format_size
 from omnibal_compile.costs.devices import DeviceSpec
 from omnibal_compile.costs.mix import scale_costs
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.planning.build import plan_from_solution
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile.sim.simulate import simulate
 from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
+from omnibal_compile.planning.build import plan_from_solution
 from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.planning.problem import in_flight
-from omnibal_compile._utils.tables import counted, format_table
-from omnibal_compile._utils.units import format_size
+from omnibal_compile.sim.simulate import simulate
 
 __all__ = ["DP_LAYOUTS", "Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_depths"]
 
@@ -191,8 +191,10 @@ class LayoutSearch:
         head = (f"layout search: {counted(self.devices, 'device')}, {batch}, memory budget {budget} per device; "
                 f"{len(self.candidates)} layouts "
                 f"considered, {sum(c.planned for c in self.candidates)} planned and simulated, in {self.seconds:.1f} s")
-        chosen = (f"chosen: {b.layout.describe()}: predicted {_ms(b.time_per_unit_s)} ms per {self.unit}, "
-                  f"{b.iteration_s:.4g} s per step, bubble {b.bubble_fraction:.1%}, peak {format_size(b.peak_memory_bytes)}")
+        chosen = (
+            f"chosen: {b.layout.describe()}: predicted {_ms(b.time_per_unit_s)} ms per {self.unit}, "
+            f"{b.iteration_s:.4g} s per step, bubble {b.bubble_fraction:.1%}, peak {format_size(b.peak_memory_bytes)}"
+        )
         return "\n".join([head, *self.notes, self.table(limit), chosen])
 
     def __str__(self) -> str:
@@ -349,7 +351,9 @@ def search_layout(
     if not isinstance(devices, int) or devices < 1:
         raise InputError(f"devices must be a positive integer, got {devices!r}")
     if (global_batch is None) == (num_microbatches is None):
-        raise InputError("give the layout search global_batch (units per step) or num_microbatches (per replica), one of them")
+        raise InputError(
+            "give the layout search global_batch (units per step) or num_microbatches (per replica), one of them"
+        )
     for name, value in (("global_batch", global_batch), ("num_microbatches", num_microbatches)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InputError(f"{name} must be a positive integer, got {value!r}")
@@ -465,7 +469,9 @@ def _table_order(c: Candidate) -> tuple[int, float]:
     return rank, math.inf if math.isnan(key) else key
 
 
-def _plan_and_simulate(problem: PartitionProblem, table: CostTable, lay: Layout, est: float, budget: float | None) -> Candidate:
+def _plan_and_simulate(
+    problem: PartitionProblem, table: CostTable, lay: Layout, est: float, budget: float | None
+) -> Candidate:
     """Plan ``lay`` (exact DP for 1F1B, the DP's incumbent for interleaved) and simulate its plan.
 
     When the simulated peak exceeds the budget (the planner's in-flight count for interleaved schedules is
@@ -481,24 +487,35 @@ def _plan_and_simulate(problem: PartitionProblem, table: CostTable, lay: Layout,
         sim = simulate(plan, table)
         peak = float(max(sim.peak_memory_bytes))
         if budget is None or peak <= budget * (1 + 1e-9) + 1e-6:
-            return Candidate(layout=lay, status="planned", estimate_s=est, plan=plan,
-                             time_per_unit_s=sim.iteration_time_s / lay.units_per_step, iteration_s=sim.iteration_time_s,
-                             peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction)
+            return Candidate(
+                layout=lay,
+                status="planned",
+                estimate_s=est,
+                plan=plan,
+                time_per_unit_s=sim.iteration_time_s / lay.units_per_step,
+                iteration_s=sim.iteration_time_s,
+                peak_memory_bytes=peak,
+                bubble_fraction=sim.bubble_fraction,
+            )
         limit = limit * budget / peak  # aim under the budget by the overshoot, cumulatively
         problem = dataclasses.replace(problem, budget=(limit,) * len(problem.budget))
     return Candidate(layout=lay, status="rejected", estimate_s=est, peak_memory_bytes=peak,
                      reason=f"simulated peak {format_size(peak)} over the budget")
 
 
-def _nothing_fits(devices: int, budget: float | None, least: tuple[float, Layout] | None, results: list[Candidate]) -> str:
+def _nothing_fits(
+    devices: int, budget: float | None, least: tuple[float, Layout] | None, results: list[Candidate]
+) -> str:
     if least is None:
         reasons = sorted({c.reason for c in results if c.reason})
         return f"no layout of {counted(devices, 'device')} could be planned: {'; '.join(reasons[:3])}"
     need, lay = least
-    return (f"no layout of {counted(devices, 'device')} fits the memory budget of {format_size(budget or 0)} per device: "
-            f"the one that needs least, {lay.describe()}, needs {format_size(need)} per device even with the most "
-            f"recomputation allowed. Give a budget of at least {format_size(need)}, more devices, or a smaller "
-            "micro-batch (microbatch_sizes).")
+    return (
+        f"no layout of {counted(devices, 'device')} fits the memory budget of {format_size(budget or 0)} per device: "
+        f"the one that needs least, {lay.describe()}, needs {format_size(need)} per device even with the most "
+        f"recomputation allowed. Give a budget of at least {format_size(need)}, more devices, or a smaller "
+        "micro-batch (microbatch_sizes)."
+    )
 
 
 # -- optimize(devices=...) -------------------------------------------------------------------------

@@ -46,8 +46,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
 from omnibal_compile.ir.schedule import Schedule
 
 __all__ = [
@@ -93,16 +93,19 @@ class PartitionProblem:
     allowed: tuple[str, ...] = OPTIONS
     """Recompute options the solver may use."""
     gathered: tuple[float, ...] = ()
-    """u_i: bytes block i gathers while it computes (FSDP resharding after forward); a stage adds its largest. Empty = none."""
+    """u_i: bytes block i gathers while it computes (FSDP resharding after forward); a stage adds its largest.
+    Empty = none."""
     workspace: tuple[float, ...] = ()
-    """q_i: bytes block i holds only while it computes, beyond its activations; a stage adds its largest. Empty = none."""
+    """q_i: bytes block i holds only while it computes, beyond its activations; a stage adds its largest.
+    Empty = none."""
     sync: tuple[float, ...] = ()
     """d_i: data-parallel seconds block i adds once per iteration; a device adds its blocks' sum. Empty = none."""
     peak: tuple[tuple[float, float, float], ...] = ()
     """p_io: peak bytes of one forward and backward of block i alone under none / selective / full; the
     predicted peak (not the planners' bound) reads it. Empty = not measured."""
     data_parallel: DataParallel = NO_DATA_PARALLEL
-    """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in plans)."""
+    """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in
+    plans)."""
     tie_tolerance: float = 0.0
     """Plans predicted within this fraction of the least iteration time count as equal, and
     :func:`omnibal_compile.planning.ties.break_ties` picks among them by figures that do not depend on
@@ -230,7 +233,10 @@ def sync_time(problem: PartitionProblem, boundaries: Sequence[int]) -> float:
     if not problem.sync:
         return 0.0
     per_stage = [sum(problem.sync[i:j]) for i, j in zip(boundaries, boundaries[1:])]
-    return max(sum(per_stage[s] for s in range(problem.num_stages) if problem.device_of(s) == d) for d in range(problem.num_devices))
+    return max(
+        sum(per_stage[s] for s in range(problem.num_stages) if problem.device_of(s) == d)
+        for d in range(problem.num_devices)
+    )
 
 
 def stage_figures(problem: PartitionProblem, s: int, i: int, j: int, options: Sequence[int]) -> tuple[float, float]:
@@ -275,7 +281,9 @@ def evaluate(
     """Predicted stage times, memory and iteration time (pipeline + D) of a plan, by the shared accounting."""
     b = tuple(int(x) for x in boundaries)
     if len(b) != problem.num_stages + 1 or b[0] != 0 or b[-1] != problem.n or any(x >= y for x, y in zip(b, b[1:])):
-        raise PlanError(f"boundaries {list(b)} are not {problem.num_stages} contiguous non-empty stages of {problem.n} blocks")
+        raise PlanError(
+            f"boundaries {list(b)} are not {problem.num_stages} contiguous non-empty stages of {problem.n} blocks"
+        )
     if len(recompute) != problem.n:
         raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
     opts = [OPTIONS.index(r) for r in recompute]

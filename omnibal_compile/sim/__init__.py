@@ -4,7 +4,16 @@
 ``draw`` turns plans and results into PNG/SVG pictures and Chrome traces (matplotlib, lazily).
 """
 
-from omnibal_compile.sim.simulate import Event, SimResult, SimulationError, StageCost, operation_order, schedule_time, simulate, stage_costs
+from omnibal_compile.sim.simulate import (
+    Event,
+    SimResult,
+    SimulationError,
+    StageCost,
+    operation_order,
+    schedule_time,
+    simulate,
+    stage_costs,
+)
 from omnibal_compile.sim.whatif import SweepPoint, sweep, sweep_table
 
 __all__ = [

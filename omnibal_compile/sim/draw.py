@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omnibal_compile.ir.costs import CostTable
+from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim.simulate import SimResult, stage_costs
-from omnibal_compile._utils.tables import counted
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -123,7 +123,9 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str | None = No
         w = _ms(e.duration_s)
         ax.barh(e.device, w, left=_ms(e.start_s), height=0.8, color=COLOURS[e.kind], edgecolor="white", linewidth=0.4)
         if T and w / T > 0.012:
-            ax.text(_ms(e.start_s) + w / 2, e.device, str(e.microbatch), ha="center", va="center", fontsize=6, color="white")
+            ax.text(
+                _ms(e.start_s) + w / 2, e.device, str(e.microbatch), ha="center", va="center", fontsize=6, color="white"
+            )
     ax.set_yticks(range(D), [f"device {d}" for d in range(D)])
     ax.invert_yaxis()
     ax.set_xlim(0, T * 1.01 if T else 1)
@@ -190,7 +192,16 @@ def draw_block_graph(plan: Plan, path: str | Path, *, dag: nx.DiGraph | None = N
     for st in plan.stages:
         x, y = pos[st.start]
         where = f" (device {st.index % plan.num_devices})" if plan.virtual_stages > 1 else ""
-        ax.text(-0.8, y, f"stage {st.index}{where}", ha="right", va="center", fontsize=8, color=colour(st.index), weight="bold")
+        ax.text(
+            -0.8,
+            y,
+            f"stage {st.index}{where}",
+            ha="right",
+            va="center",
+            fontsize=8,
+            color=colour(st.index),
+            weight="bold",
+        )
     ax.set_xlim(-2.2, ncols)
     ax.set_ylim(-row + 0.3, 0.6)
     ax.axis("off")
@@ -217,7 +228,12 @@ def draw_stage_bars(
     ax, mx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     xs = list(range(S))
     bottom = [0.0] * S
-    for key, label in (("forward_s", "forward"), ("recompute_s", "recompute"), ("backward_s", "backward"), ("send_s", "send")):
+    for key, label in (
+        ("forward_s", "forward"),
+        ("recompute_s", "recompute"),
+        ("backward_s", "backward"),
+        ("send_s", "send"),
+    ):
         vals = [_ms(getattr(c, key)) for c in sc]
         if not any(vals):
             continue
@@ -246,7 +262,9 @@ def draw_stage_bars(
     if plan.memory_budget_bytes:
         # A device's budget: the sum of its stages' shares.
         budget = [sum(plan.memory_budget_bytes[s] for s in range(d, S, D)) * gib for d in range(D)]
-        mx.hlines(budget, [d - 0.45 for d in dx], [d + 0.45 for d in dx], colors="#D62728", linestyles="--", label="budget")
+        mx.hlines(
+            budget, [d - 0.45 for d in dx], [d + 0.45 for d in dx], colors="#D62728", linestyles="--", label="budget"
+        )
     mx.set_xticks(dx, [str(d) for d in dx])
     mx.set_xlabel("device")
     mx.set_ylabel(unit)
@@ -257,7 +275,12 @@ def draw_stage_bars(
 
 # -- what-if sweeps -------------------------------------------------------------------------------
 def draw_sweep(
-    xs: Sequence[float], ys: Sequence[float | None], path: str | Path, *, xlabel: str, ylabel: str = "iteration time (ms)",
+    xs: Sequence[float],
+    ys: Sequence[float | None],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str = "iteration time (ms)",
     title: str = "",
 ) -> Path:
     """A line plot of a what-if sweep; ``None`` values (infeasible points) are marked with an x on the axis."""

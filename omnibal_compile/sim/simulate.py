@@ -69,15 +69,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
-from omnibal_compile.ir.costs import CostTable, running_peak
+from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError, PlanError, SimulationError
+from omnibal_compile.ir.costs import CostTable, running_peak
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile._utils.tables import counted
 
-__all__ = ["Event", "StageCost", "SimResult", "simulate", "schedule_time", "stage_costs", "operation_order", "SimulationError"]
+__all__ = [
+    "Event",
+    "StageCost",
+    "SimResult",
+    "simulate",
+    "schedule_time",
+    "stage_costs",
+    "operation_order",
+    "SimulationError",
+]
 
 EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward", "dp_gather", "dp_reduce"]
 
@@ -93,12 +102,14 @@ class StageCost:
     recompute_s: float
     """Time rerunning the forward of recomputed blocks before the backward."""
     send_s: float
-    """Time to send what crosses the cut after the stage (0 for the last stage); gradients come back in the same time."""
+    """Time to send what crosses the cut after the stage (0 for the last stage); gradients come back in the same
+    time."""
     activation_bytes: int
     """Bytes kept from forward to backward under the chosen recompute options, the stage's outputs included
     (the pipeline holds them until the micro-batch's backward)."""
     workspace_bytes: int
-    """Bytes held only while one of its blocks computes, beyond kept activations (largest ``BlockCost.workspace_bytes``)."""
+    """Bytes held only while one of its blocks computes, beyond kept activations (largest
+    ``BlockCost.workspace_bytes``)."""
     running_bytes: int | None = None
     """Most bytes one micro-batch holds while it runs through the stage (``cost_table.running_peak`` of the
     blocks' kept and peak bytes under their options); None when the blocks' peaks were not measured."""
@@ -191,9 +202,12 @@ class SimResult:
 
 
 def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[StageCost, ...]:
-    """Per-stage costs of ``plan`` from ``costs`` (block names must match), times and activations scaled by ``scale``."""
+    """Per-stage costs of ``plan`` from ``costs`` (block names must match), times and activations scaled by
+    ``scale``."""
     if tuple(costs.names) != tuple(plan.block_names):
-        diff = [f"#{i}: plan '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(plan.block_names, costs.names)) if a != b]
+        diff = [
+            f"#{i}: plan '{a}' vs costs '{b}'" for i, (a, b) in enumerate(zip(plan.block_names, costs.names)) if a != b
+        ]
         raise PlanError(
             f"the cost table ({len(costs.names)} blocks) does not match the plan ({plan.num_blocks} blocks)"
             + (f"; first differences: {diff[:3]}" if diff else "")
@@ -220,7 +234,8 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
                 activation_bytes=int(round(scale * (sum(b.activation_bytes[o] for b, o in zip(blocks, opts)) + held))),
                 workspace_bytes=int(round(scale * max(b.workspace_bytes for b in blocks))),
                 running_bytes=int(round(scale * (held + running_peak(
-                    [b.activation_bytes[o] for b, o in zip(blocks, opts)], [b.peak_bytes[o] for b, o in zip(blocks, opts)]
+                    [b.activation_bytes[o] for b, o in zip(blocks, opts)],
+                    [b.peak_bytes[o] for b, o in zip(blocks, opts)],
                 )))) if all(b.peak_bytes for b in blocks) else None,
                 static_bytes=int(round(sum(c.static_bytes for c in dpc))),
                 gathered_bytes=int(round(max(c.gathered_bytes for c in dpc))),
@@ -266,15 +281,16 @@ def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_mi
             next_mb = [0] * v
             next_bmb = [0] * v
 
+            # fwd and bwd run only within this iteration, so the loop variables they read are this device's
             def fwd(k: int) -> Op:
-                c = (k // R) % v
-                next_mb[c] += 1
-                return ("F", c * D + d, next_mb[c] - 1)
+                c = (k // R) % v  # noqa: B023
+                next_mb[c] += 1  # noqa: B023
+                return ("F", c * D + d, next_mb[c] - 1)  # noqa: B023
 
             def bwd(j: int) -> Op:
-                c = v - 1 - (j // R) % v
-                next_bmb[c] += 1
-                return ("B", c * D + d, next_bmb[c] - 1)
+                c = v - 1 - (j // R) % v  # noqa: B023
+                next_bmb[c] += 1  # noqa: B023
+                return ("B", c * D + d, next_bmb[c] - 1)  # noqa: B023
 
             ops += [fwd(k) for k in range(warm)]
             for j in range(total):
@@ -460,7 +476,7 @@ def simulate(
     if microbatch_costs is not None and num_microbatches is None:
         M = len(microbatch_costs)
     else:
-        M = num_microbatches if num_microbatches is not None else plan.num_microbatches
+        M = num_microbatches if num_microbatches is not None else cast(int, plan.num_microbatches)  # filled by Plan
     S, v = plan.num_stages, plan.virtual_stages
     D = plan.num_devices
     orders = operation_order(sched, D, v, M)
@@ -481,7 +497,11 @@ def simulate(
         gather: list[tuple[EventKind, float]] = [("dp_gather", c.op_gather_s * bw_scale)] if c.op_gather_s > 0 else []
         if kind == "F":
             return gather + [("forward", c.forward_s + op_overhead_s)]
-        return gather + ([("recompute", c.recompute_s)] if c.recompute_s > 0 else []) + [("backward", c.backward_s + op_overhead_s)]
+        return (
+            gather
+            + ([("recompute", c.recompute_s)] if c.recompute_s > 0 else [])
+            + [("backward", c.backward_s + op_overhead_s)]
+        )
 
     # FSDP keeping weights gathered: each device gathers its stages' weights in turn from the start.
     events: list[Event] = []
@@ -516,11 +536,15 @@ def simulate(
     for (s, m), end in f_end.items():
         if s + 1 < S and send(s, m) > 0:
             d = s % D
-            events.append(Event(kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m)))
+            events.append(
+                Event(kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m))
+            )
     for (s, m), end in b_end.items():
         if s > 0 and send(s - 1, m) > 0:
             d = s % D
-            events.append(Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m)))
+            events.append(
+                Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m))
+            )
 
     T = finish + step_overhead_s
     compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]
@@ -553,7 +577,8 @@ def simulate(
         excess = max((_running_excess(per_mb[m][s]) for s in range(d, S, D) for m in range(M)), default=0)
         peak_act[d] += excess
     static = [
-        sum(per_mb[0][s].static_bytes for s in range(d, S, D)) + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
+        sum(per_mb[0][s].static_bytes for s in range(d, S, D))
+        + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
         for d in range(D)
     ]
     events.sort(key=lambda e: (e.start_s, e.device, e.kind))

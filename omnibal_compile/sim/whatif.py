@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omnibal_compile.ir.costs import CostTable
+from omnibal_compile._utils.tables import format_table
 from omnibal_compile.errors import PlanError
+from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim.simulate import SimResult, simulate
-from omnibal_compile._utils.tables import format_table
 
 __all__ = ["SweepPoint", "sweep", "sweep_table"]
 

@@ -43,11 +43,19 @@ from typing import Any
 
 import torch
 
+from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
-from omnibal_compile._utils.labels import IGNORE_INDEX
 
-__all__ = ["HFPackingCollator", "MASK_ATTENTION", "VARLEN_ATTENTION", "hf_lengths", "mrope_positions", "segment_mask", "block_ids"]
+__all__ = [
+    "HFPackingCollator",
+    "MASK_ATTENTION",
+    "VARLEN_ATTENTION",
+    "hf_lengths",
+    "mrope_positions",
+    "segment_mask",
+    "block_ids",
+]
 
 MASK_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
 """Attention implementations that get a 4-D additive block-causal mask."""
@@ -77,7 +85,8 @@ class HFPackingCollator:
     """
 
     attn_implementation: str = "sdpa"
-    """The model's ``config._attn_implementation``: ``sdpa``/``eager`` (4-D mask) or a flash one (variable-length kwargs)."""
+    """The model's ``config._attn_implementation``: ``sdpa``/``eager`` (4-D mask) or a flash one (variable-length
+    kwargs)."""
     image_token_id: int | None = None
     """Id of the image placeholder token; None for a text-only model."""
     tokens_per_image: int | None = None
@@ -221,7 +230,7 @@ class HFPackingCollator:
     def _expand(self, i: int, ids: torch.Tensor, labels: torch.Tensor | None, per_image: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Check the placeholders, expanding one-per-image placeholders as the family's processor does."""
-        is_img = ids == self.image_token_id
+        is_img = ids.eq(self.image_token_id)
         n = int(is_img.sum())
         if n == sum(per_image):
             return ids, labels
@@ -267,7 +276,9 @@ def mrope_positions(ids: torch.Tensor, grids: torch.Tensor, *, image_token_id: i
 
 def block_causal_mask(lengths: Sequence[int], *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(1, 1, L, L) additive mask: 0 where query and key are in the same segment and the key is not later, else min."""
-    return segment_mask(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))[None], dtype=dtype)
+    return segment_mask(
+        torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))[None], dtype=dtype
+    )
 
 
 def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32, blocks: torch.Tensor | None = None,
@@ -287,7 +298,9 @@ def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float3
         q, k = torch.arange(n, device=segment_ids.device)[:, None], torch.arange(n, device=segment_ids.device)[None, :]
         causal = causal & (k > q - window)
     allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )[:, None]
 
 
 def block_ids(segment_ids: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
@@ -322,7 +335,9 @@ def _image_facts(config: Any) -> dict[str, Any]:
     )
 
 
-def hf_lengths(dataset: Sequence[Mapping[str, Any]], collator: HFPackingCollator, *, source: str = "dataset") -> LengthStats:
+def hf_lengths(
+    dataset: Sequence[Mapping[str, Any]], collator: HFPackingCollator, *, source: str = "dataset"
+) -> LengthStats:
     """Per-sample (images, tokens) of a dataset as the collator packs them, for the balancer."""
     tiles, tokens = [], []
     for k in range(len(dataset)):

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnibal_compile.errors import InputError
 from omnibal_compile._utils.labels import IGNORE_INDEX
+from omnibal_compile.errors import InputError
 
 __all__ = ["HF_FAMILIES", "GRID_FAMILIES", "hf_example_batch", "hf_data_facts", "hf_family", "hf_pack_inputs",
            "stacked_positions"]
@@ -141,7 +141,12 @@ def mistral3(model: nn.Module, *, batch: int, text: int, g: torch.Generator) -> 
     pixels = torch.zeros(batch, channels, max(h for h, _ in sizes), max(w for _, w in sizes))
     for i, (h, w) in enumerate(sizes):
         pixels[i, :, :h, :w] = torch.randn(channels, h, w, generator=g)
-    return {"input_ids": ids, "pixel_values": pixels, "image_sizes": torch.tensor(sizes), "labels": _labels(ids, prefix)}
+    return {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "image_sizes": torch.tensor(sizes),
+        "labels": _labels(ids, prefix),
+    }
 
 
 def internvl(model: nn.Module, *, batch: int, text: int, g: torch.Generator) -> Batch:
@@ -149,7 +154,9 @@ def internvl(model: nn.Module, *, batch: int, text: int, g: torch.Generator) -> 
     cfg = _config(model)
     image, (start, end), facts = _image_token(cfg), _stand_ins(cfg, 2), hf_data_facts(model)
     vocab = int(cfg.get_text_config().vocab_size)
-    ids, prefix = _rows([[start] + [image] * facts["tokens_per_tile"] + [end]] * batch, text, {image, start, end}, vocab, g)
+    ids, prefix = _rows(
+        [[start] + [image] * facts["tokens_per_tile"] + [end]] * batch, text, {image, start, end}, vocab, g
+    )
     return {"input_ids": ids, "pixel_values": torch.randn(batch, *facts["image_shape"], generator=g),
             "labels": _labels(ids, prefix)}
 
@@ -207,7 +214,8 @@ def hf_family(model: nn.Module) -> str:
         return "text"
     raise InputError(
         f"cannot build example inputs for a {type(model).__name__} ({kind!r}): its images are not fixed-size tiles "
-        f"and its family is not one of {sorted(HF_FAMILIES)}; pass example_inputs= (one batch as its processor emits it)"
+        f"and its family is not one of {sorted(HF_FAMILIES)}; pass example_inputs= (one batch as its processor emits "
+        "it)"
     )
 
 
@@ -249,7 +257,9 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
     if kind in ("idefics3", "smolvlm"):
         tokens = idefics3_tokens_per_image(cfg)
     elif tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
-        tokens = (size // patch) ** 2 + (1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0)
+        tokens = (size // patch) ** 2 + (
+            1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0
+        )
     return {"tokens_per_tile": int(tokens), "image_token_id": int(image_token), "image_shape": (channels, size, size),
             "vocab_size": vocab}
 
@@ -366,7 +376,10 @@ def _pack_mask(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor |
     window = getattr(text, "sliding_window", None)
     if window is None or "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
         return full
-    return {"full_attention": full, "sliding_attention": segment_mask(seg, dtype=dtype, blocks=blocks, window=int(window))}
+    return {
+        "full_attention": full,
+        "sliding_attention": segment_mask(seg, dtype=dtype, blocks=blocks, window=int(window)),
+    }
 
 
 def hf_example_batch(model: nn.Module, *, batch: int, text: int, seed: int) -> Batch:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from omnibal_compile.data.balance import balance_pack
-from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_lengths
 from omnibal_compile.data.lengths import LengthStats, load_lengths
 from omnibal_compile.data.packing import Packing, PackShape
 from omnibal_compile.data.sampler import BalancedBatchSampler
 from omnibal_compile.errors import InputError, MissingBackendError
+from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_lengths
 
 __all__ = ["BalancedTrainer", "balanced_sampler"]  # noqa: F822 (BalancedTrainer is made on first access)
 
@@ -63,13 +63,17 @@ def _trainer_class() -> type:
                 raise InputError("BalancedTrainer needs train_dataset= (the samples the packs index)")
             if lengths is None:
                 if not isinstance(self.data_collator, HFPackingCollator):
-                    raise InputError("give BalancedTrainer lengths=, or data_collator=HFPackingCollator.for_model(model) "
-                                     "to measure them from the dataset")
+                    raise InputError(
+                        "give BalancedTrainer lengths=, or data_collator=HFPackingCollator.for_model(model) "
+                        "to measure them from the dataset"
+                    )
                 lengths = hf_lengths(self.train_dataset, self.data_collator, source="train_dataset")
             self.lengths = lengths if isinstance(lengths, LengthStats) else load_lengths(lengths)
             if len(self.lengths) != len(self.train_dataset):
-                raise InputError(f"lengths has {len(self.lengths)} samples but train_dataset {len(self.train_dataset)}; "
-                                 "give one (tiles, tokens) per sample of the dataset, in its order")
+                raise InputError(
+                    f"lengths has {len(self.lengths)} samples but train_dataset {len(self.train_dataset)}; "
+                    "give one (tiles, tokens) per sample of the dataset, in its order"
+                )
             self.samples_per_pack, self.shape, self.oversized = samples_per_pack, shape, oversized
 
         def balanced_sampler(self) -> BalancedBatchSampler:
@@ -93,8 +97,10 @@ def _trainer_class() -> type:
             if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
                 shard.num_processes, shard.process_index = 1, 0
             if len(loader) != len(sampler):
-                raise InputError(f"the prepared loader has {len(loader)} batches for the sampler's {len(sampler)} packs; "
-                                 "this accelerate version shards batch samplers differently")
+                raise InputError(
+                    f"the prepared loader has {len(loader)} batches for the sampler's {len(sampler)} packs; "
+                    "this accelerate version shards batch samplers differently"
+                )
             return loader
 
     return BalancedTrainer

@@ -1,8 +1,9 @@
-"""Run every example of README.md as a new user would, and say which pass.
+"""Run every example of README.md and of docs/**/*.md as a new user would, and say which pass.
 
-    python tests/readme_check.py                 # run every example, in order, in a scratch copy of the repository
-    python tests/readme_check.py --list          # each block: its line, language and how it is checked
-    python tests/readme_check.py --only 131 163  # the blocks opening at these lines (and the files they need)
+    python tests/readme_check.py                 # every example of README.md and docs/**/*.md
+    python tests/readme_check.py docs/guides/data.md   # the examples of these files only
+    python tests/readme_check.py --list          # each block: its file, line, language and how it is checked
+    python tests/readme_check.py README.md --only 131 163  # the blocks holding these lines (one file)
     python tests/readme_check.py --setup-commands  # the README's set-up commands, one a line (for .ci/readme_clone)
 
 How each fenced block is checked, by its language tag:
@@ -14,13 +15,15 @@ How each fenced block is checked, by its language tag:
     text, none  not run: command output, listings, tables
 
 A block right after ``<!-- not run: REASON -->`` is not run, and the listing gives the reason.
-The README's first block is its set-up commands (install, demo; install, tests): the checker does
-not run it; ``.ci/readme_clone`` runs those commands in a fresh clone before the checker.
+README.md's first block is its set-up commands (install, demo; install, tests): the checker does
+not run it; ``.ci/readme_clone`` runs those commands in a fresh clone before the checker. (In the
+other files the first block is an ordinary one.)
 
-Every block runs in one scratch folder, a copy of the repository's files (so the README's paths,
-``omnibal_compile/data/stats/*.json`` and the like, resolve), in the README's order, so a file one
-block writes is there for the next. The package itself is imported from where it is installed.
-Exit status: 0 when every block that runs passes, 1 otherwise.
+Each file's blocks run in a scratch folder of their own, a fresh copy of the repository's files (so
+paths such as ``omnibal_compile/data/stats/*.json`` resolve), in the file's order, so a file one
+block writes is there for the next block of the same page; pages do not depend on each other. The
+package itself is imported from where it is installed.
+Exit status: 0 when every block that runs passes, 1 otherwise, 2 for a file that cannot be parsed.
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ class Block:
         return "text (output or listing): not run"
 
 
-def parse_blocks(text: str) -> list[Block]:
-    """Every fenced block of a markdown text, in order; the first is the set-up block."""
+def parse_blocks(text: str, *, setup: bool = True) -> list[Block]:
+    """Every fenced block of a markdown text, in order; with ``setup``, the first is the set-up block."""
     lines = text.split("\n")
     blocks: list[Block] = []
     i = 0
@@ -99,17 +102,17 @@ def parse_blocks(text: str) -> list[Block]:
         while j < len(lines) and not lines[j].strip().startswith(fence):
             j += 1
         if j == len(lines):
-            raise ValueError(f"README line {start + 1}: the block opened here is never closed")
+            raise ValueError(f"line {start + 1}: the block opened here is never closed")
         prev = start - 1
         while prev >= 0 and not lines[prev].strip():
             prev -= 1
         marker = NOT_RUN.search(lines[prev]) if prev >= 0 else None
         blocks.append(Block(line=start + 1, end=j + 1, lang=m.group(3).lower(), code="\n".join(lines[start + 1:j]) + "\n",
-                            not_run=marker.group(1) if marker else None, setup=not blocks))
+                            not_run=marker.group(1) if marker else None, setup=setup and not blocks))
         i = j + 1
     for b in blocks:
         if b.lang not in RUN_LANGS and b.lang not in TEXT_LANGS and b.lang != "json":
-            raise ValueError(f"README line {b.line}: block language {b.lang!r} is not one this checker knows "
+            raise ValueError(f"line {b.line}: block language {b.lang!r} is not one this checker knows "
                              f"({', '.join(sorted(set(RUN_LANGS) | {'json', 'text'}))})")
     return blocks
 
@@ -168,38 +171,23 @@ def tail(text: str, n: int = TAIL_LINES) -> str:
     return "\n".join("    " + ln for ln in text.rstrip().splitlines()[-n:])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run every example of README.md and report each block's result.")
-    ap.add_argument("readme", nargs="?", type=Path, default=ROOT / "README.md")
-    ap.add_argument("--list", action="store_true", help="list the blocks and how each is checked; run nothing")
-    ap.add_argument("--setup-commands", action="store_true", help="print the set-up block's commands, one a line")
-    ap.add_argument("--only", type=int, nargs="+", metavar="LINE",
-                    help="run only the blocks holding these lines (files of '# save as' blocks are still saved)")
-    ap.add_argument("--workdir", type=Path, help="run in this folder (default: a scratch copy of the repository)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one block may take (default 600)")
-    ap.add_argument("--verbose", action="store_true", help="print every block's output, not only failures'")
-    args = ap.parse_args(argv)
+def default_files() -> list[Path]:
+    """README.md, then every page of docs/ (sorted by path)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _name(path: Path) -> str:
     try:
-        blocks = parse_blocks(args.readme.read_text())
-    except (OSError, ValueError) as e:
-        print(f"readme_check: {e}", file=sys.stderr)
-        return 2
-    if not blocks:
-        print(f"readme_check: {args.readme} has no fenced block", file=sys.stderr)
-        return 2
-    if args.setup_commands:
-        print("\n".join(setup_commands(blocks)))
-        return 0
-    if args.list:
-        for b in blocks:
-            print(f"line {b.line:>5}  {b.lang or '(none)':<7} {b.how()}")
-        return 0
-    if args.only:
-        unknown = [n for n in args.only if not any(b.line <= n <= b.end for b in blocks)]
-        if unknown:
-            print(f"readme_check: no block holds line(s) {unknown}; see --list", file=sys.stderr)
-            return 2
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def check_file(path: Path, blocks: list[Block], args: argparse.Namespace) -> tuple[int, list[int], int]:
+    """Run one file's blocks in its own scratch folder: (blocks run, lines of failures, blocks not run)."""
     runnable = [b for b in blocks if not b.setup and not b.not_run and (b.lang in RUN_LANGS or b.lang == "json")]
+    failed: list[int] = []
+    ran = 0
     with tempfile.TemporaryDirectory(prefix="readme-check-") as tmp:
         work = args.workdir or Path(tmp) / "work"
         scripts = Path(tmp) / "blocks"
@@ -207,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir is None:
             work.mkdir()
             scratch_copy(work)
-        print(f"README examples of {args.readme}, run in {work}")
-        failed, ran, t_all = [], 0, time.perf_counter()
+        print(f"examples of {_name(path)}, run in {work}", flush=True)
         for b in runnable:
             if args.only and not b.save_as and not any(b.line <= n <= b.end for n in args.only):
                 continue
@@ -221,10 +208,67 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(b.line)
             if out.strip() and (not ok or args.verbose):
                 print(tail(out, TAIL_LINES if not args.verbose else 10**6), flush=True)
-        print(f"{ran} blocks checked in {time.perf_counter() - t_all:.0f} s, {len(failed)} failed"
-              + (f" (lines {', '.join(map(str, failed))})" if failed else "")
-              + f"; {len(blocks) - len(runnable)} of the README's {len(blocks)} blocks are not run"
-              " (set-up, output, or marked; --list says which)")
+    return ran, failed, len(blocks) - len(runnable)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run every example of README.md and docs/**/*.md and report each block's result.")
+    ap.add_argument("files", nargs="*", type=Path,
+                    help="markdown files to check (default: README.md and docs/**/*.md); a folder means its *.md files")
+    ap.add_argument("--list", action="store_true", help="list the blocks and how each is checked; run nothing")
+    ap.add_argument("--setup-commands", action="store_true",
+                    help="print the set-up block's commands of README.md (or of the one file given), one a line")
+    ap.add_argument("--only", type=int, nargs="+", metavar="LINE",
+                    help="run only the blocks holding these lines of the one file given "
+                         "(files of '# save as' blocks are still saved)")
+    ap.add_argument("--workdir", type=Path, help="run in this folder (default: a scratch copy of the repository per file)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds one block may take (default 600)")
+    ap.add_argument("--verbose", action="store_true", help="print every block's output, not only failures'")
+    args = ap.parse_args(argv)
+    files: list[Path] = []
+    for f in args.files or ([ROOT / "README.md"] if args.setup_commands else default_files()):
+        files.extend(sorted(f.rglob("*.md")) if f.is_dir() else [f])
+    if (args.only or args.setup_commands) and len(files) != 1:
+        print("readme_check: --only and --setup-commands take one file", file=sys.stderr)
+        return 2
+    parsed: list[tuple[Path, list[Block]]] = []
+    for f in files:
+        try:
+            # the set-up block is README.md's first (and that of the one file given to --setup-commands)
+            blocks = parse_blocks(f.read_text(), setup=f.name == "README.md" or args.setup_commands)
+        except (OSError, ValueError) as e:
+            print(f"readme_check: {_name(f)}: {e}", file=sys.stderr)
+            return 2
+        if not blocks and (args.setup_commands or args.only):
+            print(f"readme_check: {_name(f)} has no fenced block", file=sys.stderr)
+            return 2
+        parsed.append((f, blocks))
+    if args.setup_commands:
+        print("\n".join(setup_commands(parsed[0][1])))
+        return 0
+    if args.list:
+        for f, blocks in parsed:
+            for b in blocks:
+                print(f"{_name(f)}:{b.line:<5}  {b.lang or '(none)':<7} {b.how()}")
+        return 0
+    if args.only:
+        unknown = [n for n in args.only if not any(b.line <= n <= b.end for b in parsed[0][1])]
+        if unknown:
+            print(f"readme_check: no block holds line(s) {unknown}; see --list", file=sys.stderr)
+            return 2
+    t_all = time.perf_counter()
+    ran = skipped = total = 0
+    failed: list[str] = []
+    for f, blocks in parsed:
+        if not blocks:
+            continue
+        n, bad, not_run = check_file(f, blocks, args)
+        ran, skipped, total = ran + n, skipped + not_run, total + len(blocks)
+        failed += [f"{_name(f)}:{line}" for line in bad]
+    print(f"{ran} blocks checked in {time.perf_counter() - t_all:.0f} s, {len(failed)} failed"
+          + (f" ({', '.join(failed)})" if failed else "")
+          + f"; {skipped} of the {total} blocks in {len(parsed)} file(s) are not run"
+          " (set-up, output, or marked; --list says which)")
     return 1 if failed else 0
 
 

@@ -11,11 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _example() -> str:
-    """The README's python block that trains with BalancedTrainer."""
-    for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+    """The docs' python block that trains with BalancedTrainer (docs/guides/hugging-face.md)."""
+    page = ROOT / "docs" / "guides" / "hugging-face.md"
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
         if "BalancedTrainer(" in block:
             return block
-    raise AssertionError("no python block with BalancedTrainer( in README.md")
+    raise AssertionError(f"no python block with BalancedTrainer( in {page}")
 
 
 def test_trainer_example_runs_as_written(capsys) -> None:

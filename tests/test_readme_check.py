@@ -76,7 +76,7 @@ def test_a_failing_block_fails_the_check(tmp_path: Path, capsys: pytest.CaptureF
     body = "```python\nprint('fine')\n```\n" + broken + "```bash\necho still runs\n```\n"
     assert _check(tmp_path, body) == 1
     out = capsys.readouterr().out
-    assert "1 failed (lines 11)" in out and out.count(" pass ") == 2
+    assert "1 failed (" in out and "README.md:11)" in out and out.count(" pass ") == 2
     if "planted" in broken:
         assert "ValueError: planted" in out  # the error tail is shown
 
@@ -90,12 +90,41 @@ def test_only_and_timeout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_the_readme_opens_with_its_two_setup_commands() -> None:
-    blocks = R.parse_blocks((R.ROOT / "README.md").read_text())
-    assert blocks[0].line == 3 and blocks[0].lang == "bash"
+    text = (R.ROOT / "README.md").read_text()
+    blocks = R.parse_blocks(text)
+    assert blocks[0].lang == "bash" and blocks[0].setup
     cmds = R.setup_commands(blocks)
     assert len(cmds) == 2 and cmds[0].endswith("omnibal-compile demo") and cmds[1].endswith("python -m pytest tests")
+    assert len(blocks[0].code.strip().splitlines()) == 2  # exactly two lines, as CI reads them
+    assert len(text.splitlines()) <= 300
     reasons = [b.not_run for b in blocks if b.not_run]
     assert len(reasons) <= 3, reasons  # exceptions stay few; each gives its reason in the README
+
+
+def test_docs_pages_parse_and_exceptions_stay_few() -> None:
+    files = R.default_files()
+    assert files[0].name == "README.md" and any(f.parts[-2:] == ("guides", "planning.md") for f in files)
+    reasons = []
+    for f in files[1:]:
+        blocks = R.parse_blocks(f.read_text(), setup=False)
+        assert not any(b.setup for b in blocks), f  # only the README has a set-up block
+        reasons += [(f.name, b.not_run) for b in blocks if b.not_run]
+    assert len(reasons) <= 8, reasons  # each a block that cannot run here (installs, GPUs, hours, two nodes)
+
+
+def test_several_files_each_in_its_own_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Pages run one after another, each in a fresh scratch copy: a file one page writes is not seen by the next;
+    a page's first block is an ordinary one (only README.md opens with set-up commands)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("# a\n\n```bash\necho a > from_a.txt\n```\n")
+    (docs / "b.md").write_text("# b\n\n```bash\ntest ! -e from_a.txt\n```\n\n```python\nraise SystemExit(3)\n```\n")
+    assert R.main([str(docs)]) == 1
+    out = capsys.readouterr().out
+    assert out.count(" pass ") == 2 and "1 failed" in out and "b.md:7" in out
+    assert R.main([str(docs / "a.md"), "--list"]) == 0
+    assert "a.md:3      bash    run (bash)" in capsys.readouterr().out
+    assert R.main([str(docs / "a.md"), str(docs / "b.md"), "--only", "3"]) == 2  # --only takes one file
 
 
 @pytest.mark.slow

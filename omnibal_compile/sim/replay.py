@@ -170,10 +170,10 @@ def plan_arrays(
     backward = np.array([[c.recompute_s + c.backward_s for c in row] for row in per_mb])[None]
     send = np.array([[scaled(c.send_s) if s + 1 < S else 0.0 for s, c in enumerate(row)] for row in per_mb])[None]
     first = per_mb[0]
-    return dict(forward=forward, backward=backward, send=send,
-                gather=np.array([scaled(c.op_gather_s) for c in first]),
-                step_gather=np.array([scaled(c.step_gather_s) for c in first]),
-                reduce=np.array([scaled(c.reduce_s) for c in first]))
+    return {"forward": forward, "backward": backward, "send": send,
+            "gather": np.array([scaled(c.op_gather_s) for c in first]),
+            "step_gather": np.array([scaled(c.step_gather_s) for c in first]),
+            "reduce": np.array([scaled(c.reduce_s) for c in first])}
 
 
 def replay(

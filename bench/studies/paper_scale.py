@@ -13,10 +13,11 @@ How an epoch is simulated (all of it vectorised with numpy):
        per block type, forward/backward/recompute seconds and the bytes sent to the next stage;
     3. a plan (cut points + recompute option per block) turns those into per-stage forward and
        backward(+recompute) times per micro-batch; each rank's pipeline iteration is replayed
-       exactly as :func:`omnibal_compile.sim.simulate` does (same operation order, same
-       dependencies, sends overlapped, data-parallel gathers before each operation and gradient
-       reductions after each stage's last backward), for all ranks and steps at once
-       (:func:`pipeline_times`; tests/test_paper_scale.py checks it against ``simulate``);
+       by the simulator's batch form, :func:`omnibal_compile.sim.replay.pipeline_times` (the
+       operation order, dependencies and timing rules of :func:`omnibal_compile.sim.simulate`:
+       sends overlapped, data-parallel gathers before each operation and gradient reductions after
+       each stage's last backward), for all ranks and steps at once (tests/test_iteration_model.py
+       checks it equals ``simulate``, tests/test_paper_scale.py on this study's costs);
     4. a step lasts as long as its slowest data-parallel rank (each stage's gradient reduction
        waits for that stage on every rank); the epoch is the sum over steps;
        GPU-days = epoch seconds x GPUs / 86400.
@@ -75,7 +76,7 @@ from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, DataPa
 from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.planning import PartitionProblem, evaluate, problem_from_costs, solve, uniform_boundaries
 from omnibal_compile.planning.baselines import min_max_partition
-from omnibal_compile.sim.simulate import operation_order
+from omnibal_compile.sim.replay import pipeline_times
 
 if TYPE_CHECKING:
     from bench.studies.compiled_costs import CompiledCosts
@@ -355,59 +356,6 @@ def retile_internvl15(stats: LengthStats, *, max_tiles: int = 12, max_tokens: in
         image_flags=np.where(real, tiles, stats.image_flags),
         source=f"{stats.source}, re-tiled to <= {max_tiles} crops + thumbnail, <= {max_tokens} tokens",
     )
-
-
-def pipeline_times(
-    forward: np.ndarray, backward: np.ndarray, send: np.ndarray, *, gather: np.ndarray | None = None,
-    reduce: np.ndarray | None = None, schedule: str = "1f1b",
-) -> np.ndarray:
-    """Iteration time of many pipelines at once: ``[N, M, S]`` arrays -> ``[N]`` seconds.
-
-    ``forward[n, m, s]``: forward seconds of stage s on micro-batch m in pipeline n;
-    ``backward``: its backward plus recomputation; ``send[n, m, s]``: seconds to send stage s's
-    output on (the gradient comes back in the same time); ``gather[s]``: data-parallel weight
-    gather before each forward and each backward (ZeRO-3); ``reduce[s]``: gradient reduction
-    after the stage's last backward. One stage per device, the operation order and dependencies of
-    :func:`omnibal_compile.sim.simulate`.
-    """
-    forward, backward, send = (np.asarray(a, dtype=np.float64) for a in (forward, backward, send))
-    if forward.ndim != 3 or forward.shape != backward.shape or forward.shape != send.shape:
-        raise InputError(f"forward, backward and send must be [N, M, S] arrays of one shape, got {forward.shape}, "
-                         f"{backward.shape}, {send.shape}")
-    N, M, S = forward.shape
-    g = np.zeros(S) if gather is None else np.broadcast_to(np.asarray(gather, dtype=np.float64), (S,))
-    r = np.zeros(S) if reduce is None else np.broadcast_to(np.asarray(reduce, dtype=np.float64), (S,))
-    orders = operation_order(schedule, S, 1, M)
-    f_end: dict[tuple[int, int], np.ndarray] = {}
-    b_end: dict[tuple[int, int], np.ndarray] = {}
-    free = [np.zeros(N) for _ in range(S)]
-    pos = [0] * S
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for d in range(S):
-            while pos[d] < len(orders[d]):
-                kind, s, m = orders[d][pos[d]]
-                if kind == "F":
-                    if s > 0 and (s - 1, m) not in f_end:
-                        break
-                    ready = f_end[(s - 1, m)] + send[:, m, s - 1] if s > 0 else 0.0
-                    end = np.maximum(free[d], ready) + g[s] + forward[:, m, s]
-                    f_end[(s, m)] = end
-                else:
-                    if (s, m) not in f_end or (s < S - 1 and (s + 1, m) not in b_end):
-                        break
-                    ready = f_end[(s, m)] if s == S - 1 else b_end[(s + 1, m)] + send[:, m, s]
-                    end = np.maximum(free[d], ready) + g[s] + backward[:, m, s]
-                    b_end[(s, m)] = end
-                free[d] = end
-                pos[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise InputError(f"schedule {schedule!r} deadlocks for M={M}, S={S}")
-    last = np.stack([np.max(np.stack([b_end[(s, m)] for m in range(M)]), axis=0) for s in range(S)])  # [S, N]
-    return np.max(last + r[:, None], axis=0)
 
 
 def make_batches(

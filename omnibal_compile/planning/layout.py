@@ -22,7 +22,10 @@ Glossary:
                 fractional knapsack over the blocks' recompute options), sends are free, stages are
                 as even as block sizes allow. It orders the candidates; one whose estimate exceeds
                 the best predicted time found so far by more than ``PRUNE_MARGIN`` is listed as not
-                planned. It is a heuristic, not a proven bound (``prune=None`` plans every layout).
+                planned. It is a heuristic, not a proven bound (``prune=None`` plans every layout): it is
+                the solver's closed form on ideal stages, which 1F1B beats when an early stage is the
+                bottleneck (by up to a few per cent; the simulated time is at least M x the ideal stage,
+                within one micro-batch's work of the estimate; tests/test_iteration_model.py).
     predicted   the simulator's iteration time of the layout's plan over the samples it processes.
 """
 

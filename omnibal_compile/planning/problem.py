@@ -29,6 +29,14 @@ device budget (an approximation that keeps stages independent).
 Iteration time: GPipe and 1F1B  sum_s T_s + (M - 1) max_s T_s;
     interleaved  M max_d T_d + (p - 1) / (p v) sum_s T_s, with T_d the sum over device d's chunks
     For equal stages of time T these give (M + S - 1) T, and (v M + p - 1) T for interleaved.
+    This is a surrogate of the simulator (:mod:`omnibal_compile.sim`, the reference iteration-time
+    model), checked against it in tests/test_iteration_model.py. With every micro-batch alike and
+    free sends it is exact for equal stages (data parallelism included), for GPipe whenever one stage
+    has both the largest forward and the largest backward (GPipe takes sum F + (M - 1) max F +
+    sum B + (M - 1) max B, so the closed form is a lower bound of it), and for 1F1B whenever the last
+    stage is a bottleneck; otherwise 1F1B may run a few per cent either side of it, never below the
+    closed form less the stages after the bottleneck, never above GPipe's time. With sends, charged
+    here as busy time at both ends of a cut where the simulator overlaps them, it bounds 1F1B from above.
 Data parallelism (``problem_from_costs(data_parallel=...)``, rules in
 :meth:`omnibal_compile.ir.costs.DataParallel.block_cost`): w_i is the per-device static bytes of
 the layout; FSDP's gathers before every forward and backward are part of t_io (2 gathers per

@@ -324,6 +324,18 @@ def _microbatch_stage_costs(
     return out
 
 
+def _bandwidth_scale(costs: CostTable, link_bandwidth: float | None) -> float:
+    """Factor on the table's send and data-parallel times under ``simulate(link_bandwidth=...)``."""
+    if link_bandwidth is None or link_bandwidth == costs.link_bandwidth:
+        return 1.0
+    if not link_bandwidth > 0:
+        raise InputError(f"link_bandwidth must be positive, got {link_bandwidth}")
+    if costs.link_bandwidth == float("inf"):  # its times are 0: no finite bandwidth can be recovered from them
+        raise InputError(f"the cost table's link is free (infinite bandwidth), so its sends cannot be timed at "
+                         f"link_bandwidth={link_bandwidth}; give a table with a finite link_bandwidth")
+    return costs.link_bandwidth / link_bandwidth
+
+
 def _ready_at(
     kind: str, s: int, m: int, S: int, f_end: dict[tuple[int, int], float], b_end: dict[tuple[int, int], float], send
 ) -> float | None:
@@ -481,9 +493,7 @@ def simulate(
     D = plan.num_devices
     orders = operation_order(sched, D, v, M)
     per_mb = _microbatch_stage_costs(plan, costs, microbatch_costs, M)
-    bw_scale = 1.0 if link_bandwidth is None else costs.link_bandwidth / link_bandwidth
-    if link_bandwidth is not None and link_bandwidth <= 0:
-        raise InputError(f"link_bandwidth must be positive, got {link_bandwidth}")
+    bw_scale = _bandwidth_scale(costs, link_bandwidth)
 
     def send(s: int, m: int) -> float:
         """Send time from stage s to s+1 (or the gradient back), 0 on one device."""

@@ -40,7 +40,7 @@ def test_balanced_batches_have_one_fixed_shape_and_are_deterministic(tmp_path, l
     assert all(torch.equal(again(3)[k], source(3)[k]) for k in shapes)  # every rank builds the same batch
     assert torch.isfinite(model(**source(0)))
     with pytest.raises(InputError, match="not both"):
-        batch_source(dataclasses.replace(config, data="x:y"), model)
+        batch_source(dataclasses.replace(config, batches="x:y"), model)
 
 
 def test_two_ranks_train_on_balanced_packs_like_the_unsplit_model(tmp_path, lengths_file):

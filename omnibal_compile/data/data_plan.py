@@ -10,6 +10,8 @@ Glossary:
 
 from __future__ import annotations
 
+from omnibal_compile.config import DEFAULT_SAMPLES_PER_PACK
+
 from collections.abc import Callable, Sequence
 import dataclasses
 from dataclasses import dataclass, field, replace
@@ -37,7 +39,7 @@ class DataOptions:
 
     dp: int = 1
     """Data-parallel ranks per step."""
-    samples_per_pack: float = 4.0
+    samples_per_pack: float = DEFAULT_SAMPLES_PER_PACK
     """Target mean samples per pack (micro-batch)."""
     method: str = "ours"
     """``ours`` (balanced packing), ``isf`` (OmniBal's ISF with its parameter search) or ``random`` (the

@@ -14,6 +14,8 @@ Glossary:
 
 from __future__ import annotations
 
+from omnibal_compile.config import TINY_VLM_NAMES
+
 import importlib
 import os
 import sys
@@ -30,7 +32,7 @@ from omnibal_compile._utils.validate import read_text
 
 __all__ = ["LoadedModel", "load_model", "hf_data_facts", "hf_example_batch", "import_from_spec"]
 
-TINY_VLM = ("tiny-vlm", "tinyvlm")
+TINY_VLM = TINY_VLM_NAMES
 
 
 @dataclass(frozen=True, kw_only=True)

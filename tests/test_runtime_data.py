@@ -122,7 +122,7 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(tmp_path, lengt
     assert result.check_parity().ok  # the pack's stages reproduce the unsplit model
     (tmp_path / "plan.json").write_text(result.plan.to_json())
     assert main(["run", "--plan", "plan.json", "--model", spec, "--lengths", lengths_file, "--batch-size", "2",
-                 "--microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",
+                 "--num-microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",
                  "--timeout", "300"]) == 0
     logged = [json.loads(line)["loss"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     config = RunConfig(plan="plan.json", model=spec, lengths=(lengths_file,), batch_size=2, num_microbatches=2)

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import time
 
+from omnibal_compile import progress
 from omnibal_compile._utils.validate import int_option
 from omnibal_compile.cli._settings import add_settings, settings_from_args
 from omnibal_compile.config import (
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     print(f"capturing, grouping blocks and costing them on '{cfg.device}' ...")
-    result = oc.optimize(model, batch, config=cfg)
+    with progress.quiet():  # result.summary() below shows what optimize() would tell
+        result = oc.optimize(model, batch, config=cfg)
     print(result.summary())
     print()
     budget = float(parse_size(cfg.memory_budget, "--memory-budget"))  # type: ignore[arg-type]

@@ -37,6 +37,7 @@ from omnibal_compile.config import (
 )
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile import progress as progress_info
 from omnibal_compile.progress import Progress
 
 NAME = "plan"
@@ -156,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
         model, batch, name = load_model(cfg.model, batch=cfg.microbatch_size, tiles=cfg.tiles_per_sample,
                                         text=cfg.text_tokens, seed=cfg.seed, meta=cfg.meta, config=cfg.model_config)
         step(f"capture, blocks, costs, planning ({planner})")
-        result = oc.optimize(model, batch, config=dataclasses.replace(cfg, device=None if cfg.costs else cfg.device))
+        with progress_info.quiet():  # the command prints the layout search itself, on stdout
+            result = oc.optimize(model, batch, config=dataclasses.replace(
+                cfg, device=None if cfg.costs else cfg.device, lengths=()))  # plan's --lengths: the report below
         plan, costs = result.plan, result.costs
         if result.layout is not None:  # the sweeps re-plan the chosen layout
             (out / "layout.txt").write_text(result.layout.summary(limit=None) + "\n")
@@ -206,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
             sweeps.append(_sweep(kind, flag, plan.num_stages, plan_maker(result, plan.planner or planner), budget, costs,
                                  out, pictures, written, plan.planner or planner))
 
+    if result.layout is not None:
+        print(result.layout.summary(limit=12))
+        print()
     print(f"{name}: {plan.summary()}")
     print(cost_note)
     print()

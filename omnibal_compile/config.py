@@ -31,7 +31,7 @@ from omnibal_compile._utils.units import parse_size
 from omnibal_compile._utils.validate import MAX_SEED, check_choice, check_int, check_int_list, check_number, read_text
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import DP_SHARDS, RECOMPUTE_OPTIONS
-from omnibal_compile.ir.schedule import SCHEDULE_KINDS
+from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
 
 if TYPE_CHECKING:
     from omnibal_compile.costs.devices import DeviceSpec
@@ -52,9 +52,12 @@ TINY_VLM_NAMES = ("tinyvlm", "tiny-vlm")
 
 def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, choices: tuple[Any, ...] = (),
             min: float | None = None, max: float | None = None, above: float | None = None,
-            metavar: str | None = None) -> Any:
-    """A config field: its default and the rules its value is checked against (the help is its docstring)."""
-    meta = {"choices": choices, "min": min, "max": max, "above": above, "metavar": metavar}
+            metavar: str | None = None, check: bool = True) -> Any:
+    """A config field: its default and the rules its value is checked against (the help is its docstring).
+
+    ``check=False``: the rules are the flag's only; the section's ``_check`` applies another class's
+    (the schedule fields are :class:`~omnibal_compile.ir.schedule.Schedule`'s)."""
+    meta = {"choices": choices, "min": min, "max": max, "above": above, "metavar": metavar, "check": check}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -106,10 +109,15 @@ class Section:
                 check(self)
 
     def _check_field(self, f: dataclasses.Field[Any], value: Any) -> None:
-        meta = f.metadata
-        if value is None or not meta:
+        if value is None or not f.metadata or not f.metadata.get("check", True):
             return
-        name = _label(f.name)
+        try:
+            self._check_value(f, value)
+        except InputError as e:
+            raise InputError(f"{e}; setting {_label(f.name)}") from None
+
+    def _check_value(self, f: dataclasses.Field[Any], value: Any) -> None:
+        meta, name = f.metadata, f.name
         kind = f.type if isinstance(f.type, str) else str(f.type)
         if meta.get("choices"):
             check_choice(value, name, meta["choices"])
@@ -219,12 +227,19 @@ class ParallelConfig(Section):
 class ScheduleConfig(Section):
     """The pipeline schedule."""
 
-    schedule: str | None = setting(None, choices=SCHEDULE_KINDS)
+    schedule: str | None = setting(None, choices=SCHEDULE_KINDS, check=False)
     """Pipeline schedule (gpipe, 1f1b, interleaved); None: the plan's when one is given, else 1f1b."""
-    num_microbatches: int | None = setting(None, min=1)
+    num_microbatches: int | None = setting(None, min=1, check=False)
     """Micro-batches per iteration; None: the plan's when one is given, else one per stage."""
-    virtual_stages: int | None = setting(None, min=1)
+    virtual_stages: int | None = setting(None, min=1, check=False)
     """Stage chunks per device (interleaved); None: the plan's when one is given, else 1."""
+
+    def _check(self) -> None:  # the schedule's own rules (a PlanError naming the field); its fit to the stages comes later
+        chunks = 1 if self.virtual_stages is None else self.virtual_stages
+        open_kind = "interleaved" if isinstance(chunks, int) and chunks > 1 else "1f1b"  # a plan's may be interleaved
+        Schedule(kind=open_kind if self.schedule is None else self.schedule,
+                 num_microbatches=1 if self.num_microbatches is None else self.num_microbatches,
+                 virtual_stages=1 if self.virtual_stages is None else self.virtual_stages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,12 +253,15 @@ class MemoryConfig(Section):
 
     def _check(self) -> None:
         budget = self.memory_budget
-        if isinstance(budget, (list, tuple)):
-            object.__setattr__(self, "memory_budget", tuple(budget))
-            for i, b in enumerate(budget):
-                parse_size(b, f"memory_budget[{i}] (--memory-budget)")
-        elif budget is not None:
-            parse_size(budget, _label("memory_budget"))
+        try:
+            if isinstance(budget, (list, tuple)):
+                object.__setattr__(self, "memory_budget", tuple(budget))
+                for i, b in enumerate(budget):
+                    parse_size(b, f"memory_budget[{i}]")
+            elif budget is not None:
+                parse_size(budget, "memory_budget")
+        except InputError as e:
+            raise InputError(f"{e}; setting {_label('memory_budget')}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -416,7 +416,7 @@ def load_config_file(path: str | Path, within: type[Section] = Config) -> dict[s
     tables = {sec.__name__.removesuffix("Config").lower(): sec for sec in SECTIONS}
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key in tables and isinstance(value, dict) and key not in within.names():
+        if key in tables and isinstance(value, dict):  # a section table (a field value is never a table)
             items = value.items()
         else:
             items = [(key, value)]

@@ -35,14 +35,23 @@ def _field_defaults() -> dict[str, object]:
 
 
 def _help_defaults(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """flag -> the default its --help states (the text is re-joined, so line wrapping does not matter)."""
-    text = " ".join(parser.format_help().split())
+    """flag -> the default its ``--help`` text states (each option's entry re-joined over its lines)."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in parser.format_help().splitlines():
+        m = re.match(r"^  (-[-a-z0-9]+)", line)
+        if m:
+            flag = m.group(1)
+            entries[flag] = line[m.end():]
+        elif flag is not None and line.startswith("   "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
     found = {}
-    for flag in re.findall(r"(?:^|\s)(--[a-z][a-z0-9-]*)", text):
-        m = re.search(re.escape(flag) + r"(?: [A-Z_{},.0-9\[\]-]+(?: \[[A-Z_ .]+\])?)?(?:, --no-[a-z-]+)? (.*?)\(default: ([^)]*)\)",
-                      text)
-        if m and flag not in found:
-            found[flag] = m.group(2).strip()
+    for flag, text in entries.items():
+        d = re.search(r"\(default: ([^)]*)\)$", " ".join(text.split()))
+        if d:
+            found[flag] = d.group(1)
     return found
 
 

@@ -87,7 +87,7 @@ def main() -> int:
                         RunConfig(
                             plan=str(Path(tmp) / f"plan_{ranks}_{name}.json"),
                             batch_size=args.mb_samples * args.microbatches, tiles_per_sample=args.tiles,
-                            text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, recompute=True,
+                            text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, apply_recompute=True,
                         ),
                         timeout_s=600, quiet=True,
                     )

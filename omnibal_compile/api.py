@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,12 +15,12 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from omnibal_compile import progress
 from omnibal_compile._utils.units import parse_size
-from omnibal_compile._utils.validate import check_choice, check_number, read_text
+from omnibal_compile._utils.validate import read_text
 from omnibal_compile.compile.blocks import BlockGraph, build_blocks
 from omnibal_compile.compile.capture import (
     Captured,
-    CaptureMethod,
     capture,
     differentiated_name,
     normalize_example_inputs,
@@ -29,14 +29,13 @@ from omnibal_compile.compile.capture import (
     training_config,
 )
 from omnibal_compile.compile.codegen import StageInfo, generate_stages, run_stages, stage_info
+from omnibal_compile.config import Config, find_field
 from omnibal_compile.costs.annotate import annotate_costs
-from omnibal_compile.costs.devices import DeviceSpec
 from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
 from omnibal_compile.ir.costs import (
     BF16_ADAM,
     DEFAULT_DP_SHARD,
-    RECOMPUTE_OPTIONS,
     CostTable,
     DataParallel,
     Precision,
@@ -44,13 +43,13 @@ from omnibal_compile.ir.costs import (
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.models.examples import ExampleInputs, describe_batch, example_inputs_for
-from omnibal_compile.planning.build import Planner, check_costs, check_num_stages, plan_stages
+from omnibal_compile.planning.build import check_costs, check_num_stages, plan_stages
 
 if TYPE_CHECKING:  # the kernel pass imports Triton glue; load it only when kernels= is asked for
     from omnibal_compile.compile.fuse import KernelReport
     from omnibal_compile.planning.layout import LayoutSearch
 
-__all__ = ["optimize", "compile_for_microbatches", "OptimizeResult", "ParityReport", "PassError"]
+__all__ = ["optimize", "compile_for_microbatches", "OptimizeResult", "ParityReport", "PassError", "Config"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,237 +219,261 @@ def _parse_budget(budget: Any) -> float | list[float] | None:
     return float(parse_size(budget, "memory_budget"))
 
 
-def _check_keywords(
-    *, plan: Plan | None, planner: Any, num_microbatches: int | None, schedule: str | None, virtual_stages: int | None,
-    memory_budget: Any, recompute: str, solver: str, solver_time_limit: float | None, costed: bool,
-    device: Any, precision: Precision, cost_cache: Any, refresh_costs: bool, dp: int,
-) -> None:
-    """Refuse a keyword whose value is malformed, or that the other keywords would make ``optimize`` ignore."""
-    check_choice(recompute, "recompute", ("auto", *RECOMPUTE_OPTIONS))
-    check_choice(solver, "solver", ("auto", "highs", "cbc"))
-    if solver_time_limit is not None:
-        check_number(solver_time_limit, "solver_time_limit", above=0, hint="give seconds, or None for no limit")
-    if device is None and (cost_cache is not None or refresh_costs or precision != BF16_ADAM):
-        given = [k for k, v in (("cost_cache", cost_cache is not None), ("refresh_costs", refresh_costs),
-                                ("precision", precision != BF16_ADAM)) if v]
+INPUTS: tuple[str, ...] = ("plan", "costs", "lengths", "data", "precision")
+"""``optimize()`` keywords that may be objects rather than settings: a Plan, a CostTable, LengthStats,
+DataOptions, a Precision. ``plan``, ``costs`` and ``lengths`` are also settings (file paths)."""
+
+
+@dataclass(kw_only=True)
+class _Work:
+    """What the passes of one ``optimize()`` call share: the settings, the inputs, and what each pass made."""
+
+    model: nn.Module
+    config: Config
+    example_inputs: Any
+    plan: Plan | None
+    costs: CostTable | str | os.PathLike[str] | None
+    lengths: Any
+    data: DataOptions | None
+    precision: Precision
+    layout: DataParallel
+    timings: dict[str, float] = field(default_factory=dict)
+    done: list[str] = field(default_factory=list)
+    budget: float | list[float] | None = None
+    data_plan: DataPlan | None = None
+    example: ExampleInputs | None = None
+    captured: Captured | None = None
+    kernel_report: KernelReport | None = None
+    graph: BlockGraph | None = None
+    schedule: Schedule | None = None
+    table: CostTable | None = None
+    layout_search: LayoutSearch | None = None
+    chosen: Plan | None = None
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        return _run_pass(name, self.done, self.timings, fn)
+
+    @property
+    def search_layout(self) -> bool:
+        return self.plan is None and (self.config.num_stages is None or self.config.devices is not None)
+
+
+def _settings(config: Config | None, overrides: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
+    """(the config with the setting overrides applied, the object inputs); an unknown keyword is an InputError."""
+    if config is not None and not isinstance(config, Config):
+        raise InputError(f"config= must be an omnibal_compile.config.Config, got {type(config).__name__}")
+    base = config if config is not None else Config()
+    inputs = {k: overrides.pop(k) for k in INPUTS if k in overrides}
+    for name in overrides:
+        find_field(name, Config)  # a typo names the closest setting
+    for name in ("plan", "costs", "lengths"):  # object or path given: the override; else the config's path
+        if name not in inputs:
+            value = getattr(base, name)
+            inputs[name] = value if value not in (None, ()) else None
+    if isinstance(inputs["lengths"], tuple):
+        inputs["lengths"] = list(inputs["lengths"])
+    return base.replace(**overrides), inputs
+
+
+def _validate(work: _Work) -> None:
+    """The one check of the settings and inputs together: refuse a value the others would make optimize() ignore."""
+    cfg, plan = work.config, work.plan
+    work.precision.bytes_per_param_on(work.layout)  # raises when ZeRO-1's optimizer_shards disagree with dp
+    costed = cfg.device is not None or work.costs is not None
+    if cfg.device is None and (cfg.cost_cache is not None or cfg.refresh_costs or work.precision != BF16_ADAM):
+        given = [k for k, v in (("cost_cache", cfg.cost_cache is not None), ("refresh_costs", cfg.refresh_costs),
+                                ("precision", work.precision != BF16_ADAM)) if v]
         why = "a cost table given as costs= keeps what it was costed with" if costed else "nothing is costed"
         raise InputError(f"{', '.join(given)} only apply when device= costs the blocks, and {why}: "
                          "pass device=... or drop them")
-    if not costed and solver != "auto":
+    if not costed and cfg.solver != "auto":
         raise InputError(
-            f"solver={solver!r} picks the ILP backend, which needs block costs: pass device=... or costs=..."
+            f"solver={cfg.solver!r} picks the ILP backend, which needs block costs: pass device=... or costs=..."
         )
-    if plan is None:
+    if plan is not None:
+        # A given plan fixes the split and the schedule; a planning setting that differs would be dropped.
+        fixed = {"num_microbatches": (cfg.num_microbatches, plan.num_microbatches), "schedule": (cfg.schedule, plan.schedule),
+                 "virtual_stages": (cfg.virtual_stages, plan.virtual_stages),
+                 "dp": (None if cfg.dp in (None, 1) else cfg.dp, plan.data_parallel)}
+        for name, (given_value, planned) in fixed.items():
+            if given_value is not None and given_value != planned:
+                raise InputError(
+                    f"{name}={given_value!r} differs from the given plan's {planned!r}: plan= fixes it; drop {name}=, "
+                    f"or pass dataclasses.replace(plan, {'data_parallel' if name == 'dp' else name}={given_value!r})"
+                )
+        planning = {"planner": cfg.planner is not None, "memory_budget": cfg.memory_budget is not None,
+                    "recompute": cfg.recompute != "auto", "solver": cfg.solver != "auto"}
+        dropped = [k for k, v in planning.items() if v]
+        if dropped:
+            raise InputError(f"{', '.join(dropped)} choose a new plan, but plan= was given: drop one or the other")
+    work.budget = _parse_budget(cfg.memory_budget)
+    if plan is None:  # a malformed schedule setting fails at once (its rules over the stages are checked after blocks)
+        Schedule(kind=cfg.schedule or "1f1b", num_microbatches=cfg.num_microbatches or 1,
+                 virtual_stages=cfg.virtual_stages or 1)
+    dp = cfg.dp or 1
+    if work.data is not None and dp > 1 and work.data.dp != dp:
+        raise InputError(f"dp={dp} disagrees with data=DataOptions(dp={work.data.dp}): give both the same data-parallel size")
+    if cfg.device is not None and work.costs is not None:
+        raise InputError("give device= (cost the blocks) or costs= (reuse a cost table), not both")
+    if work.lengths is None and work.data is not None:
+        raise InputError("optimize(data=...) needs lengths=... (the dataset's length statistics)")
+
+
+# -- the passes, in order -------------------------------------------------------------------------
+def _example_pass(work: _Work) -> None:
+    """The batch to capture with: given, one balanced pack of ``lengths``, or synthesized from the model."""
+    if work.lengths is not None:
+        work.data_plan = work.run("data", lambda: plan_data(work.lengths, work.data, model=work.model))
+        if work.example_inputs is None:
+            dp = work.data_plan
+            shape = f"{dp.shape.tiles} tiles, {dp.shape.tokens} tokens"
+            work.example = describe_batch(dp.example_batch(), synthesized=True,
+                                          source=f"one balanced pack of lengths= ({shape}, row {dp.seq_len})")
+    if work.example is None and work.example_inputs is None:
+        work.example = example_inputs_for(work.model)
+    if work.example is not None:
+        progress.info(work.example.summary())
+        work.example_inputs = work.example.batch
+    else:
+        work.example = describe_batch(work.example_inputs, source="given as example_inputs", synthesized=False)
+
+
+def _capture_pass(work: _Work) -> None:
+    """Capture the model, rewrite kernels when asked, group the graph into blocks."""
+    cfg, model = work.config, work.model
+    captured = work.run("capture", lambda: capture(model, work.example_inputs, method=cfg.capture_method))  # type: ignore[arg-type]
+    if cfg.kernels is not None:
+        from omnibal_compile.compile.fuse import substitute_kernels
+
+        captured, work.kernel_report = work.run(
+            "kernels", lambda: substitute_kernels(captured, model, backend=cfg.kernels)  # type: ignore[arg-type]
+        )
+    work.captured = captured
+    work.graph = work.run("blocks", lambda: build_blocks(captured, model, block_prefixes=cfg.block_prefixes))
+
+
+def _cost_pass(work: _Work) -> None:
+    """Check the fixed layout before costing (a bad stage count fails fast), then cost or load the costs."""
+    cfg, graph = work.config, work.graph
+    assert graph is not None
+    if work.search_layout and cfg.device is None and work.costs is None:  # the search needs costs: profile here
+        work.config = cfg = cfg.replace(device="cuda" if torch.cuda.is_available() else "cpu")
+    if work.plan is None and not work.search_layout:
+        check_num_stages(graph, cfg.num_stages)
+        assert cfg.num_stages is not None
+        work.schedule = Schedule.for_stages(cfg.num_stages, kind=cfg.schedule or "1f1b",
+                                            num_microbatches=cfg.num_microbatches, virtual_stages=cfg.virtual_stages or 1)
+    work.table = _load_costs(work.costs, graph) if work.costs is not None else None
+    if cfg.device is not None:
+        work.table = work.run("cost", lambda: annotate_costs(
+            graph, work.model, device=cfg.device, precision=work.precision,  # type: ignore[arg-type]
+            cache=cfg.cost_cache, refresh=cfg.refresh_costs,
+        ))
+
+
+def _layout_pass(work: _Work) -> None:
+    """Choose pipeline depth, chunks, data parallelism and micro-batches (when the layout is not fixed)."""
+    if not work.search_layout:
         return
-    # A given plan fixes the split and the schedule; a planning keyword that differs would be dropped.
-    fixed = {"num_microbatches": (num_microbatches, plan.num_microbatches), "schedule": (schedule, plan.schedule),
-             "virtual_stages": (virtual_stages, plan.virtual_stages),
-             "dp": (None if dp == 1 else dp, plan.data_parallel)}
-    for name, (given, planned) in fixed.items():
-        if given is not None and given != planned:
-            raise InputError(
-                f"{name}={given!r} differs from the given plan's {planned!r}: plan= fixes it; drop {name}=, or pass "
-                f"dataclasses.replace(plan, {'data_parallel' if name == 'dp' else name}={given!r})"
-            )
-    planning = {"planner": planner is not None, "memory_budget": memory_budget is not None,
-                "recompute": recompute != "auto", "solver": solver != "auto"}
-    dropped = [k for k, v in planning.items() if v]
-    if dropped:
-        raise InputError(f"{', '.join(dropped)} choose a new plan, but plan= was given: drop one or the other")
+    from omnibal_compile.costs.devices import PROFILED_DEVICES, get_device
+    from omnibal_compile.planning.layout import choose_layout, job_devices
+
+    cfg, table = work.config, work.table
+    assert table is not None
+    count, where = (cfg.devices, f"{cfg.devices} as given") if cfg.devices is not None else job_devices()
+    # a roofline target gives the links (NVLink in a node, InfiniBand across); profiled costs keep the table's
+    device = cfg.device
+    spec = get_device(device) if device is not None and str(device).lower() not in PROFILED_DEVICES else None  # type: ignore[arg-type]
+    if isinstance(work.budget, list):
+        raise InputError("optimize(devices=...) takes one memory_budget for every device, not a list")
+    budget, dp, layout = work.budget, cfg.dp or 1, work.layout
+    search = work.run("layout", lambda: choose_layout(
+        table, devices=count, device=spec, global_batch=cfg.global_batch, num_stages=cfg.num_stages,
+        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, num_microbatches=cfg.num_microbatches, dp=dp,
+        dp_layout=None if dp == 1 else ("ddp" if layout.shard == "ddp" else "fsdp" if layout.reshard_after_forward else "fsdp-kept"),
+        memory_budget=budget, recompute=cfg.recompute,
+    ))
+    search = dataclasses.replace(search, notes=(f"devices: {where}", *search.notes))
+    progress.info(search.summary(limit=12))
+    best = search.best.layout
+    work.config = cfg.replace(num_stages=best.num_stages, num_microbatches=best.num_microbatches,
+                              virtual_stages=best.virtual_stages, schedule=best.schedule)
+    work.layout, work.table, work.layout_search = best.data_parallel, search.costs, search
+    if cfg.planner is None:  # the search's plan is the planner's (exact for 1F1B); another planner re-plans
+        work.plan = search.plan
+    else:
+        work.schedule = Schedule.for_stages(best.num_stages, kind=best.schedule, num_microbatches=best.num_microbatches,
+                                            virtual_stages=best.virtual_stages)
 
 
-def optimize(
-    model: nn.Module,
-    example_inputs: Any = None,
-    *,
-    num_stages: int | None = None,
-    devices: int | None = None,
-    global_batch: int | None = None,
-    planner: str | Planner | None = None,
-    plan: Plan | None = None,
-    num_microbatches: int | None = None,
-    schedule: str | None = None,
-    virtual_stages: int | None = None,
-    memory_budget: str | float | Sequence[str | float] | None = None,
-    recompute: str = "auto",
-    solver: str = "auto",
-    solver_time_limit: float | None = 60.0,
-    block_prefixes: Sequence[str] | None = None,
-    capture_method: CaptureMethod = "export",
-    kernels: str | None = None,
-    device: str | DeviceSpec | None = None,
-    costs: CostTable | str | os.PathLike[str] | None = None,
-    precision: Precision = BF16_ADAM,
-    cost_cache: str | os.PathLike[str] | None = None,
-    refresh_costs: bool = False,
-    lengths: Any = None,
-    data: DataOptions | None = None,
-    dp: int = 1,
-    dp_shard: str = DEFAULT_DP_SHARD,
-    dp_reshard_after_forward: bool = True,
-) -> OptimizeResult:
-    """Capture ``model`` on ``example_inputs``, cut it into ``num_stages`` pipeline stages, emit them.
+def _plan_pass(work: _Work) -> None:
+    """The given plan (checked against the stage count), or a new one from the planner."""
+    cfg = work.config
+    if cfg.num_stages is None:
+        raise InputError("optimize() needs num_stages=, or devices= to choose the layout")
+    if work.plan is not None:
+        if work.plan.num_stages != cfg.num_stages:
+            raise PlanError(f"the given plan has {work.plan.num_stages} stages but num_stages={cfg.num_stages}")
+        work.chosen = work.plan
+        return
+    assert work.schedule is not None and work.graph is not None
+    graph, schedule, num_stages = work.graph, work.schedule, cfg.num_stages
+    work.chosen = work.run("plan", lambda: plan_stages(
+        graph, num_stages=num_stages, schedule=schedule, planner=cfg.planner, costs=work.table,  # type: ignore[arg-type]
+        memory_budget=work.budget, recompute=cfg.recompute, solver=cfg.solver, time_limit=cfg.solver_time_limit,
+        data_parallel=work.layout,
+    ))
+
+
+PASSES: tuple[tuple[str, Callable[[_Work], None]], ...] = (
+    ("example", _example_pass), ("capture", _capture_pass), ("cost", _cost_pass), ("layout", _layout_pass),
+    ("plan", _plan_pass),
+)
+"""optimize()'s passes in order (each names the work it times through ``_run_pass``); codegen comes last."""
+
+
+def optimize(model: nn.Module, example_inputs: Any = None, config: Config | None = None, **overrides: Any) -> OptimizeResult:
+    """Capture ``model`` on ``example_inputs``, cut it into pipeline stages, emit them.
 
     Args:
         model: any ``nn.Module``; it is not modified.
         example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``. None
             (default): one balanced pack when ``lengths`` is given, else synthesized from the model
-            (:func:`omnibal_compile.models.examples.example_inputs_for`: the reference VLM's own
-            example, the model's ``example_inputs()``, or a batch built from a Hugging Face config as
-            the family's processor lays it out). What was synthesized is printed and kept as
-            ``result.example``.
-        num_stages: pipeline stages to emit; None (default) lets the layout search choose them.
-        devices, global_batch: choose the layout for ``devices`` devices (default: the job's, see
-            :func:`omnibal_compile.planning.layout.job_devices`): pipeline depth and chunks, data-parallel degree
-            and layout, micro-batch count, with the least predicted time per micro-batch that fits
-            ``memory_budget`` (:func:`omnibal_compile.planning.layout.choose_layout`); ``global_batch`` counts
-            micro-batches of the example's shape per optimizer step (default two per device). What the
-            caller fixes (``num_stages``, an interleaved ``schedule``, ``num_microbatches``, ``dp`` > 1)
-            is pinned. The candidates are printed and kept as ``result.layout``. Needs costs: without
-            ``device`` or ``costs`` the blocks are profiled here.
-        planner: a name in :data:`omnibal_compile.planning.PLANNERS`: ``"ilp"`` (default when costs are
-            known: cut points and per-block recomputation chosen jointly and optimally), ``"dp"``,
-            ``"uniform"``, ``"parameters"`` (default without costs), ``"flops"``, ``"omnibal"`` (the
-            paper's heuristic); or a callable ``(BlockGraph, S) -> Plan``. All but uniform/parameters
-            need costs (``device`` or ``costs``). With costs every plan carries its predicted figures.
-        plan: use this plan instead of planning (it must match the model's blocks).
-        num_microbatches, schedule, virtual_stages: the pipeline schedule planned for
-            (``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` with ``virtual_stages`` chunks per device);
-            ``num_microbatches=None`` (default) means one per stage, ``schedule=None`` ``"1f1b"``,
-            ``virtual_stages=None`` 1 (with ``plan=``: the plan's; a value that differs is an error).
-            The rules torch sets on them are checked by :class:`omnibal_compile.ir.schedule.Schedule`.
-        memory_budget: per device, e.g. ``"40GiB"`` (one value or one per device); needs costs.
-        recompute: ``"auto"`` (the planner chooses per block), ``"none"``, ``"selective"`` or ``"full"``.
-        solver, solver_time_limit: ILP backend (``"auto"``: HiGHS if installed, else CBC) and limit (s).
-        block_prefixes: module paths that each form one block, overriding the default grouping.
-        capture_method: ``"export"`` (torch.export, non-strict) or ``"fx"`` (symbolic_trace).
-        kernels: rewrite norms, SwiGLU, rotary and the LM-head loss into fused ops before cutting:
-            ``"triton"`` (Triton kernels; eager torch where Triton cannot run), ``"eager"``, or
-            None (default: no substitution).
-        device: cost the blocks: ``"cpu"``/``"cuda"`` profile here, ``"a100-80gb"``, ``"h100-80gb"``,
-            ``"h200"`` (or a DeviceSpec) use the roofline model; None (default) skips costing.
-        costs: reuse block costs instead of costing: a CostTable or the path of its JSON; it must
-            hold the model's blocks. Not together with ``device``.
-        precision: bytes per parameter for weights, gradients and optimizer states (costing only).
-        cost_cache: JSON file caching profiled costs; ``refresh_costs=True`` ignores cached entries.
-        lengths: dataset length statistics (files, a LengthStats or a ``(tiles, tokens)`` pair):
-            balance them into packs of one fixed shape; with ``example_inputs=None`` the model is
-            captured, costed and planned on a micro-batch of that shape. ``result.data`` holds the
-            shape, the per-rank sampler and the collator.
-        data: how to balance (``DataOptions``: data-parallel size, samples per pack, method...).
-        dp, dp_shard, dp_reshard_after_forward: data-parallel replicas of the pipeline and how they
-            hold weights, gradients and optimizer states: ``"fsdp"`` (default; sharded, gathered weights
-            freed after each forward unless ``dp_reshard_after_forward`` is False) or ``"ddp"``
-            (replicated). Planning divides static memory per device accordingly and adds the gradient
-            reduction (and FSDP's all-gathers) to the iteration time; the plan records it.
+            (:func:`omnibal_compile.models.examples.example_inputs_for`). What was synthesized is told
+            through :func:`omnibal_compile.progress.info` (stderr; silence it with ``progress.quiet()``
+            or ``OMNIBAL_QUIET=1``) and kept as ``result.example``.
+        config: the settings (:class:`omnibal_compile.config.Config`); None: the defaults.
+        **overrides: settings by field name (``num_stages=4``, ``planner="ilp"``, ``device="cpu"``,
+            ``memory_budget="20MiB"``, ``dp=2``, ...: every field of :class:`~omnibal_compile.config.Config`,
+            described there), applied over ``config``; an unknown name is an InputError naming the closest.
+            Besides settings: ``plan=`` a Plan (or its file) to use instead of planning, ``costs=`` a
+            CostTable (or its JSON file), ``lengths=`` dataset length statistics (files, a LengthStats or a
+            ``(tiles, tokens)`` pair: balance them into packs and capture on one), ``data=`` DataOptions
+            (how to balance), ``precision=`` a Precision (bytes per parameter, costing only).
+
+    ``num_stages=None`` (default) or ``devices=N`` choose the layout (``result.layout``); the rest is
+    as the fields of :class:`~omnibal_compile.config.Config` say.
     """
-    layout = DataParallel(size=dp, shard=dp_shard, reshard_after_forward=dp_reshard_after_forward)
-    precision.bytes_per_param_on(layout)  # raises when ZeRO-1's optimizer_shards disagree with dp
-    _check_keywords(
-        plan=plan, planner=planner, num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
-        memory_budget=memory_budget, recompute=recompute, solver=solver, solver_time_limit=solver_time_limit,
-        costed=device is not None or costs is not None, device=device, precision=precision, cost_cache=cost_cache,
-        refresh_costs=refresh_costs, dp=dp,
-    )
-    budget = _parse_budget(memory_budget)  # before any pass runs: a NaN budget fails at once
-    kind, chunks = "1f1b" if schedule is None else schedule, 1 if virtual_stages is None else virtual_stages
-    if plan is None:  # so does a malformed schedule keyword (its rules over the stages are checked after blocks)
-        Schedule(kind=kind, num_microbatches=1 if num_microbatches is None else num_microbatches, virtual_stages=chunks)
-    if data is not None and dp > 1 and data.dp != dp:
-        raise InputError(f"dp={dp} disagrees with data=DataOptions(dp={data.dp}): give both the same data-parallel size")
-    timings: dict[str, float] = {}
-    done: list[str] = []
-    if device is not None and costs is not None:
-        raise InputError("give device= (cost the blocks) or costs= (reuse a cost table), not both")
-    data_plan, example = None, None
-    if lengths is not None:
-        data_plan = _run_pass("data", done, timings, lambda: plan_data(lengths, data, model=model))
-        if example_inputs is None:
-            shape = f"{data_plan.shape.tiles} tiles, {data_plan.shape.tokens} tokens"
-            example = describe_batch(data_plan.example_batch(), synthesized=True,
-                                     source=f"one balanced pack of lengths= ({shape}, row {data_plan.seq_len})")
-    elif data is not None:
-        raise InputError("optimize(data=...) needs lengths=... (the dataset's length statistics)")
-    if example is None and example_inputs is None:
-        example = example_inputs_for(model)
-    if example is not None:
-        print(example.summary())
-        example_inputs = example.batch
-    else:
-        example = describe_batch(example_inputs, source="given as example_inputs", synthesized=False)
-    captured = _run_pass("capture", done, timings, lambda: capture(model, example_inputs, method=capture_method))
-    kernel_report = None
-    if kernels is not None:
-        from omnibal_compile.compile.fuse import substitute_kernels
-
-        captured, kernel_report = _run_pass(
-            "kernels", done, timings, lambda: substitute_kernels(captured, model, backend=kernels)
-        )
-    graph = _run_pass("blocks", done, timings, lambda: build_blocks(captured, model, block_prefixes=block_prefixes))
-    chosen_schedule = None
-    search_layout = plan is None and (num_stages is None or devices is not None)
-    if search_layout and device is None and costs is None:  # the search needs costs: profile here
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if plan is None and not search_layout:  # before costing: a bad stage count or schedule should fail fast
-        check_num_stages(graph, num_stages)
-        chosen_schedule = Schedule.for_stages(
-            num_stages, kind=kind, num_microbatches=num_microbatches, virtual_stages=chunks
-        )
-    table = _load_costs(costs, graph) if costs is not None else None
-    if device is not None:
-        table = _run_pass(
-            "cost", done, timings,
-            lambda: annotate_costs(graph, model, device=device, precision=precision, cache=cost_cache, refresh=refresh_costs),
-        )
-    layout_search = None
-    if search_layout:
-        from omnibal_compile.costs.devices import PROFILED_DEVICES, get_device
-        from omnibal_compile.planning.layout import choose_layout, job_devices
-
-        assert table is not None
-        count, where = (devices, f"{devices} as given") if devices is not None else job_devices()
-        # a roofline target gives the links (NVLink in a node, InfiniBand across); profiled costs keep the table's
-        spec = get_device(device) if device is not None and str(device).lower() not in PROFILED_DEVICES else None
-        budget_one = _parse_budget(memory_budget)
-        if isinstance(budget_one, list):
-            raise InputError("optimize(devices=...) takes one memory_budget for every device, not a list")
-        layout_search = _run_pass("layout", done, timings, lambda: choose_layout(
-            table, devices=count, device=spec, global_batch=global_batch, num_stages=num_stages, schedule=schedule,
-            virtual_stages=virtual_stages, num_microbatches=num_microbatches, dp=dp,
-            dp_layout=None if dp == 1 else ("ddp" if dp_shard == "ddp" else "fsdp" if dp_reshard_after_forward else "fsdp-kept"),
-            memory_budget=budget_one, recompute=recompute,
-        ))
-        layout_search = dataclasses.replace(layout_search, notes=(f"devices: {where}", *layout_search.notes))
-        print(layout_search.summary(limit=12))
-        best = layout_search.best.layout
-        num_stages, num_microbatches, virtual_stages = best.num_stages, best.num_microbatches, best.virtual_stages
-        schedule, layout, table = best.schedule, best.data_parallel, layout_search.costs
-        if planner is None:  # the search's plan is the planner's (exact for 1F1B); another planner re-plans
-            plan = layout_search.plan
-        else:
-            chosen_schedule = Schedule.for_stages(num_stages, kind=schedule, num_microbatches=num_microbatches,
-                                                  virtual_stages=virtual_stages)
-            memory_budget = budget_one
-    if num_stages is None:
-        raise InputError("optimize() needs num_stages=, or devices= to choose the layout")
-    if plan is not None:
-        if plan.num_stages != num_stages:
-            raise PlanError(f"the given plan has {plan.num_stages} stages but num_stages={num_stages}")
-        chosen = plan
-    else:
-        assert chosen_schedule is not None
-        chosen = _run_pass(
-            "plan", done, timings,
-            lambda: plan_stages(
-                graph, num_stages=num_stages, schedule=chosen_schedule, planner=planner, costs=table,
-                memory_budget=budget, recompute=recompute, solver=solver, time_limit=solver_time_limit,
-                data_parallel=layout,
-            ),
-        )
-    stages = _run_pass("codegen", done, timings, lambda: generate_stages(graph, chosen, model))
+    cfg, inputs = _settings(config, dict(overrides))
+    plan = inputs["plan"]
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.from_file(plan)
+    dp = cfg.dp or 1
+    layout = DataParallel(size=dp, shard=cfg.dp_shard or DEFAULT_DP_SHARD,
+                          reshard_after_forward=True if cfg.reshard_after_forward is None else cfg.reshard_after_forward)
+    work = _Work(model=model, config=cfg, example_inputs=example_inputs, plan=plan, costs=inputs["costs"],
+                 lengths=inputs["lengths"], data=inputs.get("data"), precision=inputs.get("precision", BF16_ADAM),
+                 layout=layout)
+    _validate(work)
+    for _, step in PASSES:
+        step(work)
+    assert work.graph is not None and work.chosen is not None and work.captured is not None
+    graph, chosen = work.graph, work.chosen
+    stages = work.run("codegen", lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
-        model=model, captured=captured, graph=graph, plan=chosen, stages=stages, timings=timings, costs=table,
-        data=data_plan, kernels=kernel_report, layout=layout_search, example=example,
+        model=model, captured=work.captured, graph=graph, plan=chosen, stages=stages, timings=work.timings,
+        costs=work.table, data=work.data_plan, kernels=work.kernel_report, layout=work.layout_search,
+        example=work.example,
     )
 
 

@@ -3,19 +3,51 @@
 On a terminal: a tqdm bar (steps done / total, elapsed time, the current step's description).
 Otherwise (a log file, a pipe, CI): one line per step on stderr, ``[k/total  12.3s] description``.
 Disabled: nothing at all.
+
+What the library has to say outside a bar (the example batch it synthesized, the layout candidates
+it weighed) goes through :func:`info`: to stderr, never stdout, and silenced by :func:`quiet` (a
+context manager) or the environment variable ``OMNIBAL_QUIET=1``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sized
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
-__all__ = ["Progress", "track"]
+__all__ = ["Progress", "track", "info", "quiet", "QUIET_ENV"]
 
 T = TypeVar("T")
+
+QUIET_ENV = "OMNIBAL_QUIET"
+"""Environment variable: set to 1 (or true/yes) to silence :func:`info`."""
+_quiet_depth = 0
+
+
+def is_quiet() -> bool:
+    """True inside :func:`quiet` or when ``OMNIBAL_QUIET`` is set to a true value."""
+    return _quiet_depth > 0 or os.environ.get(QUIET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def info(text: str, *, stream: TextIO | None = None) -> None:
+    """Tell the user ``text`` (to stderr), unless output is silenced (:func:`quiet`, ``OMNIBAL_QUIET``)."""
+    if not is_quiet():
+        print(text, file=stream if stream is not None else sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence :func:`info` inside the ``with`` block: ``with progress.quiet(): optimize(model)``."""
+    global _quiet_depth
+    _quiet_depth += 1
+    try:
+        yield
+    finally:
+        _quiet_depth -= 1
 
 
 class Progress:

@@ -11,7 +11,7 @@ from omnibal_compile.cli import main
 
 def test_demo_runs_and_reports_parity(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    args = ["demo", "--stages", "3", "--device", "a100-80gb", "--memory", "16MiB", "--save-plan", str(plan_path),
+    args = ["demo", "--num-stages", "3", "--device", "a100-80gb", "--memory-budget", "16MiB", "--save-plan", str(plan_path),
             "--show-code", "1"]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -27,12 +27,12 @@ def test_demo_runs_and_reports_parity(tmp_path, capsys):
 def test_demo_default_budget_fits_two_stages(tmp_path, capsys):
     """The README's `omnibal-compile demo --stages 2`: the default budget scales with the stages (a fixed 16 MiB
     per device did not fit half of the model on one device)."""
-    assert main(["demo", "--stages", "2", "--save-plan", str(tmp_path / "plan.json")]) == 0, capsys.readouterr().err
+    assert main(["demo", "--num-stages", "2", "--save-plan", str(tmp_path / "plan.json")]) == 0, capsys.readouterr().err
     assert "/ 32.0" in capsys.readouterr().out  # 64 MiB / 2 stages, in the plan table's memory column
 
 
 def test_demo_errors_are_reported_not_raised(capsys):
-    assert main(["demo", "--stages", "999"]) == 2
+    assert main(["demo", "--num-stages", "999"]) == 2
     assert "exceeds" in capsys.readouterr().err
 
 
@@ -52,5 +52,5 @@ def test_console_script_entry_point():
     assert script is not None, "the omnibal-compile script is not on PATH nor in this interpreter's scripts folder"
     proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "demo" in proc.stdout, proc.stderr
-    proc = subprocess.run([script, "demo", "--stages", "999"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([script, "demo", "--num-stages", "999"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "exceeds" in proc.stderr  # errors reach the shell as exit status 2

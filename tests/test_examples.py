@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _check(result, capsys, source: str) -> None:
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err  # progress.info: stderr
     assert result.example is not None and result.example.synthesized
     assert source in result.example.source
     assert result.example.summary() in printed  # what it assumed was printed...
@@ -109,7 +109,7 @@ def test_given_examples_are_recorded_not_synthesized(capsys):
     from omnibal_compile.models import make_example_batch
 
     result = oc.optimize(TinyVLM(SMALL_VLM), make_example_batch(SMALL_VLM), num_stages=2)
-    assert not result.example.synthesized and "Example inputs" not in capsys.readouterr().out
+    assert not result.example.synthesized and "Example inputs" not in capsys.readouterr().err
 
 
 def test_a_model_without_any_way_to_build_inputs_says_what_to_pass():

@@ -49,7 +49,7 @@ def planned(vlm):
         (lambda: DataOptions(dp=1.5), InputError, ["DataOptions.dp", "1.5"]),
         (lambda: DataOptions(seed=-1), InputError, ["DataOptions.seed", "-1"]),
         (lambda: parse_size(float("nan"), "memory_budget"), InputError, ["memory_budget", "nan"]),
-        (lambda: parse_size(float("inf"), "--memory"), InputError, ["--memory", "inf"]),
+        (lambda: parse_size(float("inf"), "--memory-budget"), InputError, ["--memory-budget", "inf"]),
         (lambda: LengthStats.from_arrays([1], [10**12]), InputError, ["tokens[0]", "1000000000000"]),
         (lambda: PackShape(tiles=1, tokens=10**12), InputError,
          ["pack shape tokens (Q_t)", "1000000000000", f"{MAX_PACK_TOKENS:,}"]),
@@ -272,7 +272,7 @@ def test_plan_command_without_matplotlib_writes_the_rest_and_says_how(tmp_path: 
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError, as on the base install
     out = tmp_path / "out"
-    argv = ["plan", "tiny-vlm", "--stages", "2", "--microbatches", "2", "--device", "a100-80gb", "--out", str(out)]
+    argv = ["plan", "tiny-vlm", "--num-stages", "2", "--num-microbatches", "2", "--device", "a100-80gb", "--out", str(out)]
     assert main(argv) == 0
     assert (out / "plan.json").is_file() and (out / "trace.json").is_file()
     assert not list(out.glob("*.png"))

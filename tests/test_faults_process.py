@@ -230,7 +230,7 @@ def test_the_run_command_timeout_ends_every_rank(run_config, monkeypatch, capsys
     tag = uuid.uuid4().hex
     monkeypatch.setenv("_FAULT_TEST_TAG", tag)
     argv = ["run", "--plan", run_config.plan, "--model-config", __import__("json").dumps(dict(run_config.model_config)),
-            "--batch-size", "4", "--tiles", "1", "--text", "12", "--microbatches", "2", "--timeout", "3",
+            "--batch-size", "4", "--tiles-per-sample", "1", "--text-tokens", "12", "--num-microbatches", "2", "--timeout", "3",
             "--steps", "100000"]  # far more than 3 s of work: a quiet machine finished the default steps in time
     assert main(argv) == 2
     err = capsys.readouterr().err

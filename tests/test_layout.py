@@ -164,7 +164,7 @@ def test_optimize_chooses_the_layout_for_a_device_count(vlm, capsys):
 
     model, batch = vlm
     result = oc.optimize(model, batch, devices=4, device="a100-80gb", memory_budget="2GiB")
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "layout search: 4 devices" in out and "chosen: " + result.layout.best.layout.describe() in out
     best = result.layout.best.layout
     assert (result.plan.num_stages, result.plan.num_microbatches, result.plan.dp.size) == (
@@ -185,8 +185,8 @@ def test_optimize_without_stages_or_devices_says_what_it_assumed(vlm, capsys, mo
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
     model, batch = vlm
     result = oc.optimize(model, batch, device="a100-80gb")
-    assert "1 device assumed" in capsys.readouterr().out
+    assert "1 device assumed" in capsys.readouterr().err
     assert result.plan.num_stages == 1 and result.layout.devices == 1
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert oc.optimize(model, batch, device="a100-80gb").layout.devices == 2
-    assert "2 devices from torchrun's WORLD_SIZE" in capsys.readouterr().out
+    assert "2 devices from torchrun's WORLD_SIZE" in capsys.readouterr().err

@@ -141,10 +141,10 @@ def test_plan_and_run_take_the_same_factory(factory_dir):
     from omnibal_compile.runtime.batches import batch_source, build_model
     from omnibal_compile.runtime.settings import RunConfig
 
-    assert main(["plan", "my_factories:with_batch", "--stages", "2", "--microbatches", "2", "--device", "cpu",
+    assert main(["plan", "my_factories:with_batch", "--num-stages", "2", "--num-microbatches", "2", "--device", "cpu",
                  "--no-pictures", "--out", "out"]) == 0
     config = RunConfig(plan="out/plan.json", model="my_factories:with_batch", batch_size=2)
     model = build_model(config)
     batch = batch_source(config, model)(0)  # the factory's batch, every step
     assert batch["input_ids"].shape == (2, 12) and torch.isfinite(model(**batch))
-    assert main(["plan", "my_factories:model_only", "--stages", "2", "--no-pictures", "--out", "out2"]) == 2
+    assert main(["plan", "my_factories:model_only", "--num-stages", "2", "--no-pictures", "--out", "out2"]) == 2

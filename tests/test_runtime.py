@@ -332,8 +332,8 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
     ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     argv = [
         "run", "--plan", config.plan, "--model-config", __import__("json").dumps(dict(config.model_config)),
-        "--batch-size", "4", "--tiles", "1", "--text", "12", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5",
-        "--schedule", "1f1b", "--microbatches", "2", "--save", str(ckpt), "--log", str(log), "--timeout", "200",
+        "--batch-size", "4", "--tiles-per-sample", "1", "--text-tokens", "12", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5",
+        "--schedule", "1f1b", "--num-microbatches", "2", "--save", str(ckpt), "--log", str(log), "--timeout", "200",
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -393,7 +393,7 @@ def test_pre_launch_checks_fail_before_any_process_starts(tmp_path, vlm_plan2, m
         other = Plan(block_names=("a", "b", "c"), boundaries=(0, 1, 3))
         launch(_run_config(tmp_path, other))
     config = _run_config(tmp_path, vlm_plan2, nproc=4)
-    assert main(["run", "--plan", config.plan, "--nproc", "4", "--microbatches", "4"]) == 2
+    assert main(["run", "--plan", config.plan, "--nproc", "4", "--num-microbatches", "4"]) == 2
     assert "world size is 4" in capsys.readouterr().err
 
 

@@ -40,7 +40,7 @@ def test_balanced_batches_have_one_fixed_shape_and_are_deterministic(tmp_path, l
     assert all(torch.equal(again(3)[k], source(3)[k]) for k in shapes)  # every rank builds the same batch
     assert torch.isfinite(model(**source(0)))
     with pytest.raises(InputError, match="not both"):
-        batch_source(dataclasses.replace(config, data="x:y"), model)
+        batch_source(dataclasses.replace(config, batches="x:y"), model)
 
 
 def test_two_ranks_train_on_balanced_packs_like_the_unsplit_model(tmp_path, lengths_file):
@@ -131,7 +131,7 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(
     assert result.check_parity().ok  # the pack's stages reproduce the unsplit model
     (tmp_path / "plan.json").write_text(result.plan.to_json())
     assert main(["run", "--plan", "plan.json", "--model", spec, "--lengths", lengths_file, "--batch-size", "2",
-                 "--microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",
+                 "--num-microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",
                  "--timeout", "300"]) == 0
     logged = [json.loads(line)["loss"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     config = RunConfig(plan="plan.json", model=spec, lengths=(lengths_file,), batch_size=2, num_microbatches=2)

@@ -198,7 +198,7 @@ def test_cli_run_dp2_pp1_on_balanced_packs_trains_like_the_unsplit_model(tmp_pat
                            optimizer="sgd", lr=0.5)
     ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     argv = ["run", "--plan", config.plan, "--model-config", json.dumps(dict(config.model_config)), "--lengths",
-            *config.lengths, "--dp", "2", "--batch-size", "4", "--microbatches", "2", "--schedule", "1f1b",
+            *config.lengths, "--dp", "2", "--batch-size", "4", "--num-microbatches", "2", "--schedule", "1f1b",
             "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--save", str(ckpt), "--log", str(log),
             "--timeout", "200"]
     assert main(argv) == 0

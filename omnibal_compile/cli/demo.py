@@ -8,32 +8,39 @@ budget) compared with the uniform and parameter-balanced splits -> simulated ite
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
-from omnibal_compile._utils.validate import MAX_SEED, int_option
-from omnibal_compile.ir.schedule import SCHEDULE_KINDS
-from omnibal_compile.planning import PLANNERS, planner_help
+from omnibal_compile import progress
+from omnibal_compile._utils.validate import int_option
+from omnibal_compile.cli._settings import add_settings, settings_from_args
+from omnibal_compile.config import (
+    Config,
+    DataConfig,
+    LayoutConfig,
+    MemoryConfig,
+    ModelConfig,
+    PlannerConfig,
+    ScheduleConfig,
+)
 
 NAME = "demo"
-HELP = "plan the built-in tiny VLM into balanced pipeline stages and check they reproduce it (CPU, ~30 s)"
+HELP = ("plan the built-in tiny VLM into balanced pipeline stages (4 unless --num-stages says otherwise) and check "
+        "they reproduce it (CPU, ~30 s)")
+
+
+DEMO_SECTIONS = (ModelConfig, DataConfig, LayoutConfig, ScheduleConfig, MemoryConfig, PlannerConfig)
+"""The config sections ``demo`` takes (every field a flag, see :mod:`omnibal_compile.cli._settings`)."""
+DEMO_FIELDS = ("seed", "device", "tiles_per_sample", "text_tokens", "num_stages", "microbatch_size", "schedule",
+               "num_microbatches", "virtual_stages", "memory_budget", "recompute", "planner")
+"""The fields of those sections the demo reads (it builds the tiny VLM itself)."""
+DEMO_STAGES = 4
+"""Stages the demo plans when neither --num-stages nor --devices is given (the layout search on one CPU would pick 1)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", type=int_option(min=1), default=4, help="pipeline stages (default 4)")
-    p.add_argument("--microbatches", type=int_option(min=1), default=8, help="micro-batches per iteration (default 8)")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule")
-    p.add_argument("--planner", default="ilp", choices=list(PLANNERS), help=planner_help("ilp"))
-    p.add_argument(
-        "--device", default="cpu", help="cost source: 'cpu' profiles here (default), or a roofline target such as a100-80gb"
-    )
-    p.add_argument(
-        "--memory", default=None,
-        help="memory budget per device (default 64MiB / stages: 16MiB for 4 stages, tight enough that some blocks recompute)"
-    )
-    p.add_argument("--batch", type=int_option(min=1), default=2, help="samples in the example micro-batch (default 2)")
-    p.add_argument("--tiles", type=int_option(min=0), default=2, help="image tiles per sample (default 2)")
-    p.add_argument("--text", type=int_option(min=2), default=48, help="text tokens per sample (default 48)")
-    p.add_argument("--seed", type=int_option(min=0, max=MAX_SEED), default=0, help="seed for weights and data")
+    names = [n for sec in DEMO_SECTIONS for n in sec.names()]
+    add_settings(p, Config, sections=DEMO_SECTIONS, exclude=[n for n in names if n not in DEMO_FIELDS])
     p.add_argument("--show-code", type=int_option(min=0), metavar="STAGE", default=None,
                    help="print the generated code of a stage")
     p.add_argument("--save-plan", metavar="PATH", default=None, help="write the plan as JSON")
@@ -48,41 +55,46 @@ def run(args: argparse.Namespace) -> int:
     from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
     from omnibal_compile.planning.build import plan_stages
 
-    if args.memory is None:  # a device holds about 1/stages of the model: a fixed default would not fit 2 stages
-        args.memory = f"{64 / args.stages:g}MiB"
-    torch.manual_seed(args.seed)
-    cfg = TinyVLMConfig()
-    model = TinyVLM(cfg)
-    batch = make_example_batch(cfg, batch=args.batch, tiles_per_sample=args.tiles, text_tokens=args.text, seed=args.seed)
+    cfg = settings_from_args(args, Config)
+    given = {"num_stages": cfg.num_stages or DEMO_STAGES, "device": cfg.device or "cpu", "planner": cfg.planner or "ilp",
+             "schedule": cfg.schedule or "1f1b"}
+    if cfg.virtual_stages is None and given["schedule"] == "interleaved":
+        given["virtual_stages"] = 2
+    if cfg.memory_budget is None:  # a device holds about 1/stages of the model: a fixed default would not fit 2 stages
+        given["memory_budget"] = f"{64 / given['num_stages']:g}MiB"
+    cfg = dataclasses.replace(cfg, **given)
+    stages, planner_name = cfg.num_stages, cfg.planner
+    assert stages is not None and isinstance(planner_name, str)
+    torch.manual_seed(cfg.seed)
+    tiny = TinyVLMConfig()
+    model = TinyVLM(tiny)
+    batch = make_example_batch(tiny, batch=cfg.microbatch_size, tiles_per_sample=cfg.tiles_per_sample,
+                               text_tokens=cfg.text_tokens, seed=cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"TinyVLM: {cfg.vit_layers} ViT layers (width {cfg.vit_hidden}) + {cfg.llm_layers} LLM layers "
-        f"(width {cfg.llm_hidden}), {n_params:,} parameters"
+        f"TinyVLM: {tiny.vit_layers} ViT layers (width {tiny.vit_hidden}) + {tiny.llm_layers} LLM layers "
+        f"(width {tiny.llm_hidden}), {n_params:,} parameters"
     )
     print(
         f"micro-batch: {batch['pixel_values'].shape[0]} tiles, input_ids {tuple(batch['input_ids'].shape)} "
-        f"({cfg.tokens_per_tile} image tokens per tile)\n"
+        f"({tiny.tokens_per_tile} image tokens per tile)\n"
     )
     t0 = time.perf_counter()
-    print(f"capturing, grouping blocks and costing them on '{args.device}' ...")
-    virtual = 2 if args.schedule == "interleaved" else 1
-    result = oc.optimize(
-        model, batch, num_stages=args.stages, planner=args.planner, device=args.device,
-        num_microbatches=args.microbatches, schedule=args.schedule, virtual_stages=virtual,
-        memory_budget=args.memory,
-    )
+    print(f"capturing, grouping blocks and costing them on '{cfg.device}' ...")
+    with progress.quiet():  # result.summary() below shows what optimize() would tell
+        result = oc.optimize(model, batch, config=cfg)
     print(result.summary())
     print()
-    budget = float(parse_size(args.memory, "--memory")) if args.memory else None
+    budget = float(parse_size(cfg.memory_budget, "--memory-budget"))  # type: ignore[arg-type]
     best = oc.simulate(result.plan, result.costs)
-    rows = [["planner", "planned ms", "simulated ms", "bubble", f"vs {args.planner}"]]
-    for name in dict.fromkeys(("uniform", "parameters", "omnibal", args.planner)):
-        if name == args.planner:
+    rows = [["planner", "planned ms", "simulated ms", "bubble", f"vs {planner_name}"]]
+    for name in dict.fromkeys(("uniform", "parameters", "omnibal", planner_name)):
+        if name == planner_name:
             other = result.plan
         else:
             try:
                 other = plan_stages(
-                    result.graph, num_stages=args.stages, schedule=result.plan.pipeline_schedule, planner=name,
+                    result.graph, num_stages=stages, schedule=result.plan.pipeline_schedule, planner=name,
                     costs=result.costs, memory_budget=budget,
                 )
             except oc.PlanError as e:
@@ -95,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             f"{sim.iteration_time_s / best.iteration_time_s:.2f}x",
         ])
     print(
-        f"One iteration ({args.schedule}, {counted(args.microbatches, 'micro-batch')}) of each planner's split: "
+        f"One iteration ({result.plan.schedule}, {counted(result.plan.num_microbatches, 'micro-batch')}) of each "
+        "planner's split: "
         "planned by the schedule's closed form, simulated event by event."
     )
     print(format_table(rows, "lrrrr"))

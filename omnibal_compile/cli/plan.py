@@ -1,7 +1,7 @@
 """``omnibal-compile plan``: plan a model's pipeline split, simulate it, and draw it.
 
 MODEL is one of:
-    tiny-vlm                    the built-in reference VLM (``omnibal_compile.models.TinyVLM``);
+    tinyvlm                     the built-in reference VLM (tiny-vlm also accepted) (``omnibal_compile.models.TinyVLM``);
     hf:ClassName:config.json    a Hugging Face ``transformers`` class built offline from a config
                                 file with random weights (``hf:LlavaForConditionalGeneration:cfg.json``);
     module.path:factory         a function returning a model, or ``(model, example_batch)`` (the
@@ -23,67 +23,61 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omnibal_compile._utils.validate import MAX_SEED, int_option
+from omnibal_compile import progress as progress_info
+from omnibal_compile.cli._settings import add_settings, settings_from_args
+from omnibal_compile.config import (
+    Config,
+    DataConfig,
+    LayoutConfig,
+    MemoryConfig,
+    ModelConfig,
+    OutputConfig,
+    ParallelConfig,
+    PlannerConfig,
+    ScheduleConfig,
+)
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, DP_SHARDS
-from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
-from omnibal_compile.planning import PLANNERS, planner_help
+from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.progress import Progress
 
 NAME = "plan"
 HELP = "plan a model's pipeline stages, simulate an iteration, and write the plan, pictures and a trace"
 
-DEFAULT_OUT = "omnibal-plan"
 LENGTH_ITERATIONS = 16
 """Iterations simulated per packing for --lengths."""
 
 
+PLAN_SECTIONS = (ModelConfig, DataConfig, LayoutConfig, ParallelConfig, ScheduleConfig, MemoryConfig, PlannerConfig,
+                 OutputConfig)
+"""The config sections ``plan`` takes (every field a flag, see :mod:`omnibal_compile.cli._settings`)."""
+PLAN_EXCLUDE = ("batches", "batching", "batch_size", "samples_per_pack")
+"""Fields of those sections only a training run reads."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL",
-                   help="tiny-vlm | hf:ClassName:config.json | module.path:factory (returning a model or (model, example_batch))")
-    p.add_argument("--stages", type=int_option(min=1), default=None,
-                   help="pipeline stages, chunks included (default 4; with --devices, searched)")
-    p.add_argument("--devices", type=int_option(min=1), default=None,
-                   help="choose the layout for this many devices: pipeline depth and chunks, data parallelism, micro-batches "
-                        "(prints the candidates; --stages, --microbatches, --dp pin what they name)")
-    p.add_argument("--global-batch", type=int_option(min=1), default=None,
-                   help="with --devices: micro-batches of the example's shape per optimizer step (default 2 per device)")
-    p.add_argument("--virtual-stages", type=int_option(min=1), default=1,
-                   help="stage chunks per device, for --schedule interleaved (default 1)")
-    p.add_argument("--microbatches", type=int_option(min=1), default=None,
-                   help="micro-batches per iteration (default 8; with --devices, searched)")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_KINDS, help="pipeline schedule (default 1f1b)")
-    p.add_argument("--memory", default=None, help="memory budget per device, e.g. 80GiB or 40GB (default: unconstrained)")
-    p.add_argument("--dp", type=int_option(min=1), default=1, help="data-parallel replicas of the pipeline (default 1)")
-    p.add_argument("--dp-shard", default=DEFAULT_DP_SHARD, choices=DP_SHARDS,
-                   help="how the replicas hold weights, gradients and optimizer states: fsdp (sharded, default) or ddp (replicated)")
-    p.add_argument("--device", default="cpu", help="device the costs are for: cpu (profile here) or a target such as a100-80gb")
-    p.add_argument("--planner", default="auto", choices=["auto", *PLANNERS], help="auto = ilp; " + planner_help("auto"))
-    p.add_argument("--costs", metavar="FILE", default=None, help="use this CostTable JSON instead of running the cost pass")
-    p.add_argument("--lengths", metavar="FILE", nargs="+", default=None,
-                   help="dataset length statistics (JSON lists of {vit_num, token_num}) to simulate micro-batches that differ")
-    p.add_argument("--batch", type=int_option(min=1), default=2,
-                   help="samples per micro-batch of the example batch (default 2)")
-    p.add_argument("--tiles", type=int_option(min=0), default=2,
-                   help="image tiles per sample of the example batch (tiny-vlm; default 2)")
-    p.add_argument("--text", type=int_option(min=2), default=32,
-                   help="text tokens per sample of the example batch (default 32)")
+    p.add_argument("model_arg", metavar="MODEL", nargs="?", default=None,
+                   help="the model, as --model (tinyvlm | hf:ClassName:config.json | module.path:factory)")
+    add_settings(p, Config, sections=PLAN_SECTIONS, exclude=PLAN_EXCLUDE)
     p.add_argument("--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB")
     p.add_argument("--sweep-stages", metavar="COUNTS", default=None, help="what-if: comma-separated stage counts, e.g. 2,4,8")
-    p.add_argument("--meta", action="store_true",
-                   help="hf: models: build the model and example batch on the meta device in bf16 (no weights allocated; "
-                        "cost with a target --device such as a100-80gb)")
-    p.add_argument("--seed", type=int_option(min=0, max=MAX_SEED), default=0, help="seed for weights and data")
-    p.add_argument("--no-pictures", action="store_true", help="write JSON and text only (no matplotlib needed)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
+
+
+def plan_settings(args: argparse.Namespace) -> Config:
+    """The plan command's settings: defaults, ``--config``, flags, the MODEL argument; costed (cpu by default)."""
+    given = {"model": args.model_arg} if args.model_arg is not None else {}
+    config = settings_from_args(args, Config, **given)
+    if config.device is None and config.costs is None:  # plan simulates, so it always costs
+        config = dataclasses.replace(config, device="cpu")
+    return config
 
 
 # -- models ---------------------------------------------------------------------------------------
-def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int, meta: bool = False) -> tuple[Any, Any, str]:
+def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int, meta: bool = False,
+               config: Any = None) -> tuple[Any, Any, str]:
     """(model, example batch, display name) for a MODEL argument (``omnibal_compile.models.load``); ``meta``: on meta."""
     from omnibal_compile.models.load import load_model as load
 
-    loaded = load(spec, seed=seed, batch=batch, tiles=tiles, text=text, meta=meta)
+    loaded = load(spec, config=config or None, seed=seed, batch=batch, tiles=tiles, text=text, meta=meta)
     if loaded.example_batch is None:
         raise InputError(
             f"MODEL {spec!r} returned a model without an example batch, and it is not a Hugging Face model whose "
@@ -97,13 +91,15 @@ PlanMaker = Callable[[int, "int | None"], Any]
 """(number of stages, memory budget per device or None) -> a Plan with predictions."""
 
 
-def plan_maker(args: argparse.Namespace, result: Any, planner: str) -> PlanMaker:
-    """Re-plan ``result``'s model as optimize() does, for another stage count or budget (the sweeps)."""
+def plan_maker(result: Any, planner: str) -> PlanMaker:
+    """Re-plan ``result``'s model as optimize() did (its plan's schedule), for another stage count or budget (the sweeps)."""
     from omnibal_compile.planning.build import plan_stages
+
+    chosen = result.plan
 
     def make(stages: int, budget: int | None) -> Any:
         schedule = Schedule.for_stages(
-            stages, kind=args.schedule, num_microbatches=args.microbatches, virtual_stages=args.virtual_stages
+            stages, kind=chosen.schedule, num_microbatches=chosen.num_microbatches, virtual_stages=chosen.virtual_stages
         )
         return plan_stages(result.graph, num_stages=stages, schedule=schedule, planner=planner,
                            costs=result.costs, memory_budget=budget, data_parallel=result.plan.dp)
@@ -128,23 +124,23 @@ def run(args: argparse.Namespace) -> int:
     from omnibal_compile.ir.interop import megatron_layout, torchtitan_module_names
     from omnibal_compile.sim import simulate
 
-    if args.devices is None:  # a fixed layout: the defaults, checked before any work
-        args.stages = 4 if args.stages is None else args.stages
-        args.microbatches = 8 if args.microbatches is None else args.microbatches
-    try:
-        if args.devices is None:
-            Schedule.for_stages(args.stages, kind=args.schedule, num_microbatches=args.microbatches,
-                                virtual_stages=args.virtual_stages)
-    except PlanError as e:
-        raise InputError(
-            f"--stages {args.stages} --schedule {args.schedule} --microbatches {args.microbatches} "
-            f"--virtual-stages {args.virtual_stages}: {e}"
-        ) from None
-    budget = parse_size(args.memory, "--memory") if args.memory else None
-    planner = "ilp" if args.planner == "auto" else args.planner
-    out = Path(args.out)
+    cfg = plan_settings(args)
+    if cfg.num_stages is not None and cfg.devices is None:  # a fixed layout: checked before any work
+        kind, chunks = cfg.schedule or "1f1b", cfg.virtual_stages or 1
+        try:
+            Schedule.for_stages(cfg.num_stages, kind=kind, num_microbatches=cfg.num_microbatches, virtual_stages=chunks)
+        except PlanError as e:
+            raise InputError(
+                f"--num-stages {cfg.num_stages} --schedule {kind} --num-microbatches "
+                f"{cfg.num_microbatches or cfg.num_stages} --virtual-stages {chunks}: {e}"
+            ) from None
+    if isinstance(cfg.memory_budget, tuple):
+        raise InputError("plan takes one --memory-budget for every device, not a list")
+    budget = parse_size(cfg.memory_budget, "--memory-budget") if cfg.memory_budget is not None else None
+    planner = cfg.planner or "ilp"
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    pictures, no_pictures_note = not args.no_pictures, None
+    pictures, no_pictures_note = cfg.pictures, None
     if pictures:
         try:
             import matplotlib  # noqa: F401
@@ -153,27 +149,22 @@ def run(args: argparse.Namespace) -> int:
             no_pictures_note = ("no pictures: they need matplotlib (pip install 'omnibal-compile[viz]'); "
                                 "pass --no-pictures to skip them without this note")
 
-    steps = 5 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(args.lengths)
+    steps = 5 + bool(args.sweep_memory) + bool(args.sweep_stages) + bool(cfg.lengths)
     written: list[Path] = []
     with Progress(steps) as progress:
         step = progress.step
         step("building the model")
-        model, batch, name = load_model(args.model, batch=args.batch, tiles=args.tiles, text=args.text, seed=args.seed,
-                                        meta=args.meta)
+        model, batch, name = load_model(cfg.model, batch=cfg.microbatch_size, tiles=cfg.tiles_per_sample,
+                                        text=cfg.text_tokens, seed=cfg.seed, meta=cfg.meta, config=cfg.model_config)
         step(f"capture, blocks, costs, planning ({planner})")
-        result = oc.optimize(
-            model, batch, num_stages=args.stages, planner=None if args.devices and args.planner == "auto" else planner,
-            num_microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
-            memory_budget=budget, device=None if args.costs else args.device, costs=args.costs, dp=args.dp,
-            dp_shard=args.dp_shard, devices=args.devices, global_batch=args.global_batch,
-        )
+        with progress_info.quiet():  # the command prints the layout search itself, on stdout
+            result = oc.optimize(model, batch, config=dataclasses.replace(
+                cfg, device=None if cfg.costs else cfg.device, lengths=()))  # plan's --lengths: the report below
         plan, costs = result.plan, result.costs
         if result.layout is not None:  # the sweeps re-plan the chosen layout
-            args.stages, args.microbatches = plan.num_stages, plan.num_microbatches
-            args.schedule, args.virtual_stages = plan.schedule, plan.virtual_stages
             (out / "layout.txt").write_text(result.layout.summary(limit=None) + "\n")
             written.append(out / "layout.txt")
-        cost_note = (f"costs from {args.costs} ({costs.device}, {costs.source})" if args.costs
+        cost_note = (f"costs from {cfg.costs} ({costs.device}, {costs.source})" if cfg.costs
                      else f"costs from the cost pass on {costs.device} ({costs.source})")
         if costs.activation_dtype:
             cost_note += f", activations in {costs.activation_dtype}"
@@ -207,16 +198,20 @@ def run(args: argparse.Namespace) -> int:
             written.append(draw.draw_timeline(sim, out / "timeline.png"))
             written.append(draw.draw_stage_bars(plan, costs, out / "stages.png", result=sim))
         lengths_report = None
-        if args.lengths:
+        if cfg.lengths:
             step("micro-batches from --lengths")
-            lengths_report = _lengths_report(args, plan, costs, result)
+            lengths_report = _lengths_report(cfg, plan, costs, result)
         sweeps: list[str] = []
         for flag, kind in ((args.sweep_memory, "memory"), (args.sweep_stages, "stages")):
             if not flag:
                 continue
             step(f"what-if sweep over {kind}")
-            sweeps.append(_sweep(kind, flag, args, plan_maker(args, result, planner), budget, costs, out, pictures, written, planner))
+            sweeps.append(_sweep(kind, flag, plan.num_stages, plan_maker(result, plan.planner or planner), budget, costs,
+                                 out, pictures, written, plan.planner or planner))
 
+    if result.layout is not None:
+        print(result.layout.summary(limit=12))
+        print()
     print(f"{name}: {plan.summary()}")
     print(cost_note)
     print()
@@ -241,14 +236,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker, budget: int | None, costs: Any,
+def _sweep(kind: str, text: str, num_stages: int, make_plan: PlanMaker, budget: int | None, costs: Any,
            out: Path, pictures: bool, written: list[Path], planner: str) -> str:
     from omnibal_compile._utils.units import format_size, parse_size
     from omnibal_compile.sim import sweep, sweep_table
 
     if kind == "memory":
         values = _parse_list(text, parse_size, "--sweep-memory")
-        make = lambda b: make_plan(args.stages, b)  # noqa: E731
+        make = lambda b: make_plan(num_stages, b)  # noqa: E731
         label, fmt, xs, xlabel = "budget", format_size, [v / 2**30 for v in values], "memory budget per device (GiB)"
     else:
         values = _parse_list(text, int, "--sweep-stages")
@@ -270,23 +265,24 @@ def _sweep(kind: str, text: str, args: argparse.Namespace, make_plan: PlanMaker,
     return f"what-if over {kind} (planner {planner}):\n" + sweep_table(points, label=label, fmt=fmt)
 
 
-def _lengths_report(args: argparse.Namespace, plan: Any, costs: Any, result: Any) -> str:
+def _lengths_report(cfg: Config, plan: Any, costs: Any, result: Any) -> str:
     """Simulate micro-batches drawn from real length statistics: random batches vs balanced packs."""
     from omnibal_compile.costs.mix import packing_shapes, shape_costs
     from omnibal_compile.data import balance_pack, load_lengths, random_batches
     from omnibal_compile.sim import simulate
 
-    stats = load_lengths(args.lengths)
+    stats = load_lengths(list(cfg.lengths))
     M = plan.num_microbatches
-    # The cost table counts as the average micro-batch of --batch samples.
-    reference = (float(stats.tiles.mean()) * args.batch, float(stats.tokens.mean()) * args.batch)
+    # The cost table counts as the average micro-batch of --microbatch-size samples.
+    size = cfg.microbatch_size
+    reference = (float(stats.tiles.mean()) * size, float(stats.tokens.mean()) * size)
     vision = _vision_blocks(result)
-    lines = [f"micro-batches of {args.batch} samples from {stats.source} ({len(stats):,} samples), {M} per iteration:"]
+    lines = [f"micro-batches of {size} samples from {stats.source} ({len(stats):,} samples), {M} per iteration:"]
     even = simulate(plan, costs)
     lines.append(f"  {'identical (the cost table)':<28} iteration {even.iteration_time_s * 1e3:9.3f} ms, bubble {even.bubble_fraction:.1%}")
     for label, packing in (
-        ("random batches (padded)", random_batches(stats, dp=M, batch_size=args.batch, seed=args.seed)),
-        ("balanced packs (ours)", balance_pack(stats, dp=M, samples_per_pack=args.batch, seed=args.seed)),
+        ("random batches (padded)", random_batches(stats, dp=M, batch_size=size, seed=cfg.seed)),
+        ("balanced packs (ours)", balance_pack(stats, dp=M, samples_per_pack=size, seed=cfg.seed)),
     ):
         # One packing step = one iteration's M micro-batches; average over the first few iterations.
         runs = [

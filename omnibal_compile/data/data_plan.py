@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from omnibal_compile._utils.validate import check_int, check_int_list, check_number, check_seed
+from omnibal_compile.config import DEFAULT_SAMPLES_PER_PACK
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.collate import MODEL_KEYS, PackingCollator, synthetic_sample
 from omnibal_compile.data.isf import isf_pack, isf_search
@@ -37,7 +38,7 @@ class DataOptions:
 
     dp: int = 1
     """Data-parallel ranks per step."""
-    samples_per_pack: float = 4.0
+    samples_per_pack: float = DEFAULT_SAMPLES_PER_PACK
     """Target mean samples per pack (micro-batch)."""
     method: str = "ours"
     """``ours`` (balanced packing), ``isf`` (OmniBal's ISF with its parameter search) or ``random`` (the

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 
 from omnibal_compile._utils.validate import read_text
+from omnibal_compile.config import TINY_VLM_NAMES
 from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_example_batch
 
 __all__ = ["LoadedModel", "load_model", "hf_data_facts", "hf_example_batch", "import_from_spec"]
 
-TINY_VLM = ("tiny-vlm", "tinyvlm")
+TINY_VLM = TINY_VLM_NAMES
 
 
 @dataclass(frozen=True, kw_only=True)

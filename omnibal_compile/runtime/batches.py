@@ -41,16 +41,16 @@ BATCHINGS: tuple[str, ...] = ("balanced", "random")
 def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None) -> BatchSource:
     """``step -> batch``: data-parallel rank ``dp_rank``'s rows, or the whole step's (see the module glossary)."""
     config = with_plan_layout(config)
-    if config.data is not None and config.lengths:
-        raise InputError("give either data='module:fn' or lengths=..., not both")
+    if config.batches is not None and config.lengths:
+        raise InputError("give either batches='module:fn' (--batches) or lengths=... (--lengths), not both")
     if config.batching not in BATCHINGS:
         raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
     if dp_rank is not None and not 0 <= dp_rank < config.dp:
         raise InputError(f"dp rank {dp_rank} is out of range for dp={config.dp}")
     if config.lengths:
         return packed_source(config, model, dp_rank)
-    if config.data is not None:
-        fn = _import(config.data, "data function")
+    if config.batches is not None:
+        fn = _import(config.batches, "batch function (--batches)")
         whole: BatchSource = lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
     elif config.model in TINY_VLM:
         from omnibal_compile.models import make_example_batch

@@ -78,7 +78,7 @@ def train(config: RunConfig) -> list[StepLog]:
     result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, dp_shard=config.dp_shard, reshard_after_forward=config.reshard_after_forward,
-        recompute=config.recompute, weighting=config.weighting,
+        recompute=config.apply_recompute, weighting=config.weighting,
     )
     del model, result  # each rank keeps only its stages' parameters
     optimizer = OPTIMIZERS[config.optimizer](pipeline.parameters(), config.lr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omnibal_compile.config import DEFAULT_SAMPLES_PER_PACK
 from omnibal_compile.data.balance import balance_pack
 from omnibal_compile.data.lengths import LengthStats, load_lengths
 from omnibal_compile.data.packing import Packing, PackShape
@@ -23,7 +24,7 @@ from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_length
 __all__ = ["BalancedTrainer", "balanced_sampler"]  # noqa: F822 (BalancedTrainer is made on first access)
 
 
-def balanced_sampler(lengths: LengthStats, *, rank: int, world_size: int, samples_per_pack: float = 4.0,
+def balanced_sampler(lengths: LengthStats, *, rank: int, world_size: int, samples_per_pack: float = DEFAULT_SAMPLES_PER_PACK,
                      shape: PackShape | None = None, oversized: str = "error", seed: int = 0) -> BalancedBatchSampler:
     """The batch sampler of data-parallel ``rank``: our balanced packing of ``lengths``, recomputed each epoch."""
 
@@ -56,7 +57,7 @@ def _trainer_class() -> type:
         ``per_device_train_batch_size`` is not used: a batch is one pack.
         """
 
-        def __init__(self, *args: Any, lengths: Any = None, samples_per_pack: float = 4.0,
+        def __init__(self, *args: Any, lengths: Any = None, samples_per_pack: float = DEFAULT_SAMPLES_PER_PACK,
                      shape: PackShape | None = None, oversized: str = "error", **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if self.train_dataset is None:

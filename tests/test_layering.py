@@ -19,8 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "omnibal_compile"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("errors", "_utils", "progress")),
-    ("intermediate results", ("ir", "costs.devices", "data")),
-    ("planning and simulation", ("planning", "sim", "costs.analytic", "costs.mix", "costs._cache", "config")),
+    ("intermediate results and settings", ("ir", "costs.devices", "data", "config")),
+    ("planning and simulation", ("planning", "sim", "costs.analytic", "costs.mix", "costs._cache")),
     ("compiler", ("compile", "kernels", "costs", "models", "integrations")),
     ("optimize", ("api", "")),
     ("runtime", ("runtime", "calibrate")),
@@ -136,7 +136,7 @@ def test_the_import_reader_sees_function_level_and_skips_type_checking_imports(t
 
 @pytest.mark.parametrize(
     ("module", "expected"),
-    [("omnibal_compile.costs.devices", "intermediate results"), ("omnibal_compile.costs.annotate", "compiler"),
+    [("omnibal_compile.costs.devices", "intermediate results and settings"), ("omnibal_compile.costs.annotate", "compiler"),
      ("omnibal_compile", "optimize"), ("omnibal_compile.cli.run", "command line"),
      ("omnibal_compile._utils.validate", "base")],
 )

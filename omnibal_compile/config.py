@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import tomllib
-
 from omnibal_compile._utils.units import parse_size
 from omnibal_compile._utils.validate import MAX_SEED, check_choice, check_int, check_int_list, check_number, read_text
 from omnibal_compile.errors import InputError
@@ -403,15 +401,30 @@ def iter_fields(cls: type[Section]) -> Iterator[dataclasses.Field[Any]]:
     yield from dataclasses.fields(cls)
 
 
+def _toml_loads() -> Callable[[str], Any]:
+    """``tomllib.loads`` (Python 3.11+), or ``tomli``'s on 3.10."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise InputError("reading a .toml config file on Python 3.10 needs tomli (pip install tomli), "
+                             "or give the settings as a .json file") from None
+    return tomllib.loads
+
+
 def load_config_file(path: str | Path, within: type[Section] = Config) -> dict[str, Any]:
     """The settings of a TOML (``.toml``) or JSON file: flat ``name = value`` keys, or tables named after the
     sections (``[schedule]`` for ScheduleConfig). An unknown key is an InputError naming the closest field."""
     p = Path(path)
     text = read_text(p, "config file (--config)", hint="give a .toml or .json file of settings")
+    toml = p.suffix.lower() == ".toml"
+    loads: Callable[[str], Any] = _toml_loads() if toml else json.loads
     try:
-        data = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"config file {str(p)!r} is not valid {'TOML' if p.suffix.lower() == '.toml' else 'JSON'}: {e}") from None
+        data = loads(text)
+    except ValueError as e:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+        raise InputError(f"config file {str(p)!r} is not valid {'TOML' if toml else 'JSON'}: {e}") from None
     if not isinstance(data, dict):
         raise InputError(f"config file {str(p)!r} must hold a table (an object) of settings, got {type(data).__name__}")
     tables = {sec.__name__.removesuffix("Config").lower(): sec for sec in SECTIONS}

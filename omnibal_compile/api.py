@@ -269,9 +269,9 @@ def _settings(config: Config | None, overrides: dict[str, Any]) -> tuple[Config,
     for name in ("plan", "costs", "lengths"):  # object or path given: the override; else the config's path
         if name not in inputs:
             value = getattr(base, name)
-            inputs[name] = value if value not in (None, ()) else None
-    if isinstance(inputs["lengths"], tuple):
-        inputs["lengths"] = list(inputs["lengths"])
+            # the config holds paths: a tuple of length files is a list of paths to plan_data
+            # (a (tiles, tokens) pair given as lengths= stays as it is)
+            inputs[name] = (list(value) if name == "lengths" else value) if value not in (None, ()) else None
     return base.replace(**overrides), inputs
 
 

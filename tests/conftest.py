@@ -12,6 +12,39 @@ from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 
 warnings.filterwarnings("ignore")
 
+SLOW_TESTS: dict[str, int] = {
+    "tests/test_ilp.py::test_cold_ilp_matches_brute_force_when_memory_decides": 99,
+    "tests/test_examples.py::test_hugging_face_models_get_their_family_batch": 23,
+    "tests/test_gpu_check.py::test_gpu_check_dry_run_passes_and_writes_its_results": 22,
+    "tests/test_paper_scale.py::test_compiled_tables_are_the_compilers_and_fit_study_shapes": 17,
+    "tests/test_codegen.py::test_random_valid_plans_reproduce_the_model": 17,
+    "tests/test_kernels.py::test_triton_cases_in_interpreter": 14,
+    "tests/test_kernel_pass.py::test_triton_cases_in_interpreter": 11,
+    "tests/test_runtime_data.py::test_two_ranks_train_on_balanced_packs_like_the_unsplit_model": 11,
+    "tests/test_recompute.py::test_predicted_memory_bounds_the_measured_peak": 10,
+    "tests/test_examples.py::test_bare_optimize_on_hugging_face_models": 10,
+    "tests/test_solver.py::test_strategies_draw_memory_bound_multi_stage_problems": 9,
+    "tests/test_hf_trainer.py::test_two_ranks_each_train_on_their_own_packs_of_each_step": 9,
+    "tests/test_runtime_data.py::test_qwen2_vl_packs_need_one_row_per_microbatch": 9,
+    "tests/test_plan_command.py::test_plan_tiny_vlm": 8,
+    "tests/test_cost.py::test_shape_model_on_reference_vlm": 8,
+    "tests/test_faults_process.py::test_a_frozen_rank_is_named_when_the_time_limit_ends_the_run": 8,
+    "tests/test_cost.py::test_hf_models": 8,
+    "tests/test_faults_process.py::test_a_failing_rank_is_named_with_its_first_error_line": 7,
+    "tests/test_cli.py::test_console_script_entry_point": 7,
+    "tests/test_config.py::test_optimize_prints_nothing_and_quiet_silences_its_notes": 7,
+    "tests/test_faults_process.py::test_the_time_limit_says_where_each_rank_was": 6,
+}
+"""Tests (all their parameter cases) that take several seconds each -> seconds measured for all cases on
+this 2-core machine (full suite, 2026-12-02). They run under the ``slow`` marker, with the tests that
+start processes (``distributed``), in CI's second phase; the README's test command leaves them out."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
 SMALL_VLM = TinyVLMConfig(
     image_size=16, patch_size=4, vit_hidden=32, vit_layers=2, vit_heads=2, vit_mlp=64,
     llm_hidden=32, llm_layers=3, llm_heads=4, llm_kv_heads=2, llm_mlp=64, vocab_size=64, image_token_id=63,

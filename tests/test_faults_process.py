@@ -275,7 +275,7 @@ def test_bad_timeouts_and_checkpoints_fail_before_any_rank_starts(run_config, tm
     monkeypatch.setattr(processes_mod.subprocess, "Popen", no_process)
     with pytest.raises(InputError, match=r"timeout \(--timeout\) must be a number of seconds > 0, got nan"):
         launch(run_config, timeout_s=float("nan"))
-    with pytest.raises(InputError, match=r"collective_timeout \(--collective-timeout\) .* got 0"):
+    with pytest.raises(InputError, match=r"collective_timeout .* got 0; setting collective_timeout \(--collective-timeout\)"):
         launch(dataclasses.replace(run_config, collective_timeout=0))
     missing = tmp_path / "nowhere"
     with pytest.raises(InputError, match=rf"checkpoint {missing} does not exist"):

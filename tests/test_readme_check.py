@@ -148,4 +148,4 @@ def test_the_ci_step_fails_when_an_example_fails(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", str(repo / ".ci" / "readme_clone")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "=== README set-up command 1: passed" in proc.stdout and "=== README set-up command 2: passed" in proc.stdout
-    assert "planted failure" in proc.stdout and "failed: README examples" in proc.stdout
+    assert "planted failure" in proc.stdout and "failed: README and docs examples" in proc.stdout

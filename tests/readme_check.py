@@ -107,7 +107,8 @@ def parse_blocks(text: str, *, setup: bool = True) -> list[Block]:
         while prev >= 0 and not lines[prev].strip():
             prev -= 1
         marker = NOT_RUN.search(lines[prev]) if prev >= 0 else None
-        blocks.append(Block(line=start + 1, end=j + 1, lang=m.group(3).lower(), code="\n".join(lines[start + 1:j]) + "\n",
+        blocks.append(Block(line=start + 1, end=j + 1, lang=m.group(3).lower(),
+                            code="\n".join(lines[start + 1:j]) + "\n",
                             not_run=marker.group(1) if marker else None, setup=setup and not blocks))
         i = j + 1
     for b in blocks:
@@ -212,7 +213,9 @@ def check_file(path: Path, blocks: list[Block], args: argparse.Namespace) -> tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run every example of README.md and docs/**/*.md and report each block's result.")
+    ap = argparse.ArgumentParser(
+        description="Run every example of README.md and docs/**/*.md and report each block's result."
+    )
     ap.add_argument("files", nargs="*", type=Path,
                     help="markdown files to check (default: README.md and docs/**/*.md); a folder means its *.md files")
     ap.add_argument("--list", action="store_true", help="list the blocks and how each is checked; run nothing")
@@ -221,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", type=int, nargs="+", metavar="LINE",
                     help="run only the blocks holding these lines of the one file given "
                          "(files of '# save as' blocks are still saved)")
-    ap.add_argument("--workdir", type=Path, help="run in this folder (default: a scratch copy of the repository per file)")
+    ap.add_argument("--workdir", type=Path,
+                    help="run in this folder (default: a scratch copy of the repository per file)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one block may take (default 600)")
     ap.add_argument("--verbose", action="store_true", help="print every block's output, not only failures'")
     args = ap.parse_args(argv)

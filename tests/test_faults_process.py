@@ -196,7 +196,8 @@ def _launch_with_fault(
     tag = uuid.uuid4().hex
     monkeypatch.setenv("_FAULT_TEST_TAG", tag)
     monkeypatch.setenv("_OMNIBAL_TEST_FAULT", fault)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    path = [str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
     with pytest.raises(LaunchError) as info:
         launch(dataclasses.replace(run_config, **changes), timeout_s=timeout_s, quiet=True, _worker="fault_worker")
     return str(info.value), tag

@@ -150,10 +150,12 @@ def test_shape_costs_scale_linearly():
     # One rule for every per-micro-batch quantity, per-block scales and one factor alike.
     import dataclasses
 
-    block = dataclasses.replace(costs.blocks[3], workspace_bytes=100, peak_bytes={"none": 300, "selective": 200, "full": 50})
+    block = dataclasses.replace(costs.blocks[3], workspace_bytes=100,
+                                peak_bytes={"none": 300, "selective": 200, "full": 50})
     costs = dataclasses.replace(costs, blocks=(*costs.blocks[:3], block, *costs.blocks[4:]))
     for scaled in (scale_costs(costs, [2.0] * len(NAMES)), scale_costs(costs, 2.0)):
-        assert scaled.blocks[3].workspace_bytes == 200 and scaled.blocks[3].peak_bytes == {"none": 600, "selective": 400, "full": 100}
+        assert scaled.blocks[3].workspace_bytes == 200
+        assert scaled.blocks[3].peak_bytes == {"none": 600, "selective": 400, "full": 100}
     assert scale_costs(costs, 2.0).batch_shape == {k: 2 * v for k, v in costs.batch_shape.items()}
     assert scale_costs(costs, [2.0] * len(NAMES)).batch_shape == costs.batch_shape
     # Vision blocks follow tiles, the rest tokens; the mean shape is the reference.

@@ -191,7 +191,7 @@ def _accepted_keywords(sig: inspect.Signature) -> set[str] | None:
         if p.kind is p.VAR_KEYWORD:
             typed = typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is Unpack else None
             keys = getattr(typed, "__required_keys__", None)
-            if keys is None:
+            if typed is None or keys is None:
                 return None
             return names | set(keys) | set(typed.__optional_keys__)  # a TypedDict has both
     return names

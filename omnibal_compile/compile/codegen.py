@@ -76,10 +76,10 @@ def check_plan_matches(graph: BlockGraph, plan: Plan) -> None:
             "re-plan for this model or capture it with the same inputs and block_prefixes"
         )
     # Same names, other sizes (another width or vocabulary): the plan's balance was for another model.
-    ours = tuple(b.num_params for b in graph.blocks)
-    if plan.block_params and tuple(plan.block_params) != ours:
+    params = tuple(b.num_params for b in graph.blocks)
+    if plan.block_params and tuple(plan.block_params) != params:
         diff = [f"{name}: plan {a:,}, model {b:,}"
-                for name, a, b in zip(graph.names, plan.block_params, ours) if a != b]
+                for name, a, b in zip(graph.names, plan.block_params, params) if a != b]
         raise PlanError(
             f"the plan's parameter counts differ from {graph.captured.model_name}'s in {len(diff)} blocks "
             f"({'; '.join(diff[:3])}): the plan was made for another configuration of this model; re-plan for this one"
@@ -107,11 +107,10 @@ def generate_stages(graph: BlockGraph, plan: Plan, model: nn.Module | None = Non
     stages = []
     for st in plan.stages:
         inputs = [p.name for p in placeholders] if st.start == 0 else [v.name for v in graph.crossing(st.start)]
-        sub = SubgraphCopy(
-            lambda x, i=st.index: PlanError(
-                f"internal error: stage {i} needs value '{x.name}' that it neither receives nor computes"
-            )
-        )
+        def unknown(x: fx.Node, i: int = st.index) -> PlanError:
+            return PlanError(f"internal error: stage {i} needs value '{x.name}' that it neither receives nor computes")
+
+        sub = SubgraphCopy(unknown)
         for name in inputs:
             sub.input(by_name[name], {k: v for k, v in by_name[name].meta.items() if k in ("val", "tensor_meta")})
         mine = {name for b in st.blocks for name in graph.blocks[plan.block_names.index(b)].nodes}

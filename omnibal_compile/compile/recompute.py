@@ -78,10 +78,10 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
         return stage
     index = {b.name: b for b in graph.blocks}
     region_of: dict[str, int] = {}
-    for k, (_, names) in enumerate(regions):
+    for i, (_, names) in enumerate(regions):
         for name in names:
             for node_name in index[name].nodes:
-                region_of[node_name] = k
+                region_of[node_name] = i
     nodes = list(stage.graph.nodes)
     members: list[list[fx.Node]] = [[] for _ in regions]
     for node in nodes:

@@ -256,9 +256,9 @@ def _roofline_blocks(
         signature = block_signature(m, inputs)
         key = (signature, tuple(charged))  # the bytes kept depend on which inputs are charged to the block
         if key not in done:
-            records, flops = record_ops(m, inputs)
+            records, counted = record_ops(m, inputs)
             records_all += records
-            done[key] = (float(flops), _roofline_times(records, spec), _memory(m, inputs, charged), block.name)
+            done[key] = (float(counted), _roofline_times(records, spec), _memory(m, inputs, charged), block.name)
         flops, timing, memory, first = done[key]
         blocks.append(_block_cost(block, precision, flops, timing, memory, signature=signature,
                                   profiled_as="" if first == block.name else first))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import BlockCost, CostTable
@@ -52,8 +52,10 @@ def scale_costs(costs: CostTable, scale: float | Sequence[float]) -> CostTable:
     factor also scales the table's ``batch_shape`` (the whole micro-batch grew); the layout search
     and ``simulate(microbatch_costs=[factor])`` use this form.
     """
-    uniform = not hasattr(scale, "__len__")
-    scales = [float(scale)] * len(costs.blocks) if uniform else [float(k) for k in scale]  # type: ignore[arg-type]
+    uniform = not hasattr(scale, "__len__")  # not isinstance(scale, Sequence): a numpy array of factors is one too
+    # the casts follow the test above: without a length, scale is the one factor
+    scales = ([float(cast(float, scale))] * len(costs.blocks) if uniform
+              else [float(k) for k in cast(Sequence[float], scale)])
     if len(scales) != len(costs.blocks):
         raise InputError(f"block_scales has {len(scales)} entries for {len(costs.blocks)} blocks")
     if any(k < 0 for k in scales) or (uniform and scales and scales[0] <= 0):

@@ -92,10 +92,10 @@ class DataOptions:
 
     def describe(self) -> dict[str, Any]:
         """The options the packs depend on, as JSON data (what a sampler state is checked against)."""
-        cost = self.cost
-        if cost is not None:
-            named = getattr(cost, "__qualname__", type(cost).__qualname__)
-            cost = repr(cost) if dataclasses.is_dataclass(cost) else named
+        cost = None
+        if self.cost is not None:
+            named = getattr(self.cost, "__qualname__", type(self.cost).__qualname__)
+            cost = repr(self.cost) if dataclasses.is_dataclass(self.cost) else named
         return {"method": self.method, "samples_per_pack": self.samples_per_pack, "oversized": self.oversized,
                 "source_tokens_per_tile": self.source_tokens_per_tile, "cost": cost,
                 "shape": None if self.shape is None else [self.shape.tiles, self.shape.tokens]}
@@ -136,7 +136,9 @@ class DataPlan:
             packing.pack(int(packing.steps[0, 0])), generator=torch.Generator().manual_seed(seed)
         )
 
-    def synthetic_batch(self, pack: Sequence[int], *, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def synthetic_batch(
+        self, pack: Sequence[int] | np.ndarray, *, generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
         """The samples of ``pack`` with their real lengths and random contents, collated to one fixed-shape row."""
         c = self.collator
         samples = [
@@ -219,8 +221,9 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
     else:
         draft = balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, seed=first, cost=o.cost,
                              capacity=o.shape, oversized=o.oversized)
-        fixed = o.shape or draft.capacity
-        assert fixed is not None
+        planned = o.shape or draft.capacity
+        assert planned is not None
+        fixed = planned
         # Our packs are near-full in tiles, so few dummy tiles need placeholders: size the row for
         # epoch 0's worst pack and hold every later epoch's packs to it.
         own = np.zeros(draft.num_packs, bool)

@@ -73,6 +73,7 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
         raise InputError(
             f"--meta builds hf:ClassName:config.json models only; MODEL {spec!r} is built as its factory makes it"
         )
+    example: Any  # a dict of keyword inputs, None, or what a factory returned with its model
     if spec in TINY_VLM:
         from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 

@@ -494,7 +494,7 @@ class _PathModel:
     """The iteration time in the model's units, without the tie-break."""
     floor: dict[tuple[int, int, int], float]
     """Each interval's least time on its stage within its memory."""
-    vectors: dict[tuple[int, int, int], tuple[int, ...]]
+    vectors: dict[tuple[int, int, int], list[int]]
     """Each interval's option vector at that time."""
     sync: list[float]
     """Prefix sums of the blocks' data-parallel sync times."""

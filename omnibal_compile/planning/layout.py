@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -405,7 +406,8 @@ def search_layout(
                 if global_batch is not None and global_batch % (dp * b):
                     skipped += 1
                     continue
-                m = num_microbatches if global_batch is None else global_batch // (dp * b)
+                # exactly one of global_batch and num_microbatches is given (checked above)
+                m = cast(int, num_microbatches) if global_batch is None else global_batch // (dp * b)
                 for name in (dp_layouts if dp > 1 else dp_layouts[:1]):
                     layouts.append(Layout(pp=p, dp=dp, virtual_stages=v, dp_layout=name, microbatch_size=b,
                                           num_microbatches=m))
@@ -500,7 +502,8 @@ def _plan_and_simulate(
                 peak_memory_bytes=peak,
                 bubble_fraction=sim.bubble_fraction,
             )
-        limit = limit * budget / peak  # aim under the budget by the overshoot, cumulatively
+        # aim under the budget by the overshoot, cumulatively (limit starts as budget, not None here)
+        limit = cast(float, limit) * budget / peak
         problem = dataclasses.replace(problem, budget=(limit,) * len(problem.budget))
     return Candidate(layout=lay, status="rejected", estimate_s=est, peak_memory_bytes=peak,
                      reason=f"simulated peak {format_size(peak)} over the budget")

@@ -1,10 +1,11 @@
-"""Where a run's batches come from: the model spec, built-in random batches, a user's function, balanced packs of length statistics."""
+"""Where a run's batches come from: the model spec, built-in random batches, a user's function, balanced packs of
+length statistics."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,33 +42,40 @@ BATCHINGS: tuple[str, ...] = ("balanced", "random")
 def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None) -> BatchSource:
     """``step -> batch``: data-parallel rank ``dp_rank``'s rows, or the whole step's (see the module glossary)."""
     config = with_plan_layout(config)
+    dp = cast(int, config.dp)  # with_plan_layout fills in dp
     if config.batches is not None and config.lengths:
         raise InputError("give either batches='module:fn' (--batches) or lengths=... (--lengths), not both")
     if config.batching not in BATCHINGS:
         raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
-    if dp_rank is not None and not 0 <= dp_rank < config.dp:
-        raise InputError(f"dp rank {dp_rank} is out of range for dp={config.dp}")
+    if dp_rank is not None and not 0 <= dp_rank < dp:
+        raise InputError(f"dp rank {dp_rank} is out of range for dp={dp}")
     if config.lengths:
         return packed_source(config, model, dp_rank)
+    whole: BatchSource
     if config.batches is not None:
         fn = _import(config.batches, "batch function (--batches)")
-        whole: BatchSource = lambda step: fn(step, batch_size=config.batch_size, seed=config.seed)
-    elif config.model in TINY_VLM:
-        from omnibal_compile.models import make_example_batch
 
-        cfg = model.config  # type: ignore[attr-defined]
-        whole = lambda step: make_example_batch(
-            cfg,
-            batch=config.batch_size,
-            tiles_per_sample=config.tiles_per_sample,
-            text_tokens=config.text_tokens,
-            seed=config.seed + 1 + step,
-        )
+        def whole(step: int) -> Any:
+            return fn(step, batch_size=config.batch_size, seed=config.seed)
+    elif config.model in TINY_VLM:
+        from omnibal_compile.models import TinyVLM, make_example_batch
+
+        cfg = cast(TinyVLM, model).config  # build_model makes a TinyVLM for these specs
+
+        def whole(step: int) -> Any:
+            return make_example_batch(
+                cfg,
+                batch=config.batch_size,
+                tiles_per_sample=config.tiles_per_sample,
+                text_tokens=config.text_tokens,
+                seed=config.seed + 1 + step,
+            )
     elif config.model.startswith("hf:"):
         from omnibal_compile.models.load import hf_example_batch
 
-        whole = lambda step: hf_example_batch(model, batch=config.batch_size, text=config.text_tokens,
-                                              seed=config.seed + 1 + step)
+        def whole(step: int) -> Any:
+            return hf_example_batch(model, batch=config.batch_size, text=config.text_tokens,
+                                    seed=config.seed + 1 + step)
     else:
         example = _load(config).example_batch
         if example is None:
@@ -75,10 +83,12 @@ def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None
                 f"model {config.model!r} needs data: set data='package.module:fn' (--data), lengths (--lengths), "
                 "or return (model, example_batch) from the factory"
             )
-        whole = lambda step: example
-    if dp_rank is None or config.dp == 1:
+
+        def whole(step: int) -> Any:
+            return example
+    if dp_rank is None or dp == 1:
         return whole
-    return lambda step: _dp_part(whole(step), config.dp, dp_rank)
+    return lambda step: _dp_part(whole(step), dp, dp_rank)
 
 
 def _dp_part(batch: Any, dp: int, dp_rank: int) -> Any:
@@ -106,20 +116,24 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     from omnibal_compile.integrations.hf.inputs import stacked_positions
     from omnibal_compile.models.load import hf_data_facts
 
-    rows_per_rank = config.batch_size // config.dp
-    if stacked_positions(model) and Path(config.plan).is_file() and read_plan(config).num_microbatches != rows_per_rank:
-        raise InputError(
-            f"{type(model).__name__} packs carry position_ids of shape (4, 1, L) per row, which split into "
-            f"micro-batches of one row only: set batch_size (--batch-size) to dp x micro-batches "
-            f"({config.dp * read_plan(config).num_microbatches}), got {config.batch_size}"
-        )
+    config = with_plan_layout(config)  # a direct caller may leave dp open (None), as RunConfig does by default
+    dp = cast(int, config.dp)  # with_plan_layout fills in dp
+    rows_per_rank = config.batch_size // dp
+    if stacked_positions(model) and Path(config.plan).is_file():
+        micro = cast(int, read_plan(config).num_microbatches)  # Plan.__post_init__ fills it in
+        if micro != rows_per_rank:
+            raise InputError(
+                f"{type(model).__name__} packs carry position_ids of shape (4, 1, L) per row, which split into "
+                f"micro-batches of one row only: set batch_size (--batch-size) to dp x micro-batches "
+                f"({dp * micro}), got {config.batch_size}"
+            )
     method = "ours" if config.batching == "balanced" else "random"
-    options = DataOptions(dp=config.dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
+    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
                           **hf_data_facts(model))
     data = plan_data(list(config.lengths), options, model=model)
-    samplers = [data.sampler(r) for r in range(config.dp)]
+    samplers = [data.sampler(r) for r in range(dp)]
     per_epoch = len(samplers[0])
-    rows = config.batch_size // config.dp
+    rows = config.batch_size // dp
     epochs: dict[tuple[int, int], list[list[int]]] = {}
 
     def pack(r: int, j: int) -> list[int]:
@@ -134,10 +148,10 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
 
     def source(step: int) -> dict[str, Any]:
         out = []
-        for r in range(config.dp) if dp_rank is None else (dp_rank,):
+        for r in range(dp) if dp_rank is None else (dp_rank,):
             for i, ids in enumerate(packs(step, r)):
                 j = step * rows + i
-                g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * config.dp + r)
+                g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * dp + r)
                 out.append(model_inputs(model, data.synthetic_batch(ids, generator=g)))
         return pytree.tree_map(lambda *rows: torch.cat(rows), *out)  # a mask per layer type is a dict
 
@@ -146,7 +160,9 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     return source
 
 
-def model_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_inputs(
+    model: nn.Module, row: dict[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor | dict[str, torch.Tensor]]:
     """A collated pack -> the inputs ``model`` takes: the one place where a model's packing layout is chosen.
 
     The packing collator (``data.collate``) lays a pack out for the reference VLM: ``pixel_values``

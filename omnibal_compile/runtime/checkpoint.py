@@ -66,7 +66,9 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
     folder = Path(path)
     meta_path = folder / _META
     if not meta_path.is_file():
-        raise InputError(f"checkpoint {folder} is incomplete (no {_META}): it was not finished; resume from an earlier step")
+        raise InputError(
+            f"checkpoint {folder} is incomplete (no {_META}): it was not finished; resume from an earlier step"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
@@ -78,7 +80,9 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable metadata means the same to the user
-        raise InputError(f"checkpoint {folder}: DCP metadata is missing or unreadable ({type(e).__name__}: {e})") from None
+        raise InputError(
+            f"checkpoint {folder}: DCP metadata is missing or unreadable ({type(e).__name__}: {e})"
+        ) from None
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -97,7 +101,9 @@ def find_checkpoint(root: str | Path) -> tuple[Path, dict[str, Any]]:
     folder = Path(root)
     if not folder.is_dir():
         what = "does not exist" if not folder.exists() else "is a file, not a folder"
-        raise InputError(f"checkpoint {folder} {what}: give the folder written by --save, or one of its step-<K> folders")
+        raise InputError(
+            f"checkpoint {folder} {what}: give the folder written by --save, or one of its step-<K> folders"
+        )
     if not ((folder / _META).is_file() or _STEP.match(folder.name)):
         steps = _step_folders(folder)
         if not steps:
@@ -200,7 +206,8 @@ def load_training_state(
     _init_optimizer_state(optimizer)
     # DCP loads into the given tensors (DTensor shards included), so the parameters and the
     # optimizer's own state tensors are filled where they are.
-    dcp.load({"model": dict(state), "optim": _optimizer_state(optimizer, _param_names(state))}, checkpoint_id=str(folder))
+    dcp.load({"model": dict(state), "optim": _optimizer_state(optimizer, _param_names(state))},
+             checkpoint_id=str(folder))
     for group, saved in zip(optimizer.param_groups, meta.get("param_groups", [])):
         group.update({k: v for k, v in saved.items() if k in group and not isinstance(group[k], torch.Tensor)})
     if meta.get("world_size") == dist.get_world_size():

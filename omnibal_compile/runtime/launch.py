@@ -59,7 +59,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -158,7 +158,8 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
         _check_seconds("timeout (--timeout)", timeout_s)
     config = with_plan_layout(config)
     plan = precheck(config)
-    nproc = config.nproc if config.nproc is not None else config.dp * plan.num_devices
+    dp = cast(int, config.dp)  # with_plan_layout fills in dp (precheck checked it)
+    nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
     with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp:
         log = config.log or str(Path(tmp) / "steps.jsonl")
         Path(log).unlink(missing_ok=True)

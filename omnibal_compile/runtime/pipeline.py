@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
@@ -76,12 +76,13 @@ _SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
 
 
 def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1) -> None:
-    """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks (``dp`` pipelines) with this batch.
+    """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks (``dp`` pipelines) with this
+    batch.
 
     ``batch_size`` is the whole step's rows over all ``dp`` pipelines.
     """
     plan.pipeline_schedule.check(plan.num_stages)
-    s, v, m = plan.num_stages, plan.virtual_stages, plan.num_microbatches
+    s, v, m = plan.num_stages, plan.virtual_stages, cast(int, plan.num_microbatches)  # Plan.__post_init__ fills it in
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise PlanError(f"dp (data-parallel pipelines, --dp) must be an integer >= 1, got {dp!r}")
     if world_size != dp * plan.num_devices:
@@ -98,11 +99,13 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
     if batch_size is not None and batch_size % (dp * m):
         if dp == 1:
             raise PlanError(
-                f"batch size {batch_size} is not divisible by {m} micro-batches; use a batch size that is a multiple of {m}"
+                f"batch size {batch_size} is not divisible by {m} micro-batches; use a batch size that is a "
+                f"multiple of {m}"
             )
         raise PlanError(
             f"batch size {batch_size} is not divisible by dp={dp} x {m} micro-batches = {dp * m}: each "
-            f"data-parallel rank runs batch_size / dp rows in {m} micro-batches; use --batch-size a multiple of {dp * m}"
+            f"data-parallel rank runs batch_size / dp rows in {m} micro-batches; use --batch-size a multiple of "
+            f"{dp * m}"
         )
 
 
@@ -138,7 +141,11 @@ def loss_terms(flat_inputs: Sequence[Any], input_names: Sequence[str], weighting
 
 
 def loss_weights(
-    flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens", *, total: torch.Tensor | None = None
+    flat_inputs: Sequence[Any],
+    input_names: Sequence[str],
+    weighting: str = "tokens",
+    *,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row share of the step's loss terms (:func:`loss_terms`); sums to 1 over the batch.
 
@@ -282,7 +289,7 @@ class RankPipeline:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             raise InputError(structure_mismatch("the pipeline", self.in_spec, spec))
-        m = self.plan.num_microbatches
+        m = cast(int, self.plan.num_microbatches)  # Plan.__post_init__ fills it in
         for name, x, shape in zip(self.input_names, leaves, self.microbatch_shapes):
             want = (shape[0] * m, *shape[1:])
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
@@ -458,7 +465,8 @@ def build_pipeline(
         modules = [_make_data_parallel(mod, mesh["dp"], dp_shard, reshard_after_forward) for mod in modules]
     state: dict[str, torch.Tensor] = {}
     for mod, names in zip(modules, local):
-        for n, t in list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False)):
+        tensors = list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False))
+        for n, t in tensors:
             for name in names[n]:
                 state[name] = t
     tied = _tied_parameters(holders, rank, replicas, dp_rank, state)
@@ -468,8 +476,12 @@ def build_pipeline(
     )
     loss_fn = _WeightedLoss(loss_index)
     cls = get_schedule_class(plan.schedule)
-    runs = list(stages) if issubclass(cls, PipelineScheduleMulti) else stages[0]  # one stage per rank otherwise
-    schedule = cls(runs, plan.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    m = cast(int, plan.num_microbatches)  # Plan.__post_init__ fills it in
+    schedule: _PipelineSchedule
+    if issubclass(cls, PipelineScheduleMulti):
+        schedule = cls(list(stages), m, loss_fn=loss_fn, scale_grads=False)
+    else:  # one stage per rank: every class in _SCHEDULE_CLASSES is a PipelineScheduleMulti or a Single
+        schedule = cast(type[PipelineScheduleSingle], cls)(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     return RankPipeline(
         rank=rank,
         world_size=world_size,

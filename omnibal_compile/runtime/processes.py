@@ -1,4 +1,5 @@
-"""Local rank processes on torch's elastic agent, and what the agent does not do: a time limit, a frozen rank, leftovers.
+"""Local rank processes on torch's elastic agent, and what the agent does not do: a time limit, a frozen rank,
+leftovers.
 
 The ranks are started by :func:`torch.distributed.launcher.api.elastic_launch` (``LocalElasticAgent``,
 the engine ``torchrun`` runs), in an agent process of their own (``python -m
@@ -330,10 +331,11 @@ def run_ranks(
     """
     workdir = Path(workdir)
     run_id = uuid.uuid4().hex
+    result_path = workdir / "agent-result.json"
     spec = {"argv": list(argv), "nproc": nproc, "run_id": run_id, "grace_s": max(1, round(grace_s)),
-            "log_dir": str(workdir / "logs"), "result": str(workdir / "agent-result.json")}
+            "log_dir": str(workdir / "logs"), "result": str(result_path)}
     (workdir / "agent.json").write_text(json.dumps(spec))
-    Path(spec["result"]).unlink(missing_ok=True)
+    result_path.unlink(missing_ok=True)
     ranks: dict[int, _Rank] = {}
     outcome = "interrupted"
     agent: subprocess.Popen[bytes] | None = None
@@ -358,7 +360,7 @@ def run_ranks(
         return  # an exception is on its way
     result: dict[str, object] = {}
     with contextlib.suppress(OSError, ValueError):
-        result = json.loads(Path(spec["result"]).read_text())
+        result = json.loads(result_path.read_text())
     if outcome != "timeout":
         outcome = str(result.get("outcome", "agent failed"))
     if outcome == "ok":
@@ -371,10 +373,10 @@ def run_ranks(
     failures = result.get("failures", {})
     assert isinstance(failures, dict)
     for r in range(nproc):
-        rk = ranks.get(r)
-        if rk is None:  # ended before it was seen
+        if r not in ranks:  # ended before it was seen
             pid = int(failures.get(str(r), {}).get("pid", 0))
-            rk = ranks[r] = _Rank(rank=r, pid=pid, ended_at=time.monotonic())
+            ranks[r] = _Rank(rank=r, pid=pid, ended_at=time.monotonic())
+        rk = ranks[r]
         found = sorted((workdir / "logs").glob(f"{run_id}_*/attempt_0/{r}"))
         rk.log_dir = found[0] if found else None
         rk.pass_on(on_line, final=True)
@@ -386,7 +388,8 @@ def run_ranks(
     if outcome == "failed":
         for rk in ranks.values():
             _mark_ended_by_agent(rk, list(ranks.values()))
-    raise LaunchError(_report(list(ranks.values()), "timeout" if outcome == "timeout" else "failed", timeout_s, grace_s))
+    how = "timeout" if outcome == "timeout" else "failed"
+    raise LaunchError(_report(list(ranks.values()), how, timeout_s, grace_s))
 
 
 def _mark_ended_by_agent(rk: _Rank, ranks: list[_Rank]) -> None:
@@ -465,7 +468,8 @@ def _dump_stacks(ranks: list[_Rank], wait_s: float = 2.0) -> None:
 
 
 def _end_agent(agent: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM the agent if it still runs (it then ends its ranks, SIGKILL after ``grace_s``), SIGKILL it if it hangs."""
+    """SIGTERM the agent if it still runs (it then ends its ranks, SIGKILL after ``grace_s``), SIGKILL it if it
+    hangs."""
     if agent.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             agent.send_signal(signal.SIGTERM)
@@ -527,7 +531,8 @@ def _report(ranks: list[_Rank], outcome: str, timeout_s: float | None, grace_s: 
         if detail is None and rk.state_at_end is not None and rk.state_at_end not in "Tt":
             detail = _where(rk.lines)
         detail = detail or "-"
-        rows.append([str(rk.rank), str(rk.pid), rk.how_it_ended(), detail[:117] + "..." if len(detail) > 120 else detail])
+        shown = detail[:117] + "..." if len(detail) > 120 else detail
+        rows.append([str(rk.rank), str(rk.pid), rk.how_it_ended(), shown])
     lines += ["", format_table(rows, "rrll"), "",
               f"Every rank was ended (SIGTERM, then SIGKILL after {grace_s:g} s), with anything it started."]
     if first is not None and first.lines:

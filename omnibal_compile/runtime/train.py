@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,7 +44,8 @@ def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int,
     import torch.distributed as dist
 
     backend = "nccl" if device_type == "cuda" else "gloo"
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    # torch's stubs lack ProcessGroupGloo._Options, the options a gloo group is made with (.Options is another class)
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timedelta(seconds=collective_timeout)
     return {"dp": (backend, options), "pp": (backend, options)}
 
@@ -66,18 +67,20 @@ def train(config: RunConfig) -> list[StepLog]:
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
     config = with_plan_layout(config)
+    dp = cast(int, config.dp)  # with_plan_layout fills in dp, dp_shard and reshard_after_forward
+    dp_shard, reshard_after_forward = cast(str, config.dp_shard), cast(bool, config.reshard_after_forward)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(config.threads)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
     plan = read_plan(config)
-    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=config.dp)
-    mesh = init_device_mesh(device.type, (config.dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
+    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
+    mesh = init_device_mesh(device.type, (dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
                             backend_override=_mesh_groups(device.type, config.collective_timeout))
     model = build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
-        result, mesh=mesh, device=device, dp_shard=config.dp_shard, reshard_after_forward=config.reshard_after_forward,
+        result, mesh=mesh, device=device, dp_shard=dp_shard, reshard_after_forward=reshard_after_forward,
         recompute=config.apply_recompute, weighting=config.weighting,
     )
     del model, result  # each rank keeps only its stages' parameters
@@ -89,10 +92,10 @@ def train(config: RunConfig) -> list[StepLog]:
         scheduler.load_state_dict(meta["scheduler"])
         first = int(meta["step"])
 
-    def save(step: int) -> None:
-        trainer = {"plan": plan.to_dict(), "layout": {"dp": config.dp, "pp": plan.num_devices},
+    def save(root: str, step: int) -> None:
+        trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices},
                    "data": _data_settings(config), "scheduler": scheduler.state_dict()}
-        path = save_training_state(config.save, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
+        path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
         if rank == 0:
             print(f"[omnibal run] checkpoint written: {path}", flush=True)
 
@@ -132,9 +135,9 @@ def train(config: RunConfig) -> list[StepLog]:
                 with open(config.log, "a") as f:
                     f.write(line + "\n")
         if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-            save(step + 1)
+            save(config.save, step + 1)
     if config.save:
-        save(config.steps)
+        save(config.save, config.steps)
     dist.barrier()
     return logs
 

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m omnibal_compile.runtime.worker CONFIG.json (started by omnibal-compile run or torchrun)",
-              file=sys.stderr)
+        print("usage: python -m omnibal_compile.runtime.worker CONFIG.json "
+              "(started by omnibal-compile run or torchrun)", file=sys.stderr)
         return 2
     if "RANK" not in os.environ:
         print("omnibal_compile.runtime.worker must be started by omnibal-compile run or torchrun (RANK is not set)",

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -230,7 +230,7 @@ class HFPackingCollator:
     def _expand(self, i: int, ids: torch.Tensor, labels: torch.Tensor | None, per_image: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Check the placeholders, expanding one-per-image placeholders as the family's processor does."""
-        is_img = ids.eq(self.image_token_id)
+        is_img = ids.eq(cast(int, self.image_token_id))  # called for an image model only (image_token_id set)
         n = int(is_img.sum())
         if n == sum(per_image):
             return ids, labels

@@ -90,7 +90,10 @@ def qwen2_vl(model: nn.Module, *, batch: int, text: int, g: torch.Generator) -> 
     grid = torch.tensor(grids)
     pixels = torch.randn(int(grid.prod(-1).sum()), int(vision.in_channels) * t * p * p, generator=g)
     # The processor's token types; the training collator turns them into M-RoPE positions, as here.
-    positions, _ = model.model.get_rope_index(ids, image_grid_thw=grid, mm_token_type_ids=(ids == image).int())
+    # model.model: the Hugging Face inner model, an attribute nn.Module's __getattr__ types as Tensor | Module
+    positions, _ = model.model.get_rope_index(  # type: ignore[union-attr, operator]
+        ids, image_grid_thw=grid, mm_token_type_ids=(ids == image).int()
+    )
     return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid, "position_ids": positions,
             "labels": _labels(ids, prefix)}
 
@@ -274,7 +277,7 @@ def stacked_positions(model: nn.Module) -> bool:
     return str(getattr(getattr(model, "config", None), "model_type", "")) in GRID_FAMILIES
 
 
-def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | dict[str, torch.Tensor]]:
     """One collated pack in the reference layout (``data.collate``: tiles, placeholders ``tokens_per_tile`` per
     tile as :func:`hf_data_facts` counts them, ``position_ids`` restarting per sample, ``segment_ids``) -> the
     inputs a Hugging Face model takes, with the pack's samples kept apart.
@@ -303,11 +306,11 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
     cfg = getattr(model, "config", None)
     kind = str(getattr(cfg, "model_type", ""))
     params = inspect.signature(model.forward).parameters
-    out = {k: v for k, v in row.items() if k in params}
+    out: dict[str, torch.Tensor | dict[str, torch.Tensor]] = {k: v for k, v in row.items() if k in params}
     impl = str(getattr(cfg, "_attn_implementation", None) or "sdpa")
     if "segment_ids" in row and "attention_mask" in params and not is_varlen(impl):
         out["attention_mask"] = _pack_mask(model, row)
-    if getattr(cfg, "vision_config", None) is None or "pixel_values" not in row:
+    if cfg is None or getattr(cfg, "vision_config", None) is None or "pixel_values" not in row:
         return out
     ids, pixels, image = row["input_ids"], row["pixel_values"], _image_token(cfg)
     n_tiles, channels, side = pixels.shape[0], pixels.shape[1], pixels.shape[-1]
@@ -391,7 +394,8 @@ def hf_example_batch(model: nn.Module, *, batch: int, text: int, seed: int) -> B
     if family in HF_FAMILIES:
         return HF_FAMILIES[family](model, batch=batch, text=text, g=g)
     if family == "text":
-        vocab = int(model.config.get_text_config().vocab_size)  # type: ignore[union-attr]
+        # model.config: a Hugging Face config, an attribute nn.Module's __getattr__ types as Tensor | Module
+        vocab = int(model.config.get_text_config().vocab_size)  # type: ignore[union-attr, operator]
         ids = torch.randint(0, vocab, (batch, text), generator=g)
         return {"input_ids": ids, "labels": ids.clone()}
     facts = hf_data_facts(model)

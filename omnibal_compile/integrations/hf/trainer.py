@@ -11,7 +11,8 @@ transformers and accelerate are imported on first use of ``BalancedTrainer``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from omnibal_compile.config import DEFAULT_SAMPLES_PER_PACK
 from omnibal_compile.data.balance import balance_pack
@@ -42,7 +43,7 @@ def balanced_sampler(lengths: LengthStats, *, rank: int, world_size: int, sample
 def _trainer_class() -> type:
     try:
         import transformers
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader, Dataset
     except ImportError:
         raise MissingBackendError("BalancedTrainer needs transformers and accelerate: "
                                   "pip install 'omnibal-compile[hf]'") from None
@@ -62,17 +63,19 @@ def _trainer_class() -> type:
             super().__init__(*args, **kwargs)
             if self.train_dataset is None:
                 raise InputError("BalancedTrainer needs train_dataset= (the samples the packs index)")
+            # The packs are lists of sample indices: train_dataset is a map-style dataset with a length, as documented
+            dataset = cast(Sequence[Mapping[str, Any]], self.train_dataset)
             if lengths is None:
                 if not isinstance(self.data_collator, HFPackingCollator):
                     raise InputError(
                         "give BalancedTrainer lengths=, or data_collator=HFPackingCollator.for_model(model) "
                         "to measure them from the dataset"
                     )
-                lengths = hf_lengths(self.train_dataset, self.data_collator, source="train_dataset")
+                lengths = hf_lengths(dataset, self.data_collator, source="train_dataset")
             self.lengths = lengths if isinstance(lengths, LengthStats) else load_lengths(lengths)
-            if len(self.lengths) != len(self.train_dataset):
+            if len(self.lengths) != len(dataset):
                 raise InputError(
-                    f"lengths has {len(self.lengths)} samples but train_dataset {len(self.train_dataset)}; "
+                    f"lengths has {len(self.lengths)} samples but train_dataset {len(dataset)}; "
                     "give one (tiles, tokens) per sample of the dataset, in its order"
                 )
             self.samples_per_pack, self.shape, self.oversized = samples_per_pack, shape, oversized
@@ -85,7 +88,8 @@ def _trainer_class() -> type:
 
         def get_train_dataloader(self) -> DataLoader:
             sampler = self.balanced_sampler()
-            loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator,
+            dataset = cast(Dataset, self.train_dataset)  # __init__ refuses None
+            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=self.data_collator,
                                 num_workers=self.args.dataloader_num_workers,
                                 pin_memory=self.args.dataloader_pin_memory,
                                 persistent_workers=self.args.dataloader_persistent_workers and

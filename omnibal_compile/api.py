@@ -130,7 +130,9 @@ class OptimizeResult:
         Uses ``torch.autograd.grad``, so no ``.grad`` field of the model is touched. The model must
         be deterministic (no dropout in train mode) for the comparison to mean anything.
         """
-        args, kwargs = normalize_example_inputs(example_inputs) if example_inputs is not None else _unflat(self.captured)
+        args, kwargs = (
+            normalize_example_inputs(example_inputs) if example_inputs is not None else _unflat(self.captured)
+        )
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         with training_config(self.model):  # as captured: no KV cache in the output
@@ -292,9 +294,12 @@ def _validate(work: _Work) -> None:
         )
     if plan is not None:
         # A given plan fixes the split and the schedule; a planning setting that differs would be dropped.
-        fixed = {"num_microbatches": (cfg.num_microbatches, plan.num_microbatches), "schedule": (cfg.schedule, plan.schedule),
-                 "virtual_stages": (cfg.virtual_stages, plan.virtual_stages),
-                 "dp": (None if cfg.dp in (None, 1) else cfg.dp, plan.data_parallel)}
+        fixed = {
+            "num_microbatches": (cfg.num_microbatches, plan.num_microbatches),
+            "schedule": (cfg.schedule, plan.schedule),
+            "virtual_stages": (cfg.virtual_stages, plan.virtual_stages),
+            "dp": (None if cfg.dp in (None, 1) else cfg.dp, plan.data_parallel),
+        }
         for name, (given_value, planned) in fixed.items():
             if given_value is not None and given_value != planned:
                 raise InputError(
@@ -312,7 +317,9 @@ def _validate(work: _Work) -> None:
                  virtual_stages=cfg.virtual_stages or 1)
     dp = cfg.dp or 1
     if work.data is not None and dp > 1 and work.data.dp != dp:
-        raise InputError(f"dp={dp} disagrees with data=DataOptions(dp={work.data.dp}): give both the same data-parallel size")
+        raise InputError(
+            f"dp={dp} disagrees with data=DataOptions(dp={work.data.dp}): give both the same data-parallel size"
+        )
     if cfg.device is not None and work.costs is not None:
         raise InputError("give device= (cost the blocks) or costs= (reuse a cost table), not both")
     if work.lengths is None and work.data is not None:
@@ -361,8 +368,12 @@ def _cost_pass(work: _Work) -> None:
     if work.plan is None and not work.search_layout:
         check_num_stages(graph, cfg.num_stages)
         assert cfg.num_stages is not None
-        work.schedule = Schedule.for_stages(cfg.num_stages, kind=cfg.schedule or "1f1b",
-                                            num_microbatches=cfg.num_microbatches, virtual_stages=cfg.virtual_stages or 1)
+        work.schedule = Schedule.for_stages(
+            cfg.num_stages,
+            kind=cfg.schedule or "1f1b",
+            num_microbatches=cfg.num_microbatches,
+            virtual_stages=cfg.virtual_stages or 1,
+        )
     work.table = _load_costs(work.costs, graph) if work.costs is not None else None
     if cfg.device is not None:
         work.table = work.run("cost", lambda: annotate_costs(
@@ -387,12 +398,25 @@ def _layout_pass(work: _Work) -> None:
     if isinstance(work.budget, list):
         raise InputError("optimize(devices=...) takes one memory_budget for every device, not a list")
     budget, dp, layout = work.budget, cfg.dp or 1, work.layout
-    search = work.run("layout", lambda: choose_layout(
-        table, devices=count, device=spec, global_batch=cfg.global_batch, num_stages=cfg.num_stages,
-        schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, num_microbatches=cfg.num_microbatches, dp=dp,
-        dp_layout=None if dp == 1 else ("ddp" if layout.shard == "ddp" else "fsdp" if layout.reshard_after_forward else "fsdp-kept"),
-        memory_budget=budget, recompute=cfg.recompute,
-    ))
+    search = work.run(
+        "layout",
+        lambda: choose_layout(
+            table,
+            devices=count,
+            device=spec,
+            global_batch=cfg.global_batch,
+            num_stages=cfg.num_stages,
+            schedule=cfg.schedule,
+            virtual_stages=cfg.virtual_stages,
+            num_microbatches=cfg.num_microbatches,
+            dp=dp,
+            dp_layout=None
+            if dp == 1
+            else ("ddp" if layout.shard == "ddp" else "fsdp" if layout.reshard_after_forward else "fsdp-kept"),
+            memory_budget=budget,
+            recompute=cfg.recompute,
+        ),
+    )
     search = dataclasses.replace(search, notes=(f"devices: {where}", *search.notes))
     progress.info(search.summary(limit=12))
     best = search.best.layout
@@ -432,7 +456,9 @@ PASSES: tuple[tuple[str, Callable[[_Work], None]], ...] = (
 """optimize()'s passes in order (each names the work it times through ``_run_pass``); codegen comes last."""
 
 
-def optimize(model: nn.Module, example_inputs: Any = None, config: Config | None = None, **overrides: Any) -> OptimizeResult:
+def optimize(
+    model: nn.Module, example_inputs: Any = None, config: Config | None = None, **overrides: Any
+) -> OptimizeResult:
     """Capture ``model`` on ``example_inputs``, cut it into pipeline stages, emit them.
 
     Args:
@@ -459,8 +485,11 @@ def optimize(model: nn.Module, example_inputs: Any = None, config: Config | None
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.from_file(plan)
     dp = cfg.dp or 1
-    layout = DataParallel(size=dp, shard=cfg.dp_shard or DEFAULT_DP_SHARD,
-                          reshard_after_forward=True if cfg.reshard_after_forward is None else cfg.reshard_after_forward)
+    layout = DataParallel(
+        size=dp,
+        shard=cfg.dp_shard or DEFAULT_DP_SHARD,
+        reshard_after_forward=True if cfg.reshard_after_forward is None else cfg.reshard_after_forward,
+    )
     work = _Work(model=model, config=cfg, example_inputs=example_inputs, plan=plan, costs=inputs["costs"],
                  lengths=inputs["lengths"], data=inputs.get("data"), precision=inputs.get("precision", BF16_ADAM),
                  layout=layout)

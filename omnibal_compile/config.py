@@ -130,7 +130,11 @@ class Section:
         elif kind.startswith("tuple[int"):
             object.__setattr__(self, f.name, check_int_list(value, name, min=meta.get("min")))  # type: ignore[arg-type]
         elif kind.startswith("tuple[str"):
-            if isinstance(value, str) or not isinstance(value, (tuple, list)) or not all(isinstance(x, str) for x in value):
+            if (
+                isinstance(value, str)
+                or not isinstance(value, (tuple, list))
+                or not all(isinstance(x, str) for x in value)
+            ):
                 raise InputError(f"{name} must be a list of strings, got {value!r}"[:300])
             object.__setattr__(self, f.name, tuple(value))
         elif kind in ("str", "str | None") and not isinstance(value, str):
@@ -161,13 +165,15 @@ class ModelConfig(Section):
     """Which model, seeded how, computed where."""
 
     model: str = setting("tinyvlm", metavar="MODEL")
-    """tinyvlm (the built-in reference VLM; tiny-vlm also accepted), hf:ClassName:config.json, or package.module:factory returning a model or (model, example_batch)."""
+    """tinyvlm (the built-in reference VLM; tiny-vlm also accepted), hf:ClassName:config.json, or
+    package.module:factory returning a model or (model, example_batch)."""
     model_config: Mapping[str, Any] = setting(factory=dict, metavar="JSON")
     """TinyVLMConfig fields, or keyword arguments of the factory (JSON on the command line)."""
     seed: int = setting(0, min=0, max=MAX_SEED)
     """Seed of the weights (the same on every rank) and of the built-in batches."""
     device: str | DeviceSpec | None = setting(None)
-    """cpu or cuda (profile the costs here; train here, gloo or NCCL), or a roofline target such as a100-80gb (costing only); None: optimize() does not cost, plan and run use cpu."""
+    """cpu or cuda (profile the costs here; train here, gloo or NCCL), or a roofline target such as a100-80gb (costing
+    only); None: optimize() does not cost, plan and run use cpu."""
 
     def _check(self) -> None:
         if not isinstance(self.model_config, Mapping):
@@ -181,7 +187,8 @@ class DataConfig(Section):
     """What a step trains on: built-in batches, a batch function, or packs balanced from length statistics."""
 
     lengths: tuple[str, ...] = setting(factory=tuple, metavar="FILE")
-    """Dataset length-statistics files (OmniBal JSON, JSONL, CSV): train on balanced packs of these lengths (run), simulate micro-batches that differ (plan)."""
+    """Dataset length-statistics files (OmniBal JSON, JSONL, CSV): train on balanced packs of these lengths (run),
+    simulate micro-batches that differ (plan)."""
     batches: str | None = setting(None, metavar="MODULE:FN")
     """package.module:fn with fn(step, *, batch_size, seed) -> batch; None: built-in random batches."""
     batching: str = setting("balanced", choices=("balanced", "random"))
@@ -203,7 +210,8 @@ class LayoutConfig(Section):
     num_stages: int | None = setting(None, min=1)
     """Pipeline stages, chunks included; None: chosen by the layout search over devices."""
     devices: int | None = setting(None, min=1)
-    """Devices to lay the job out on (pipeline depth and chunks, data parallelism, micro-batches, searched where not pinned); None: the job's (WORLD_SIZE, the visible GPUs, else 1)."""
+    """Devices to lay the job out on (pipeline depth and chunks, data parallelism, micro-batches, searched where not
+    pinned); None: the job's (WORLD_SIZE, the visible GPUs, else 1)."""
     global_batch: int | None = setting(None, min=1)
     """Layout search: micro-batches of the example's shape per optimizer step; None: two per device."""
     microbatch_size: int = setting(2, min=1)
@@ -219,7 +227,8 @@ class ParallelConfig(Section):
     dp_shard: str | None = setting(None, choices=DP_SHARDS)
     """With dp > 1: fsdp (FSDP2 fully_shard, sharded state) or ddp (replicated); None: the plan's, else fsdp."""
     reshard_after_forward: bool | None = setting(None)
-    """FSDP: free the gathered weights after each forward (ZeRO-3) instead of keeping them to backward; None: the plan's, else true."""
+    """FSDP: free the gathered weights after each forward (ZeRO-3) instead of keeping them to backward; None: the
+    plan's, else true."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,7 +242,9 @@ class ScheduleConfig(Section):
     virtual_stages: int | None = setting(None, min=1, check=False)
     """Stage chunks per device (interleaved); None: the plan's when one is given, else 1."""
 
-    def _check(self) -> None:  # the schedule's own rules (a PlanError naming the field); its fit to the stages comes later
+    def _check(
+        self,
+    ) -> None:  # the schedule's own rules (a PlanError naming the field); its fit to the stages comes later
         chunks = 1 if self.virtual_stages is None else self.virtual_stages
         open_kind = "interleaved" if isinstance(chunks, int) and chunks > 1 else "1f1b"  # a plan's may be interleaved
         Schedule(kind=open_kind if self.schedule is None else self.schedule,
@@ -246,7 +257,8 @@ class MemoryConfig(Section):
     """The memory each device may use and what is recomputed to fit it."""
 
     memory_budget: str | float | tuple[str | float, ...] | None = setting(None, metavar="SIZE")
-    """Memory budget per device, e.g. 40GiB (one value, or one per device in Python); needs costs; None: unconstrained."""
+    """Memory budget per device, e.g. 40GiB (one value, or one per device in Python); needs costs;
+    None: unconstrained."""
     recompute: str = setting("auto", choices=("auto", *RECOMPUTE_OPTIONS))
     """Activation recomputation: auto (the planner chooses per block), none, selective or full."""
 
@@ -268,7 +280,8 @@ class PlannerConfig(Section):
     """How the model is captured, costed and planned."""
 
     planner: str | Callable[..., Any] | None = setting(None)
-    """Planner (omnibal_compile.planning.PLANNERS): ilp, dp, uniform, parameters, flops, omnibal; None: ilp when costs are known, else parameters."""
+    """Planner (omnibal_compile.planning.PLANNERS): ilp, dp, uniform, parameters, flops, omnibal; None: ilp when costs
+    are known, else parameters."""
     solver: str = setting("auto", choices=("auto", "highs", "cbc"))
     """ILP backend: auto (HiGHS if installed, else CBC), highs or cbc."""
     solver_time_limit: float | None = setting(60.0, above=0)
@@ -280,13 +293,15 @@ class PlannerConfig(Section):
     refresh_costs: bool = setting(False)
     """Profile again instead of reading cached costs."""
     meta: bool = setting(False)
-    """hf: models: build the model and example batch on the meta device in bf16 (no weights; cost with a roofline device such as a100-80gb)."""
+    """hf: models: build the model and example batch on the meta device in bf16 (no weights; cost with a roofline
+    device such as a100-80gb)."""
     capture_method: str = setting("export", choices=("export", "fx"))
     """export (torch.export, non-strict) or fx (symbolic_trace)."""
     block_prefixes: tuple[str, ...] | None = setting(None, metavar="PREFIX")
     """Module paths that each form one block, overriding the default grouping."""
     kernels: str | None = setting(None, choices=("triton", "eager"))
-    """Rewrite norms, SwiGLU, rotary and the LM-head loss into fused ops before cutting: triton or eager; None: no rewrite."""
+    """Rewrite norms, SwiGLU, rotary and the LM-head loss into fused ops before cutting: triton or eager; None: no
+    rewrite."""
 
     def _check(self) -> None:
         if self.planner is not None and not isinstance(self.planner, str) and not callable(self.planner):
@@ -327,7 +342,8 @@ class RuntimeConfig(Section):
     """How the training ranks are started and what they record."""
 
     plan: str | None = setting(None, metavar="FILE")
-    """Plan JSON (Plan.to_json, or `omnibal-compile demo --save-plan`): run trains with it, optimize() uses it instead of planning."""
+    """Plan JSON (Plan.to_json, or `omnibal-compile demo --save-plan`): run trains with it, optimize() uses it instead
+    of planning."""
     nproc: int | None = setting(None, min=1)
     """Processes; None: dp x the plan's pipeline ranks."""
     threads: int = setting(1, min=1)
@@ -335,7 +351,8 @@ class RuntimeConfig(Section):
     log: str | None = setting(None, metavar="PATH")
     """JSON-lines file for per-step loss and time (written by the rank holding the last stage)."""
     memory_steps: tuple[int, ...] = setting(factory=tuple, min=0, metavar="STEP")
-    """Steps in which every rank measures its peak live tensor bytes; empty: no accounting (it costs Python work on every op)."""
+    """Steps in which every rank measures its peak live tensor bytes; empty: no accounting (it costs Python work on
+    every op)."""
     timeout: float | None = setting(None, above=0, metavar="SECONDS")
     """End every rank after this many seconds in all; None: no limit."""
     collective_timeout: float = setting(600.0, above=0, metavar="SECONDS")
@@ -430,10 +447,8 @@ def load_config_file(path: str | Path, within: type[Section] = Config) -> dict[s
     tables = {sec.__name__.removesuffix("Config").lower(): sec for sec in SECTIONS}
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key in tables and isinstance(value, dict):  # a section table (a field value is never a table)
-            items = value.items()
-        else:
-            items = [(key, value)]
+        # a section table (a field value is never a table), or one flat setting
+        items = value.items() if key in tables and isinstance(value, dict) else [(key, value)]
         for name, v in items:
             try:
                 find_field(name, within)

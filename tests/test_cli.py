@@ -11,8 +11,19 @@ from omnibal_compile.cli import main
 
 def test_demo_runs_and_reports_parity(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    args = ["demo", "--num-stages", "3", "--device", "a100-80gb", "--memory-budget", "16MiB", "--save-plan", str(plan_path),
-            "--show-code", "1"]
+    args = [
+        "demo",
+        "--num-stages",
+        "3",
+        "--device",
+        "a100-80gb",
+        "--memory-budget",
+        "16MiB",
+        "--save-plan",
+        str(plan_path),
+        "--show-code",
+        "1",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "Parity OK" in out and "Plan by 'ilp'" in out and "def forward" in out

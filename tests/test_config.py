@@ -78,7 +78,15 @@ def test_shared_settings_have_one_flag_and_one_default_in_every_help() -> None:
     helps = {name: _help_defaults(sub) for name, sub in _subparsers().items()}
     defaults = _field_defaults()
     shared = set(helps["plan"]) & set(helps["run"])
-    assert {"--seed", "--tiles-per-sample", "--text-tokens", "--num-microbatches", "--dp", "--model", "--lengths"} <= shared
+    assert {
+        "--seed",
+        "--tiles-per-sample",
+        "--text-tokens",
+        "--num-microbatches",
+        "--dp",
+        "--model",
+        "--lengths",
+    } <= shared
     for flag in shared | (set(helps["plan"]) & set(helps["demo"])):
         stated = {name: h[flag] for name, h in helps.items() if flag in h}
         assert len(set(stated.values())) == 1, (flag, stated)

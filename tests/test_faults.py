@@ -272,7 +272,18 @@ def test_plan_command_without_matplotlib_writes_the_rest_and_says_how(tmp_path: 
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError, as on the base install
     out = tmp_path / "out"
-    argv = ["plan", "tiny-vlm", "--num-stages", "2", "--num-microbatches", "2", "--device", "a100-80gb", "--out", str(out)]
+    argv = [
+        "plan",
+        "tiny-vlm",
+        "--num-stages",
+        "2",
+        "--num-microbatches",
+        "2",
+        "--device",
+        "a100-80gb",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     assert (out / "plan.json").is_file() and (out / "trace.json").is_file()
     assert not list(out.glob("*.png"))

@@ -230,9 +230,25 @@ def test_the_run_command_timeout_ends_every_rank(run_config, monkeypatch, capsys
 
     tag = uuid.uuid4().hex
     monkeypatch.setenv("_FAULT_TEST_TAG", tag)
-    argv = ["run", "--plan", run_config.plan, "--model-config", __import__("json").dumps(dict(run_config.model_config)),
-            "--batch-size", "4", "--tiles-per-sample", "1", "--text-tokens", "12", "--num-microbatches", "2", "--timeout", "3",
-            "--steps", "100000"]  # far more than 3 s of work: a quiet machine finished the default steps in time
+    argv = [
+        "run",
+        "--plan",
+        run_config.plan,
+        "--model-config",
+        __import__("json").dumps(dict(run_config.model_config)),
+        "--batch-size",
+        "4",
+        "--tiles-per-sample",
+        "1",
+        "--text-tokens",
+        "12",
+        "--num-microbatches",
+        "2",
+        "--timeout",
+        "3",
+        "--steps",
+        "100000",
+    ]  # far more than 3 s of work: a quiet machine finished the default steps in time
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "error: the run exceeded its time limit (3 s, --timeout)" in err, err
@@ -276,7 +292,9 @@ def test_bad_timeouts_and_checkpoints_fail_before_any_rank_starts(run_config, tm
     monkeypatch.setattr(processes_mod.subprocess, "Popen", no_process)
     with pytest.raises(InputError, match=r"timeout \(--timeout\) must be a number of seconds > 0, got nan"):
         launch(run_config, timeout_s=float("nan"))
-    with pytest.raises(InputError, match=r"collective_timeout .* got 0; setting collective_timeout \(--collective-timeout\)"):
+    with pytest.raises(
+        InputError, match=r"collective_timeout .* got 0; setting collective_timeout \(--collective-timeout\)"
+    ):
         launch(dataclasses.replace(run_config, collective_timeout=0))
     missing = tmp_path / "nowhere"
     with pytest.raises(InputError, match=rf"checkpoint {missing} does not exist"):

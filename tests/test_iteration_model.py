@@ -60,8 +60,11 @@ def cases(draw, schedules=("gpipe", "1f1b", "interleaved")):
     recompute = draw(st.lists(st.sampled_from(RECOMPUTE_OPTIONS), min_size=n, max_size=n))
     dp = draw(st.sampled_from([(1, "ddp", True), (2, "ddp", True), (4, "fsdp", True), (2, "fsdp", False)]))
     scales = draw(st.none() | st.lists(st.floats(0.2, 3.0), min_size=M, max_size=M))
-    costs = table([block(i, f, b, static=16_000 * p, params=1000 * p) for i, ((f, b), p) in enumerate(zip(times, params))],
-                  cuts, bw=draw(st.sampled_from([100.0, 1000.0, math.inf])))
+    costs = table(
+        [block(i, f, b, static=16_000 * p, params=1000 * p) for i, ((f, b), p) in enumerate(zip(times, params))],
+        cuts,
+        bw=draw(st.sampled_from([100.0, 1000.0, math.inf])),
+    )
     plan = Plan(block_names=costs.names, boundaries=[0, *inner, n], recompute=recompute, schedule=schedule,
                 num_microbatches=M, virtual_stages=v, data_parallel=dp[0], data_parallel_shard=dp[1],
                 reshard_after_forward=dp[2])
@@ -73,7 +76,9 @@ def cases(draw, schedules=("gpipe", "1f1b", "interleaved")):
 def test_batch_replay_is_the_simulator(case, overhead, step):
     plan, costs, scales = case
     want = simulate(plan, costs, microbatch_costs=scales, op_overhead_s=overhead, step_overhead_s=step).iteration_time_s
-    assert replay(plan, costs, microbatch_costs=scales, op_overhead_s=overhead, step_overhead_s=step) == pytest.approx(want, rel=REL)
+    assert replay(plan, costs, microbatch_costs=scales, op_overhead_s=overhead, step_overhead_s=step) == pytest.approx(
+        want, rel=REL
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -98,8 +103,14 @@ def test_many_pipelines_at_once_are_each_their_own_simulation(case, more):
     runs = [[*row[:M]] for row in more]
     arrays = [plan_arrays(plan, costs, microbatch_costs=r) for r in runs]
     stacked = {k: np.concatenate([a[k] for a in arrays]) for k in ("forward", "backward", "send")}
-    got = pipeline_times(**stacked, gather=arrays[0]["gather"], reduce=arrays[0]["reduce"],
-                         step_gather=arrays[0]["step_gather"], schedule=plan.schedule, virtual_stages=plan.virtual_stages)
+    got = pipeline_times(
+        **stacked,
+        gather=arrays[0]["gather"],
+        reduce=arrays[0]["reduce"],
+        step_gather=arrays[0]["step_gather"],
+        schedule=plan.schedule,
+        virtual_stages=plan.virtual_stages,
+    )
     want = [simulate(plan, costs, microbatch_costs=r).iteration_time_s for r in runs]
     assert got == pytest.approx(want, rel=REL)
 
@@ -228,9 +239,20 @@ def test_layout_estimate_overestimates_a_1f1b_pipeline_whose_first_stage_is_the_
     (T = 4, 3). The estimate charges W + (M - 1) T_max = 7 + 7 * 4 = 35; 1F1B runs it in M T_0 + F_1 + B_1 = 34
     (the second stage's last forward and backward are all that follow the first stage's last op)."""
     u = 1 / 256
-    blocks = tuple(BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=1, static_bytes=1, forward_s=k * u / 2,
-                             backward_s=k * u / 2, activation_bytes={"none": 1, "selective": 1, "full": 1},
-                             recompute_s={"none": 0.0, "selective": 0.0, "full": 0.0}) for i, k in enumerate((2, 2, 1, 2)))
+    blocks = tuple(
+        BlockCost(
+            name=f"b{i}",
+            kind="layer",
+            flops=1.0,
+            num_params=1,
+            static_bytes=1,
+            forward_s=k * u / 2,
+            backward_s=k * u / 2,
+            activation_bytes={"none": 1, "selective": 1, "full": 1},
+            recompute_s={"none": 0.0, "selective": 0.0, "full": 0.0},
+        )
+        for i, k in enumerate((2, 2, 1, 2))
+    )
     costs = CostTable(blocks=blocks, cut_bytes=(0, 0, 0, 0, 0), link_bandwidth=1e9, device="test", source="roofline")
     found = _search(costs, devices=2, num_microbatches=8, pipeline=[2], virtual_stages=(1,))
     (c,) = [c for c in found.candidates if c.planned and c.layout.microbatch_size == 1]

@@ -136,9 +136,13 @@ def test_the_import_reader_sees_function_level_and_skips_type_checking_imports(t
 
 @pytest.mark.parametrize(
     ("module", "expected"),
-    [("omnibal_compile.costs.devices", "intermediate results and settings"), ("omnibal_compile.costs.annotate", "compiler"),
-     ("omnibal_compile", "optimize"), ("omnibal_compile.cli.run", "command line"),
-     ("omnibal_compile._utils.validate", "base")],
+    [
+        ("omnibal_compile.costs.devices", "intermediate results and settings"),
+        ("omnibal_compile.costs.annotate", "compiler"),
+        ("omnibal_compile", "optimize"),
+        ("omnibal_compile.cli.run", "command line"),
+        ("omnibal_compile._utils.validate", "base"),
+    ],
 )
 def test_a_module_takes_the_layer_of_its_longest_prefix(module: str, expected: str) -> None:
     assert LAYERS[layer_of(module)][0] == expected  # type: ignore[index]

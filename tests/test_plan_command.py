@@ -40,8 +40,26 @@ def test_plan_tiny_vlm(tmp_path, capsys):
     out = tmp_path / "out"
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([{"vit_num": 1 + i % 5, "token_num": 300 + 97 * (i % 13)} for i in range(300)]))
-    code = main(["plan", "tiny-vlm", "--num-stages", "3", "--num-microbatches", "6", "--memory-budget", "1GiB", "--device", "a100-80gb",
-                 "--sweep-stages", "2,3", "--lengths", str(lengths), "--out", str(out)])
+    code = main(
+        [
+            "plan",
+            "tiny-vlm",
+            "--num-stages",
+            "3",
+            "--num-microbatches",
+            "6",
+            "--memory-budget",
+            "1GiB",
+            "--device",
+            "a100-80gb",
+            "--sweep-stages",
+            "2,3",
+            "--lengths",
+            str(lengths),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     plan = check_artefacts(out, 3, 6)
@@ -52,8 +70,28 @@ def test_plan_tiny_vlm(tmp_path, capsys):
     assert CostTable.from_json((out / "costs.json").read_text()).source == "roofline"
     # A saved cost table is reused as is, and the interleaved schedule runs chunks.
     again = tmp_path / "again"
-    assert main(["plan", "tiny-vlm", "--num-stages", "4", "--virtual-stages", "2", "--schedule", "interleaved",
-                 "--num-microbatches", "4", "--costs", str(out / "costs.json"), "--no-pictures", "--out", str(again)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "tiny-vlm",
+                "--num-stages",
+                "4",
+                "--virtual-stages",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--num-microbatches",
+                "4",
+                "--costs",
+                str(out / "costs.json"),
+                "--no-pictures",
+                "--out",
+                str(again),
+            ]
+        )
+        == 0
+    )
     assert "simulated interleaved: 4 stages on 2 devices" in capsys.readouterr().out
     assert Plan.from_json((again / "plan.json").read_text()).virtual_stages == 2
     assert not (again / "timeline.png").exists() and (again / "trace.json").is_file()
@@ -84,8 +122,20 @@ def test_plan_hf_on_meta(tmp_path, capsys):
                          num_attention_heads=16, num_key_value_heads=4)
     path = tmp_path / "config.json"
     cfg.to_json_file(str(path))
-    args = ["plan", f"hf:LlamaForCausalLM:{path}", "--meta", "--num-stages", "2", "--num-microbatches", "4", "--text-tokens", "256",
-            "--no-pictures", "--out", str(tmp_path / "out")]
+    args = [
+        "plan",
+        f"hf:LlamaForCausalLM:{path}",
+        "--meta",
+        "--num-stages",
+        "2",
+        "--num-microbatches",
+        "4",
+        "--text-tokens",
+        "256",
+        "--no-pictures",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert main([*args, "--device", "a100-80gb"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "activations in bfloat16" in out and "attention: memory-efficient (masked) attention" in out
@@ -110,21 +160,42 @@ def test_plan_errors_are_reported(tmp_path, capsys):
 
 def test_plan_rejects_costs_of_other_blocks(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["plan", "tiny-vlm", "--num-stages", "2", "--device", "a100-80gb", "--no-pictures", "--out", str(out)]) == 0
+    assert (
+        main(["plan", "tiny-vlm", "--num-stages", "2", "--device", "a100-80gb", "--no-pictures", "--out", str(out)])
+        == 0
+    )
     capsys.readouterr()
     data = json.loads((out / "costs.json").read_text())
     data["blocks"][0]["name"] = "not_a_block"
     other = tmp_path / "other.json"
     other.write_text(json.dumps(data))
-    assert main(["plan", "tiny-vlm", "--num-stages", "2", "--costs", str(other), "--no-pictures", "--out", str(out)]) == 2
+    assert (
+        main(["plan", "tiny-vlm", "--num-stages", "2", "--costs", str(other), "--no-pictures", "--out", str(out)]) == 2
+    )
     err = capsys.readouterr().err
     assert f"cost table {other} does not hold the" in err and "not_a_block" in err
 
 
 def test_plan_chooses_the_layout_for_a_device_count(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["plan", "tiny-vlm", "--devices", "8", "--device", "h100-80gb", "--memory-budget", "1GiB", "--no-pictures",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "tiny-vlm",
+                "--devices",
+                "8",
+                "--device",
+                "h100-80gb",
+                "--memory-budget",
+                "1GiB",
+                "--no-pictures",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "layout search: 8 devices" in printed and "predicted ms/micro-batch" in printed
     plan = Plan.from_json((out / "plan.json").read_text())

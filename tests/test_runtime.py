@@ -331,9 +331,33 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
     config = _run_config(tmp_path, plan)
     ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     argv = [
-        "run", "--plan", config.plan, "--model-config", __import__("json").dumps(dict(config.model_config)),
-        "--batch-size", "4", "--tiles-per-sample", "1", "--text-tokens", "12", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5",
-        "--schedule", "1f1b", "--num-microbatches", "2", "--save", str(ckpt), "--log", str(log), "--timeout", "200",
+        "run",
+        "--plan",
+        config.plan,
+        "--model-config",
+        __import__("json").dumps(dict(config.model_config)),
+        "--batch-size",
+        "4",
+        "--tiles-per-sample",
+        "1",
+        "--text-tokens",
+        "12",
+        "--steps",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+        "--schedule",
+        "1f1b",
+        "--num-microbatches",
+        "2",
+        "--save",
+        str(ckpt),
+        "--log",
+        str(log),
+        "--timeout",
+        "200",
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out

@@ -229,7 +229,9 @@ def test_dp_pre_launch_checks_name_the_flag(tmp_path, lengths_file, monkeypatch)
     config = _config(tmp_path, lengths_file, stages=1, batch_size=4, num_microbatches=2, schedule="1f1b")
     with pytest.raises(InputError, match=r"dp must be an integer >= 1, got 0; setting dp \(--dp\)"):
         launch(dataclasses.replace(config, dp=0))
-    with pytest.raises(InputError, match=r"dp_shard must be one of \['fsdp', 'ddp'\], got 'zero'; setting dp_shard \(--dp-shard\)"):
+    with pytest.raises(
+        InputError, match=r"dp_shard must be one of \['fsdp', 'ddp'\], got 'zero'; setting dp_shard \(--dp-shard\)"
+    ):
         launch(dataclasses.replace(config, dp=2, dp_shard="zero"))
     with pytest.raises(InputError, match=r"batching must be one of .*; setting batching \(--batching\)"):
         launch(dataclasses.replace(config, batching="sorted"))

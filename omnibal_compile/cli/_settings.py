@@ -68,8 +68,13 @@ def add_settings(p: argparse.ArgumentParser, cls: type[Section], *, sections: It
     must = set(required)
     fields = command_fields(cls, sections, exclude)
     group = p.add_argument_group("settings (omnibal_compile.config; also keys of a --config file)")
-    group.add_argument("--config", metavar="FILE", default=None, dest="config_file",
-                       help="TOML (.toml) or JSON file of settings, flat or in section tables; flags given here override it")
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        dest="config_file",
+        help="TOML (.toml) or JSON file of settings, flat or in section tables; flags given here override it",
+    )
     for f in fields:
         kind = f.type if isinstance(f.type, str) else str(f.type)
         meta = f.metadata

@@ -35,7 +35,8 @@ DEMO_FIELDS = ("seed", "device", "tiles_per_sample", "text_tokens", "num_stages"
                "num_microbatches", "virtual_stages", "memory_budget", "recompute", "planner")
 """The fields of those sections the demo reads (it builds the tiny VLM itself)."""
 DEMO_STAGES = 4
-"""Stages the demo plans when neither --num-stages nor --devices is given (the layout search on one CPU would pick 1)."""
+"""Stages the demo plans when neither --num-stages nor --devices is given (the layout search on one CPU
+would pick 1)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
     from omnibal_compile.planning.build import plan_stages
 
     cfg = settings_from_args(args, Config)
-    given = {"num_stages": cfg.num_stages or DEMO_STAGES, "device": cfg.device or "cpu", "planner": cfg.planner or "ilp",
-             "schedule": cfg.schedule or "1f1b"}
+    given = {
+        "num_stages": cfg.num_stages or DEMO_STAGES,
+        "device": cfg.device or "cpu",
+        "planner": cfg.planner or "ilp",
+        "schedule": cfg.schedule or "1f1b",
+    }
     if cfg.virtual_stages is None and given["schedule"] == "interleaved":
         given["virtual_stages"] = 2
     if cfg.memory_budget is None:  # a device holds about 1/stages of the model: a fixed default would not fit 2 stages

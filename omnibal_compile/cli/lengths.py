@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fewest tiles per image, thumbnail not counted (default 1)")
     p.add_argument("--max-tiles", type=int_option(min=1), metavar="N", default=12,
                    help="most tiles per image, thumbnail not counted; shared among a record's images (default 12)")
-    p.add_argument("--tile-size", type=int_option(min=1), metavar="N", default=448, help="tile side in pixels (default 448)")
+    p.add_argument(
+        "--tile-size", type=int_option(min=1), metavar="N", default=448, help="tile side in pixels (default 448)"
+    )
     p.add_argument("--thumbnail", type=_on_off, default=True, metavar="on|off",
                    help="add a whole-image tile when an image has more than one tile (default on)")
     p.add_argument("--tokens-per-tile", type=int_option(min=1), metavar="N", default=256,

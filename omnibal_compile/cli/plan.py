@@ -1,7 +1,8 @@
 """``omnibal-compile plan``: plan a model's pipeline split, simulate it, and draw it.
 
 MODEL is one of:
-    tinyvlm                     the built-in reference VLM (tiny-vlm also accepted) (``omnibal_compile.models.TinyVLM``);
+    tinyvlm                     the built-in reference VLM (``omnibal_compile.models.TinyVLM``; tiny-vlm also
+                                accepted);
     hf:ClassName:config.json    a Hugging Face ``transformers`` class built offline from a config
                                 file with random weights (``hf:LlavaForConditionalGeneration:cfg.json``);
     module.path:factory         a function returning a model, or ``(model, example_batch)`` (the
@@ -58,8 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", metavar="MODEL", nargs="?", default=None,
                    help="the model, as --model (tinyvlm | hf:ClassName:config.json | module.path:factory)")
     add_settings(p, Config, sections=PLAN_SECTIONS, exclude=PLAN_EXCLUDE)
-    p.add_argument("--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB")
-    p.add_argument("--sweep-stages", metavar="COUNTS", default=None, help="what-if: comma-separated stage counts, e.g. 2,4,8")
+    p.add_argument(
+        "--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB"
+    )
+    p.add_argument(
+        "--sweep-stages", metavar="COUNTS", default=None, help="what-if: comma-separated stage counts, e.g. 2,4,8"
+    )
 
 
 def plan_settings(args: argparse.Namespace) -> Config:
@@ -74,7 +79,8 @@ def plan_settings(args: argparse.Namespace) -> Config:
 # -- models ---------------------------------------------------------------------------------------
 def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int, meta: bool = False,
                config: Any = None) -> tuple[Any, Any, str]:
-    """(model, example batch, display name) for a MODEL argument (``omnibal_compile.models.load``); ``meta``: on meta."""
+    """(model, example batch, display name) for a MODEL argument (``omnibal_compile.models.load``); ``meta``:
+    on meta."""
     from omnibal_compile.models.load import load_model as load
 
     loaded = load(spec, config=config or None, seed=seed, batch=batch, tiles=tiles, text=text, meta=meta)
@@ -92,7 +98,8 @@ PlanMaker = Callable[[int, "int | None"], Any]
 
 
 def plan_maker(result: Any, planner: str) -> PlanMaker:
-    """Re-plan ``result``'s model as optimize() did (its plan's schedule), for another stage count or budget (the sweeps)."""
+    """Re-plan ``result``'s model as optimize() did (its plan's schedule), for another stage count or budget (the
+    sweeps)."""
     from omnibal_compile.planning.build import plan_stages
 
     chosen = result.plan
@@ -206,8 +213,20 @@ def run(args: argparse.Namespace) -> int:
             if not flag:
                 continue
             step(f"what-if sweep over {kind}")
-            sweeps.append(_sweep(kind, flag, plan.num_stages, plan_maker(result, plan.planner or planner), budget, costs,
-                                 out, pictures, written, plan.planner or planner))
+            sweeps.append(
+                _sweep(
+                    kind,
+                    flag,
+                    plan.num_stages,
+                    plan_maker(result, plan.planner or planner),
+                    budget,
+                    costs,
+                    out,
+                    pictures,
+                    written,
+                    plan.planner or planner,
+                )
+            )
 
     if result.layout is not None:
         print(result.layout.summary(limit=12))
@@ -253,15 +272,20 @@ def _sweep(kind: str, text: str, num_stages: int, make_plan: PlanMaker, budget: 
     # A plan whose simulated peak exceeds its budget does not fit (baseline planners ignore budgets).
     limit = {p.value: (p.value if kind == "memory" else budget) for p in points}
     points = tuple(
-        p if p.result is None or limit[p.value] is None or max(p.result.peak_memory_bytes) <= limit[p.value]
-        else dataclasses.replace(p, plan=None, result=None, error=f"peak {format_size(max(p.result.peak_memory_bytes))} exceeds the budget")
+        p
+        if p.result is None or limit[p.value] is None or max(p.result.peak_memory_bytes) <= limit[p.value]
+        else dataclasses.replace(
+            p, plan=None, result=None, error=f"peak {format_size(max(p.result.peak_memory_bytes))} exceeds the budget"
+        )
         for p in points
     )
     if pictures:
         from omnibal_compile.sim.draw import draw_sweep
 
         ys = [p.iteration_time_s * 1e3 if p.iteration_time_s is not None else None for p in points]
-        written.append(draw_sweep(xs, ys, out / f"sweep_{kind}.png", xlabel=xlabel, title=f"what-if: {kind} ({planner})"))
+        written.append(
+            draw_sweep(xs, ys, out / f"sweep_{kind}.png", xlabel=xlabel, title=f"what-if: {kind} ({planner})")
+        )
     return f"what-if over {kind} (planner {planner}):\n" + sweep_table(points, label=label, fmt=fmt)
 
 
@@ -279,7 +303,10 @@ def _lengths_report(cfg: Config, plan: Any, costs: Any, result: Any) -> str:
     vision = _vision_blocks(result)
     lines = [f"micro-batches of {size} samples from {stats.source} ({len(stats):,} samples), {M} per iteration:"]
     even = simulate(plan, costs)
-    lines.append(f"  {'identical (the cost table)':<28} iteration {even.iteration_time_s * 1e3:9.3f} ms, bubble {even.bubble_fraction:.1%}")
+    lines.append(
+        f"  {'identical (the cost table)':<28} iteration {even.iteration_time_s * 1e3:9.3f} ms, "
+        f"bubble {even.bubble_fraction:.1%}"
+    )
     for label, packing in (
         ("random batches (padded)", random_batches(stats, dp=M, batch_size=size, seed=cfg.seed)),
         ("balanced packs (ours)", balance_pack(stats, dp=M, samples_per_pack=size, seed=cfg.seed)),

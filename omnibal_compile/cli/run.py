@@ -30,7 +30,10 @@ def run(args: argparse.Namespace) -> int:
     logs = launch(config, timeout_s=config.timeout)
     if logs:
         times = sorted(s.step_time_s for s in logs[1:]) or [logs[0].step_time_s]
-        print(f"{len(logs)} steps: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}, median step {times[len(times) // 2] * 1e3:.1f} ms")
+        print(
+            f"{len(logs)} steps: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f}, "
+            f"median step {times[len(times) // 2] * 1e3:.1f} ms"
+        )
     if config.save:
         print(f"checkpoint written to {config.save}")
     return 0

@@ -80,7 +80,9 @@ def pipeline_times(
     if v < 1 or S % v:
         raise InputError(f"{S} stages do not split into {v} chunks per device")
     D = S // v
-    g, r, g0 = (_per_stage(x, S, name) for x, name in ((gather, "gather"), (reduce, "reduce"), (step_gather, "step_gather")))
+    g, r, g0 = (
+        _per_stage(x, S, name) for x, name in ((gather, "gather"), (reduce, "reduce"), (step_gather, "step_gather"))
+    )
     orders = operation_order(schedule, D, v, M)
     # FSDP keeping weights gathered: each device gathers its stages' weights in turn from the start.
     gathered_at = np.zeros(S)

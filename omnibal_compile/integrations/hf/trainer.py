@@ -25,8 +25,16 @@ from omnibal_compile.integrations.hf.collate import HFPackingCollator, hf_length
 __all__ = ["BalancedTrainer", "balanced_sampler"]  # noqa: F822 (BalancedTrainer is made on first access)
 
 
-def balanced_sampler(lengths: LengthStats, *, rank: int, world_size: int, samples_per_pack: float = DEFAULT_SAMPLES_PER_PACK,
-                     shape: PackShape | None = None, oversized: str = "error", seed: int = 0) -> BalancedBatchSampler:
+def balanced_sampler(
+    lengths: LengthStats,
+    *,
+    rank: int,
+    world_size: int,
+    samples_per_pack: float = DEFAULT_SAMPLES_PER_PACK,
+    shape: PackShape | None = None,
+    oversized: str = "error",
+    seed: int = 0,
+) -> BalancedBatchSampler:
     """The batch sampler of data-parallel ``rank``: our balanced packing of ``lengths``, recomputed each epoch."""
 
     def packer(s: int) -> Packing:

@@ -366,8 +366,8 @@ def _cost_pass(work: _Work) -> None:
     if work.search_layout and cfg.device is None and work.costs is None:  # the search needs costs: profile here
         work.config = cfg = cfg.replace(device="cuda" if torch.cuda.is_available() else "cpu")
     if work.plan is None and not work.search_layout:
+        assert cfg.num_stages is not None  # no layout search: num_stages was given
         check_num_stages(graph, cfg.num_stages)
-        assert cfg.num_stages is not None
         work.schedule = Schedule.for_stages(
             cfg.num_stages,
             kind=cfg.schedule or "1f1b",
@@ -394,7 +394,7 @@ def _layout_pass(work: _Work) -> None:
     count, where = (cfg.devices, f"{cfg.devices} as given") if cfg.devices is not None else job_devices()
     # a roofline target gives the links (NVLink in a node, InfiniBand across); profiled costs keep the table's
     device = cfg.device
-    spec = get_device(device) if device is not None and str(device).lower() not in PROFILED_DEVICES else None  # type: ignore[arg-type]
+    spec = get_device(device) if device is not None and str(device).lower() not in PROFILED_DEVICES else None
     if isinstance(work.budget, list):
         raise InputError("optimize(devices=...) takes one memory_budget for every device, not a list")
     budget, dp, layout = work.budget, cfg.dp or 1, work.layout
@@ -443,7 +443,7 @@ def _plan_pass(work: _Work) -> None:
     assert work.schedule is not None and work.graph is not None
     graph, schedule, num_stages = work.graph, work.schedule, cfg.num_stages
     work.chosen = work.run("plan", lambda: plan_stages(
-        graph, num_stages=num_stages, schedule=schedule, planner=cfg.planner, costs=work.table,  # type: ignore[arg-type]
+        graph, num_stages=num_stages, schedule=schedule, planner=cfg.planner, costs=work.table,
         memory_budget=work.budget, recompute=cfg.recompute, solver=cfg.solver, time_limit=cfg.solver_time_limit,
         data_parallel=work.layout,
     ))
@@ -514,6 +514,6 @@ def compile_for_microbatches(model: nn.Module, batch: Any, plan: Plan, **optimiz
     """
     args, kwargs = normalize_example_inputs(batch)
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    first = split_batch(leaves, plan.num_microbatches)[0]
+    first = split_batch(leaves, plan.num_microbatches or 1)[0]
     mb_args, mb_kwargs = pytree.tree_unflatten(list(first), spec)
     return optimize(model, (tuple(mb_args), dict(mb_kwargs)), num_stages=plan.num_stages, plan=plan, **optimize_kwargs)

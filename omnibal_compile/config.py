@@ -21,6 +21,7 @@ import difflib
 import functools
 import inspect
 import json
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,11 +125,11 @@ class Section:
             if not isinstance(value, bool):
                 raise InputError(f"{name} must be true or false, got {value!r}")
         elif kind.startswith("int"):
-            check_int(value, name, min=meta.get("min"), max=meta.get("max"))  # type: ignore[arg-type]
+            check_int(value, name, min=meta.get("min"), max=meta.get("max"))
         elif kind.startswith("float"):
             check_number(value, name, min=meta.get("min"), max=meta.get("max"), above=meta.get("above"))
         elif kind.startswith("tuple[int"):
-            object.__setattr__(self, f.name, check_int_list(value, name, min=meta.get("min")))  # type: ignore[arg-type]
+            object.__setattr__(self, f.name, check_int_list(value, name, min=meta.get("min")))
         elif kind.startswith("tuple[str"):
             if (
                 isinstance(value, str)
@@ -420,15 +421,16 @@ def iter_fields(cls: type[Section]) -> Iterator[dataclasses.Field[Any]]:
 
 def _toml_loads() -> Callable[[str], Any]:
     """``tomllib.loads`` (Python 3.11+), or ``tomli``'s on 3.10."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            raise InputError("reading a .toml config file on Python 3.10 needs tomli (pip install tomli), "
-                             "or give the settings as a .json file") from None
-    return tomllib.loads
+
+        return tomllib.loads
+    try:
+        import tomli  # a dependency on Python 3.10
+    except ModuleNotFoundError:
+        raise InputError("reading a .toml config file on Python 3.10 needs tomli (pip install tomli), "
+                         "or give the settings as a .json file") from None
+    return tomli.loads
 
 
 def load_config_file(path: str | Path, within: type[Section] = Config) -> dict[str, Any]:

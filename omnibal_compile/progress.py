@@ -98,7 +98,7 @@ class Progress:
 def track(items: Iterable[T], description: str, *, enabled: bool = True) -> Iterator[T]:
     """Yield ``items`` while showing ``description`` and how many are done."""
     items = list(items) if not isinstance(items, Sized) else items
-    total = len(items)  # type: ignore[arg-type]
+    total = len(items)
     with Progress(total, enabled=enabled) as progress:
         for i, item in enumerate(items):
             progress.step(f"{description} ({i + 1}/{total})")

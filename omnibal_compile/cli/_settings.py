@@ -119,4 +119,4 @@ def settings_from_args(args: argparse.Namespace, cls: type[C] | None = None, **g
             value = getattr(args, name)
             values[name] = tuple(value) if isinstance(value, list) else value
     values.update(given)
-    return target(**values)  # type: ignore[return-value]
+    return target(**values)

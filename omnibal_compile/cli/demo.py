@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import Any
 
 from omnibal_compile import progress
 from omnibal_compile._utils.validate import int_option
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from omnibal_compile.planning.build import plan_stages
 
     cfg = settings_from_args(args, Config)
-    given = {
+    given: dict[str, Any] = {
         "num_stages": cfg.num_stages or DEMO_STAGES,
         "device": cfg.device or "cpu",
         "planner": cfg.planner or "ilp",
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     print(result.summary())
     print()
     budget = float(parse_size(cfg.memory_budget, "--memory-budget"))  # type: ignore[arg-type]
+    assert result.costs is not None  # device= costs the blocks
     best = oc.simulate(result.plan, result.costs)
     rows = [["planner", "planned ms", "simulated ms", "bubble", f"vs {planner_name}"]]
     for name in dict.fromkeys(("uniform", "parameters", "omnibal", planner_name)):
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             f"{sim.iteration_time_s / best.iteration_time_s:.2f}x",
         ])
     print(
-        f"One iteration ({result.plan.schedule}, {counted(result.plan.num_microbatches, 'micro-batch')}) of each "
+        f"One iteration ({result.plan.schedule}, {counted(result.plan.num_microbatches or 1, 'micro-batch')}) of each "
         "planner's split: "
         "planned by the schedule's closed form, simulated event by event."
     )

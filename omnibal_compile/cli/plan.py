@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(cfg.memory_budget, tuple):
         raise InputError("plan takes one --memory-budget for every device, not a list")
     budget = parse_size(cfg.memory_budget, "--memory-budget") if cfg.memory_budget is not None else None
-    planner = cfg.planner or "ilp"
+    planner = cfg.planner if isinstance(cfg.planner, str) else "ilp"  # the command line names planners
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     pictures, no_pictures_note = cfg.pictures, None
@@ -168,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             result = oc.optimize(model, batch, config=dataclasses.replace(
                 cfg, device=None if cfg.costs else cfg.device, lengths=()))  # plan's --lengths: the report below
         plan, costs = result.plan, result.costs
+        assert costs is not None  # plan always costs (--device, default cpu, or --costs)
         if result.layout is not None:  # the sweeps re-plan the chosen layout
             (out / "layout.txt").write_text(result.layout.summary(limit=None) + "\n")
             written.append(out / "layout.txt")
@@ -263,17 +264,18 @@ def _sweep(kind: str, text: str, num_stages: int, make_plan: PlanMaker, budget: 
     if kind == "memory":
         values = _parse_list(text, parse_size, "--sweep-memory")
         make = lambda b: make_plan(num_stages, b)  # noqa: E731
-        label, fmt, xs, xlabel = "budget", format_size, [v / 2**30 for v in values], "memory budget per device (GiB)"
+        label, fmt, xs, xlabel = "budget", lambda v: format_size(v), [v / 2**30 for v in values], \
+            "memory budget per device (GiB)"
     else:
         values = _parse_list(text, int, "--sweep-stages")
         make = lambda s: make_plan(s, budget)  # noqa: E731
-        label, fmt, xs, xlabel = "stages", str, values, "pipeline stages"
+        label, fmt, xs, xlabel = "stages", lambda v: str(v), values, "pipeline stages"
     points = sweep(make, values, costs)
     # A plan whose simulated peak exceeds its budget does not fit (baseline planners ignore budgets).
     limit = {p.value: (p.value if kind == "memory" else budget) for p in points}
     points = tuple(
         p
-        if p.result is None or limit[p.value] is None or max(p.result.peak_memory_bytes) <= limit[p.value]
+        if p.result is None or (cap := limit[p.value]) is None or max(p.result.peak_memory_bytes) <= cap
         else dataclasses.replace(
             p, plan=None, result=None, error=f"peak {format_size(max(p.result.peak_memory_bytes))} exceeds the budget"
         )

@@ -32,7 +32,7 @@ class RunConfig(RuntimeConfig, CheckpointConfig, OptimizerConfig, ScheduleConfig
     defaults, descriptions and checks; ``run``'s flags are generated from them.
     """
 
-    plan: str  # type: ignore[assignment]
+    plan: str
     """Path of the plan JSON (``Plan.to_json``)."""
 
     sections: ClassVar[tuple[type[Section], ...]] = (

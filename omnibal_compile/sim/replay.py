@@ -26,6 +26,7 @@ ends ``reduce[s]`` after its last backward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -127,7 +128,7 @@ def pipeline_times(
         if not progressed:
             raise SimulationError(f"schedule {schedule!r} deadlocks for M={M}, S={S}, v={v}")
     last = np.stack([np.max(np.stack([b_end[(s, m)] for m in range(M)]), axis=0) for s in range(S)])  # [S, N]
-    finish = np.max(last, axis=0)
+    finish: np.ndarray = np.max(last, axis=0)
     if np.any(r > 0):
         for d in range(D):
             stages = list(range(d, S, D))
@@ -141,8 +142,8 @@ def pipeline_times(
             for k in range(len(stages)):
                 idx = order[k]
                 red = r[np.asarray(stages)[idx]]
-                start = np.where(red > 0, np.maximum(clock, ends[idx, np.arange(N)]), clock)
-                clock = start + red
+                began = np.where(red > 0, np.maximum(clock, ends[idx, np.arange(N)]), clock)
+                clock = began + red
             finish = np.maximum(finish, clock)
     return finish + step_overhead_s
 
@@ -160,7 +161,7 @@ def plan_arrays(
     if microbatch_costs is not None and num_microbatches is None:
         M = len(microbatch_costs)
     else:
-        M = num_microbatches if num_microbatches is not None else plan.num_microbatches
+        M = num_microbatches if num_microbatches is not None else cast(int, plan.num_microbatches)  # a Plan fills it in
     per_mb = _microbatch_stage_costs(plan, costs, microbatch_costs, M)
     scale = _bandwidth_scale(costs, link_bandwidth)
     S = plan.num_stages

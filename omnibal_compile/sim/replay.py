@@ -138,13 +138,13 @@ def pipeline_times(
             # the device's reductions one at a time, in the order its stages finish (ties: lower stage first)
             ends = last[stages]  # [k, N]
             order = np.lexsort((np.broadcast_to(np.arange(len(stages))[:, None], ends.shape), ends), axis=0)
-            clock = np.zeros(N)
+            reduced = np.zeros(N)
             for k in range(len(stages)):
                 idx = order[k]
                 red = r[np.asarray(stages)[idx]]
-                began = np.where(red > 0, np.maximum(clock, ends[idx, np.arange(N)]), clock)
-                clock = began + red
-            finish = np.maximum(finish, clock)
+                began = np.where(red > 0, np.maximum(reduced, ends[idx, np.arange(N)]), reduced)
+                reduced = began + red
+            finish = np.maximum(finish, reduced)
     return finish + step_overhead_s
 
 

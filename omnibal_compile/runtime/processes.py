@@ -480,18 +480,28 @@ def _end_agent(agent: subprocess.Popen[bytes], grace_s: float) -> None:
             agent.wait()
 
 
-def _end_leftovers(run_id: str, ranks: dict[int, _Rank]) -> None:
-    """SIGKILL what the ranks left: their process groups and every process carrying the run's id."""
+def _end_leftovers(run_id: str, ranks: dict[int, _Rank], wait_s: float = 5.0) -> None:
+    """SIGKILL what the ranks left: their process groups and every process carrying the run's id; return
+    once they are gone (a killed process lingers a moment before the kernel removes it)."""
     for rk in ranks.values():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(rk.pid, signal.SIGKILL)  # each rank leads its own group (the agent's start_new_session)
     needle = f"TORCHELASTIC_RUN_ID={run_id}\0".encode()
-    with contextlib.suppress(OSError):
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
-                with contextlib.suppress(OSError):
-                    if needle in (entry / "environ").read_bytes():
-                        os.kill(int(entry.name), signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        with contextlib.suppress(OSError):
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit() and int(entry.name) != os.getpid():
+                    with contextlib.suppress(OSError):
+                        if needle in (entry / "environ").read_bytes() and _proc_state(int(entry.name)) != "Z":
+                            left.append(int(entry.name))
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if not left or time.monotonic() > deadline:
+            return
+        time.sleep(_POLL_S)
 
 
 # -- the report ------------------------------------------------------------------------------------

@@ -57,6 +57,21 @@ def problem(time, act=None, *, S=2, M=1, schedule="gpipe", budget=(), static=Non
     )
 
 
+@pytest.mark.xfail(strict=True, reason="known bug: on this GPipe problem CBC reports objective 5 for the plan it returns, "
+                   "whose iteration time (and HiGHS's objective) is 4; found by the property test below")
+def test_cbc_objective_is_the_plans_iteration_time_on_a_memory_bound_gpipe_case():
+    P = PartitionProblem(
+        names=("b0", "b1", "b2"), kinds=("layer",) * 3, time=((1.0, 1.5, 2.0), (1.0, 1.0, 2.0), (1.0, 1.0, 1.0)),
+        act=((30, 29, 2), (25, 25, 0), (0, 0, 0)), static=(49966, 0, 0),
+        cut_time=(0.0, 5.401670932769775e-10, 3.725290298461914e-11, 0.0), cut_bytes=(0, 29, 2, 0),
+        num_params=(3122, 0, 0), flops=(1e12,) * 3, num_stages=2, num_microbatches=1, schedule="gpipe",
+        virtual_stages=1, budget=(49996.5, 49996.5), allowed=("none", "selective", "full"),
+    )
+    ilp = solve_ilp(P, time_limit=30, gap=1e-9, solver="cbc")
+    assert close(ilp.iteration_time, brute_force(P).iteration_time)  # the plan itself is optimal
+    assert close(ilp.extra["objective"], ilp.iteration_time)
+
+
 @pytest.mark.parametrize("solver", ["auto", "cbc"])
 @given(P=problems(max_n=5).filter(memory_bound))
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))

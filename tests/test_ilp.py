@@ -57,8 +57,8 @@ def problem(time, act=None, *, S=2, M=1, schedule="gpipe", budget=(), static=Non
     )
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: on this GPipe problem CBC reports objective 5 for the plan it returns, "
-                   "whose iteration time (and HiGHS's objective) is 4; found by the property test below")
+@pytest.mark.xfail(strict=True, reason="known bug: on this GPipe problem CBC reports objective 5 for the plan it "
+                   "returns, whose iteration time (and HiGHS's objective) is 4; found by the property test below")
 def test_cbc_objective_is_the_plans_iteration_time_on_a_memory_bound_gpipe_case():
     P = PartitionProblem(
         names=("b0", "b1", "b2"), kinds=("layer",) * 3, time=((1.0, 1.5, 2.0), (1.0, 1.0, 2.0), (1.0, 1.0, 1.0)),

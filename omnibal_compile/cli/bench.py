@@ -116,7 +116,6 @@ def _all(args: argparse.Namespace) -> int:
 def _checkout_bench_runner(bench_dir: str | None) -> Callable[..., Any]:
     """``bench all`` runs the scripts of a source checkout's bench/ folder, which the wheel does not ship."""
     import importlib
-    import sys
     from pathlib import Path
 
     from omnibal_compile.errors import InputError

@@ -84,12 +84,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # the tie-break's frontiers with slack (dp.py's grid and near-optimal points) are run only by test_ties
     "dp": (
         "omnibal_compile/planning/dp.py",
-        (
-            *_SOLVER_TESTS,
-            "tests/test_ties.py",
-            "--deselect",
-            "tests/test_ties.py::test_two_cost_passes_on_cpu_give_the_demo_the_same_plan",
-        ),
+        (*_SOLVER_TESTS, "tests/test_ties.py"),
     ),
     "ilp": ("omnibal_compile/planning/ilp.py", ("tests/test_ilp.py", *_SOLVER_TESTS, "tests/test_interleaved.py")),
     "interleaved": ("omnibal_compile/planning/interleaved.py", (*_SOLVER_TESTS, "tests/test_interleaved.py")),

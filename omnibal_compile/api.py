@@ -397,7 +397,7 @@ def _layout_pass(work: _Work) -> None:
     spec = get_device(device) if device is not None and str(device).lower() not in PROFILED_DEVICES else None
     if isinstance(work.budget, list):
         raise InputError("optimize(devices=...) takes one memory_budget for every device, not a list")
-    budget, dp, layout = work.budget, cfg.dp or 1, work.layout
+    budget, layout = work.budget, work.layout
     search = work.run(
         "layout",
         lambda: choose_layout(
@@ -409,10 +409,7 @@ def _layout_pass(work: _Work) -> None:
             schedule=cfg.schedule,
             virtual_stages=cfg.virtual_stages,
             num_microbatches=cfg.num_microbatches,
-            dp=dp,
-            dp_layout=None
-            if dp == 1
-            else ("ddp" if layout.shard == "ddp" else "fsdp" if layout.reshard_after_forward else "fsdp-kept"),
+            data_parallel=layout,
             memory_budget=budget,
             recompute=cfg.recompute,
         ),

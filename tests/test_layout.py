@@ -146,7 +146,7 @@ def test_a_plan_whose_simulated_peak_overflows_is_planned_again_or_rejected():
     from omnibal_compile.planning.layout import _plan_and_simulate
 
     t = table()
-    lay = Layout(pp=2, dp=1, virtual_stages=2, microbatch_size=1, num_microbatches=4)
+    lay = Layout(pp=2, virtual_stages=2, microbatch_size=1, num_microbatches=4)
     problem = problem_from_costs(t, num_stages=4, num_microbatches=4, schedule="interleaved", virtual_stages=2,
                                  budget=2000 * MIB)
     first = _plan_and_simulate(problem, t, lay, 0.0, 2000 * MIB)

@@ -29,6 +29,7 @@ from omnibal_compile import InputError, Plan, PlanError
 from omnibal_compile.api import compile_for_microbatches
 from omnibal_compile.compile.capture import split_batch
 from omnibal_compile.compile.codegen import generate_stages
+from omnibal_compile.ir.costs import DataParallel
 from omnibal_compile.planning.build import uniform
 from omnibal_compile.runtime import check_pipeline, loss_weights, rank_stages
 from omnibal_compile.runtime.batches import batch_source, build_model
@@ -718,8 +719,10 @@ def test_build_pipeline_on_a_one_by_one_mesh_matches_the_unsplit_model(one_rank_
         build_pipeline(result, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp")))
     with pytest.raises(InputError, match="weighting"):
         build_pipeline(result, rank=0, world_size=1, weighting="mean")
-    with pytest.raises(InputError, match="dp_shard"):
-        build_pipeline(result, rank=0, world_size=1, dp_shard="zero")
+    with pytest.raises(InputError, match="must be a DataParallel"):
+        build_pipeline(result, rank=0, world_size=1, data_parallel="zero")
+    with pytest.raises(InputError, match="2 replicas, the mesh's dp dimension 1"):
+        build_pipeline(result, rank=0, world_size=1, data_parallel=DataParallel(size=2))
     with pytest.raises(InputError, match="out of range"):
         rank_stages(plan, 1)
     with pytest.raises(PlanError, match="needs 1 ranks .* but world size is 2"):
@@ -789,7 +792,7 @@ def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_ran
     loss_index = next(i for i, v in enumerate(plain(*values)) if isinstance(v, torch.Tensor) and v.dim() == 0)
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    assert _make_data_parallel(stage, mesh, dp_shard, reshard_after_forward=True) is stage
+    assert _make_data_parallel(stage, mesh, DataParallel(size=1, shard=dp_shard)) is stage
     assert {n for n, m in stage.named_modules() if isinstance(m, FSDPModule)} == regions | {""}
     plain(*values)[loss_index].backward()
     stage(*values)[loss_index].backward()
@@ -800,8 +803,6 @@ def test_data_parallel_units_are_the_recompute_regions_and_sum_gradients(one_ran
         assert (g is None) == (want[n] is None), n
         if g is not None:
             assert float((g - want[n]).abs().max()) <= TOL, n
-    with pytest.raises(InputError, match="dp_shard"):
-        _make_data_parallel(copy.deepcopy(plain), mesh, "zero", reshard_after_forward=True)
 
 
 def test_a_tied_model_in_one_stage_on_one_rank_matches_the_unsplit_model(one_rank_group, tiny_llama):

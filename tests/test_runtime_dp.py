@@ -21,6 +21,7 @@ from test_runtime_data import _config
 import omnibal_compile as oc
 from omnibal_compile import PlanError
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import DataParallel
 from omnibal_compile.planning.build import uniform
 from omnibal_compile.runtime.batches import _dp_part, batch_source, build_model
 from omnibal_compile.runtime.launch import launch
@@ -56,7 +57,8 @@ def _dp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
             model.load_state_dict(weights)
             parts = [_dp_part(b, 2, d) for b in batches]
             pipe = build_pipeline(
-                compile_for_microbatches(model, parts[0], plan), mesh=mesh, dp_shard=dp_shard, recompute=recompute
+                compile_for_microbatches(model, parts[0], plan), mesh=mesh, recompute=recompute,
+                data_parallel=DataParallel(size=2, shard=dp_shard),
             )
             opt = _adamw(pipe.parameters())
             losses, grads = [], {}

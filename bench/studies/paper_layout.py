@@ -52,6 +52,7 @@ def paper_layout_times(
     planned by the exact DP and simulated, under each data-parallel layout whose simulated peak fits ``budget``."""
     import dataclasses
 
+    from omnibal_compile.ir.costs import DATA_PARALLEL_LAYOUTS
     from omnibal_compile.planning import problem_from_costs
     from omnibal_compile.planning.build import plan_from_solution
     from omnibal_compile.planning.dp import solve_dp
@@ -59,8 +60,8 @@ def paper_layout_times(
     from omnibal_compile.sim import simulate
 
     out = {}
-    for name in ("fsdp", "fsdp-kept", "ddp"):
-        lay = Layout(pp=8, dp=16, dp_layout=name, microbatch_size=4, num_microbatches=16)
+    for kind in DATA_PARALLEL_LAYOUTS:
+        lay = Layout(pp=8, data_parallel=kind.resized(16), microbatch_size=4, num_microbatches=16)
         t = dataclasses.replace(costs(4), link_bandwidth=device.link_bandwidth("nvlink"),
                                 dp_link_bandwidth=device.link_bandwidth("infiniband"))
         problem = problem_from_costs(

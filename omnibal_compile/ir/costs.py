@@ -18,6 +18,7 @@ Glossary:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,8 @@ from omnibal_compile.errors import InputError
 
 __all__ = [
     "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
-    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "COMPUTE_DTYPES", "running_peak",
+    "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "DATA_PARALLEL_LAYOUTS", "COMPUTE_DTYPES",
+    "running_peak",
 ]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
@@ -144,6 +146,17 @@ class DataParallel:
         """Weights are sharded and all-gathered before use (FSDP over more than one rank)."""
         return self.shard == "fsdp" and self.size > 1
 
+    @property
+    def label(self) -> str:
+        """A short name for tables: ``FSDP``, ``FSDP kept`` (weights kept gathered), ``DDP``, or ``no DP``."""
+        if self.size == 1:
+            return "no DP"
+        return "DDP" if self.shard == "ddp" else "FSDP" if self.reshard_after_forward else "FSDP kept"
+
+    def resized(self, size: int) -> DataParallel:
+        """The same layout over ``size`` replicas."""
+        return dataclasses.replace(self, size=size)
+
     def describe(self) -> str:
         """One plain phrase, e.g. ``4 data-parallel replicas, FSDP (reshard after forward)``."""
         if self.size == 1:
@@ -196,6 +209,14 @@ class DataParallel:
 
 NO_DATA_PARALLEL = DataParallel()
 """One pipeline replica: the layout every cost table's static bytes describe."""
+
+DATA_PARALLEL_LAYOUTS: tuple[DataParallel, ...] = (
+    DataParallel(shard="fsdp"),
+    DataParallel(shard="fsdp", reshard_after_forward=False),
+    DataParallel(shard="ddp"),
+)
+"""The data-parallel layouts the runtime runs, each at size 1 (:meth:`DataParallel.resized` gives the replicas):
+FSDP freeing gathered weights after each forward, FSDP keeping them gathered for the whole iteration, and DDP."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,7 @@ from omnibal_compile._utils.units import format_size
 from omnibal_compile.costs.devices import DeviceSpec
 from omnibal_compile.costs.mix import scale_costs
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, CostTable, DataParallel
+from omnibal_compile.ir.costs import DATA_PARALLEL_LAYOUTS, NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
@@ -54,31 +54,13 @@ from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.planning.problem import in_flight
 from omnibal_compile.sim.simulate import simulate
 
-__all__ = ["DP_LAYOUTS", "Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_depths"]
+__all__ = ["Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_depths"]
 
-DP_LAYOUTS: dict[str, str] = {
-    "fsdp": "FSDP",
-    "fsdp-kept": "FSDP kept",
-    "ddp": "DDP",
-}
-"""Data-parallel layouts searched, by name, with their label in the table: FSDP freeing gathered weights
-after each forward, FSDP keeping them gathered for the whole iteration, and DDP (replicated state):
-the three the runtime runs."""
 
 
 PRUNE_MARGIN = 0.10
 """A layout whose estimate exceeds the best predicted time by more than this fraction is not planned: the
 estimate is optimistic for most layouts, but its device split for interleaved schedules is a heuristic."""
-
-
-def _data_parallel(name: str, size: int) -> DataParallel:
-    if name not in DP_LAYOUTS:
-        raise InputError(f"unknown data-parallel layout {name!r}; choose from {list(DP_LAYOUTS)}")
-    if size == 1:
-        return NO_DATA_PARALLEL
-    if name == "ddp":
-        return DataParallel(size=size, shard="ddp")
-    return DataParallel(size=size, shard="fsdp", reshard_after_forward=name == "fsdp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,16 +69,19 @@ class Layout:
 
     pp: int
     """Pipeline devices (stages per replica = pp x virtual_stages)."""
-    dp: int
-    """Data-parallel replicas of the pipeline."""
+    data_parallel: DataParallel = NO_DATA_PARALLEL
+    """Data-parallel replicas of the pipeline and how they hold the training state."""
     virtual_stages: int = 1
     """Chunks per device: 1 = 1F1B, more = interleaved 1F1B."""
-    dp_layout: str = "fsdp"
-    """A key of :data:`DP_LAYOUTS` (irrelevant when dp = 1)."""
     microbatch_size: int = 1
     """Units (samples, or micro-batches of the cost table's shape) per micro-batch."""
     num_microbatches: int = 1
     """Micro-batches per replica per optimizer step."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the pipeline."""
+        return self.data_parallel.size
 
     @property
     def devices(self) -> int:
@@ -111,10 +96,6 @@ class Layout:
         return "1f1b" if self.virtual_stages == 1 else "interleaved"
 
     @property
-    def data_parallel(self) -> DataParallel:
-        return _data_parallel(self.dp_layout, self.dp)
-
-    @property
     def units_per_step(self) -> int:
         """Units all replicas process per optimizer step (the global batch)."""
         return self.dp * self.num_microbatches * self.microbatch_size
@@ -122,8 +103,8 @@ class Layout:
     def describe(self) -> str:
         """One line, e.g. ``PP 8 x DP 16, 1F1B, FSDP, 16 micro-batches of 4``."""
         sched = "1F1B" if self.virtual_stages == 1 else f"interleaved x{self.virtual_stages}"
-        dp = DP_LAYOUTS[self.dp_layout] if self.dp > 1 else "no DP"
-        return f"PP {self.pp} x DP {self.dp}, {sched}, {dp}, M {self.num_microbatches} x b {self.microbatch_size}"
+        dp, m, b = self.data_parallel, self.num_microbatches, self.microbatch_size
+        return f"PP {self.pp} x DP {dp.size}, {sched}, {dp.label}, M {m} x b {b}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,7 +302,7 @@ def search_layout(
     devices_per_node: int = 8,
     pipeline: Sequence[int] | None = None,
     virtual_stages: Sequence[int] = (1, 2),
-    dp_layouts: Sequence[str] = tuple(DP_LAYOUTS),
+    data_parallel: Sequence[DataParallel] = DATA_PARALLEL_LAYOUTS,
     recompute: str = "auto",
     unit: str = "sample",
     prune: float | None = PRUNE_MARGIN,
@@ -341,7 +322,7 @@ def search_layout(
         devices_per_node: devices that share NVLink.
         pipeline: pipeline depths to try (default: every divisor of N the block count allows).
         virtual_stages: chunks per device to try (v > 1 only where PP > 1 and the blocks allow).
-        dp_layouts: keys of :data:`DP_LAYOUTS` to try.
+        data_parallel: data-parallel layouts to try (each taken at the layout's DP; their own size is ignored).
         recompute: ``auto`` (the planner picks per block) or one option forced everywhere.
         unit: name of a unit in the printed table.
         prune: leave a layout unplanned when its estimate exceeds the best predicted time found by more
@@ -366,8 +347,9 @@ def search_layout(
     sizes = sorted({int(b) for b in microbatch_sizes})
     if not sizes or sizes[0] < 1:
         raise InputError(f"microbatch_sizes must be positive integers, got {list(microbatch_sizes)}")
-    for name in dp_layouts:
-        _data_parallel(name, 2)  # an unknown name fails here
+    kinds = list(dict.fromkeys(d.resized(1) for d in data_parallel))
+    if not kinds or not all(isinstance(d, DataParallel) for d in kinds):
+        raise InputError(f"data_parallel must be DataParallel layouts to try, got {list(data_parallel)!r}")
     tables: dict[tuple[int, str, str], CostTable] = {}
 
     def table_for(b: int, stage_link: str, dp_link: str) -> CostTable:
@@ -384,7 +366,8 @@ def search_layout(
             tables[key] = base
         return tables[key]
 
-    n = len(table_for(sizes[0], *_links(device, devices_per_node, Layout(pp=1, dp=devices))).blocks)
+    flat = Layout(pp=1, data_parallel=NO_DATA_PARALLEL.resized(devices))
+    n = len(table_for(sizes[0], *_links(device, devices_per_node, flat)).blocks)
     depths = sorted(set(pipeline)) if pipeline is not None else pipeline_depths(devices, n)
     bad = [p for p in depths if p < 1 or devices % p or p > n]
     if bad:
@@ -408,8 +391,8 @@ def search_layout(
                     continue
                 # exactly one of global_batch and num_microbatches is given (checked above)
                 m = cast(int, num_microbatches) if global_batch is None else global_batch // (dp * b)
-                for name in (dp_layouts if dp > 1 else dp_layouts[:1]):
-                    layouts.append(Layout(pp=p, dp=dp, virtual_stages=v, dp_layout=name, microbatch_size=b,
+                for kind in (kinds if dp > 1 else kinds[:1]):
+                    layouts.append(Layout(pp=p, data_parallel=kind.resized(dp), virtual_stages=v, microbatch_size=b,
                                           num_microbatches=m))
     if skipped:
         notes.append(f"left out: {counted(skipped, 'pipeline depth and micro-batch size pair')} whose DP x b does not "
@@ -554,16 +537,17 @@ def choose_layout(
     schedule: str | None = None,
     virtual_stages: int | None = None,
     num_microbatches: int | None = None,
-    dp: int = 1,
-    dp_layout: str | None = None,
+    data_parallel: DataParallel = NO_DATA_PARALLEL,
     memory_budget: float | None = None,
     recompute: str = "auto",
 ) -> LayoutSearch:
     """:func:`search_layout` for ``optimize(devices=...)``: one micro-batch of ``costs`` is the unit, and what the
     caller fixed is pinned (stages, schedule and chunks, data-parallel degree and layout, micro-batch count).
 
+    ``data_parallel`` with size > 1 pins the data-parallel degree and layout; size 1 leaves both to the search.
     Without ``global_batch`` or ``num_microbatches``, a step holds two micro-batches per device (said in the notes).
     """
+    dp = data_parallel.size
     if schedule == "gpipe":
         raise InputError("the layout search plans 1F1B and interleaved schedules; for gpipe give num_stages=")
     if dp > 1 and devices % dp:
@@ -590,7 +574,7 @@ def choose_layout(
         costs, devices=devices, global_batch=global_batch, num_microbatches=num_microbatches,
         memory_budget=memory_budget, device=device, pipeline=pipeline,
         virtual_stages=[chunks] if pinned_v else (1, 2),
-        dp_layouts=[dp_layout] if dp_layout is not None else tuple(DP_LAYOUTS), recompute=recompute,
+        data_parallel=[data_parallel] if dp > 1 else DATA_PARALLEL_LAYOUTS, recompute=recompute,
         unit="micro-batch",
     )
     return dataclasses.replace(result, notes=(*notes, *result.notes))

@@ -59,14 +59,21 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model
-from omnibal_compile.runtime.settings import _DATA_SETTINGS, RunConfig, _data_settings, read_plan, with_plan_layout
+from omnibal_compile.runtime.settings import (
+    _DATA_SETTINGS,
+    RunConfig,
+    _data_settings,
+    read_plan,
+    run_data_parallel,
+    with_plan_layout,
+)
 from omnibal_compile.runtime.train import OPTIMIZERS, StepLog
 
 
@@ -78,19 +85,15 @@ def precheck(config: RunConfig) -> Plan:
     (captures it once, here).
     """
     from omnibal_compile.api import compile_for_microbatches
-    from omnibal_compile.ir.costs import DP_SHARDS
     from omnibal_compile.runtime.pipeline import check_pipeline
 
     config = with_plan_layout(config)
-    if not isinstance(config.dp, int) or isinstance(config.dp, bool) or config.dp < 1:
-        raise InputError(f"dp (--dp, data-parallel pipelines) must be an integer >= 1, got {config.dp!r}")
-    if config.dp_shard not in DP_SHARDS:
-        raise InputError(f"dp_shard (--dp-shard) must be one of {list(DP_SHARDS)}, got {config.dp_shard!r}")
+    dp = run_data_parallel(config).size
     if config.batching not in BATCHINGS:
         raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
     plan = read_plan(config)
-    nproc = config.nproc if config.nproc is not None else config.dp * plan.num_devices
-    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=config.dp)
+    nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
+    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp)
     if config.device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
     if config.device == "cuda" and torch.cuda.device_count() < nproc:
@@ -158,7 +161,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
         _check_seconds("timeout (--timeout)", timeout_s)
     config = with_plan_layout(config)
     plan = precheck(config)
-    dp = cast(int, config.dp)  # with_plan_layout fills in dp (precheck checked it)
+    dp = run_data_parallel(config).size
     nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
     with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp:
         log = config.log or str(Path(tmp) / "steps.jsonl")

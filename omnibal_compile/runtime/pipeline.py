@@ -48,7 +48,7 @@ from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.compile.capture import normalize_example_inputs, structure_mismatch
 from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recompute
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.ir.costs import DP_SHARDS
+from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
@@ -361,8 +361,8 @@ def _check_stage_params_disjoint(modules: Sequence[nn.Module], stages: Sequence[
                 )
 
 
-def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, dp_shard: str, reshard_after_forward: bool) -> nn.Module:
-    """``module`` made data-parallel over the 1-D ``mesh`` in place (see the module glossary); returns it.
+def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, layout: DataParallel) -> nn.Module:
+    """``module`` made data-parallel over the 1-D ``mesh`` by ``layout`` in place (module glossary); returns it.
 
     FSDP2 units: every called submodule (a recompute region) whose parameters no other part of the
     stage reads, then the stage for the rest. Gradients are summed over ``dp``, not averaged: the
@@ -379,16 +379,14 @@ def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, dp_shard: str, resh
                 inside[id(p)] = inside.get(id(p), 0) + 1
             if inside and all(counts[k] == c for k, c in inside.items()):  # read nowhere else in the stage
                 units.append((name, sub))
-    if dp_shard == "fsdp":
+    if layout.shard == "fsdp":
         for _, sub in units:
-            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    elif dp_shard == "ddp":
+            fully_shard(sub, mesh=mesh, reshard_after_forward=layout.reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=layout.reshard_after_forward)
+    else:  # "ddp": DataParallel admits only DP_SHARDS
         for _, sub in units:
             replicate(sub, mesh=mesh)
         replicate(module, mesh=mesh)
-    else:
-        raise InputError(f"dp_shard must be one of {list(DP_SHARDS)}, got {dp_shard!r}")
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -403,8 +401,7 @@ def build_pipeline(
     world_size: int | None = None,
     mesh: DeviceMesh | None = None,
     device: torch.device | str = "cpu",
-    dp_shard: str = "fsdp",
-    reshard_after_forward: bool = True,
+    data_parallel: DataParallel | None = None,
     recompute: bool = True,
     weighting: str = "tokens",
 ) -> RankPipeline:
@@ -412,8 +409,8 @@ def build_pipeline(
 
     Give ``rank`` and ``world_size`` for one pipeline on the default process group, or a ``mesh``
     with dims ``("dp", "pp")`` (``init_device_mesh``) for ``dp`` pipelines whose stages are
-    data-parallel by ``dp_shard`` (:data:`DP_SHARDS`; FSDP2 reshards after forward unless
-    ``reshard_after_forward=False``). Every rank must call it with the same ``result`` (same
+    data-parallel as ``data_parallel`` says (a :class:`~omnibal_compile.ir.costs.DataParallel` of the
+    mesh's dp size; None: FSDP2 resharding after forward). Every rank must call it with the same ``result`` (same
     model, seed, plan), in the same order with respect to other collective calls: it creates
     process groups for tied parameters. ``result.plan`` sets the schedule, micro-batches and
     virtual stages; its recompute options are applied by
@@ -424,8 +421,8 @@ def build_pipeline(
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
-    if dp_shard not in DP_SHARDS:
-        raise InputError(f"dp_shard must be one of {list(DP_SHARDS)}, got {dp_shard!r}")
+    if data_parallel is not None and not isinstance(data_parallel, DataParallel):
+        raise InputError(f"data_parallel must be a DataParallel (ir.costs), got {data_parallel!r}")
     one_pipeline = rank is not None and world_size is not None
     if (mesh is None and not one_pipeline) or (mesh is not None and (rank, world_size) != (None, None)):
         raise InputError("give build_pipeline either rank and world_size (one pipeline) or mesh (dp x pp), not both")
@@ -440,6 +437,9 @@ def build_pipeline(
     else:
         assert rank is not None and world_size is not None
         dp_rank, dp_size, group, replicas = 0, 1, None, [list(range(world_size))]
+    layout = data_parallel if data_parallel is not None else NO_DATA_PARALLEL.resized(dp_size)
+    if layout.size != dp_size:
+        raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     plan = result.plan
     check_pipeline(plan, world_size=world_size)
     device = torch.device(device)
@@ -462,7 +462,7 @@ def build_pipeline(
     if dp_size > 1:
         assert mesh is not None
         _check_stage_params_disjoint(modules, mine)
-        modules = [_make_data_parallel(mod, mesh["dp"], dp_shard, reshard_after_forward) for mod in modules]
+        modules = [_make_data_parallel(mod, mesh["dp"], layout) for mod in modules]
     state: dict[str, torch.Tensor] = {}
     for mod, names in zip(modules, local):
         tensors = list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False))
@@ -500,7 +500,7 @@ def build_pipeline(
         dp_rank=dp_rank,
         dp_size=dp_size,
         dp_group=mesh["dp"].get_group() if mesh is not None and dp_size > 1 else None,
-        dp_shard=dp_shard if dp_size > 1 else None,
+        dp_shard=layout.shard if dp_size > 1 else None,
     )
 
 

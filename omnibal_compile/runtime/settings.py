@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from omnibal_compile.config import (
     CheckpointConfig,
@@ -19,7 +19,7 @@ from omnibal_compile.config import (
     Section,
 )
 from omnibal_compile.errors import InputError
-from omnibal_compile.ir.costs import DEFAULT_DP_SHARD
+from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, DataParallel
 from omnibal_compile.ir.plan import Plan
 
 
@@ -88,6 +88,13 @@ def with_plan_layout(config: RunConfig) -> RunConfig:
             else (planned.reshard_after_forward if planned else True)
         ),
     )
+
+
+def run_data_parallel(config: RunConfig) -> DataParallel:
+    """The run's data parallelism (:func:`with_plan_layout`'s settings), validated once by :class:`DataParallel`."""
+    config = with_plan_layout(config)
+    return DataParallel(size=cast(int, config.dp), shard=cast(str, config.dp_shard),
+                        reshard_after_forward=cast(bool, config.reshard_after_forward))
 
 
 def read_plan(config: RunConfig) -> Plan:

@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from omnibal_compile.runtime.batches import batch_source, build_model
-from omnibal_compile.runtime.settings import RunConfig, _data_settings, read_plan, with_plan_layout
+from omnibal_compile.runtime.settings import RunConfig, _data_settings, read_plan, run_data_parallel, with_plan_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +67,8 @@ def train(config: RunConfig) -> list[StepLog]:
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
 
     config = with_plan_layout(config)
-    dp = cast(int, config.dp)  # with_plan_layout fills in dp, dp_shard and reshard_after_forward
-    dp_shard, reshard_after_forward = cast(str, config.dp_shard), cast(bool, config.reshard_after_forward)
+    layout = run_data_parallel(config)
+    dp = layout.size
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(config.threads)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
@@ -80,7 +80,7 @@ def train(config: RunConfig) -> list[StepLog]:
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
-        result, mesh=mesh, device=device, dp_shard=dp_shard, reshard_after_forward=reshard_after_forward,
+        result, mesh=mesh, device=device, data_parallel=layout,
         recompute=config.apply_recompute, weighting=config.weighting,
     )
     del model, result  # each rank keeps only its stages' parameters

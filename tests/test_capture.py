@@ -212,3 +212,20 @@ def test_inputs_of_another_shape_name_the_input_and_both_shapes(vlm):
     with pytest.raises(InputError, match=rf"input 'input_ids' has shape \[2, {ids.shape[1] - 1}\] but TinyVLM was "
                                          rf"captured with shape \[2, {ids.shape[1]}\]"):
         result.run(**{**batch, "input_ids": ids[:, 1:]})
+
+
+class _TakesAnyKeyword(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=None, **kwargs):
+        y = self.proj(x)
+        return y * scale if scale is not None and kwargs.get("use_scale", True) else y
+
+
+def test_inputs_through_untyped_kwargs_are_accepted_unless_a_tensor_is_never_read():
+    model, x = _TakesAnyKeyword(), torch.randn(2, 4)
+    capture(model, {"x": x, "use_scale": False, "scale": torch.ones(4)})  # a flag through **kwargs
+    with pytest.raises(InputError, match=r"'scael' is not an input of .*did you mean 'scale'.*never reads it"):
+        capture(model, {"x": x, "scael": torch.ones(4)})

@@ -93,3 +93,16 @@ def test_data_dependent_sizes_take_the_example_values(family):
         assert not any(v.data_dependent for v in graph.crossing(k)), (name, k)
     if name in ("idefics3", "qwen2_5_vl", "mistral3"):  # image features returned next to the loss
         assert captured.dropped_outputs and all(p.startswith("image_outputs") for p in captured.dropped_outputs)
+
+
+def test_keyword_flags_the_forward_takes_through_kwargs_are_passed_on(family):
+    """``use_cache=False``, the habit of every HF training script, reaches forward through ``**kwargs``: accepted."""
+    name, model, batch, _, _ = family
+    flagged = {**batch, "use_cache": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, flagged)
+    graph = build_blocks(captured, model)
+    plan = plan_stages(graph, num_stages=2, schedule=Schedule.for_stages(2, kind="gpipe"), planner="parameters")
+    report = _result(model, captured, graph, plan).check_parity(flagged, tolerance=1e-5)
+    assert report.ok, f"{name}: {report}"

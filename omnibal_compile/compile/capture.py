@@ -32,7 +32,6 @@ import io
 import logging
 import sys
 import traceback
-import typing
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -51,11 +50,6 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import CaptureError, InputError
-
-if sys.version_info >= (3, 11):
-    from typing import Unpack
-else:  # transformers types **kwargs with typing_extensions' Unpack there (torch depends on typing_extensions)
-    from typing_extensions import Unpack
 
 __all__ = [
     "Captured",
@@ -180,21 +174,8 @@ def _differentiable(flat_out: Sequence[Any]) -> tuple[list[torch.Tensor], list[t
     return tensors, [t for t in tensors if t.dim() == 0]
 
 
-def _accepted_keywords(sig: inspect.Signature) -> set[str] | None:
-    """Keywords ``forward`` accepts; None when it takes arbitrary ``**kwargs``.
-
-    Hugging Face models type their ``**kwargs`` as ``Unpack[TransformersKwargs]`` (a TypedDict), so a
-    misspelled input (``pixel_value``) would be swallowed silently: the TypedDict's keys are the rest.
-    """
-    names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            typed = typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is Unpack else None
-            keys = getattr(typed, "__required_keys__", None)
-            if typed is None or keys is None:
-                return None
-            return names | set(keys) | set(typed.__optional_keys__)  # a TypedDict has both
-    return names
+def _named_keywords(sig: inspect.Signature) -> list[str]:
+    return [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _close(name: str, options: Sequence[str]) -> str:
@@ -202,19 +183,26 @@ def _close(name: str, options: Sequence[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
+    """Refuse inputs ``forward`` cannot take; returns the keywords it takes only through ``**kwargs``.
+
+    Those are accepted as ``model(**inputs)`` accepts them (HF models pass ``use_cache``, processor-side
+    vision inputs and the like on through their ``**kwargs``); a tensor among them that the captured
+    graph never reads is refused after capture (:func:`_check_read`): a misspelled ``pixel_value`` would
+    otherwise drop the image silently.
+    """
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):  # builtins or C extensions: nothing to check
-        return
-    name = type(model).__name__
-    accepted = _accepted_keywords(sig)
-    unknown = [k for k in kwargs if accepted is not None and k not in accepted]
-    if unknown:
-        params = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return set()
+    name, named = type(model).__name__, _named_keywords(sig)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    through_kwargs = {k for k in kwargs if k not in named}
+    if through_kwargs and not takes_any:
+        first = sorted(through_kwargs, key=list(kwargs).index)[0]
         raise InputError(
-            f"example input '{unknown[0]}' is not an input of {name}.forward{_close(unknown[0], params)}; "
-            f"it accepts {', '.join(params)}"
+            f"example input '{first}' is not an input of {name}.forward{_close(first, named)}; "
+            f"it accepts {', '.join(named)}"
         )
     try:
         sig.bind(*args, **kwargs)
@@ -223,6 +211,27 @@ def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             f"example_inputs do not match {name}.forward{sig}: {e}. "
             "Pass a tuple of positional inputs or a dict of keyword inputs that the model accepts."
         ) from None
+    return through_kwargs
+
+
+def _check_read(model: nn.Module, gm: fx.GraphModule, in_spec: pytree.TreeSpec, leaves: Sequence[Any],
+                through_kwargs: set[str]) -> None:
+    """Refuse a tensor input passed through ``**kwargs`` that the captured graph never reads (see above)."""
+    if not through_kwargs:
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    unread = {
+        name.split("[", 1)[0]
+        for name, node, leaf in zip(input_names(in_spec), placeholders, leaves)
+        if isinstance(leaf, torch.Tensor) and all(u.target == "_guards_fn" for u in node.users)  # shape checks only
+    } & through_kwargs
+    if unread:
+        first = sorted(unread)[0]
+        named = _named_keywords(inspect.signature(model.forward))
+        raise InputError(
+            f"example input '{first}' is not an input of {type(model).__name__}.forward{_close(first, named)}: it "
+            f"reaches forward only through **kwargs and the model never reads it; it accepts {', '.join(named)}"
+        )
 
 
 def input_names(spec: pytree.TreeSpec) -> list[str]:
@@ -495,7 +504,7 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
     if method not in ("export", "fx"):
         raise InputError(f"capture method must be 'export' or 'fx', got {method!r}")
     args, kwargs = normalize_example_inputs(example_inputs)
-    _check_signature(model, args, kwargs)
+    through_kwargs = _check_signature(model, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     if method == "export":
         with training_config(model):
@@ -510,6 +519,7 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
                 f"captured graph of {type(model).__name__} has {len(flat_placeholders)} inputs but the example "
                 f"batch flattens to {len(leaves)} leaves; pass only tensors and None in example_inputs"
             )
+        _check_read(model, gm, in_spec, leaves, through_kwargs)
         return Captured(
             graph_module=gm,
             model_name=type(model).__name__,

@@ -32,7 +32,6 @@ import io
 import logging
 import sys
 import traceback
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -49,6 +48,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 from torch.utils import _pytree as pytree
 
+from omnibal_compile import progress
 from omnibal_compile.errors import CaptureError, InputError
 
 __all__ = [
@@ -483,10 +483,9 @@ def training_config(model: nn.Module) -> Iterator[None]:
     name = type(model).__name__
     if changed and name not in _TOLD_USE_CACHE:
         _TOLD_USE_CACHE.add(name)
-        warnings.warn(
-            f"{name}: its config has use_cache=True; omnibal_compile captures and checks it with use_cache=False "
-            "(training keeps no KV cache). The model's config is left as it is.",
-            stacklevel=3,
+        progress.info(
+            f"{name}: its config says use_cache=True; it is captured and checked with use_cache=False (training "
+            "keeps no KV cache), and its config is left as it is."
         )
     for cfg in changed:
         cfg.use_cache = False

@@ -812,33 +812,32 @@ def test_ilp_leaves_the_processes_stdout_working():
     assert out.returncode == 0 and "still printing" in out.stdout, out.stderr[-2000:]
 
 
-def _one_block_frontier(options, slack: float) -> list[tuple[float, float]]:
-    """The (activation, time) points Frontiers keeps for a lone block with these (act, time) options."""
+def _frontier(blocks, slack: float) -> list[tuple[float, float]]:
+    """The (activation, time) points Frontiers keeps for a stage of these blocks, each given (act, time) of
+    none, selective, full."""
     from omnibal_compile.planning.dp import Frontiers
 
-    P = PartitionProblem(names=("a",), kinds=("layer",), time=(tuple(t for _, t in options),),
-                         act=(tuple(a for a, _ in options),), static=(0,), cut_time=(0.0, 0.0), cut_bytes=(0, 0),
-                         num_params=(1,), flops=(1.0,), num_stages=1, num_microbatches=1, schedule="1f1b")
+    n = len(blocks)
+    P = PartitionProblem(
+        names=tuple("ab"[:n]), kinds=("layer",) * n, time=tuple(tuple(t for _, t in o) for o in blocks),
+        act=tuple(tuple(a for a, _ in o) for o in blocks), static=(0,) * n, cut_time=(0.0,) * (n + 1),
+        cut_bytes=(0,) * (n + 1), num_params=(1,) * n, flops=(1.0,) * n, num_stages=1, num_microbatches=1,
+    )
     F = Frontiers(P, slack=slack)
-    return sorted(zip(F.acts[0][0].tolist(), F.times[0][0].tolist()))
+    return sorted(zip(F.acts[0][n - 1].tolist(), F.times[0][n - 1].tolist()))
 
 
 @pytest.mark.parametrize(
     "options,slack,kept",
     [
-        # (act, time) of none, selective, full; kept points as (act, time)
-        (((300, 1.04), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),  # strict: no slower with more
-        (((300, 1.04), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0), (300, 1.04)]),  # within 10% of 1.0
-        (((300, 1.2), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0)]),  # 1.2 x 0.9 > 1.0
-        (((300, 2.0), (200, 1.0), (100, 3.0)), 0.5, [(100, 3.0), (200, 1.0), (300, 2.0)]),  # 2.0 x 0.5 == 1.0: kept
+        # (act, time) of none, selective, full; kept points as (act, time). An option keeping no less and taking no
+        # less time than another is pruned before any frontier (lm_head's selective), whatever the slack.
+        (((300, 1.04), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),
+        (((300, 1.04), (200, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (200, 1.0)]),
         (((300, 1.0), (200, 1.0), (100, 1.5)), 0.0, [(100, 1.5), (200, 1.0)]),  # equal time, more act
-        (((100, 1.0), (200, 1.0), (300, 1.0)), 0.1, [(100, 1.0), (200, 1.0), (300, 1.0)]),  # same time, other acts
-        (((300, 1.0), (300, 1.02), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0), (300, 1.02)]),  # same act, other times
-        (
-            ((300, 1e-6), (300, 1.0001e-6), (100, 2e-6)),
-            0.1,  # a tenth of a ns apart
-            [(100, 2e-6), (300, 1e-6), (300, 1.0001e-6)],
-        ),
+        (((100, 1.0), (200, 1.0), (300, 1.0)), 0.1, [(100, 1.0)]),  # same time, more act
+        (((300, 1.0), (300, 1.02), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0)]),  # same act, slower
+        (((300, 1e-6), (300, 1.0001e-6), (100, 2e-6)), 0.1, [(100, 2e-6), (300, 1e-6)]),  # a tenth of a ns slower
         (((300, 1.0), (300, 1.0), (100, 1.5)), 0.1, [(100, 1.5), (300, 1.0)]),  # an exact repeat: once
         # strict frontiers drop a point less than 1e-15 x max(1, time) faster than one with less activation
         (((200, 1e-6 - 5e-16), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6)]),  # absolute 1e-15 below 1 s
@@ -846,11 +845,25 @@ def _one_block_frontier(options, slack: float) -> list[tuple[float, float]]:
         (((200, 1e-6 - 2e-15), (100, 1e-6), (100, 1e-6)), 0.0, [(100, 1e-6), (200, 1e-6 - 2e-15)]),  # past it: kept
     ],
 )
-def test_slack_frontier_of_one_block_by_hand(options, slack, kept):
-    """The tie-break's near-optimal frontier: a point is dropped only when one with no more activation is
-    more than ``slack`` faster, or when it repeats an earlier point (same activation, same time to 1e-9 of
-    the total work)."""
-    assert _one_block_frontier(options, slack) == kept
+def test_frontier_of_one_block_by_hand(options, slack, kept):
+    assert _frontier([options], slack) == kept
+
+
+# Two blocks whose options are all useful: A full (100, 1.5), B full (100, 1.04); the vector "A full, B none"
+# (300, 2.5) keeps as much as "A none, B full" (300, 2.04) and is 23% slower.
+_TWO = [((200, 1.0), (200, 1.0), (100, 1.5)), ((200, 1.0), (200, 1.0), (100, 1.04))]
+
+
+@pytest.mark.parametrize("slack,kept", [
+    (0.0, [(200, 2.54), (300, 2.04), (400, 2.0)]),  # strict: no slower with more
+    (0.1, [(200, 2.54), (300, 2.04), (400, 2.0)]),  # 2.5 x 0.9 > 2.04
+    (0.25, [(200, 2.54), (300, 2.04), (300, 2.5), (400, 2.0)]),  # 2.5 x 0.75 <= 2.04: within the slack
+])
+def test_slack_frontier_of_two_blocks_by_hand(slack, kept):
+    """The tie-break's near-optimal frontier: a vector is dropped only when one with no more activation is more
+    than ``slack`` faster, or when it repeats an earlier one (same activation, same time to 1e-9 of the work)."""
+    got = _frontier(_TWO, slack)
+    assert [a for a, _ in got] == [a for a, _ in kept] and all(abs(t - u) < 1e-12 for (_, t), (_, u) in zip(got, kept))
 
 
 def test_cold_ilp_finds_the_only_plan_that_meets_its_budget_exactly():

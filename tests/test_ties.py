@@ -65,6 +65,21 @@ def test_tie_break_picks_the_least_key_plan_within_the_tolerance_of_the_optimum(
             for t, m in [stage_figures(P, s, i, j, choice)] if m <= P.memory_limit(s)
         ]
         assert sol.stage_time[s] <= min(fits) * (1 + tol) + 1e-12
+    # No block runs an option that another of its options beats in memory and time alike.
+    assert all(OPTIONS.index(r) in P.useful_options(i) for i, r in enumerate(sol.recompute)), sol.recompute
+
+
+def test_an_option_that_keeps_more_and_runs_longer_is_never_chosen():
+    """The demo's lm_head: selective keeps the logits (409,600 bytes against 81,920 for none) and runs longer;
+    full keeps as much as none and runs longer. With the tie-break and no budget both used to be candidates."""
+    costs = CostTable.from_json(DEMO_COSTS.read_text())
+    head = next(i for i, b in enumerate(costs.blocks) if b.name == "lm_head")
+    for budget in (None, 16 * MiB):
+        P = problem_from_costs(costs, num_stages=4, num_microbatches=8, budget=budget,
+                               tie_tolerance=PROFILED_TIE_TOLERANCE)
+        assert P.useful_options(head) == (0,)
+        for planner in ("dp", "ilp"):
+            assert solve(P, planner).recompute[head] == "none"
 
 
 def test_zero_tolerance_keeps_the_solvers_plan():

@@ -57,11 +57,11 @@ class Frontiers:
             self.prefix_static.append(self.prefix_static[-1] + w)
         self.in_flight = [in_flight(problem, s) for s in range(problem.num_stages)]
         self.budget = [problem.memory_limit(s) for s in range(problem.num_stages)]
-        opts = np.array(problem.option_indices())
         n = problem.n
-        fastest = [min(problem.time[b][o] for o in opts) for b in range(n)]
-        act = np.asarray(problem.act, dtype=np.float64)[:, opts]  # [n, |opts|]
-        tim = np.asarray(problem.time, dtype=np.float64)[:, opts]
+        opts = [np.array(problem.useful_options(b)) for b in range(n)]  # dominated options never help
+        fastest = [min(problem.time[b][o] for o in opts[b]) for b in range(n)]
+        act = [np.asarray(problem.act[b], dtype=np.float64)[opts[b]] for b in range(n)]
+        tim = [np.asarray(problem.time[b], dtype=np.float64)[opts[b]] for b in range(n)]
         grid = 1e9 / max(sum(fastest), 1e-300)
         self.acts: list[list[np.ndarray]] = []
         self.times: list[list[np.ndarray]] = []
@@ -93,7 +93,7 @@ class Frontiers:
                 pa, pt = ca[keep], ct[keep]
                 acts_i.append(pa)
                 times_i.append(pt)
-                back_i.append((sel % m, opts[sel // m]))
+                back_i.append((sel % m, opts[j][sel // m]))
             self.acts.append(acts_i)
             self.times.append(times_i)
             self.back.append(back_i)

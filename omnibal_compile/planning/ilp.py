@@ -270,15 +270,7 @@ def _joint_model(
     opts = P.option_indices()
     prob = pulp.LpProblem("omnibal_partition", pulp.LpMinimize)
     fastest = [min(P.time[i][o] for o in opts) for i in range(n)]
-    # An option no faster and no smaller than another of the same block is never needed.
-    useful = [
-        [o for o in opts if not any(
-            (P.time[i][q], P.act[i][q]) != (P.time[i][o], P.act[i][o]) and P.time[i][q] <= P.time[i][o]
-            and P.act[i][q] <= P.act[i][o] or (P.time[i][q], P.act[i][q]) == (P.time[i][o], P.act[i][o]) and q < o
-            for q in opts
-        )]
-        for i in range(n)
-    ]
+    useful = [list(P.useful_options(i)) for i in range(n)]
     w = {
         (i, s, o): pulp.LpVariable(f"w_{i}_{s}_{o}", cat="Binary")
         for i in range(n)

@@ -169,6 +169,24 @@ class PartitionProblem:
     def option_indices(self) -> tuple[int, ...]:
         return tuple(OPTIONS.index(o) for o in self.allowed)
 
+    def useful_options(self, i: int) -> tuple[int, ...]:
+        """The allowed options of block ``i`` that no other allowed option dominates.
+
+        An option that keeps no less activation memory and takes no less time than another is never
+        needed (``lm_head``'s selective policy saves the logits, which none never keeps, and runs
+        longer); of options equal in both, the one recomputing least (the lowest index) stays.
+        Every solver and the tie-break choose among these only.
+        """
+        opts = self.option_indices()
+        cost = [(self.time[i][o], self.act[i][o]) for o in opts]
+        return tuple(
+            o for k, o in enumerate(opts)
+            if not any(
+                (q_cost[0] <= cost[k][0] and q_cost[1] <= cost[k][1]) and (q_cost != cost[k] or q < k)
+                for q, q_cost in enumerate(cost) if q != k
+            )
+        )
+
 
 def in_flight(problem: PartitionProblem, s: int) -> float:
     """k_s: micro-batches whose activations stage ``s`` holds at its peak (see module docstring)."""

@@ -14,15 +14,16 @@ import json
 import math
 import numbers
 import os
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from omnibal_compile.errors import InputError, OmnibalError
 
 __all__ = [
     "check_int", "check_number", "check_seed", "check_choice", "check_int_list", "read_text", "json_records",
-    "int_option", "number_option", "MAX_SEED",
+    "int_option", "number_option", "open_regular_file", "MAX_SEED",
 ]
 
 MAX_SEED = 2**63 - 1
@@ -122,6 +123,47 @@ def read_text(path: str | os.PathLike[str], what: str, *, hint: str = "") -> str
         raise InputError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}); is it the right file?") from None
     except OSError as e:
         raise InputError(f"{what} {str(p)!r} cannot be read: {e.strerror or e}") from None
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _check_regular(path: str, mode: int) -> None:
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"{path} is a folder")
+    if not stat.S_ISREG(mode):
+        what = next((kind for test, kind in _KINDS if test(mode)), "a special file")
+        raise OSError(f"{what}, not a regular file; only regular files are read")
+
+
+def open_regular_file(path: str | os.PathLike[str], *, inside: str | os.PathLike[str] | None = None) -> IO[bytes]:
+    """``path`` opened for binary reading if it is a regular file (symbolic links followed), else ``OSError``
+    saying what it is.
+
+    A path named by a data file may point anywhere: a FIFO blocks the open forever, a device or a
+    ``/proc`` file reads without end or has side effects. So the file is checked before it is opened,
+    and again on the open descriptor (it may have been swapped in between); an empty file is refused
+    too (``/proc`` files say they are). ``inside``: refuse a path that resolves outside this folder.
+    """
+    real = os.path.realpath(path)  # the file itself: the checks and the open are all on this path
+    if inside is not None:
+        root = os.path.realpath(inside)
+        if os.path.commonpath([real, root]) != root:
+            raise PermissionError(f"resolves to {real}, outside {root}")
+    _check_regular(str(path), os.stat(real).st_mode)  # FileNotFoundError when missing
+    # O_NONBLOCK: a FIFO swapped in after the check makes the open return instead of wait for a writer
+    fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        _check_regular(str(path), st.st_mode)
+        if st.st_size == 0:
+            raise OSError("empty file (0 bytes)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def json_records(text: str, name: str, *, lines: bool, expected: str) -> list[tuple[str, Any]]:

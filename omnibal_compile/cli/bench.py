@@ -68,7 +68,9 @@ def _kernels(args: argparse.Namespace) -> int:
         # already imported it here: run again in a fresh process with the variable set.
         print("no GPU: re-running under TRITON_INTERPRET=1 so the Triton kernels run in the interpreter", flush=True)
         env = dict(os.environ, TRITON_INTERPRET="1")
-        return subprocess.call([sys.executable, "-m", "omnibal_compile.cli", *_argv(args)], env=env)
+        from omnibal_compile.runtime.processes import python_module
+
+        return subprocess.call(python_module("omnibal_compile.cli", *_argv(args)), env=env)
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     if cuda:

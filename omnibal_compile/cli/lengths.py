@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="PATH", help="length file to write (.json, .jsonl or .csv)")
     p.add_argument("--image-root", default=None, metavar="DIR",
                    help="folder image paths are relative to (default: the data file's folder)")
+    p.add_argument("--confine-to-image-root", action="store_true",
+                   help="treat an image path that resolves outside the image root (absolute, '..', a symbolic link) "
+                        "as unreadable")
     p.add_argument("--min-tiles", type=int_option(min=1), metavar="N", default=1,
                    help="fewest tiles per image, thumbnail not counted (default 1)")
     p.add_argument("--max-tiles", type=int_option(min=1), metavar="N", default=12,
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     result = dataset_lengths(args.data, tokenizer=args.tokenizer, image_root=args.image_root, tiling=tiling,
                              tokens_per_tile=args.tokens_per_tile, image_marker_tokens=args.image_marker_tokens,
                              dummy_tile=args.dummy_tile, on_error=args.on_error, progress=not args.no_progress,
+                             confine_to_root=args.confine_to_image_root,
                              workers=default_workers() if args.workers is None else args.workers)
     out = save_lengths(result.stats, args.out)
     if args.skipped_out:

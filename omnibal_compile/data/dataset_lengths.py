@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from omnibal_compile._utils.validate import json_records, read_text
+from omnibal_compile._utils.validate import json_records, open_regular_file, read_text
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats
 from omnibal_compile.errors import InputError
 from omnibal_compile.progress import Progress
@@ -141,15 +141,17 @@ def count_tiles(width: int, height: int, options: TilingOptions = TilingOptions(
     return n + 1 if options.thumbnail and n != 1 else n
 
 
-def read_image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
-    """(width, height) from the image file's header, without decoding pixels; raises ``OSError`` when unreadable."""
+def read_image_size(path: str | os.PathLike[str], *, inside: str | os.PathLike[str] | None = None) -> tuple[int, int]:
+    """(width, height) from the image file's header, without decoding pixels; raises ``OSError`` when unreadable,
+    not a regular file (:func:`~omnibal_compile._utils.validate.open_regular_file`) or, with ``inside``, outside
+    that folder."""
     try:
         from PIL import Image
     except ImportError:
         raise InputError("reading image sizes needs Pillow: pip install 'omnibal-compile[hf]'") from None
 
     try:
-        with Image.open(path) as im:
+        with open_regular_file(path, inside=inside) as f, Image.open(f) as im:
             w, h = im.size
     except Image.DecompressionBombError as e:  # training would refuse it too
         raise OSError(str(e)) from None
@@ -273,18 +275,20 @@ class _Measurer:
     """Measures chunks of records; one per process (each keeps its own cache of image sizes)."""
 
     def __init__(self, *, tokenizer: Any, root: str, tiling: TilingOptions, tokens_per_tile: int,
-                 image_marker_tokens: int, dummy_tile: bool, on_error: str, placeholder: str) -> None:
+                 image_marker_tokens: int, dummy_tile: bool, on_error: str, placeholder: str,
+                 confine_to_root: bool = False) -> None:
         self.counter = _TextCounter(tokenizer)
         self.root, self.tiling, self.on_error, self.placeholder = root, tiling, on_error, placeholder
         self.tokens_per_tile, self.image_marker_tokens = tokens_per_tile, image_marker_tokens
         self.dummy_tile = dummy_tile
+        self.inside = root if confine_to_root else None
         self.sizes: dict[str, tuple[int, int] | str] = {}  # resolved path -> (w, h) or why it is unreadable
 
     def size(self, full: str) -> tuple[int, int] | str:
         size = self.sizes.get(full)
         if size is None:
             try:
-                size = read_image_size(full)
+                size = read_image_size(full, inside=self.inside)
             except OSError as e:
                 size = _image_error(e)
             self.sizes[full] = size
@@ -360,6 +364,7 @@ def dataset_lengths(
     dummy_tile: bool = False,
     on_error: str = "skip",
     placeholder: str = IMAGE_PLACEHOLDER,
+    confine_to_root: bool = False,
     workers: int = 1,
     progress: bool = False,
 ) -> DatasetLengths:
@@ -369,7 +374,9 @@ def dataset_lengths(
     where relative image paths start (default: the data file's folder). ``dummy_tile``: give
     text-only records one dummy tile (``vit_num`` 1, ``image_flags`` 0), as InternVL does.
     ``on_error``: ``"skip"`` leaves out a record whose image is missing or unreadable (listed in
-    ``skipped``), ``"fail"`` raises on the first one. ``workers``: processes measuring chunks of
+    ``skipped``), ``"fail"`` raises on the first one; an image path that is not a regular file (a FIFO, a
+    device) counts as unreadable. ``confine_to_root``: an image path that resolves (symbolic links
+    followed) outside the image root is unreadable too. ``workers``: processes measuring chunks of
     records in parallel (1: this process only). ``progress``: show a progress bar (stderr).
     """
     if on_error not in ON_ERROR:
@@ -385,7 +392,7 @@ def dataset_lengths(
     measurer = _Measurer(
         tokenizer=load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer,
         root=root, tiling=tiling, tokens_per_tile=tokens_per_tile, image_marker_tokens=image_marker_tokens,
-        dummy_tile=dummy_tile, on_error=on_error, placeholder=placeholder)
+        dummy_tile=dummy_tile, on_error=on_error, placeholder=placeholder, confine_to_root=confine_to_root)
     records = read_records(data)
     if not records:
         raise InputError(f"{data}: no records; the dataset must hold at least one")

@@ -4,8 +4,9 @@ Glossary:
     model spec    ``tiny-vlm`` (or ``tinyvlm``): the reference VLM, its config fields from ``config``;
                   ``hf:ClassName:config.json``: a ``transformers`` class built offline from a config
                   file with random weights; ``module.path:factory``: ``factory(**config)`` returning
-                  a model, or ``(model, example_batch)``. The current directory is importable, as it is
-                  for ``python -m``.
+                  a model, or ``(model, example_batch)``, from the installed packages or, when none has
+                  that name, the current folder (searched after them, never ahead);
+                  ``path/to/file.py:factory``: the same from a named file.
     example batch the batch ``plan`` captures the model with: the reference VLM's and Hugging Face
                   models' are built from their configs; a factory may return its own.
     data facts    what balanced packs need to know about a Hugging Face VLM (tokens per tile, the
@@ -15,10 +16,14 @@ Glossary:
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -47,16 +52,78 @@ class LoadedModel:
 
 
 def import_from_spec(spec: str, what: str) -> Any:
-    """``package.module:attr`` -> the attribute, with the current directory importable."""
-    module, sep, attr = spec.rpartition(":")
-    if not sep or not module or not attr:
-        raise InputError(f"{what} {spec!r} must look like 'package.module:function'")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `omnibal-compile` is a script: its sys.path lacks the directory it runs in
+    """``package.module:attr`` or ``path/to/file.py:attr`` -> the attribute (see :func:`_import_module` and
+    :func:`_import_file` for where each is looked for)."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise InputError(f"{what} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+    is_file = target.endswith(".py") or "/" in target or os.sep in target
+    module = _import_file(Path(target), spec, what) if is_file else _import_module(target, spec, what)
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        return getattr(module, attr)
+    except AttributeError:
+        raise InputError(
+            f"cannot load {what} {spec!r}: module {module.__name__} ({module.__file__}) has no {attr!r}"
+        ) from None
+
+
+def _import_module(name: str, spec: str, what: str) -> ModuleType:
+    """The module ``name`` from ``sys.path`` as it is; only when it is found nowhere there, from the
+    current folder, which is then searched after the installed packages. A folder first on ``sys.path``
+    would let any file in it shadow an installed package (a stray ``pulp.py`` run by the planner's
+    ``import pulp``), so the current folder never goes ahead of them."""
+    top = name.partition(".")[0]
+    cwd = os.getcwd()
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found and importlib.machinery.PathFinder.find_spec(top, [cwd]) is not None and cwd not in sys.path:
+        sys.path.append(cwd)  # `omnibal-compile` is a script: its sys.path lacks the directory it runs in
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):  # the spec's own, not an import
+            raise InputError(
+                f"cannot load {what} {spec!r}: no module {e.name!r} among the installed packages or in the current "
+                f"folder {cwd}; name an importable module (package.module:function) or a file "
+                "(path/to/file.py:function)"
+            ) from None
         raise InputError(f"cannot load {what} {spec!r}: {e}") from None
+    except ImportError as e:
+        raise InputError(f"cannot load {what} {spec!r}: {e}") from None
+
+
+def _import_file(path: Path, spec: str, what: str) -> ModuleType:
+    """The Python file ``path`` as the module of its stem (once per process); its folder goes on ``sys.path``
+    after the installed packages, so that the modules beside it are found and none shadows a package."""
+    if not path.is_file():
+        raise InputError(f"cannot load {what} {spec!r}: {path} is not a file; give the path of a .py file, "
+                         "or an importable module as package.module:function")
+    real = path.resolve()
+    name = real.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        where = getattr(loaded, "__file__", None)
+        if where and Path(where).resolve() == real:
+            return loaded
+        raise InputError(f"cannot load {what} {spec!r}: a module named {name!r} is already imported "
+                         f"(from {where or 'built in'}); rename {path}")
+    module_spec = importlib.util.spec_from_file_location(name, real)
+    if module_spec is None or module_spec.loader is None:
+        raise InputError(f"cannot load {what} {spec!r}: {path} is not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    if str(real.parent) not in sys.path:
+        sys.path.append(str(real.parent))
+    sys.modules[name] = module  # before it runs: dataclasses and pickling look their module up there
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[name]
+        if isinstance(e, ImportError):
+            raise InputError(f"cannot load {what} {spec!r}: {e}") from None
+        raise
+    return module
 
 
 def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int = 0, batch: int = 2, tiles: int = 2,
@@ -93,7 +160,9 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
         example = _hf_example(model, batch=batch, text=text, seed=seed)
         return LoadedModel(model=model, example_batch=_on_meta(example) if meta and example else example, name=parts[1])
     if ":" not in spec:
-        raise InputError(f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json or module.path:factory")
+        raise InputError(
+            f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json, module.path:factory or path/to/file.py:factory"
+        )
     made = import_from_spec(spec, "model factory")(**config)
     model, example = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(model, nn.Module):

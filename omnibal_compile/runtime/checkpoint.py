@@ -18,11 +18,19 @@ Glossary:
                     rank's RNG state (restored when the layout is the same).
     complete        a step folder with ``meta.json`` (written last), DCP's ``.metadata`` and every
                     data file the metadata points into, each as long as the metadata says.
+    trusted read    DCP reads ``.metadata`` with plain ``pickle.load`` and a bytes item with
+                    ``torch.load(weights_only=False)``: either runs whatever code the file names. Here
+                    ``.metadata`` is unpickled admitting only DCP's own metadata classes, torch sizes,
+                    dtypes and layouts, and must describe what this program writes (tensors only, data
+                    files inside the step folder) before DCP reads anything; DCP's own loads get the
+                    same reader. Tensors and the RNG files are read with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
 import json
+import pathlib
+import pickle
 import re
 import shutil
 import warnings
@@ -33,8 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.serialization
 from torch import nn
+from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint import metadata as dcp_md
 
+from omnibal_compile._utils.validate import open_regular_file
 from omnibal_compile.errors import InputError
 
 __all__ = [
@@ -44,6 +56,7 @@ __all__ = [
     "latest_checkpoint",
     "load_into_model",
     "load_training_state",
+    "read_dcp_metadata",
     "save_training_state",
 ]
 
@@ -52,6 +65,125 @@ CHECKPOINT_FORMAT = 2
 
 _STEP = re.compile(r"^step-(\d+)$")
 _META = "meta.json"
+_DCP_METADATA = ".metadata"  # DCP's name for it
+_UNTRUSTED = "it is not a checkpoint this program wrote; resume only checkpoints you trust"
+
+# What DCP's metadata pickles hold (besides containers and strings, which need no class): DCP's own
+# metadata classes, torch sizes, dtypes and layouts, and the path the checkpoint was saved to.
+_PATHS = (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath)
+_ADMITTED: dict[tuple[str, str], Any] = {
+    **{(c.__module__, c.__qualname__): c for c in (
+        dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.BytesStorageMetadata, dcp_md.ChunkStorageMetadata,
+        dcp_md.TensorProperties, dcp_md.StorageMeta, dcp_md.MetadataIndex, dcp_md._MEM_FORMAT_ENCODING,
+        dcp_fs._StorageInfo, torch.Size, torch.serialization._get_layout, *_PATHS)},
+    **{("pathlib", c.__name__): c for c in _PATHS},  # as Python < 3.13 names them
+    **{("torch", name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)},
+}
+
+
+class _RefusedClass(pickle.UnpicklingError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only the classes of :data:`_ADMITTED` (a pickle runs code only through the classes it names)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ADMITTED[module, name]
+        except KeyError:
+            raise _RefusedClass(f"{module}.{name}") from None
+
+
+def _metadata_problem(md: Any) -> str | None:
+    """What in unpickled DCP metadata this program never writes, or None."""
+    if type(md) is not dcp_md.Metadata:
+        return f"holds a {type(md).__name__}, not DCP metadata"
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        return "lacks DCP's item and storage tables"
+    for key, item in md.state_dict_metadata.items():
+        if isinstance(item, dcp_md.BytesStorageMetadata):
+            # DCP would read it with torch.load(weights_only=False): arbitrary code
+            return f"stores item {key!r} as a pickled Python object, which this program never writes"
+        if not isinstance(key, str) or not isinstance(item, dcp_md.TensorStorageMetadata):
+            return f"has item {key!r} of type {type(item).__name__}, not a tensor"
+    for index, info in md.storage_data.items():
+        if not isinstance(index, dcp_md.MetadataIndex) or not isinstance(info, dcp_fs._StorageInfo):
+            return f"has a storage entry of type {type(info).__name__}"
+        name = info.relative_path
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            return f"points into {name!r}, not a data file of the step folder"
+        if not all(type(v) is int and v >= 0 for v in (info.offset, info.length)):
+            return f"has a storage entry in {name} with offset {info.offset!r} and length {info.length!r}"
+        descriptors = info.transform_descriptors
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
+                                            and all(isinstance(d, str) for d in descriptors)):
+            return f"has storage transforms {descriptors!r}, not names"
+    return None
+
+
+def read_dcp_metadata(path: Path) -> dcp_md.Metadata:
+    """The DCP metadata file ``path``, unpickled admitting only DCP's metadata classes (no code runs)
+    and checked to describe a checkpoint this program writes; raises :class:`InputError` otherwise."""
+    where = f"checkpoint {path.parent}: {path.name}"
+    try:
+        with open_regular_file(path) as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _RefusedClass as e:
+        raise InputError(f"{where}: refused to unpickle class {e}; {_UNTRUSTED}") from None
+    except OSError as e:
+        raise InputError(f"{where}: DCP metadata is missing or unreadable ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - a broken pickle raises many types; all mean the same here
+        raise InputError(f"{where} is not DCP metadata ({type(e).__name__}: {e}); {_UNTRUSTED}") from None
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise InputError(f"{where} {problem}; {_UNTRUSTED}")
+    return metadata
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's file reader, reading its metadata with :func:`read_dcp_metadata` instead of ``pickle.load``."""
+
+    refused: InputError | None = None
+    """The first refusal (DCP buries what its reader raises in its own exceptions)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
+        rank = kwargs.get("rank")  # DCP falls back to a rank's own metadata file when the global one fails
+        name = _DCP_METADATA if rank is None else f"__{rank}{_DCP_METADATA}"
+        try:
+            metadata = read_dcp_metadata(Path(self.path) / name)
+        except InputError as e:
+            self.refused = self.refused or e
+            raise
+        if metadata.storage_meta is None:  # as DCP's own read_metadata does
+            metadata.storage_meta = dcp_md.StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+def _dcp_load(state_dict: dict[str, Any], folder: Path, *, no_dist: bool = False) -> None:
+    """``dcp.load`` from ``folder`` through :class:`_CheckedReader`; its refusal is raised as it is."""
+    reader = _CheckedReader(str(folder))
+    try:
+        dcp.load(state_dict, storage_reader=reader, no_dist=no_dist)
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        if reader.refused is not None:
+            raise reader.refused from None
+        raise
+
+
+def _read_rng(path: Path) -> torch.Tensor:
+    """The CPU RNG state a rank saved to ``path``; raises :class:`InputError` when it is anything else."""
+    try:
+        with open_regular_file(path) as f:
+            state = torch.load(f, weights_only=True)
+    except (OSError, pickle.UnpicklingError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"checkpoint {path.parent}: {path.name} is not an RNG state ({first}); {_UNTRUSTED}") from None
+    cpu = state.get("cpu") if isinstance(state, dict) else None
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8:
+        raise InputError(f"checkpoint {path.parent}: {path.name} is not an RNG state; {_UNTRUSTED}")
+    return cpu
 
 
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
@@ -77,12 +209,7 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
         raise InputError(
             f"checkpoint {folder} has format {meta.get('format')!r}; this version reads format {CHECKPOINT_FORMAT}"
         )
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata means the same to the user
-        raise InputError(
-            f"checkpoint {folder}: DCP metadata is missing or unreadable ({type(e).__name__}: {e})"
-        ) from None
+    metadata = read_dcp_metadata(folder / _DCP_METADATA)
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -92,6 +219,8 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
         if have < size:
             what = "is missing" if have < 0 else f"has {have:,} bytes of {size:,}"
             raise InputError(f"checkpoint {folder} is truncated: data file {name} {what}; resume from an earlier step")
+    for rng in sorted(folder.glob("rng-rank*.pt")):
+        _read_rng(rng)  # refused here, before any rank starts, rather than in a rank
     return meta
 
 
@@ -206,14 +335,13 @@ def load_training_state(
     _init_optimizer_state(optimizer)
     # DCP loads into the given tensors (DTensor shards included), so the parameters and the
     # optimizer's own state tensors are filled where they are.
-    dcp.load({"model": dict(state), "optim": _optimizer_state(optimizer, _param_names(state))},
-             checkpoint_id=str(folder))
+    _dcp_load({"model": dict(state), "optim": _optimizer_state(optimizer, _param_names(state))}, folder)
     for group, saved in zip(optimizer.param_groups, meta.get("param_groups", [])):
         group.update({k: v for k, v in saved.items() if k in group and not isinstance(group[k], torch.Tensor)})
     if meta.get("world_size") == dist.get_world_size():
         rng = folder / f"rng-rank{dist.get_rank()}.pt"
         if rng.is_file():
-            torch.set_rng_state(torch.load(rng, weights_only=True)["cpu"])
+            torch.set_rng_state(_read_rng(rng))
     return meta
 
 
@@ -230,11 +358,11 @@ def load_into_model(model: nn.Module, path: str | Path) -> int:
         )
     with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+        _dcp_load({"model": state}, folder, no_dist=True)
     model.load_state_dict(state)
     return int(meta["step"])
 
 
 def _saved_model_names(folder: Path) -> list[str]:
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    metadata = read_dcp_metadata(folder / _DCP_METADATA)
     return [k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")]

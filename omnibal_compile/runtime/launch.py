@@ -56,7 +56,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -155,7 +154,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
     and its first error line; nothing is left running in any case. ``_worker``: the rank's module
     (tests plant faults with their own).
     """
-    from omnibal_compile.runtime.processes import run_ranks
+    from omnibal_compile.runtime.processes import python_module, run_ranks
 
     if timeout_s is not None:
         _check_seconds("timeout (--timeout)", timeout_s)
@@ -177,7 +176,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
             if not quiet and line.startswith("[omnibal run]"):
                 print(line, end="", flush=True)
 
-        run_ranks([sys.executable, "-m", _worker, str(cfg_path)], nproc=nproc, env=env, workdir=tmp,
+        run_ranks(python_module(_worker, str(cfg_path)), nproc=nproc, env=env, workdir=tmp,
                   timeout_s=timeout_s, on_line=echo)
         with open(log) as f:
             return [_step_log(json.loads(line)) for line in f if line.strip()]

@@ -46,7 +46,7 @@ from pathlib import Path
 from omnibal_compile._utils.tables import format_table
 from omnibal_compile.errors import LaunchError
 
-__all__ = ["GRACE_S", "STACK_SIGNAL", "die_with_parent", "first_error_line", "run_ranks"]
+__all__ = ["GRACE_S", "STACK_SIGNAL", "die_with_parent", "first_error_line", "python_module", "run_ranks"]
 
 GRACE_S = 3.0
 """Seconds between SIGTERM and SIGKILL when the ranks are ended (the agent's ``shutdown_timeout``)."""
@@ -61,6 +61,12 @@ _TAIL = 15
 _POLL_S = 0.05
 AGENT_START_S = 120.0
 """Seconds the agent may take to start the ranks (importing torch, the rendezvous) beyond the time limit."""
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """The command ``python -m module args`` with Python's ``-P`` (3.11+): plain ``-m`` puts the current
+    folder first on ``sys.path``, where any file (a stray ``torch.py``) would shadow an installed package."""
+    return [sys.executable, *(("-P",) if sys.version_info >= (3, 11) else ()), "-m", module, *args]
 
 
 # -- the rank's side -------------------------------------------------------------------------------
@@ -342,7 +348,7 @@ def run_ranks(
     with open(workdir / "agent.log", "wb") as agent_log:
         try:
             agent = subprocess.Popen(
-                [sys.executable, "-m", "omnibal_compile.runtime.processes", str(workdir / "agent.json")],
+                python_module("omnibal_compile.runtime.processes", str(workdir / "agent.json")),
                 env=dict(env), stdin=subprocess.DEVNULL, stdout=agent_log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=_pdeathsig(signal.SIGTERM),
             )

@@ -203,6 +203,8 @@ def _polish(P: PartitionProblem, iv: _Intervals, bounds: list[int]) -> list[int]
         if any(x >= y or y - x > iv.L for x, y in zip(b, b[1:])):
             return (math.inf, math.inf)
         t = [iv.T[s, b[s + 1] - b[s], b[s]] for s in range(S)]
+        if not all(math.isfinite(x) for x in t):  # a stage that fits no option (inf), and c may be 0: no 0 x inf
+            return (math.inf, math.inf)
         dev = [sum(t[d::p]) for d in range(p)]
         return (M * max(dev) + c * sum(t), sum(x * x for x in dev))
 

@@ -207,17 +207,24 @@ def test_memory_budget_forces_recompute_on_the_stages_that_need_it():
     assert "recompute='auto'" in msg
 
 
-def test_binding_names_time_memory_or_recompute_to_fit():
+def test_binding_names_the_constraint_that_binds_with_its_slack():
     P = equal_problem(budget=12 * GiB)
     b = (0, 2, 4, 6, 8)
     # Equal stages: the first slowest is named; it recomputes nothing, so time binds.
     assert evaluate(P, b, ("none",) * 8).binding == "time of stage 0"
-    # The slowest stage recomputes with room to spare: 2 + 1 x (2 + 4) = 8 of 12 GiB.
-    assert evaluate(P, b, ("none",) * 6 + ("selective", "none")).binding == "memory of stage 3 (recomputes to fit)"
-    # Full recomputation everywhere: 2 + 4 in flight x 2 x 0.25 = 4 GiB on stage 0, far below 12 GiB.
-    assert evaluate(P, b, ("full",) * 8).binding == "memory of stage 0 (recomputes to fit)"
-    tight = equal_problem(budget=4.05 * GiB)  # 1.2% headroom: memory binds
-    assert evaluate(tight, b, ("full",) * 8).binding == "memory of stage 0"
+    # The slowest stage recomputes with room to spare: 2 + 1 x (2 + 4) = 8 of 12 GiB; none would fit (10 GiB).
+    assert evaluate(P, b, ("none",) * 6 + ("selective", "none")).binding == (
+        "time of stage 3, which recomputes with 4.00 GiB of 12.00 GiB free")
+    # Full recomputation everywhere: 2 + 4 in flight x 2 x 0.25 = 4 GiB on stage 0; selective for one block
+    # would keep 4 x (2 + 0.25) + 2 = 11 GiB: it fits, so memory does not bind.
+    assert evaluate(P, b, ("full",) * 8).binding == "time of stage 0, which recomputes with 8.00 GiB of 12.00 GiB free"
+    # 4.05 GiB: 50 MiB free, and one block on selective needs 7 GiB more (4 x 1.75): memory binds.
+    tight = equal_problem(budget=4.05 * GiB)
+    assert evaluate(tight, b, ("full",) * 8).binding == (
+        "memory of stage 0: 51.20 MiB of 4.05 GiB free, too little to recompute less")
+    # 11 GiB would let one block of stage 0 take selective: 8.00 GiB of 12 free binds nothing, 7 GiB of 11 neither.
+    assert evaluate(equal_problem(budget=11 * GiB), b, ("full",) * 8).binding.startswith("time of stage 0")
+    assert evaluate(equal_problem(budget=10.9 * GiB), b, ("full",) * 8).binding.startswith("memory of stage 0")
     assert evaluate(equal_problem(), b, ("full",) * 8).binding == "time of stage 0"  # no budget
 
 

@@ -54,6 +54,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from omnibal_compile._utils.units import format_size
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
 from omnibal_compile.ir.schedule import Schedule
@@ -226,7 +227,7 @@ class Solution:
     gap: float | None = None
     """Relative optimality gap reported by the solver, when known."""
     binding: str = ""
-    """Constraint that limits the plan (``time of stage k`` or ``memory of stage k``)."""
+    """What limits the plan: ``time of stage k`` or ``memory of stage k: ... free, too little to recompute less``."""
     sync_time: float = 0.0
     """D: data-parallel seconds the iteration time includes (see the module docstring); 0 without dp."""
     extra: dict = field(default_factory=dict)
@@ -320,15 +321,7 @@ def evaluate(
         mems.append(m)
         peaks.append(stage_peak(problem, s, b[s], b[s + 1], opts[b[s] : b[s + 1]]))
     feasible = all(m <= problem.memory_limit(s) for s, m in enumerate(mems))
-    slow = max(range(len(times)), key=times.__getitem__)
-    binding = f"time of stage {slow}"
-    if problem.budget:
-        # The slowest stage is held back by memory when it recomputes and has no headroom left.
-        head = problem.stage_budget(slow) - mems[slow]
-        if any(opts[k] != 0 for k in range(b[slow], b[slow + 1])) and head < 0.02 * problem.stage_budget(slow):
-            binding = f"memory of stage {slow}"
-        elif any(opts[k] != 0 for k in range(b[slow], b[slow + 1])):
-            binding = f"memory of stage {slow} (recomputes to fit)"
+    binding = _binding(problem, b, opts, times, mems)
     return Solution(
         boundaries=b,
         recompute=tuple(recompute),
@@ -345,6 +338,26 @@ def evaluate(
         extra=dict(extra or {}),
         stage_peak=tuple(peaks),
     )
+
+
+def _binding(problem: PartitionProblem, b: tuple[int, ...], opts: Sequence[int], times: Sequence[float],
+             mems: Sequence[float]) -> str:
+    """What limits the plan: the time of its slowest stage, or that stage's memory when the stage
+    recomputes and no block of it could recompute less (a faster option) and still fit; with its free bytes."""
+    slow = max(range(len(times)), key=times.__getitem__)
+    i, j = b[slow], b[slow + 1]
+    recomputing = [k for k in range(i, j) if opts[k] != 0]
+    if not problem.budget or not recomputing:
+        return f"time of stage {slow}"
+    budget = problem.stage_budget(slow)
+    free = f"{format_size(max(budget - mems[slow], 0.0))} of {format_size(budget)} free"
+    for k in recomputing:
+        for o in problem.useful_options(k):
+            if problem.time[k][o] < problem.time[k][opts[k]]:
+                trial = [*opts[i:k], o, *opts[k + 1 : j]]
+                if stage_figures(problem, slow, i, j, trial)[1] <= problem.memory_limit(slow):
+                    return f"time of stage {slow}, which recomputes with {free}"
+    return f"memory of stage {slow}: {free}, too little to recompute less"
 
 
 def stage_time_bound(problem: PartitionProblem, iteration_bound: float) -> float:

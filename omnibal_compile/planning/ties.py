@@ -180,16 +180,9 @@ def _search(P: PartitionProblem, rule: StageRule, bound: float) -> tuple[int, ..
 
 
 def describe(note: dict) -> str:
-    """The tie-break note of a solution (``extra["tie_break"]``) in words, for plan summaries."""
+    """The tie-break note of a solution (``extra["tie_break"]``) in one sentence, for plan summaries."""
     tol = f"{note['tolerance']:.1%}"
     if "skipped" in note:
         return f"not applied ({note['skipped']}); the fastest plan as predicted was kept"
-    which = (
-        f"this one is predicted {note['slower_by']:.2%} slower than the fastest" if note["changed"]
-        else "the fastest plan was also the tie-break's choice"
-    )
-    return (
-        f"plans predicted within {tol} of the fastest (above the timing noise) count as equal; of those, the "
-        f"tie-break picked the most even forward FLOPs per stage, then parameters, then the earliest cut points, "
-        f"and per stage the recomputation keeping the most activations; {which}"
-    )
+    which = f"{note['slower_by']:.2%} slower than the fastest" if note["changed"] else "also the fastest"
+    return f"plans within {tol} of the fastest count as equal (timing noise); this one, the most even, is {which}"

@@ -79,7 +79,7 @@ class ParityReport:
         verdict = "OK" if self.ok else "MISMATCH"
         worst = f" ({self.worst_param})" if self.worst_param else ""
         return (
-            f"Parity {verdict}: {self.loss_name} {self.loss:.6f}, max |output diff| {self.max_output_diff:.2e}, "
+            f"Parity {verdict}: {self.loss_name} {self.loss:.5g}, max |output diff| {self.max_output_diff:.2e}, "
             f"max |grad diff| {self.max_grad_diff:.2e}{worst} over {self.num_params} parameters "
             f"(tolerance {self.tolerance:.0e})"
         )

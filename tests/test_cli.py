@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -33,6 +34,12 @@ def test_demo_runs_and_reports_parity(tmp_path, capsys):
     plan = json.loads(plan_path.read_text())
     assert set(plan["recompute"]) - {"none"}  # the 16MiB budget forces recomputation somewhere
     assert len(json.loads(plan_path.read_text())["boundaries"]) == 4
+    # stage I/O says what each value is, never an FX node name; losses with 5 significant digits; a next step
+    io = out[out.index("What each stage receives"):out.index("Parity")]
+    assert "pixel_values (model input)" in io and "loss from <root>:glue" in io and "activations from " in io
+    assert not re.search(r"\b(add|linear|mul|eq|unsqueeze|cos|sin)_?\d*\b", io.replace("<root>:glue", "")), io
+    assert re.search(r"Parity OK: loss \d\.\d{4},", out)
+    assert f"Next: train the plan on 3 local processes: omnibal-compile run --plan {plan_path} --steps 2" in out
 
 
 def test_demo_default_budget_fits_two_stages(tmp_path, capsys):

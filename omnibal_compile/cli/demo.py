@@ -120,12 +120,18 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_table(rows, "lrrrr"))
     print()
-    rows = [["stage", "receives", "sends"]]
-    for s in range(len(result.stages)):
-        info = result.stage_info(s)
-        rows.append([str(s), ", ".join(info.input_names), ", ".join(info.output_names)])
-    print("What each stage receives and sends (values of the captured graph):")
-    print(format_table(rows, "rll"))
+    rows = [["stage", "receives", "shape", "dtype"]]
+    graph = result.graph
+    for s in range(len(result.stages) + 1):
+        names = result.stage_info(s).input_names if s < len(result.stages) else result.stage_info(s - 1).output_names
+        for k, name in enumerate(names):
+            v = graph.value_named(name)
+            what = graph.describe_value(v) if v is not None else name
+            shape = "x".join(map(str, v.shape)) if v is not None and v.shape else "scalar" if v is not None else "-"
+            dtype = (v.dtype or "-").removeprefix("torch.") if v is not None else "-"
+            rows.append([("out" if s == len(result.stages) else str(s)) if k == 0 else "", what, shape, dtype])
+    print("What each stage receives (from the stage before it), and what the last one returns (out):")
+    print(format_table(rows, "rlrl"))
     report = result.check_parity(batch)
     print(f"\n{report}")
     passes = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
@@ -138,4 +144,9 @@ def run(args: argparse.Namespace) -> int:
         with open(args.save_plan, "w") as f:
             f.write(result.plan.to_json())
         print(f"plan written to {args.save_plan}")
+    if report.ok:
+        saved = args.save_plan or "plan.json"
+        again = "" if args.save_plan else f"omnibal-compile demo --save-plan {saved}, then "
+        print(f"\nNext: train the plan on {counted(result.plan.num_devices, 'local process', 'local processes')}: "
+              f"{again}omnibal-compile run --plan {saved} --steps 2")
     return 0 if report.ok else 1

@@ -185,6 +185,25 @@ class BlockGraph:
         """Bytes sent across cut ``cut`` per batch."""
         return sum(v.nbytes for v in self.crossing(cut))
 
+    def value_named(self, name: str) -> CrossingValue | None:
+        """The crossing value of FX name ``name`` (a stage's input or output), or None."""
+        return next((v for v in self.values if v.name == name), None)
+
+    def describe_value(self, v: CrossingValue) -> str:
+        """What ``v`` is, for a person: a model input by its name, else its kind (loss, mask, indices,
+        activations) and the block that makes it, e.g. ``mask from <root>:glue``; never an FX name."""
+        if v.producer < 0:
+            return f"{v.name} (model input)"
+        dtype = (v.dtype or "").removeprefix("torch.")
+        kind = (
+            "value" if v.shape is None else "loss" if v.shape == () and v.last_use >= self.num_blocks
+            else "scalar" if v.shape == () else "mask" if dtype == "bool"
+            else "indices" if dtype.startswith(("int", "uint")) else "activations"
+        )
+        same = [u for u in self.values if u.producer == v.producer and u.last_use > v.producer]
+        nth = f" #{same.index(v) + 1}" if len(same) > 1 and kind == "activations" else ""
+        return f"{kind}{nth} from {self.blocks[v.producer].name}"
+
     def summary(self) -> str:
         """A table: index, name, kind, node count, parameters, bytes crossing the cut after it."""
         rows = [("#", "block", "kind", "nodes", "params", "send after (bytes)")]

@@ -82,4 +82,9 @@ def format_comparison(c: Comparison) -> str:
             f"{r.method:<16} {r.samples_per_pack:>12.2f} {r.pad_ratio:>7.4f} {r.dist_vision:>9.5f} "
             f"{r.dist_language:>9.5f} {r.dist_compute:>10.5f} {r.num_steps:>7} {shape_s:>17} {r.seconds:>7.2f}"
         )
+    lines += [
+        "Pad: padding tokens / all tokens of the micro-batch shapes. Dist: the share of rank-time spent waiting for",
+        "the slowest rank of a step, by images (vis), LLM tokens (lang) and estimated FLOPs; lower is better.",
+        "shape (Q_v, Q_t): the fixed pack shape, image tiles x text tokens; time s: seconds the method took.",
+    ]
     return "\n".join(lines)

@@ -385,11 +385,15 @@ class CostTable:
             f"Attention: {self.attention}." if self.attention else "",
         ) if line)
         text = title + notes + "\n" + format_table(rows, "rl" + "r" * (len(rows[0]) - 2 - profiled) + "l" * profiled)
+        text += ("\nact: activation bytes kept per micro-batch with no / selective / full recomputation; recomp: the "
+                 "forward time each recomputes in the backward.")
         shared = sum(1 for b in self.blocks if b.profiled_as)
-        if profiled and shared:
+        if profiled:
             measured = len(self.blocks) - shared
-            text += (f"\n{measured} blocks timed, {shared} share the times of an identical block (same computation "
-                     f"and input shapes); spread: interquartile range of the timed repeats over their median")
+            text += ("\nspread: interquartile range of the timed repeats over their median; times of: the block "
+                     "whose timing it shares" + (f" ({measured} blocks timed, {shared} share the times of an "
+                                                  "identical block: same computation and input shapes)." if shared
+                                                  else "."))
         return text
 
     def to_json(self, indent: int | None = 2) -> str:

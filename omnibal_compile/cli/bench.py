@@ -81,7 +81,8 @@ def _kernels(args: argparse.Namespace) -> int:
         backends = ["eager", "triton"] if ops.triton_runs_on("cpu") else ["eager"]
         print(
             f"CORRECTNESS RUN on CPU at small shapes ({dtype}), not a speed measurement: times are the "
-            f"eager reference vs the ops ({', '.join(backends)}; Triton through its interpreter)"
+            f"eager reference vs the ops ({', '.join(backends)}"
+            + ("; Triton through its interpreter)" if "triton" in backends else "; triton is not installed)")
         )
     torch.manual_seed(0)
     case_list = bench.cases(device, dtype, small=not cuda, loss_vocab=args.kernels_vocab)

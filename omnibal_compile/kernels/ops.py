@@ -97,9 +97,10 @@ def _impl(backend: str, t: Tensor) -> Any:
         return eager
     if backend != "triton":
         raise InputError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    check_triton_installed()  # asked for by name: never an eager run in its place when it is missing
     if t.is_cuda:
         return require_triton()
-    return require_triton() if triton_runs_on(t.device) else eager  # else: no GPU, no interpreter
+    return require_triton() if triton_runs_on(t.device) else eager  # installed, but no GPU and no interpreter
 
 
 # --------------------------------------------------------------------------- RMSNorm

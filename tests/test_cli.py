@@ -72,3 +72,21 @@ def test_console_script_entry_point():
     assert proc.returncode == 0 and "demo" in proc.stdout, proc.stderr
     proc = subprocess.run([script, "demo", "--num-stages", "999"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "exceeds" in proc.stderr  # errors reach the shell as exit status 2
+
+
+def test_every_command_help_ends_with_examples_that_parse(capsys):
+    import shlex
+
+    from omnibal_compile.cli import COMMANDS, EXAMPLES, build_parser
+
+    parser = build_parser()
+    for name in (path.rsplit(".", 1)[1] for path in COMMANDS):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        assert "examples:" in text and EXAMPLES[name], name
+        for line in EXAMPLES[name]:
+            assert f"  {line}" in text
+            argv = shlex.split(line)
+            assert argv[:2] == ["omnibal-compile", name]
+            parser.parse_args(argv[1:])  # every flag in the example exists

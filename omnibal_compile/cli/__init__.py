@@ -5,11 +5,28 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from omnibal_compile.errors import OmnibalError
 
 # Subcommand modules; each defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "demo": ("omnibal-compile demo", "omnibal-compile demo --num-stages 2 --save-plan plan.json"),
+    "plan": (
+        "omnibal-compile plan tiny-vlm --num-stages 4 --num-microbatches 8 --device cpu --out plan-out",
+        "omnibal-compile plan my_models.py:build --devices 8 --device h100-80gb --memory-budget 60GiB",
+    ),
+    "run": (
+        "omnibal-compile run --plan plan.json --steps 2",
+        "omnibal-compile run --plan plan.json --dp 2 --lengths lengths.json --save ckpt --save-every 50",
+        "omnibal-compile run --plan plan.json --resume ckpt --steps 200",
+    ),
+    "data": ("omnibal-compile data omnibal_compile/data/stats/*.json --dp 8 --samples-per-pack 4",),
+    "lengths": ("omnibal-compile lengths train.jsonl --tokenizer tokenizer --out lengths.json",),
+    "bench": ("omnibal-compile bench kernels", "omnibal-compile bench all"),
+}
+"""Example command lines shown at the end of each command's ``--help``."""
 COMMANDS: tuple[str, ...] = ("omnibal_compile.cli.demo", "omnibal_compile.cli.plan", "omnibal_compile.cli.run",
                          "omnibal_compile.cli.data", "omnibal_compile.cli.bench",
                          "omnibal_compile.cli.lengths")
@@ -22,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for path in COMMANDS:
         mod = importlib.import_module(path)
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        epilog = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES.get(mod.NAME, ()))
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=textwrap.fill(mod.HELP, 100), epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

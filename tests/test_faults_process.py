@@ -306,5 +306,5 @@ def test_bad_timeouts_and_checkpoints_fail_before_any_rank_starts(run_config, tm
     with pytest.raises(InputError, match="incomplete"):  # meta.json is written last
         launch(dataclasses.replace(run_config, resume=str(step.parent)))
     (step / "meta.json").write_text('{"format": 2, "step": 2}')  # and the data is missing
-    with pytest.raises(InputError, match=rf"checkpoint {step}: DCP metadata is missing"):
+    with pytest.raises(InputError, match=rf"checkpoint {step}: \.metadata: DCP metadata is missing"):
         launch(dataclasses.replace(run_config, resume=str(step.parent)))

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import re
 import shutil
@@ -40,6 +41,9 @@ def test_demo_runs_and_reports_parity(tmp_path, capsys):
     assert not re.search(r"\b(add|linear|mul|eq|unsqueeze|cos|sin)_?\d*\b", io.replace("<root>:glue", "")), io
     assert re.search(r"Parity OK: loss \d\.\d{4},", out)
     assert f"Next: train the plan on 3 local processes: omnibal-compile run --plan {plan_path} --steps 2" in out
+    phases = re.search(r"Time taken: (.*); ([\d.]+) s in all", out)
+    assert phases and math.isclose(sum(float(x) for x in re.findall(r"([\d.]+) s", phases[1])), float(phases[2]),
+                                   abs_tol=0.03)  # the phases add up to the whole
 
 
 def test_demo_default_budget_fits_two_stages(tmp_path, capsys):

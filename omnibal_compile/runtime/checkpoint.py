@@ -10,8 +10,12 @@ Glossary:
                     shards are DTensors and DCP stores their full logical tensors, so a checkpoint
                     loads into another (dp, pp) layout (DCP reshards) and into the unsplit model.
     optimizer state per parameter (its first original name) the optimizer's tensors (AdamW:
-                    ``step``, ``exp_avg``, ``exp_avg_sq``); hyper-parameters and the LR scheduler go
-                    to the trainer state.
+                    ``step``, ``exp_avg``, ``exp_avg_sq``), for exactly the parameters that have
+                    any: those the optimizer has updated. A parameter that never got a gradient
+                    (unused, as LLaVA's last vision layer with ``vision_feature_layer=-2``) or is
+                    frozen has none, and a resumed run makes state for the saved ones only, so it
+                    holds what the uninterrupted run holds. Hyper-parameters and the LR scheduler
+                    go to the trainer state.
     trainer state   ``meta.json``: step, layout, the run settings the data order depends on (the
                     batches of step k are a function of the seed, the data settings and k, so the
                     step is the sampler position), LR scheduler state; ``rng-rank<r>.pt``: each
@@ -127,14 +131,15 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str])
     return out
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (a step with zero gradients and zero learning rate)."""
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str], saved: set[str]) -> None:
+    """Create the state tensors of the parameters whose state is ``saved`` (by name), for DCP to load into:
+    a step with zero gradients for them alone (the others get none) and zero learning rate."""
     if optimizer.state:
         return
     lrs = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.requires_grad:
+            if p.requires_grad and names[id(p)] in saved:
                 p.grad = torch.zeros_like(p)
         lrs.append(group["lr"])
         group["lr"] = 0.0
@@ -142,6 +147,12 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+
+
+def _saved_optimizer_names(folder: Path) -> set[str]:
+    """Names of the parameters with optimizer state in a step folder (DCP keys ``optim.<name>.<state>``)."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    return {k[len("optim."):].rpartition(".")[0] for k in metadata.state_dict_metadata if k.startswith("optim.")}
 
 
 def _param_names(state: Mapping[str, torch.Tensor]) -> dict[int, str]:
@@ -195,26 +206,26 @@ def save_training_state(
 
 def load_training_state(
     path: str | Path, *, state: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
+) -> tuple[Path, dict[str, Any]]:
     """Collectively load the newest step folder of ``path`` (see :func:`find_checkpoint`) into this
-    rank's tensors and optimizer, in place; returns the trainer state.
+    rank's tensors and optimizer, in place; returns the step folder and its trainer state.
 
     Works across layouts: each rank reads the names it holds, DCP reshards. RNG states are restored
     only when the world size is the one that saved.
     """
     folder, meta = find_checkpoint(path)
-    _init_optimizer_state(optimizer)
+    names = _param_names(state)
+    _init_optimizer_state(optimizer, names, _saved_optimizer_names(folder))
     # DCP loads into the given tensors (DTensor shards included), so the parameters and the
     # optimizer's own state tensors are filled where they are.
-    dcp.load({"model": dict(state), "optim": _optimizer_state(optimizer, _param_names(state))},
-             checkpoint_id=str(folder))
+    dcp.load({"model": dict(state), "optim": _optimizer_state(optimizer, names)}, checkpoint_id=str(folder))
     for group, saved in zip(optimizer.param_groups, meta.get("param_groups", [])):
         group.update({k: v for k, v in saved.items() if k in group and not isinstance(group[k], torch.Tensor)})
     if meta.get("world_size") == dist.get_world_size():
         rng = folder / f"rng-rank{dist.get_rank()}.pt"
         if rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True)["cpu"])
-    return meta
+    return folder, meta
 
 
 def load_into_model(model: nn.Module, path: str | Path) -> int:

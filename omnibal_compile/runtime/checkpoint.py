@@ -14,11 +14,11 @@ Glossary:
                     any: those the optimizer has updated. A parameter that never got a gradient
                     (unused, as LLaVA's last vision layer with ``vision_feature_layer=-2``) or is
                     frozen has none, and a resumed run makes state for the saved ones only, so it
-                    holds what the uninterrupted run holds. Hyper-parameters and the LR scheduler
-                    go to the trainer state.
+                    holds what the uninterrupted run holds. Hyper-parameters go to the trainer
+                    state; the learning rate is a function of the step (``recipe.lr_at``).
     trainer state   ``meta.json``: step, layout, the run settings the data order depends on (the
                     batches of step k are a function of the seed, the data settings and k, so the
-                    step is the sampler position), LR scheduler state; ``rng-rank<r>.pt``: each
+                    step is the sampler position and the LR schedule's); ``rng-rank<r>.pt``: each
                     rank's RNG state (restored when the layout is the same).
     complete        a step folder with ``meta.json`` (written last), DCP's ``.metadata`` and every
                     data file the metadata points into, each as long as the metadata says.
@@ -175,7 +175,7 @@ def save_training_state(
     """Collectively write ``root/step-<step>`` (every rank calls it); returns the step folder.
 
     ``state`` maps original names to this rank's parameters and buffers (DTensors under FSDP2);
-    ``trainer`` is JSON data saved as the trainer state (layout, data settings, LR scheduler).
+    ``trainer`` is JSON data saved as the trainer state (layout, data settings).
     Older step folders beyond the ``keep`` newest are removed after the new one is in place.
     """
     rank = dist.get_rank()

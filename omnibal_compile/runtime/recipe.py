@@ -5,7 +5,8 @@ Glossary:
                    for k < W (``warmup_steps``), then ``constant`` lr, or ``linear`` / ``cosine``
                    decay from lr to ``min_lr`` by progress ``(k - W) / (steps - W)``, so the decay
                    ends one step past the last (the last step's lr is just above ``min_lr``, as in
-                   Hugging Face's schedules). The training loop runs it through ``LambdaLR``.
+                   Hugging Face's schedules). The training loop runs it through ``LambdaLR``; a
+                   resumed run starts it at its first step (no scheduler state is saved).
     no decay       biases and norm weights (parameters of fewer than 2 dimensions) and embeddings
                    (a name part containing ``embed``, or GPT-2's ``wte`` / ``wpe``, of at most 3
                    dimensions: token and position tables): weight decay pulls them to zero for no
@@ -29,7 +30,7 @@ from omnibal_compile.errors import InputError
 if TYPE_CHECKING:
     from omnibal_compile.runtime.pipeline import RankPipeline
 
-__all__ = ["OPTIMIZERS", "build_optimizer", "lr_at", "no_weight_decay", "weight_decay_groups"]
+__all__ = ["OPTIMIZERS", "build_optimizer", "lr_at", "lr_scheduler", "no_weight_decay", "weight_decay_groups"]
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
@@ -78,17 +79,23 @@ def weight_decay_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay:
     ]
 
 
-def build_optimizer(
-    config: OptimizerConfig, pipeline: RankPipeline
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The optimizer of this rank's trainable parameters (frozen ones are not in it, so they get no state), in
-    :func:`weight_decay_groups`, and its ``LambdaLR`` running :func:`lr_at`."""
+def build_optimizer(config: OptimizerConfig, pipeline: RankPipeline) -> torch.optim.Optimizer:
+    """The optimizer of this rank's trainable parameters in :func:`weight_decay_groups` (frozen ones are not in it,
+    so they get no state)."""
     trainable = {id(p) for p in pipeline.parameters()}
     named = ((n, t) for n, t in pipeline.state.items() if id(t) in trainable)
-    optimizer = OPTIMIZERS[config.optimizer](weight_decay_groups(named, config.weight_decay), config.lr)
+    return OPTIMIZERS[config.optimizer](weight_decay_groups(named, config.weight_decay), config.lr)
+
+
+def lr_scheduler(config: OptimizerConfig, optimizer: torch.optim.Optimizer,
+                 first_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` running :func:`lr_at`, set to step ``first_step`` (a resumed run's): the learning rate is a
+    function of the step alone, so a resumed run recomputes it, with its own ``steps``."""
 
     def factor(step: int) -> float:
         return lr_at(step, lr=config.lr, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
                      steps=config.steps, min_lr=config.min_lr) / config.lr
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr  # what LambdaLR scales; it needs it given to start past step 0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 1)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from omnibal_compile.runtime.batches import batch_source, build_model
-from omnibal_compile.runtime.recipe import build_optimizer
+from omnibal_compile.runtime.recipe import build_optimizer, lr_scheduler
 from omnibal_compile.runtime.settings import RunConfig, _data_settings, read_plan, run_data_parallel, with_plan_layout
 
 
@@ -90,18 +90,18 @@ def train(config: RunConfig) -> list[StepLog]:
         recompute=config.apply_recompute, weighting=config.weighting,
     )
     del model, result  # each rank keeps only its stages' parameters
-    optimizer, scheduler = build_optimizer(config, pipeline)
+    optimizer = build_optimizer(config, pipeline)
     first = 0
     if config.resume:
         folder, meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)
-        scheduler.load_state_dict(meta["scheduler"])
         first = int(meta["step"])
         if rank == 0:
             print(f"[omnibal run] resumed from {folder} at step {first}", flush=True)
+    scheduler = lr_scheduler(config, optimizer, first)
 
     def save(root: str, step: int) -> None:
         trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices},
-                   "data": _data_settings(config), "scheduler": scheduler.state_dict()}
+                   "data": _data_settings(config)}
         path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
         if rank == 0:
             print(f"[omnibal run] checkpoint written: {path}", flush=True)

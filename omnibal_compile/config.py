@@ -40,6 +40,7 @@ __all__ = [
     "Section", "ModelConfig", "DataConfig", "LayoutConfig", "ParallelConfig", "ScheduleConfig", "MemoryConfig",
     "PlannerConfig", "OptimizerConfig", "CheckpointConfig", "RuntimeConfig", "OutputConfig", "Config", "SECTIONS",
     "flag_name", "field_help", "find_field", "load_config_file", "DEFAULT_SAMPLES_PER_PACK", "TINY_VLM_NAMES",
+    "LR_SCHEDULES",
 ]
 
 S = TypeVar("S", bound="Section")
@@ -48,6 +49,8 @@ DEFAULT_SAMPLES_PER_PACK = 4.0
 """Target mean samples per balanced pack, wherever packs are made (DataOptions, the HF sampler, ``run``)."""
 TINY_VLM_NAMES = ("tinyvlm", "tiny-vlm")
 """Names of the built-in reference VLM (``tinyvlm`` is the canonical one)."""
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""Learning-rate schedules after warm-up (``omnibal_compile.runtime.recipe.lr_at`` computes them)."""
 
 
 def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, choices: tuple[Any, ...] = (),
@@ -319,11 +322,26 @@ class OptimizerConfig(Section):
     optimizer: str = setting("adamw", choices=("adamw", "sgd"))
     """adamw or sgd."""
     lr: float = setting(1e-3, above=0)
-    """Learning rate."""
+    """Learning rate (the peak, after warm-up)."""
+    lr_schedule: str = setting("constant", choices=LR_SCHEDULES)
+    """Learning rate after warm-up: constant, or linear / cosine decay to min_lr over the rest of steps."""
     warmup_steps: int = setting(0, min=0)
-    """Linear learning-rate warm-up over this many steps (0: constant learning rate)."""
+    """Linear learning-rate warm-up: step k < warmup_steps uses lr x (k + 1) / warmup_steps (0: none)."""
+    min_lr: float = setting(0.0, min=0)
+    """Floor of the linear and cosine decay (at most lr)."""
+    weight_decay: float = setting(0.0, min=0)
+    """Weight decay (AdamW's decoupled one; sgd's adds it to the gradient); biases, norm weights (1-D parameters)
+    and embeddings get none."""
+    max_grad_norm: float | None = setting(None, min=0)
+    """Clip the gradients to this global norm over every stage, rank and shard; None or 0: no clipping (the norm is
+    logged either way)."""
     weighting: str = setting("tokens", choices=("tokens", "rows"))
     """How micro-batch losses combine: tokens (mean over labelled tokens) or rows."""
+
+    def _check(self) -> None:
+        if self.min_lr > self.lr:
+            raise InputError(f"{_label('min_lr')} is {self.min_lr:g}, above lr ({flag_name('lr')}) {self.lr:g}: "
+                             "the decay ends at min_lr, so give min_lr <= lr")
 
 
 @dataclass(frozen=True, kw_only=True)

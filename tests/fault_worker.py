@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from omnibal_compile.runtime import train, worker
+from omnibal_compile.runtime import recipe, worker
 
 FAULT_ENV = "_OMNIBAL_TEST_FAULT"
 KILL_IN_SAVE_ENV = "_OMNIBAL_TEST_KILL_IN_SAVE"
@@ -39,7 +39,7 @@ def _plant(spec: str) -> None:
     rank, step = (int(x) for x in where.split(":"))
     if int(os.environ["RANK"]) != rank:
         return
-    for name, make in list(train.OPTIMIZERS.items()):
+    for name, make in list(recipe.OPTIMIZERS.items()):
         def planted(params, lr, make=make):
             optimizer = make(params, lr)
             zero_grad, calls = optimizer.zero_grad, [0]
@@ -53,7 +53,7 @@ def _plant(spec: str) -> None:
             optimizer.zero_grad = zero_grad_with_fault
             return optimizer
 
-        train.OPTIMIZERS[name] = planted
+        recipe.OPTIMIZERS[name] = planted
 
 
 def _plant_kill_in_save(spec: str) -> None:

@@ -362,7 +362,7 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert '"step": 1' in printed and "checkpoint written" in printed
+    assert "step 2/2  loss " in printed and " grad norm " in printed and "checkpoint written" in printed
     logged = [__import__("json").loads(line) for line in log.read_text().splitlines()]
     assert [e["step"] for e in logged] == [0, 1] and all(e["step_time_s"] > 0 for e in logged)
 
@@ -389,9 +389,10 @@ def test_cli_run_trains_like_the_unsplit_model_and_checkpoint_loads_back(tmp_pat
     # resuming from the checkpoint: --steps counts all steps, so one more step is step 2, on batch 2
     # (with the peak-memory accounting on: it reports every rank's bytes and changes no result)
     resumed = launch(
-        dataclasses.replace(config, resume=str(ckpt), steps=3, memory_steps=(2,)), timeout_s=200, quiet=True
+        dataclasses.replace(config, resume=str(ckpt), steps=3, memory_steps=(2,)), timeout_s=200
     )
     assert [e.step for e in resumed] == [2]
+    assert f"resumed from {ckpt / 'step-000002'} at step 2" in capsys.readouterr().out
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(resumed[0].rank_peak_bytes) == 2 and sum(resumed[0].rank_peak_bytes) > weights
     with torch.no_grad():

@@ -10,11 +10,15 @@ Glossary:
                     shards are DTensors and DCP stores their full logical tensors, so a checkpoint
                     loads into another (dp, pp) layout (DCP reshards) and into the unsplit model.
     optimizer state per parameter (its first original name) the optimizer's tensors (AdamW:
-                    ``step``, ``exp_avg``, ``exp_avg_sq``); hyper-parameters and the LR scheduler go
-                    to the trainer state.
+                    ``step``, ``exp_avg``, ``exp_avg_sq``), for exactly the parameters that have
+                    any: those the optimizer has updated. A parameter that never got a gradient
+                    (unused, as LLaVA's last vision layer with ``vision_feature_layer=-2``) or is
+                    frozen has none, and a resumed run makes state for the saved ones only, so it
+                    holds what the uninterrupted run holds. Hyper-parameters go to the trainer
+                    state; the learning rate is a function of the step (``recipe.lr_at``).
     trainer state   ``meta.json``: step, layout, the run settings the data order depends on (the
                     batches of step k are a function of the seed, the data settings and k, so the
-                    step is the sampler position), LR scheduler state; ``rng-rank<r>.pt``: each
+                    step is the sampler position and the LR schedule's); ``rng-rank<r>.pt``: each
                     rank's RNG state (restored when the layout is the same).
     complete        a step folder with ``meta.json`` (written last), DCP's ``.metadata`` and every
                     data file the metadata points into, each as long as the metadata says.
@@ -256,14 +260,15 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str])
     return out
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (a step with zero gradients and zero learning rate)."""
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str], saved: set[str]) -> None:
+    """Create the state tensors of the parameters whose state is ``saved`` (by name), for DCP to load into:
+    a step with zero gradients for them alone (the others get none) and zero learning rate."""
     if optimizer.state:
         return
     lrs = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.requires_grad:
+            if p.requires_grad and names[id(p)] in saved:
                 p.grad = torch.zeros_like(p)
         lrs.append(group["lr"])
         group["lr"] = 0.0
@@ -271,6 +276,12 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+
+
+def _saved_optimizer_names(folder: Path) -> set[str]:
+    """Names of the parameters with optimizer state in a step folder (DCP keys ``optim.<name>.<state>``)."""
+    metadata = read_dcp_metadata(folder / _DCP_METADATA)
+    return {k[len("optim."):].rpartition(".")[0] for k in metadata.state_dict_metadata if k.startswith("optim.")}
 
 
 def _param_names(state: Mapping[str, torch.Tensor]) -> dict[int, str]:
@@ -293,7 +304,7 @@ def save_training_state(
     """Collectively write ``root/step-<step>`` (every rank calls it); returns the step folder.
 
     ``state`` maps original names to this rank's parameters and buffers (DTensors under FSDP2);
-    ``trainer`` is JSON data saved as the trainer state (layout, data settings, LR scheduler).
+    ``trainer`` is JSON data saved as the trainer state (layout, data settings).
     Older step folders beyond the ``keep`` newest are removed after the new one is in place.
     """
     rank = dist.get_rank()
@@ -324,25 +335,26 @@ def save_training_state(
 
 def load_training_state(
     path: str | Path, *, state: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
+) -> tuple[Path, dict[str, Any]]:
     """Collectively load the newest step folder of ``path`` (see :func:`find_checkpoint`) into this
-    rank's tensors and optimizer, in place; returns the trainer state.
+    rank's tensors and optimizer, in place; returns the step folder and its trainer state.
 
     Works across layouts: each rank reads the names it holds, DCP reshards. RNG states are restored
     only when the world size is the one that saved.
     """
     folder, meta = find_checkpoint(path)
-    _init_optimizer_state(optimizer)
+    names = _param_names(state)
+    _init_optimizer_state(optimizer, names, _saved_optimizer_names(folder))
     # DCP loads into the given tensors (DTensor shards included), so the parameters and the
     # optimizer's own state tensors are filled where they are.
-    _dcp_load({"model": dict(state), "optim": _optimizer_state(optimizer, _param_names(state))}, folder)
+    _dcp_load({"model": dict(state), "optim": _optimizer_state(optimizer, names)}, folder)
     for group, saved in zip(optimizer.param_groups, meta.get("param_groups", [])):
         group.update({k: v for k, v in saved.items() if k in group and not isinstance(group[k], torch.Tensor)})
     if meta.get("world_size") == dist.get_world_size():
         rng = folder / f"rng-rank{dist.get_rank()}.pt"
         if rng.is_file():
             torch.set_rng_state(_read_rng(rng))
-    return meta
+    return folder, meta
 
 
 def load_into_model(model: nn.Module, path: str | Path) -> int:

@@ -65,6 +65,7 @@ import torch
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model
+from omnibal_compile.runtime.recipe import OPTIMIZERS
 from omnibal_compile.runtime.settings import (
     _DATA_SETTINGS,
     RunConfig,
@@ -73,7 +74,7 @@ from omnibal_compile.runtime.settings import (
     run_data_parallel,
     with_plan_layout,
 )
-from omnibal_compile.runtime.train import OPTIMIZERS, StepLog
+from omnibal_compile.runtime.train import StepLog
 
 
 def precheck(config: RunConfig) -> Plan:

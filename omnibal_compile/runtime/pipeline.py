@@ -254,6 +254,8 @@ class RankPipeline:
     """Process group along ``dp`` (the ranks holding copies of these stages); None when ``dp_size`` is 1."""
     dp_shard: str | None = None
     """``fsdp`` or ``ddp`` (:data:`DP_SHARDS`); None when ``dp_size`` is 1."""
+    pp_group: Any = field(default=None, repr=False)
+    """Process group along ``pp`` (this replica's pipeline ranks); None: the default group (one pipeline)."""
 
     @property
     def has_first(self) -> bool:
@@ -271,6 +273,40 @@ class RankPipeline:
                 if p.requires_grad:
                     seen.setdefault(id(p), p)
         return list(seen.values())
+
+    def clip_grad_norm(self, max_norm: float | None = None) -> float:
+        """The global gradient norm over every stage, pipeline rank and dp shard, before clipping; with
+        ``max_norm`` (> 0) every gradient is then scaled by ``min(1, max_norm / (norm + 1e-6))``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on the unsplit model. A collective: every rank calls it.
+
+        Squares of local gradients are summed, over ``dp`` only for FSDP shards (replicated gradients
+        are equal on every dp rank already), then over ``pp``; a tied parameter counts on the first
+        pipeline rank holding it only (its copies hold the same summed gradient).
+        """
+        others = {id(t.param) for t in self.tied if t.param is not None and self.rank != t.ranks[0]}
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        for p in self.parameters():
+            g = p.grad
+            if g is None or id(p) in others:
+                continue
+            local = g.to_local() if isinstance(g, DTensor) else g
+            squares = torch.linalg.vector_norm(local, dtype=torch.float64) ** 2
+            if isinstance(g, DTensor) and any(place.is_shard() for place in g.placements):
+                sharded += squares
+            else:
+                whole += squares
+        if self.dp_group is not None:
+            dist.all_reduce(sharded, group=self.dp_group)
+        total = sharded + whole
+        dist.all_reduce(total, group=self.pp_group)
+        norm = float(total.sqrt())
+        if max_norm and norm + 1e-6 > max_norm:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(max_norm / (norm + 1e-6))
+        return norm
 
     def named_grads(self) -> dict[str, torch.Tensor | None]:
         """Original parameter name -> its gradient, for the parameters this rank holds (local, as held)."""
@@ -501,6 +537,7 @@ def build_pipeline(
         dp_size=dp_size,
         dp_group=mesh["dp"].get_group() if mesh is not None and dp_size > 1 else None,
         dp_shard=layout.shard if dp_size > 1 else None,
+        pp_group=group,
     )
 
 

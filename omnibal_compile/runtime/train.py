@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.recipe import build_optimizer, lr_scheduler
 from omnibal_compile.runtime.settings import RunConfig, _data_settings, read_plan, run_data_parallel, with_plan_layout
 
 
@@ -33,10 +33,22 @@ class StepLog:
     rank_peak_bytes: tuple[int, ...] = ()
     """With ``RunConfig.memory_steps``: each rank's peak live tensor bytes in the step (weights,
     gradients, optimizer states and every tensor the step makes; ``PeakLiveStorages``)."""
+    lr: float = 0.0
+    """Learning rate the step's update used (``recipe.lr_at``)."""
+    grad_norm: float = 0.0
+    """Global gradient norm before clipping (every stage, rank and shard; ``RankPipeline.clip_grad_norm``)."""
+    tokens: int = 0
+    """Labelled tokens of the whole step, over every dp rank (rows when the batch has no labels)."""
+    tokens_per_s: float = 0.0
+    """``tokens / step_time_s``."""
 
 
-def _warmup(steps: int) -> Callable[[int], float]:
-    return lambda step: min(1.0, (step + 1) / steps) if steps > 0 else 1.0
+def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
+    """The per-step line a person reads: step, loss (5 significant digits), lr, grad norm, tokens/s, ETA."""
+    minutes, secs = divmod(round(max(0.0, seconds_left)), 60)
+    eta = f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+    return (f"step {entry.step + 1}/{steps}  loss {entry.loss:.5g}  lr {entry.lr:.3e}  grad norm {entry.grad_norm:.4g}"
+            f"  {entry.tokens_per_s:,.0f} tokens/s  {entry.step_time_s:.3f} s/step  ETA {eta}")
 
 
 def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int, Any]:
@@ -50,12 +62,6 @@ def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int,
     return {"dp": (backend, options), "pp": (backend, options)}
 
 
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
-    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
-}
-
-
 def train(config: RunConfig) -> list[StepLog]:
     """The body of every rank (inside an initialised process group): build, train, log, save."""
     import torch.distributed as dist
@@ -64,7 +70,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.costs._measure import PeakLiveStorages
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
-    from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline
+    from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline, loss_terms
 
     config = with_plan_layout(config)
     layout = run_data_parallel(config)
@@ -84,33 +90,40 @@ def train(config: RunConfig) -> list[StepLog]:
         recompute=config.apply_recompute, weighting=config.weighting,
     )
     del model, result  # each rank keeps only its stages' parameters
-    optimizer = OPTIMIZERS[config.optimizer](pipeline.parameters(), config.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(config.warmup_steps))
+    optimizer = build_optimizer(config, pipeline)
     first = 0
     if config.resume:
-        meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)
-        scheduler.load_state_dict(meta["scheduler"])
+        folder, meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)
         first = int(meta["step"])
+        if rank == 0:
+            print(f"[omnibal run] resumed from {folder} at step {first}", flush=True)
+    scheduler = lr_scheduler(config, optimizer, first)
 
     def save(root: str, step: int) -> None:
         trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices},
-                   "data": _data_settings(config), "scheduler": scheduler.state_dict()}
+                   "data": _data_settings(config)}
         path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
         if rank == 0:
             print(f"[omnibal run] checkpoint written: {path}", flush=True)
 
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
     logs: list[StepLog] = []
+    run_start = time.perf_counter()
     for step in range(first, config.steps):
         batch = source(step)
+        tokens = loss_terms(pipeline.flatten(batch), pipeline.input_names, "tokens").sum().to(device)
+        if pipeline.dp_group is not None:
+            dist.all_reduce(tokens, group=pipeline.dp_group)
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
+        lr = float(scheduler.get_last_lr()[0])
         live = PeakLiveStorages() if step in config.memory_steps else contextlib.nullcontext()
         with live:
             if isinstance(live, PeakLiveStorages):
                 live.track([list(pipeline.parameters()), list(optimizer.state.values())])
             loss = pipeline.step(batch)
+            grad_norm = pipeline.clip_grad_norm(config.max_grad_norm)
             optimizer.step()
         scheduler.step()
         if device.type == "cuda":
@@ -124,13 +137,18 @@ def train(config: RunConfig) -> list[StepLog]:
             peaks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
             dist.all_gather(peaks, torch.tensor([live.peak_bytes], dtype=torch.int64, device=device))
         if rank == last_rank:
+            seconds = float(elapsed)
             entry = StepLog(
-                step=step, loss=float(loss or 0.0), step_time_s=float(elapsed), rank_cpu_s=tuple(float(c) for c in cpu),
-                rank_peak_bytes=tuple(int(b) for b in peaks),
+                step=step, loss=float(loss or 0.0), step_time_s=seconds, rank_cpu_s=tuple(float(c) for c in cpu),
+                rank_peak_bytes=tuple(int(b) for b in peaks), lr=lr, grad_norm=grad_norm, tokens=int(tokens),
+                tokens_per_s=float(tokens) / seconds if seconds > 0 else 0.0,
             )
             logs.append(entry)
             line = json.dumps(dataclasses.asdict(entry))
-            print(f"[omnibal run] {line}", flush=True)
+            # mean time per step so far (the first steps warm up, so this overestimates a little)
+            per_step = (time.perf_counter() - run_start) / (step + 1 - first)
+            shown = progress_line(entry, steps=config.steps, seconds_left=per_step * (config.steps - step - 1))
+            print(f"[omnibal run] {shown}", flush=True)
             if config.log:
                 with open(config.log, "a") as f:
                     f.write(line + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -14,8 +15,16 @@ from typing import Any
 
 import torch
 
+from omnibal_compile.errors import TrainingError
 from omnibal_compile.runtime.batches import batch_source, build_model
-from omnibal_compile.runtime.settings import RunConfig, _data_settings, read_plan, run_data_parallel, with_plan_layout
+from omnibal_compile.runtime.settings import (
+    RunConfig,
+    _data_settings,
+    _resume_record,
+    read_plan,
+    run_data_parallel,
+    with_plan_layout,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +57,43 @@ def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int,
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timedelta(seconds=collective_timeout)
     return {"dp": (backend, options), "pp": (backend, options)}
+
+
+def _rebase_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> None:
+    """A resumed run trains with its own ``lr`` (the saved scheduler state holds the saved run's base rate) and its
+    own warm-up, at the saved schedule position."""
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _shared_loss(loss: float | None, src: int, device: torch.device) -> float:
+    """The step's loss, known on the last stage's ranks, on every rank (so that all stop together)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64, device=device)
+    dist.broadcast(value, src=src)
+    return float(value)
+
+
+def _stop_if_not_finite(loss: float, step: int, config: RunConfig, what: str = "the loss is") -> None:
+    if not math.isfinite(loss):
+        kept = f"the checkpoints in {config.save} are kept" if config.save else "nothing was saved"
+        raise TrainingError(
+            f"step {step}: {what} {loss} (--lr {config.lr:g}); training stopped before saving non-finite "
+            f"weights ({kept}): lower --lr (or add --warmup-steps), or look at the data of step {step}"
+        )
+
+
+def _weights_finite(params: list[torch.nn.Parameter], device: torch.device) -> bool:
+    """Whether every rank's weights (their local shards) are finite."""
+    import torch.distributed as dist
+
+    ok = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in params)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
 
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -90,11 +136,15 @@ def train(config: RunConfig) -> list[StepLog]:
     if config.resume:
         meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)
         scheduler.load_state_dict(meta["scheduler"])
+        _rebase_lr(optimizer, scheduler, config.lr)  # a changed --lr applies (launch's precheck notes it)
         first = int(meta["step"])
+    record, last_loss = _resume_record(config), None
 
     def save(root: str, step: int) -> None:
+        if not _weights_finite(pipeline.parameters(), device):
+            _stop_if_not_finite(math.nan, step - 1, config, what="the weights it made are")
         trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices},
-                   "data": _data_settings(config), "scheduler": scheduler.state_dict()}
+                   "data": _data_settings(config), "scheduler": scheduler.state_dict(), **record, "loss": last_loss}
         path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
         if rank == 0:
             print(f"[omnibal run] checkpoint written: {path}", flush=True)
@@ -134,6 +184,8 @@ def train(config: RunConfig) -> list[StepLog]:
             if config.log:
                 with open(config.log, "a") as f:
                     f.write(line + "\n")
+        last_loss = _shared_loss(loss, last_rank, device)
+        _stop_if_not_finite(last_loss, step, config)
         if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
             save(config.save, step + 1)
     if config.save:

@@ -115,6 +115,21 @@ def test_a_user_folder_named_like_a_later_step_does_not_block_resume(two_runs):
     assert latest_checkpoint(root).name == "step-000005"
 
 
+def test_pruning_never_removes_the_newest_checkpoint_with_a_finite_loss(tmp_path):
+    from omnibal_compile.runtime.checkpoint import CHECKPOINT_FORMAT, _prune
+
+    for step, loss in ((1, 2.5), (2, 2.0), (3, float("nan")), (4, float("inf"))):  # NaN from step 3 on
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, "written_by": "omnibal_compile",
+                                                      "step": step, "loss": loss}))
+    (tmp_path / "step-1").mkdir()  # the user's
+    (tmp_path / "step-000000").mkdir()  # not ours either: no meta.json
+    _prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000", "step-000002", "step-000003", "step-000004",
+                                                         "step-1"]
+
+
 def test_a_step_folder_of_the_user_in_the_way_of_a_save_is_refused_before_training(tiny, tmp_path, monkeypatch):
     _no_process(monkeypatch)
     root = tmp_path / "ckpt"

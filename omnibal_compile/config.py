@@ -349,7 +349,8 @@ class CheckpointConfig(Section):
     """Where checkpoints go and which one a run continues from."""
 
     save: str | None = setting(None, metavar="DIR")
-    """Checkpoint root: step-<K> folders are written here after the last step (and every save_every)."""
+    """Checkpoint root: step-<K> folders are written here after the last step (and every save_every); locked
+    for the run."""
     save_every: int = setting(0, min=0)
     """Also save every this many steps (0: only at the end)."""
     resume: str | None = setting(None, metavar="DIR")
@@ -368,7 +369,8 @@ class RuntimeConfig(Section):
     threads: int = setting(1, min=1)
     """torch threads per rank."""
     log: str | None = setting(None, metavar="PATH")
-    """JSON-lines file for per-step loss and time (written by the rank holding the last stage)."""
+    """JSON-lines file for per-step loss and time, appended to (a resumed run continues it; written by the rank
+    holding the last stage)."""
     memory_steps: tuple[int, ...] = setting(factory=tuple, min=0, metavar="STEP")
     """Steps in which every rank measures its peak live tensor bytes; empty: no accounting (it costs Python work on
     every op)."""

@@ -10,6 +10,7 @@ __all__ = [
     "PassError",
     "SimulationError",
     "LaunchError",
+    "TrainingError",
     "MissingBackendError",
 ]
 
@@ -40,6 +41,10 @@ class SimulationError(OmnibalError):
 
 class LaunchError(OmnibalError):
     """The distributed run failed or timed out; the message carries the end of its output."""
+
+
+class TrainingError(OmnibalError):
+    """Training cannot go on (a non-finite loss or weights); the message names the step and the learning rate."""
 
 
 class MissingBackendError(OmnibalError, ImportError):

@@ -22,7 +22,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SLOW_TESTS: dict[str, int] = {
     "tests/test_ilp.py::test_cold_ilp_matches_brute_force_when_memory_decides": 99,
+    "tests/test_probes_data_loss.py::test_log_is_appended_to_and_a_resumed_run_continues_it": 29,
     "tests/test_examples.py::test_hugging_face_models_get_their_family_batch": 23,
+    "tests/test_probes_data_loss.py::test_a_nan_loss_stops_the_run_at_its_step_and_keeps_the_good_checkpoints": 23,
     "tests/test_gpu_check.py::test_gpu_check_dry_run_passes_and_writes_its_results": 22,
     "tests/test_paper_scale.py::test_compiled_tables_are_the_compilers_and_fit_study_shapes": 17,
     "tests/test_codegen.py::test_random_valid_plans_reproduce_the_model": 17,

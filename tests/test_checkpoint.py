@@ -78,9 +78,10 @@ def test_checkpoint_loads_into_another_layout_and_the_unsplit_model(tmp_path, le
     # the unsplit model, loaded from the dp=2 x pp=1 checkpoint, computes the loss a pipeline computes next
     model = build_model(dataclasses.replace(config, seed=11))
     assert load_into_model(model, ckpt) == STEPS
-    # dp=1 x pp=2 resumes from it (DCP reshards the FSDP shards into whole stage tensors)
+    # dp=2 x pp=2 resumes from it (DCP reshards the FSDP shards of one stage into those of two); another dp is
+    # refused with --lengths (each dp rank's sampler holds its share of the epoch: tests/test_probes_silent.py)
     plan2 = _config(tmp_path, lengths_file, stages=2).plan
-    moved = dataclasses.replace(config, plan=plan2, dp=1, resume=str(ckpt), steps=STEPS + 1, save=None)
+    moved = dataclasses.replace(config, plan=plan2, resume=str(ckpt), steps=STEPS + 1, save=None)
     logged = launch(moved, timeout_s=300, quiet=True)
     assert [e.step for e in logged] == [STEPS]
     with torch.no_grad():

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from omnibal_compile import progress
+from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile._utils.validate import int_option
 from omnibal_compile.cli._settings import add_settings, settings_from_args
 from omnibal_compile.config import (
@@ -143,8 +144,7 @@ def run(args: argparse.Namespace) -> int:
             raise oc.InputError(f"--show-code must be a stage index in [0, {len(result.stages)})")
         print(result.stages[args.show_code].code)
     if args.save_plan:
-        with open(args.save_plan, "w") as f:
-            f.write(result.plan.to_json())
+        atomic_write_text(args.save_plan, result.plan.to_json())
         print(f"plan written to {args.save_plan}")
     if report.ok:
         saved = args.save_plan or "plan.json"

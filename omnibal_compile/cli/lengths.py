@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from omnibal_compile._utils.files import atomic_write_text, same_file
 from omnibal_compile._utils.validate import int_option
 
 if TYPE_CHECKING:
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     check_length_file(args.out)  # before the work, not after it
+    _check_outputs(args)
     tiling = TilingOptions(min_tiles=args.min_tiles, max_tiles=args.max_tiles, tile_size=args.tile_size,
                            thumbnail=args.thumbnail)
     result = dataset_lengths(args.data, tokenizer=args.tokenizer, image_root=args.image_root, tiling=tiling,
@@ -77,12 +80,29 @@ def run(args: argparse.Namespace) -> int:
                              workers=default_workers() if args.workers is None else args.workers)
     out = save_lengths(result.stats, args.out)
     if args.skipped_out:
-        with open(args.skipped_out, "w") as f:
-            for s in result.skipped:
-                f.write(json.dumps({"record": s.record, "image": s.image, "reason": s.reason}) + "\n")
+        atomic_write_text(args.skipped_out, "".join(
+            json.dumps({"record": s.record, "image": s.image, "reason": s.reason}) + "\n" for s in result.skipped))
     print(format_summary(result, skipped_out=args.skipped_out))
     print(f"wrote {out} ({len(result.stats):,} samples) in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--out and --skipped-out are neither the dataset nor each other, and --skipped-out's folder exists."""
+    from omnibal_compile.errors import InputError
+
+    named = [("--out", args.out)] + ([("--skipped-out", args.skipped_out)] if args.skipped_out else [])
+    for i, (flag, path) in enumerate(named):
+        if same_file(path, args.data):
+            raise InputError(f"{flag} {path} is the dataset DATA itself: writing it would overwrite the dataset; "
+                             "give another path")
+        for other_flag, other in named[:i]:
+            if same_file(path, other):
+                raise InputError(f"{flag} {path} is also {other_flag}: one would overwrite the other; "
+                                 "give two paths")
+    if args.skipped_out and not Path(args.skipped_out).resolve().parent.is_dir():
+        raise InputError(f"--skipped-out {args.skipped_out}: folder {Path(args.skipped_out).parent} does not exist; "
+                         "create it first")
 
 
 def format_summary(result: DatasetLengths, *, skipped_out: str | None = None) -> str:

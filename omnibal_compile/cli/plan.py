@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from omnibal_compile import progress as progress_info
+from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile.cli._settings import add_settings, settings_from_args
 from omnibal_compile.config import (
     Config,
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         plan, costs = result.plan, result.costs
         assert costs is not None  # plan always costs (--device, default cpu, or --costs)
         if result.layout is not None:  # the sweeps re-plan the chosen layout
-            (out / "layout.txt").write_text(result.layout.summary(limit=None) + "\n")
+            atomic_write_text(out / "layout.txt", result.layout.summary(limit=None) + "\n")
             written.append(out / "layout.txt")
         cost_note = (f"costs from {cfg.costs} ({costs.device}, {costs.source})" if cfg.costs
                      else f"costs from the cost pass on {costs.device} ({costs.source})")
@@ -180,17 +181,17 @@ def run(args: argparse.Namespace) -> int:
             cost_note += f"\nattention: {costs.attention}"
         step("simulating")
         sim = simulate(plan, costs)
-        (out / "costs.json").write_text(costs.to_json())
+        atomic_write_text(out / "costs.json", costs.to_json())
         written.append(out / "costs.json")
         step("writing plan and exports")
-        (out / "plan.json").write_text(plan.to_json())
-        (out / "plan.txt").write_text(plan.summary() + "\n")
-        (out / "torchtitan.json").write_text(json.dumps(torchtitan_module_names(plan), indent=2) + "\n")
+        atomic_write_text(out / "plan.json", plan.to_json())
+        atomic_write_text(out / "plan.txt", plan.summary() + "\n")
+        atomic_write_text(out / "torchtitan.json", json.dumps(torchtitan_module_names(plan), indent=2) + "\n")
         written += [out / "plan.json", out / "plan.txt", out / "torchtitan.json"]
         layout = None
         try:
             layout = megatron_layout(plan)
-            (out / "megatron.txt").write_text(layout + "\n")
+            atomic_write_text(out / "megatron.txt", layout + "\n")
             written.append(out / "megatron.txt")
         except InputError as e:
             cost_note += f"\nno Megatron layout: {e}"

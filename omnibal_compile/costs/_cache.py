@@ -18,11 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile.errors import InputError
 
 __all__ = ["CACHE_FORMAT", "CACHE_KIND", "read_cache", "store_in_cache"]
@@ -106,17 +106,4 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 def _replace(path: Path, data: Mapping[str, Any]) -> None:
     """Write ``data`` to a new file beside ``path`` and rename it over ``path`` (atomic)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for any new file
-    try:
-        with os.fdopen(fd, "w") as f:
-            if path.exists():
-                os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)  # the cache keeps the mode its owner gave it
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(data))

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile._utils.validate import check_int, json_records, read_text
 from omnibal_compile.errors import InputError
 
@@ -269,7 +270,7 @@ def save_lengths(stats: LengthStats, path: str | os.PathLike[str]) -> Path:
     else:
         lines = [json.dumps(dict(zip(_FIELDS, r))) for r in rows]
         text = "\n".join(lines) + "\n" if suffix != ".json" else "[\n" + ",\n".join(lines) + "\n]\n"
-    p.write_text(text)
+    atomic_write_text(p, text)  # a full disk or a kill leaves the old file as it was
     return p
 
 

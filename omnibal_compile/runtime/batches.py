@@ -134,6 +134,7 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     samplers = [data.sampler(r) for r in range(dp)]
     per_epoch = len(samplers[0])
     rows = config.batch_size // dp
+    _check_epoch_fills_a_step(config, len(data.stats), per_epoch, rows, dp)
     epochs: dict[tuple[int, int], list[list[int]]] = {}
 
     def pack(r: int, j: int) -> list[int]:
@@ -158,6 +159,24 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
     source.packs = packs  # type: ignore[attr-defined]
     return source
+
+
+def _check_epoch_fills_a_step(config: RunConfig, samples: int, per_epoch: int, rows: int, dp: int) -> None:
+    """A step's packs are distinct samples: the dataset holds at least one step of packs (each rank's rows)."""
+    lengths = ", ".join(config.lengths)
+    if config.batching == "balanced" and config.samples_per_pack > samples:
+        raise InputError(
+            f"samples_per_pack (--samples-per-pack) {config.samples_per_pack:g} is more than the {samples} samples of "
+            f"{lengths}: a pack cannot hold that many different samples; lower it (at most "
+            f"{max(1, samples * dp // config.batch_size)} gives every row of a step its own samples)"
+        )
+    if per_epoch < rows:
+        raise InputError(
+            f"{lengths}: {samples} samples make {per_epoch} pack(s) per dp rank per epoch (samples_per_pack "
+            f"{config.samples_per_pack:g}), fewer than the {rows} rows each rank trains per step (batch_size "
+            f"{config.batch_size} / dp {dp}): every step would train the same samples several times; lower "
+            "--samples-per-pack or --batch-size"
+        )
 
 
 def model_inputs(

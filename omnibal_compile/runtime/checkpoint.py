@@ -22,6 +22,14 @@ Glossary:
                     rank's RNG state (restored when the layout is the same).
     complete        a step folder with ``meta.json`` (written last), DCP's ``.metadata`` and every
                     data file the metadata points into, each as long as the metadata says.
+    ours            a step folder whose ``meta.json`` says ``"written_by": "omnibal_compile"``. Only
+                    those are pruned (the ``keep`` newest stay, and the newest whose last loss was
+                    finite is never removed) or overwritten; a folder of the user's named ``step-1``
+                    is left alone, and one without ``meta.json`` is skipped when the newest
+                    checkpoint of a root is looked for.
+    lock            ``root/.lock`` holds the pid (and host) of the run saving into ``root``
+                    (:func:`lock_checkpoint_root`); a second run saving there is refused at start,
+                    a lock left by a dead process is taken over with a note.
     trusted read    DCP reads ``.metadata`` with plain ``pickle.load`` and a bytes item with
                     ``torch.load(weights_only=False)``: either runs whatever code the file names. Here
                     ``.metadata`` is unpickled admitting only DCP's own metadata classes, torch sizes,
@@ -32,13 +40,17 @@ Glossary:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
 import pathlib
 import pickle
 import re
 import shutil
+import socket
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +62,8 @@ from torch import nn
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
+from omnibal_compile import progress
+from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile._utils.validate import open_regular_file
 from omnibal_compile.errors import InputError
 
@@ -58,6 +72,7 @@ __all__ = [
     "checkpoint_meta",
     "find_checkpoint",
     "latest_checkpoint",
+    "lock_checkpoint_root",
     "load_into_model",
     "load_training_state",
     "read_dcp_metadata",
@@ -69,6 +84,8 @@ CHECKPOINT_FORMAT = 2
 
 _STEP = re.compile(r"^step-(\d+)$")
 _META = "meta.json"
+_WRITER = "omnibal_compile"  # meta.json's "written_by": the step folder is ours (pruned, overwritten)
+_LOCK = ".lock"
 _DCP_METADATA = ".metadata"  # DCP's name for it
 _UNTRUSTED = "it is not a checkpoint this program wrote; resume only checkpoints you trust"
 
@@ -197,6 +214,42 @@ def _step_folders(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _read_meta(folder: Path) -> dict[str, Any] | None:
+    """``folder/meta.json`` as a dict, or None when it is missing or not a JSON object."""
+    try:
+        meta = json.loads((folder / _META).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def is_ours(folder: str | Path) -> bool:
+    """Whether ``folder`` is a step folder this program wrote (its meta.json says so)."""
+    meta = _read_meta(Path(folder))
+    return meta is not None and meta.get("written_by") == _WRITER and meta.get("format") == CHECKPOINT_FORMAT
+
+
+def _finite_loss(meta: Mapping[str, Any] | None) -> bool:
+    loss = None if meta is None else meta.get("loss")
+    return isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
+
+
+def _prune(root: Path, keep: int) -> list[Path]:
+    """Remove the step folders of ``root`` this program wrote beyond the ``keep`` newest, never the newest
+    whose last loss was finite; folders not ours are never touched. Returns the removed folders."""
+    if keep <= 0:
+        return []
+    ours = [(step, folder, _read_meta(folder)) for step, folder in _step_folders(root) if is_ours(folder)]
+    kept = {folder for _, folder, _ in ours[-keep:]}
+    finite = [folder for _, folder, meta in ours if _finite_loss(meta)]
+    if finite:
+        kept.add(finite[-1])
+    removed = [folder for _, folder, _ in ours if folder not in kept]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
 def checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """The trainer state of a complete step folder; raises :class:`InputError` saying what is missing."""
     folder = Path(path)
@@ -209,10 +262,13 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"checkpoint {folder}: {_META} is corrupt ({e})") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"checkpoint {folder}: {meta_path} holds a {type(meta).__name__}, not a JSON object")
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise InputError(
             f"checkpoint {folder} has format {meta.get('format')!r}; this version reads format {CHECKPOINT_FORMAT}"
         )
+    _check_meta(meta, meta_path)
     metadata = read_dcp_metadata(folder / _DCP_METADATA)
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -228,6 +284,35 @@ def checkpoint_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def _is_count(value: Any, least: int) -> bool:
+    return type(value) is int and value >= least
+
+
+def _check_meta(meta: Mapping[str, Any], path: Path) -> None:
+    """The trainer state's values are of the kinds this program writes; an InputError names the file and key."""
+    def bad(key: str, what: str) -> InputError:
+        return InputError(f"checkpoint {path}: {key!r} must be {what}, got {meta.get(key)!r}; {_UNTRUSTED}")
+
+    if not _is_count(meta.get("step"), 0):
+        raise bad("step", "a whole number of steps >= 0")
+    if "world_size" in meta and not _is_count(meta["world_size"], 1):
+        raise bad("world_size", "a whole number >= 1")
+    layout = meta.get("layout", {})
+    if not isinstance(layout, dict) or not all(_is_count(layout.get(k, 1), 1) for k in ("dp", "pp")):
+        raise bad("layout", "an object of dp and pp, whole numbers >= 1")
+    for key, kind in (("data", dict), ("scheduler", dict), ("param_groups", list), ("settings", dict)):
+        if key in meta and not isinstance(meta[key], kind):
+            raise bad(key, f"a JSON {'object' if kind is dict else 'list'}")
+    if not all(isinstance(g, dict) for g in meta.get("param_groups", [])):
+        raise bad("param_groups", "a list of JSON objects")
+    scheduler = meta.get("scheduler", {})
+    if "last_epoch" in scheduler and scheduler["last_epoch"] != meta["step"]:
+        raise bad("step", f"the scheduler's position ({scheduler['last_epoch']!r})")
+    loss = meta.get("loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        raise bad("loss", "a number or null")
+
+
 def find_checkpoint(root: str | Path) -> tuple[Path, dict[str, Any]]:
     """The newest step folder under ``root`` (or ``root`` itself when it is a step folder), checked
     complete, and its trainer state."""
@@ -241,7 +326,13 @@ def find_checkpoint(root: str | Path) -> tuple[Path, dict[str, Any]]:
         steps = _step_folders(folder)
         if not steps:
             raise InputError(f"no checkpoint under {folder}: expected step-<K> folders written by --save")
-        folder = steps[-1][1]
+        # a step folder without meta.json is not one of ours (ours appear complete, by a rename): skipped
+        with_meta = [p for _, p in steps if (p / _META).is_file()]
+        if not with_meta:
+            names = ", ".join(p.name for _, p in steps[-3:])
+            raise InputError(f"no complete checkpoint under {folder}: its step folders ({names}) have no {_META} "
+                             "(incomplete, or not written by --save)")
+        folder = with_meta[-1]
     return folder, checkpoint_meta(folder)
 
 
@@ -304,8 +395,9 @@ def save_training_state(
     """Collectively write ``root/step-<step>`` (every rank calls it); returns the step folder.
 
     ``state`` maps original names to this rank's parameters and buffers (DTensors under FSDP2);
-    ``trainer`` is JSON data saved as the trainer state (layout, data settings).
-    Older step folders beyond the ``keep`` newest are removed after the new one is in place.
+    ``trainer`` is JSON data saved as the trainer state (layout, data settings, LR scheduler).
+    Older step folders of ours beyond the ``keep`` newest are removed after the new one is in place,
+    except the newest whose ``trainer["loss"]`` was finite (:func:`_prune`).
     """
     rank = dist.get_rank()
     root = Path(root)
@@ -321,14 +413,16 @@ def save_training_state(
     dist.barrier()  # every rank's part is on disk before the folder counts as complete
     if rank == 0:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": dist.get_world_size(),
-                "param_groups": hyper, **trainer}
-        (partial / _META).write_text(json.dumps(meta, indent=2, default=str))
+        meta = {"format": CHECKPOINT_FORMAT, "written_by": _WRITER, "step": step,
+                "world_size": dist.get_world_size(), "param_groups": hyper, **trainer}
+        atomic_write_text(partial / _META, json.dumps(meta, indent=2, default=str))
         if final.exists():
+            if not is_ours(final):  # launch's precheck refuses this before training; torchrun users meet it here
+                raise InputError(f"{final} exists and was not written by --save; it is left as it is: "
+                                 "move it, or save elsewhere")
             shutil.rmtree(final)
         partial.rename(final)  # atomic: the step folder appears complete or not at all
-        for _, old in _step_folders(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(root, keep)
     dist.barrier()
     return final
 
@@ -378,3 +472,54 @@ def load_into_model(model: nn.Module, path: str | Path) -> int:
 def _saved_model_names(folder: Path) -> list[str]:
     metadata = read_dcp_metadata(folder / _DCP_METADATA)
     return [k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def lock_checkpoint_root(root: str | Path) -> Iterator[Path]:
+    """Hold ``root/.lock`` (created with O_EXCL, holding this pid and host) while the body runs.
+
+    A lock held by a live process is an :class:`InputError` naming its pid; one left by a process of
+    this host that is no longer alive is taken over, with a note. The lock is removed at the end.
+    """
+    folder = Path(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / _LOCK
+    me = f"{os.getpid()} {socket.gethostname()}"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            held = lock.read_text(errors="replace").split() if lock.is_file() else []
+            pid = int(held[0]) if held and held[0].isdigit() else None
+            host = held[1] if len(held) > 1 else None
+            if pid is not None and host == socket.gethostname() and not _pid_alive(pid):
+                progress.info(f"note: {lock} was left by process {pid}, which has ended; taking it over")
+                lock.unlink(missing_ok=True)
+                continue
+            who = f"pid {pid}" + (f" on {host}" if host else "") if pid is not None else "an unknown process"
+            raise InputError(
+                f"checkpoint folder {folder} is in use by another run ({who}, lock file {lock}): two runs saving "
+                "into one folder would delete each other's checkpoints; wait for it to end or give --save another "
+                f"folder (if no run is using it, delete {lock})"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(me + "\n")
+        break
+    else:
+        raise InputError(f"could not take the lock {lock}; another run is starting there")
+    try:
+        yield lock
+    finally:
+        with contextlib.suppress(OSError):
+            if lock.read_text().strip() == me:
+                lock.unlink()

@@ -25,7 +25,13 @@ Glossary:
     pre-launch checks  :func:`precheck` runs in the launching process, before any rank starts:
                   world size vs dp and stages, micro-batches vs stages, batch size vs dp and
                   micro-batches, dp_shard and batching names, plan vs model, the checkpoint to
-                  resume from (missing, unfinished or truncated is an error here).
+                  resume from (missing, unfinished or truncated is an error here; so are another
+                  optimizer, another dp with --lengths, an edited lengths file; other lr, warm-up,
+                  steps or save_every apply with a note), the outputs (--save a folder that can be
+                  written, --log a file that can be appended to, neither an input of the run).
+    outputs       ``--log`` is appended to (a resumed run continues its file); ``launch`` returns
+                  this run's lines only. ``--save``'s folder is locked for the run (``.lock``, see
+                  :func:`~omnibal_compile.runtime.checkpoint.lock_checkpoint_root`).
     launching     :func:`launch` starts the ranks with torch's elastic agent (``elastic_launch``, the
                   engine of ``torchrun``; one node, c10d rendezvous on loopback, no restarts), each rank
                   running ``python -m omnibal_compile.runtime.worker CONFIG.json``.
@@ -52,6 +58,7 @@ Glossary:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -62,6 +69,8 @@ from typing import Any
 
 import torch
 
+from omnibal_compile import progress
+from omnibal_compile._utils.files import same_file
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model
@@ -70,6 +79,7 @@ from omnibal_compile.runtime.settings import (
     _DATA_SETTINGS,
     RunConfig,
     _data_settings,
+    _resume_record,
     read_plan,
     run_data_parallel,
     with_plan_layout,
@@ -109,6 +119,7 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError("save_every (--save-every) and warmup_steps (--warmup-steps) must be >= 0")
     if config.save_every and not config.save:
         raise InputError("--save-every needs --save DIR (where to write the checkpoints)")
+    _check_outputs(config)
     if config.resume:
         _check_resume(config)
     model = build_model(config)
@@ -139,6 +150,116 @@ def _check_resume(config: RunConfig) -> None:
             f"resuming from {folder} with other data settings would change what the model sees ({detail}); "
             "use the settings of the saved run"
         )
+    _check_resumed_settings(config, folder, meta)
+
+
+def _saved_optimizer(meta: dict[str, Any]) -> str | None:
+    """The optimizer a checkpoint's state is of (older checkpoints: told by its hyper-parameters)."""
+    if isinstance(meta.get("optimizer"), str):
+        return str(meta["optimizer"])
+    groups = meta.get("param_groups") or [{}]
+    return "adamw" if "betas" in groups[0] else "sgd" if "momentum" in groups[0] else None
+
+
+def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any]) -> None:
+    """What a resumed run may change: the optimizer no (its saved state is of that optimizer), dp with --lengths no
+    (each dp rank's sampler draws its own share of the epoch's packs), the lengths files' content no; lr, warm-up,
+    steps and save_every yes, with a note."""
+    optimizer = _saved_optimizer(meta)
+    if optimizer is not None and optimizer != config.optimizer:
+        raise InputError(
+            f"checkpoint {folder} holds {optimizer} optimizer state; --optimizer {config.optimizer} would drop it "
+            f"and train on with a fresh optimizer: resume with --optimizer {optimizer}, or start a new run "
+            "(without --resume) to change optimizers"
+        )
+    saved_dp, dp = meta.get("layout", {}).get("dp", 1), run_data_parallel(config).size
+    if config.lengths and saved_dp != dp:
+        raise InputError(
+            f"checkpoint {folder} was trained with dp {saved_dp} on --lengths packs; with --dp {dp} each rank's "
+            "sampler would split the epoch's packs another way, so the rest of the epoch would see some samples "
+            f"twice and others never: resume with --dp {saved_dp}, or start a new run"
+        )
+    saved_sha, now_sha = meta.get("lengths_sha256"), _resume_record(config)["lengths_sha256"]
+    if isinstance(saved_sha, list) and len(saved_sha) == len(now_sha):
+        for path, old, new in zip(config.lengths, saved_sha, now_sha):
+            if old is not None and new != old:
+                raise InputError(
+                    f"lengths file {path} has changed since checkpoint {folder} was saved (sha256 {str(old)[:12]}... "
+                    f"then, {str(new)[:12]}... now): the remaining steps would not continue the run's data; "
+                    "restore the file, or start a new run"
+                )
+    settings = meta.get("settings", {})
+    base_lrs = meta.get("scheduler", {}).get("base_lrs") or [None]
+    saved_values = {"lr": base_lrs[0], **settings}
+    for key in ("lr", "warmup_steps", "steps", "save_every"):
+        old, new = saved_values.get(key), getattr(config, key)
+        if old is not None and old != new:
+            progress.info(f"note: resuming {folder} (step {meta['step']}) with --{key.replace('_', '-')} {new} "
+                          f"instead of the saved run's {old}; it applies from step {meta['step']} on")
+
+
+def _check_outputs(config: RunConfig) -> None:
+    """``--save`` is a folder that can be written (made here) where no step folder of another program is in the
+    way; ``--log`` a file that can be appended to; neither is an input of the run (the plan, a lengths file)."""
+    from omnibal_compile.runtime.checkpoint import is_ours
+
+    inputs = [("--plan", config.plan), *(("--lengths", p) for p in config.lengths)]
+    if config.save:
+        root = Path(config.save)
+        if root.exists() and not root.is_dir():
+            raise InputError(f"--save {root} is a file, not a folder: checkpoints are step-<K> folders inside it; "
+                             "give a folder (new or of earlier checkpoints)")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"--save {root}: cannot create the folder ({e.strerror or e}); give a folder you can "
+                             "write") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise InputError(f"--save {root}: the folder is not writable, so no checkpoint could be saved; give a "
+                             "folder you can write")
+        every = config.save_every
+        for k in sorted({config.steps, *(range(every, config.steps, every) if every else ())}):
+            final = root / f"step-{k:06d}"
+            if final.exists() and not is_ours(final):
+                raise InputError(f"--save {root}: {final.name} exists and was not written by --save; saving step {k} "
+                                 "would replace it: move it, or give another folder")
+        for flag, path in inputs:
+            if same_file(root, path):
+                raise InputError(f"--save {root} is also {flag}; give another folder")
+    if config.log:
+        log = Path(config.log)
+        if log.is_dir():
+            raise InputError(f"--log {log} is a folder; give a file (the step lines are appended to it)")
+        if not log.resolve().parent.is_dir():
+            raise InputError(f"--log {log}: folder {log.parent} does not exist; create it first")
+        writable = os.access(log, os.W_OK) if log.exists() else os.access(log.resolve().parent, os.W_OK | os.X_OK)
+        if not writable:
+            raise InputError(f"--log {log} cannot be written; give a file you can write")
+        for flag, path in inputs:
+            if same_file(log, path):
+                raise InputError(f"--log {log} is also {flag}: the step lines would be written into it; "
+                                 "give another file")
+
+
+def _save_lock(config: RunConfig) -> contextlib.AbstractContextManager[Any]:
+    from omnibal_compile.runtime.checkpoint import lock_checkpoint_root
+
+    return lock_checkpoint_root(config.save) if config.save else contextlib.nullcontext()
+
+
+def _log_start(log: str) -> int:
+    """Where this run's lines of ``log`` begin: its end (a partial last line is ended first)."""
+    path = Path(log)
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+                size += 1
+    return size
 
 
 WORKER = "omnibal_compile.runtime.worker"
@@ -163,9 +284,9 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
     plan = precheck(config)
     dp = run_data_parallel(config).size
     nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
-    with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp, _save_lock(config):
         log = config.log or str(Path(tmp) / "steps.jsonl")
-        Path(log).unlink(missing_ok=True)
+        start = _log_start(log)  # --log is appended to: the lines of earlier runs stay
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(dataclasses.replace(config, log=log, nproc=nproc).to_json())
         env = dict(os.environ)
@@ -180,6 +301,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
         run_ranks(python_module(_worker, str(cfg_path)), nproc=nproc, env=env, workdir=tmp,
                   timeout_s=timeout_s, on_line=echo)
         with open(log) as f:
+            f.seek(start)
             return [_step_log(json.loads(line)) for line in f if line.strip()]
 
 

@@ -120,3 +120,27 @@ def _data_settings(config: RunConfig) -> dict[str, Any]:
     return {k: json.loads(json.dumps(getattr(config, k))) for k in _DATA_SETTINGS}
 
 
+
+
+_RESUMABLE_SETTINGS = ("optimizer", "lr", "warmup_steps", "steps", "save_every")
+"""RunConfig fields saved with a checkpoint that a resumed run may change (with a note), the optimizer excepted."""
+
+
+def _file_sha256(path: str) -> str | None:
+    import hashlib
+
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _resume_record(config: RunConfig) -> dict[str, Any]:
+    """What a checkpoint records besides the data settings, for the checks of a resumed run: the optimizer and
+    schedule settings, and the sha256 of each lengths file (an edited file is not the data that was trained on)."""
+    return {"optimizer": config.optimizer, "settings": {k: getattr(config, k) for k in _RESUMABLE_SETTINGS},
+            "lengths_sha256": [_file_sha256(p) for p in config.lengths]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -13,9 +14,17 @@ from typing import Any
 
 import torch
 
+from omnibal_compile.errors import TrainingError
 from omnibal_compile.runtime.batches import batch_source, build_model
 from omnibal_compile.runtime.recipe import build_optimizer, lr_scheduler
-from omnibal_compile.runtime.settings import RunConfig, _data_settings, read_plan, run_data_parallel, with_plan_layout
+from omnibal_compile.runtime.settings import (
+    RunConfig,
+    _data_settings,
+    _resume_record,
+    read_plan,
+    run_data_parallel,
+    with_plan_layout,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +71,34 @@ def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int,
     return {"dp": (backend, options), "pp": (backend, options)}
 
 
+def _shared_loss(loss: float | None, src: int, device: torch.device) -> float:
+    """The step's loss, known on the last stage's ranks, on every rank (so that all stop together)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64, device=device)
+    dist.broadcast(value, src=src)
+    return float(value)
+
+
+def _stop_if_not_finite(loss: float, step: int, config: RunConfig, what: str = "the loss is") -> None:
+    if not math.isfinite(loss):
+        kept = f"the checkpoints in {config.save} are kept" if config.save else "nothing was saved"
+        raise TrainingError(
+            f"step {step}: {what} {loss} (--lr {config.lr:g}); training stopped before saving non-finite "
+            f"weights ({kept}): lower --lr (or add --warmup-steps), or look at the data of step {step}"
+        )
+
+
+def _weights_finite(params: list[torch.nn.Parameter], device: torch.device) -> bool:
+    """Whether every rank's weights (their local shards) are finite."""
+    import torch.distributed as dist
+
+    ok = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in params)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
 def train(config: RunConfig) -> list[StepLog]:
     """The body of every rank (inside an initialised process group): build, train, log, save."""
     import torch.distributed as dist
@@ -97,11 +134,15 @@ def train(config: RunConfig) -> list[StepLog]:
         first = int(meta["step"])
         if rank == 0:
             print(f"[omnibal run] resumed from {folder} at step {first}", flush=True)
+    # the schedule is rebuilt at the run's own step from its own settings: a changed --lr applies (launch notes it)
     scheduler = lr_scheduler(config, optimizer, first)
+    record, last_loss = _resume_record(config), None
 
     def save(root: str, step: int) -> None:
+        if not _weights_finite(pipeline.parameters(), device):
+            _stop_if_not_finite(math.nan, step - 1, config, what="the weights it made are")
         trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices},
-                   "data": _data_settings(config)}
+                   "data": _data_settings(config), "scheduler": scheduler.state_dict(), **record, "loss": last_loss}
         path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
         if rank == 0:
             print(f"[omnibal run] checkpoint written: {path}", flush=True)
@@ -152,6 +193,8 @@ def train(config: RunConfig) -> list[StepLog]:
             if config.log:
                 with open(config.log, "a") as f:
                     f.write(line + "\n")
+        last_loss = _shared_loss(loss, last_rank, device)
+        _stop_if_not_finite(last_loss, step, config)
         if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
             save(config.save, step + 1)
     if config.save:

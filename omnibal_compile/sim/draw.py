@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import CostTable
@@ -104,7 +105,7 @@ def write_chrome_trace(result: SimResult, path: str | Path) -> Path:
     """Write :func:`chrome_trace` as JSON; open it in chrome://tracing or ui.perfetto.dev."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(result)))
+    atomic_write_text(path, json.dumps(chrome_trace(result)))
     return path
 
 

@@ -1,0 +1,46 @@
+"""Writing files so that a reader sees the old content or the new, never a part: :func:`atomic_write_text`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+__all__ = ["atomic_write_text", "same_file"]
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Replace ``path`` with ``text`` atomically; returns the path.
+
+    The text goes to a new file beside ``path`` (same folder, so same file system), is flushed and
+    fsynced, and is renamed over ``path`` (``os.replace``). A failure at any point (a full disk, a
+    kill) leaves ``path`` as it was and no temporary file behind. An existing file keeps its mode.
+    """
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for any new file
+    try:
+        with os.fdopen(fd, "w") as f:
+            if p.exists():
+                os.fchmod(f.fileno(), p.stat().st_mode & 0o7777)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (links and ``..`` resolved; a missing path is compared by name)."""
+    pa, pb = Path(a), Path(b)
+    try:
+        if pa.exists() and pb.exists():
+            return os.path.samefile(pa, pb)
+    except OSError:
+        pass
+    return pa.resolve() == pb.resolve()

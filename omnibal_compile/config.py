@@ -195,6 +195,13 @@ class DataConfig(Section):
     simulate micro-batches that differ (plan)."""
     batches: str | None = setting(None, metavar="MODULE:FN")
     """package.module:fn with fn(step, *, batch_size, seed) -> batch; None: built-in random batches."""
+    dataset: str | None = setting(None, metavar="FILE")
+    """A conversation dataset (LLaVA/ShareGPT .json or .jsonl) to train on: its samples, read by the model's
+    processor, in balanced packs."""
+    image_root: str | None = setting(None, metavar="DIR")
+    """With dataset: the folder its image paths are relative to; None: the dataset file's folder."""
+    processor: str | None = setting(None, metavar="DIR")
+    """With dataset: the Hugging Face processor (or tokenizer) folder; None: the folder of the model's config."""
     batching: str = setting("balanced", choices=("balanced", "random"))
     """With lengths: balanced (one balanced pack per row) or random (one random sample per row, padded)."""
     samples_per_pack: float = setting(DEFAULT_SAMPLES_PER_PACK, min=1)

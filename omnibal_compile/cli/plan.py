@@ -52,7 +52,7 @@ LENGTH_ITERATIONS = 16
 PLAN_SECTIONS = (ModelConfig, DataConfig, LayoutConfig, ParallelConfig, ScheduleConfig, MemoryConfig, PlannerConfig,
                  OutputConfig)
 """The config sections ``plan`` takes (every field a flag, see :mod:`omnibal_compile.cli._settings`)."""
-PLAN_EXCLUDE = ("batches", "batching", "batch_size", "samples_per_pack")
+PLAN_EXCLUDE = ("batches", "batching", "batch_size", "samples_per_pack", "dataset", "image_root", "processor")
 """Fields of those sections only a training run reads."""
 
 

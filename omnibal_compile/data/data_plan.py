@@ -11,7 +11,7 @@ Glossary:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -154,6 +154,15 @@ class DataPlan:
             for i in pack
         ]
         batch = c(samples)
+        return {k: batch[k] for k in MODEL_KEYS}
+
+    def real_batch(self, samples: Sequence[Mapping[str, torch.Tensor]], *, where: str) -> dict[str, torch.Tensor]:
+        """Real samples (``input_ids``, ``labels``, ``pixel_values``) of one pack collated to one fixed-shape row;
+        ``where`` names them in errors."""
+        try:
+            batch = self.collator(samples)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
         return {k: batch[k] for k in MODEL_KEYS}
 
     def summary(self) -> str:

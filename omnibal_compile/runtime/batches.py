@@ -43,13 +43,15 @@ def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None
     """``step -> batch``: data-parallel rank ``dp_rank``'s rows, or the whole step's (see the module glossary)."""
     config = with_plan_layout(config)
     dp = cast(int, config.dp)  # with_plan_layout fills in dp
-    if config.batches is not None and config.lengths:
-        raise InputError("give either batches='module:fn' (--batches) or lengths=... (--lengths), not both")
+    given = [flag for flag, on in (("--batches", config.batches is not None), ("--lengths", bool(config.lengths)),
+                                   ("--dataset", config.dataset is not None)) if on]
+    if len(given) > 1:
+        raise InputError(f"give one source of batches, not {' and '.join(given)}")
     if config.batching not in BATCHINGS:
         raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
     if dp_rank is not None and not 0 <= dp_rank < dp:
         raise InputError(f"dp rank {dp_rank} is out of range for dp={dp}")
-    if config.lengths:
+    if config.lengths or config.dataset:
         return packed_source(config, model, dp_rank)
     whole: BatchSource
     if config.batches is not None:
@@ -128,9 +130,12 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
                 f"({dp * micro}), got {config.batch_size}"
             )
     method = "ours" if config.batching == "balanced" else "random"
-    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
-                          **hf_data_facts(model))
-    data = plan_data(list(config.lengths), options, model=model)
+    facts = hf_data_facts(model)
+    dataset = open_dataset(config, facts) if config.dataset else None
+    own_units = {"source_tokens_per_tile": None} if dataset else {}  # measured by the model's processor: no rescale
+    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method, **facts,
+                          **own_units)
+    data = plan_data(dataset.lengths(progress=False) if dataset else list(config.lengths), options, model=model)
     samplers = [data.sampler(r) for r in range(dp)]
     per_epoch = len(samplers[0])
     rows = config.batch_size // dp
@@ -152,8 +157,12 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
         for r in range(dp) if dp_rank is None else (dp_rank,):
             for i, ids in enumerate(packs(step, r)):
                 j = step * rows + i
-                g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * dp + r)
-                out.append(model_inputs(model, data.synthetic_batch(ids, generator=g)))
+                if dataset is not None:
+                    row = data.real_batch([dataset[i] for i in ids], where=f"{config.dataset} records {ids}")
+                else:
+                    g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * dp + r)
+                    row = data.synthetic_batch(ids, generator=g)
+                out.append(model_inputs(model, row))
         return pytree.tree_map(lambda *rows: torch.cat(rows), *out)  # a mask per layer type is a dict
 
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
@@ -163,7 +172,7 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
 
 def _check_epoch_fills_a_step(config: RunConfig, samples: int, per_epoch: int, rows: int, dp: int) -> None:
     """A step's packs are distinct samples: the dataset holds at least one step of packs (each rank's rows)."""
-    lengths = ", ".join(config.lengths)
+    lengths = config.dataset or ", ".join(config.lengths)
     if config.batching == "balanced" and config.samples_per_pack > samples:
         raise InputError(
             f"samples_per_pack (--samples-per-pack) {config.samples_per_pack:g} is more than the {samples} samples of "
@@ -177,6 +186,27 @@ def _check_epoch_fills_a_step(config: RunConfig, samples: int, per_epoch: int, r
             f"{config.batch_size} / dp {dp}): every step would train the same samples several times; lower "
             "--samples-per-pack or --batch-size"
         )
+
+
+def open_dataset(config: RunConfig, facts: Mapping[str, Any]) -> Any:
+    """The run's :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset`, read by its processor
+    (``--processor``, else the folder of an ``hf:`` model's config), checked against the model's image token."""
+    from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
+
+    folder = config.processor
+    if folder is None:
+        spec = config.model.split(":")
+        if not (spec[0] == "hf" and len(spec) == 3):
+            raise InputError(f"dataset (--dataset) needs the processor that reads it: set processor (--processor DIR); "
+                             f"model {config.model!r} has no folder to take it from")
+        folder = str(Path(spec[2]).parent)
+    dataset = ConversationDataset(config.dataset, load_processor(folder), image_root=config.image_root)  # type: ignore[arg-type]
+    if dataset.image_token is not None and "image_token_id" in facts:
+        got = int(dataset.tokenizer.convert_tokens_to_ids(dataset.image_token))
+        if got != int(facts["image_token_id"]):
+            raise InputError(f"processor {folder}: its image token {dataset.image_token!r} has id {got}, but the "
+                             f"model's is {facts['image_token_id']}: use the processor saved with this model")
+    return dataset
 
 
 def model_inputs(

@@ -1,0 +1,197 @@
+"""A conversation dataset through a Hugging Face model's own processor: real tokens, real pixels, assistant labels.
+
+Records are LLaVA / ShareGPT style (``conversations`` of ``from``/``value``) or ``messages`` of
+``role``/``content``, with ``image`` (one path or a list; relative to the image root) or none
+(text-only), in a ``.json`` list or a ``.jsonl`` file.
+
+Glossary:
+    rendering     the conversation rendered by the chat template (the processor's, else its
+                  tokenizer's) as text; the dataset's ``<image>`` marks become the processor's image
+                  token, and a record whose text has fewer marks than images gets the rest at the start
+                  of its first user turn (LLaVA's convention).
+    assistant     each assistant turn's span of the rendering: from the end of the conversation up to
+    spans         that turn rendered with the generation prompt, to the end of it rendered through the
+                  turn. A template whose renderings are not prefixes of one another is refused.
+    tokens        each span and each text between spans is processed on its own (``add_special_tokens``
+                  off, as ``apply_chat_template(tokenize=True)`` does; images go with the text holding
+                  their marks, which the processor expands to the family's image tokens), and the
+                  pieces concatenated: a label boundary never falls inside a token.
+    labels        the token ids on assistant spans; ``-100`` on system and user turns, template text,
+                  and image tokens.
+    lengths       per sample: images (tiles, one ``pixel_values`` row each) and tokens, as the balancer
+                  counts them (the model's own units: no tokens-per-tile conversion).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnibal_compile._utils.labels import IGNORE_INDEX
+from omnibal_compile._utils.validate import open_regular_file
+from omnibal_compile.data.dataset_lengths import read_records
+from omnibal_compile.data.lengths import LengthStats
+from omnibal_compile.errors import InputError
+from omnibal_compile.progress import track
+
+__all__ = ["ConversationDataset", "load_processor"]
+
+DATASET_IMAGE_MARK = "<image>"
+"""How a LLaVA record marks an image in its text."""
+_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def load_processor(path: str | os.PathLike[str]) -> Any:
+    """The processor saved in a local folder (``AutoProcessor``), without downloading anything."""
+    p = Path(path)
+    if not p.is_dir():
+        raise InputError(f"processor folder {p} does not exist; give a folder saved by save_pretrained")
+    try:
+        from transformers import AutoProcessor
+    except ImportError:
+        raise InputError("reading a dataset through a processor needs transformers: pip install transformers") from None
+    try:
+        return AutoProcessor.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises many types here; all mean the folder holds no processor
+        raise InputError(f"processor folder {p}: cannot load a processor from it ({type(e).__name__}: {e})") from None
+
+
+class ConversationDataset(torch.utils.data.Dataset):
+    """Samples ``{"input_ids", "labels", "pixel_values"}`` (1-D ids and labels; pixels [images, C, H, W]).
+
+    ``processor``: a Hugging Face processor (a tokenizer alone for text-only data). ``image_root``: the
+    folder image paths are relative to (default: the dataset file's folder). A record that cannot be
+    read (a missing or unreadable image, no assistant turn) raises :class:`InputError` naming it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], processor: Any, *, image_root: str | None = None) -> None:
+        self.path = Path(path)
+        self.records = read_records(self.path)
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.image_root = Path(image_root) if image_root is not None else self.path.parent
+        self.image_token = getattr(processor, "image_token", None)
+        holder = processor if getattr(processor, "chat_template", None) else self.tokenizer
+        if not getattr(holder, "chat_template", None):
+            raise InputError(f"{self.path}: the processor and its tokenizer have no chat template; save one with the "
+                             "tokenizer (tokenizer.chat_template = ...) to render conversations")
+        self._template = holder
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        where, rec = self.records[index]
+        messages, images = self._parse(where, rec)
+        pieces = self._pieces(where, messages)
+        ids: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
+        pixels: list[torch.Tensor] = []
+        used = 0
+        for text, trained in pieces:
+            marks = text.count(self.image_token) if self.image_token else 0
+            if marks and trained:
+                raise InputError(f"{where}: an assistant turn holds an image mark; images belong to user turns")
+            mine = images[used:used + marks]
+            used += marks
+            out = self._process(where, text, [self._open(where, p) for p in mine])
+            piece = torch.as_tensor(out["input_ids"]).reshape(-1).long()
+            ids.append(piece)
+            labels.append(piece.clone() if trained else torch.full_like(piece, IGNORE_INDEX))
+            if mine:
+                pixels.append(torch.as_tensor(out["pixel_values"]).float())
+        sample = {"input_ids": torch.cat(ids), "labels": torch.cat(labels)}
+        if self.image_token is not None:
+            token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+            sample["labels"][sample["input_ids"] == token_id] = IGNORE_INDEX
+        if pixels:
+            sample["pixel_values"] = torch.cat(pixels)
+        return sample
+
+    def lengths(self, *, progress: bool = True) -> LengthStats:
+        """Images and tokens of every sample as processed (see the module glossary), in dataset order."""
+        tiles, tokens = np.zeros(len(self), np.int64), np.zeros(len(self), np.int64)
+        for i in track(range(len(self)), f"measuring the samples of {self.path.name}", enabled=progress):
+            s = self[i]
+            tokens[i] = s["input_ids"].numel()
+            tiles[i] = s["pixel_values"].shape[0] if "pixel_values" in s else 0
+        return LengthStats(tiles=tiles, tokens=tokens, image_flags=tiles.copy(), source=str(self.path))
+
+    # -- the parts ------------------------------------------------------------------------------------
+    def _parse(self, where: str, rec: Any) -> tuple[list[dict[str, str]], list[str]]:
+        if not isinstance(rec, dict):
+            raise InputError(f"{where}: expected an object with 'conversations' or 'messages', got "
+                             f"{type(rec).__name__}")
+        turns = rec.get("conversations", rec.get("messages"))
+        if not isinstance(turns, list) or not turns:
+            raise InputError(f"{where}: needs a non-empty 'conversations' (from/value) or 'messages' (role/content)")
+        messages = []
+        for k, t in enumerate(turns):
+            role = t.get("from", t.get("role")) if isinstance(t, dict) else None
+            value = t.get("value", t.get("content")) if isinstance(t, dict) else None
+            if not isinstance(role, str) or not isinstance(value, str) or _ROLES.get(role) is None:
+                raise InputError(f"{where}: turn {k} needs a role (human/gpt/user/assistant/system) and a string text")
+            messages.append({"role": _ROLES[role], "content": value})
+        if not any(m["role"] == "assistant" for m in messages):
+            raise InputError(f"{where}: has no assistant turn, so nothing to train on")
+        img = rec.get("image", rec.get("images"))
+        images = [] if img in (None, "", []) else [img] if isinstance(img, str) else img
+        if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+            raise InputError(f"{where}: 'image' must be a path or a list of paths, got {img!r}")
+        if images and self.image_token is None:
+            raise InputError(f"{where}: has images, but the processor has no image token (a text-only tokenizer?)")
+        if self.image_token is not None:
+            for m in messages:
+                m["content"] = m["content"].replace(DATASET_IMAGE_MARK, self.image_token)
+            marks = sum(m["content"].count(self.image_token) for m in messages)
+            if marks > len(images):
+                raise InputError(f"{where}: its text marks {marks} images but it has {len(images)}")
+            first = next((m for m in messages if m["role"] == "user"), None)
+            if marks < len(images):
+                if first is None:
+                    raise InputError(f"{where}: has images but no user turn to put them in")
+                first["content"] = self.image_token * (len(images) - marks) + "\n" + first["content"]
+        return messages, images
+
+    def _render(self, messages: Sequence[dict[str, str]], prompt: bool = False) -> str:
+        return str(self._template.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=prompt))
+
+    def _pieces(self, where: str, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+        """The rendering cut into (text, is an assistant span) pieces (module glossary)."""
+        full = self._render(messages)
+        pieces: list[tuple[str, bool]] = []
+        done = 0
+        for t, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start, end = len(self._render(messages[:t], prompt=True)), len(self._render(messages[: t + 1]))
+            if not (done <= start <= end <= len(full)) or not full.startswith(self._render(messages[: t + 1])):
+                raise InputError(f"{where}: the chat template's renderings are not prefixes of one another, so the "
+                                 "assistant turns cannot be found; use a template that renders turn by turn")
+            pieces += [(full[done:start], False), (full[start:end], True)]
+            done = end
+        pieces.append((full[done:], False))
+        return [(text, trained) for text, trained in pieces if text]
+
+    def _process(self, where: str, text: str, images: list[Any]) -> Any:
+        try:
+            if images:
+                return self.processor(text=text, images=images, add_special_tokens=False, return_tensors="pt")
+            return self.tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        except Exception as e:  # the processor's own errors (image/token count mismatch, a bad image)
+            raise InputError(f"{where}: the processor refused it ({type(e).__name__}: {e})") from None
+
+    def _open(self, where: str, path: str) -> Any:
+        from PIL import Image
+
+        full = self.image_root / path
+        try:
+            with open_regular_file(full) as f, Image.open(f) as im:
+                return im.convert("RGB")
+        except (OSError, InputError) as e:
+            raise InputError(f"{where}: image {full} cannot be read ({e})") from None

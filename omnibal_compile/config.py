@@ -200,6 +200,8 @@ class DataConfig(Section):
     processor, in balanced packs."""
     image_root: str | None = setting(None, metavar="DIR")
     """With dataset: the folder its image paths are relative to; None: the dataset file's folder."""
+    skip_bad_records: bool = setting(False)
+    """With dataset: leave out the records that cannot be read (each named on stderr) instead of stopping."""
     processor: str | None = setting(None, metavar="DIR")
     """With dataset: the Hugging Face processor (or tokenizer) folder; None: the folder of the model's config."""
     batching: str = setting("balanced", choices=("balanced", "random"))

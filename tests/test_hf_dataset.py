@@ -216,7 +216,10 @@ def test_run_trains_on_the_real_samples_like_the_unsplit_model(llava_data, tmp_p
             "--batch-size", "2", "--samples-per-pack", "2", "--num-microbatches", "2", "--steps", "2",
             "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl", "--timeout", "300"]
     assert main(args) == 0
-    logged = [json.loads(line)["loss"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    logged = [line["loss"] for line in lines]
+    for step, line in enumerate(lines):  # the log names the dataset records each dp rank trained on
+        assert line["samples"] == [[i for ids in source.sample_ids(step, 0) for i in ids]]
     model = build_model(config)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step, entry in enumerate(logged):
@@ -254,3 +257,38 @@ def test_run_trains_on_the_real_samples_like_the_unsplit_model(llava_data, tmp_p
     assert torch.equal(before["input_ids"], after["input_ids"]) and not torch.equal(before["pixel_values"],
                                                                                     after["pixel_values"])
     assert abs(step0_loss(before) - step0_loss(after)) > 1e-6
+
+
+def test_bad_records_stop_the_run_or_are_left_out_with_skip_bad_records(llava_data, tmp_path):
+    from omnibal_compile.runtime.batches import batch_source, build_model
+
+    records = json.loads(llava_data["data"].read_text())
+    records.insert(1, {"image": "images/gone.png", "conversations": [{"from": "human", "value": "Hello"},
+                                                                    {"from": "gpt", "value": "Hi"}]})
+    path = llava_data["root"] / "with-bad.json"  # beside the images
+    path.write_text(json.dumps(records))
+    config = _run_config(tmp_path, llava_data)
+    config = config.replace(dataset=str(path))
+    model = build_model(config)
+    with pytest.raises(InputError, match=r"with-bad.json.*record 1.*gone.png cannot be read"):
+        batch_source(config, model)
+    source = batch_source(config.replace(skip_bad_records=True), model)
+    seen = sorted(i for r in range(1) for ids in source.sample_ids(0, r) for i in ids)
+    assert 1 not in seen and set(seen) <= {0, 2, 3, 4}  # record ids of the file, the bad one left out
+    ds = ConversationDataset(path, load_processor(llava_data["model"]), skip_bad=True)
+    stats = ds.lengths(progress=False)
+    assert ds.kept == [0, 2, 3, 4] and [r for r, _ in ds.skipped] == [1] and len(stats) == 4
+
+
+def test_every_sample_of_an_epoch_is_trained_once_across_dp_ranks(llava_data, tmp_path):
+    from collections import Counter
+
+    from omnibal_compile.runtime.batches import batch_source, build_model
+
+    config = _run_config(tmp_path, llava_data, dp=2).replace(samples_per_pack=1.0)
+    source = batch_source(config, build_model(config))
+    per_epoch = len(source.data_plan.sampler(0))  # packs per dp rank per epoch
+    rows = config.batch_size // 2
+    seen = Counter(i for step in range(per_epoch // rows) for r in range(2)
+                   for ids in source.sample_ids(step, r) for i in ids)
+    assert seen == Counter(range(4)), seen

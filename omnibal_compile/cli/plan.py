@@ -52,7 +52,8 @@ LENGTH_ITERATIONS = 16
 PLAN_SECTIONS = (ModelConfig, DataConfig, LayoutConfig, ParallelConfig, ScheduleConfig, MemoryConfig, PlannerConfig,
                  OutputConfig)
 """The config sections ``plan`` takes (every field a flag, see :mod:`omnibal_compile.cli._settings`)."""
-PLAN_EXCLUDE = ("batches", "batching", "batch_size", "samples_per_pack", "dataset", "image_root", "processor")
+PLAN_EXCLUDE = ("batches", "batching", "batch_size", "samples_per_pack", "dataset", "image_root", "processor",
+                "skip_bad_records")
 """Fields of those sections only a training run reads."""
 
 

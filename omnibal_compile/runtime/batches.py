@@ -3,6 +3,8 @@ length statistics."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -132,10 +134,16 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     method = "ours" if config.batching == "balanced" else "random"
     facts = hf_data_facts(model)
     dataset = open_dataset(config, facts) if config.dataset else None
-    own_units = {"source_tokens_per_tile": None} if dataset else {}  # measured by the model's processor: no rescale
-    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method, **facts,
-                          **own_units)
+    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method, **facts)
+    if dataset is not None:  # measured by the model's own processor: in its units, nothing to rescale
+        options = dataclasses.replace(options, source_tokens_per_tile=None)
     data = plan_data(dataset.lengths(progress=False) if dataset else list(config.lengths), options, model=model)
+    if dataset is not None and dataset.skipped and os.environ.get("RANK", "0") == "0":  # said once, not per rank
+        from omnibal_compile import progress
+
+        shown = "; ".join(reason for _, reason in dataset.skipped[:5])
+        progress.info(f"{config.dataset}: {len(dataset.skipped)} of {len(dataset.records)} records left out "
+                      f"(--skip-bad-records): {shown}" + (" ..." if len(dataset.skipped) > 5 else ""))
     samplers = [data.sampler(r) for r in range(dp)]
     per_epoch = len(samplers[0])
     rows = config.batch_size // dp
@@ -167,6 +175,11 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
 
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
     source.packs = packs  # type: ignore[attr-defined]
+    kept = dataset.kept if dataset is not None else None
+    # the step log's sample ids: dataset record indices (a record left out by --skip-bad-records has none)
+    source.sample_ids = (  # type: ignore[attr-defined]
+        packs if kept is None else lambda step, r: [[kept[i] for i in ids] for ids in packs(step, r)]
+    )
     return source
 
 
@@ -200,7 +213,8 @@ def open_dataset(config: RunConfig, facts: Mapping[str, Any]) -> Any:
             raise InputError(f"dataset (--dataset) needs the processor that reads it: set processor (--processor DIR); "
                              f"model {config.model!r} has no folder to take it from")
         folder = str(Path(spec[2]).parent)
-    dataset = ConversationDataset(config.dataset, load_processor(folder), image_root=config.image_root)  # type: ignore[arg-type]
+    dataset = ConversationDataset(config.dataset, load_processor(folder), image_root=config.image_root,  # type: ignore[arg-type]
+                                  skip_bad=config.skip_bad_records)
     if dataset.image_token is not None and "image_token_id" in facts:
         got = int(dataset.tokenizer.convert_tokens_to_ids(dataset.image_token))
         if got != int(facts["image_token_id"]):

@@ -307,5 +307,6 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
 
 def _step_log(data: dict[str, Any]) -> StepLog:
     return StepLog(**{**data, "rank_cpu_s": tuple(data.get("rank_cpu_s", ())),
-                      "rank_peak_bytes": tuple(data.get("rank_peak_bytes", ()))})
+                      "rank_peak_bytes": tuple(data.get("rank_peak_bytes", ())),
+                      "samples": tuple(tuple(ids) for ids in data.get("samples", ()))})
 

@@ -111,7 +111,8 @@ def read_plan(config: RunConfig) -> Plan:
     return Plan.from_file(config.plan, overrides=changes)  # a file's schedule may fit only with them
 
 
-_DATA_SETTINGS = ("model", "model_config", "batches", "lengths", "dataset", "image_root", "processor", "batching",
+_DATA_SETTINGS = ("model", "model_config", "batches", "lengths", "dataset", "image_root", "processor",
+                  "skip_bad_records", "batching",
                   "samples_per_pack", "batch_size", "tiles_per_sample", "text_tokens", "seed")
 """RunConfig fields the batches of a step depend on (with the step and dp): a resumed run must keep them."""
 

@@ -50,6 +50,8 @@ class StepLog:
     """Labelled tokens of the whole step, over every dp rank (rows when the batch has no labels)."""
     tokens_per_s: float = 0.0
     """``tokens / step_time_s``."""
+    samples: tuple[tuple[int, ...], ...] = ()
+    """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order)."""
 
 
 def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
@@ -58,6 +60,14 @@ def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
     eta = f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
     return (f"step {entry.step + 1}/{steps}  loss {entry.loss:.5g}  lr {entry.lr:.3e}  grad norm {entry.grad_norm:.4g}"
             f"  {entry.tokens_per_s:,.0f} tokens/s  {entry.step_time_s:.3f} s/step  ETA {eta}")
+
+
+def _step_samples(source: Any, step: int, dp: int) -> tuple[tuple[int, ...], ...]:
+    """Each dp rank's sample indices of ``step`` when the source packs samples (``packed_source``), else ()."""
+    packs = getattr(source, "sample_ids", None)
+    if packs is None:
+        return ()
+    return tuple(tuple(int(i) for ids in packs(step, r) for i in ids) for r in range(dp))
 
 
 def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int, Any]:
@@ -183,6 +193,7 @@ def train(config: RunConfig) -> list[StepLog]:
                 step=step, loss=float(loss or 0.0), step_time_s=seconds, rank_cpu_s=tuple(float(c) for c in cpu),
                 rank_peak_bytes=tuple(int(b) for b in peaks), lr=lr, grad_norm=grad_norm, tokens=int(tokens),
                 tokens_per_s=float(tokens) / seconds if seconds > 0 else 0.0,
+                samples=_step_samples(source, step, dp),
             )
             logs.append(entry)
             line = json.dumps(dataclasses.asdict(entry))

@@ -66,12 +66,18 @@ class ConversationDataset(torch.utils.data.Dataset):
 
     ``processor``: a Hugging Face processor (a tokenizer alone for text-only data). ``image_root``: the
     folder image paths are relative to (default: the dataset file's folder). A record that cannot be
-    read (a missing or unreadable image, no assistant turn) raises :class:`InputError` naming it.
+    read (a missing or unreadable image, no assistant turn) raises :class:`InputError` naming it; with
+    ``skip_bad``, :meth:`lengths` leaves such records out (``skipped``: record index and reason) and the
+    samples are the kept records (``kept[i]``: the record index of sample ``i``).
     """
 
-    def __init__(self, path: str | os.PathLike[str], processor: Any, *, image_root: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], processor: Any, *, image_root: str | None = None,
+                 skip_bad: bool = False) -> None:
         self.path = Path(path)
         self.records = read_records(self.path)
+        self.skip_bad = skip_bad
+        self.kept: list[int] = list(range(len(self.records)))
+        self.skipped: list[tuple[int, str]] = []
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.image_root = Path(image_root) if image_root is not None else self.path.parent
@@ -83,10 +89,13 @@ class ConversationDataset(torch.utils.data.Dataset):
         self._template = holder
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.kept)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        where, rec = self.records[index]
+        return self._sample(self.kept[index])
+
+    def _sample(self, record: int) -> dict[str, torch.Tensor]:
+        where, rec = self.records[record]
         messages, images = self._parse(where, rec)
         pieces = self._pieces(where, messages)
         ids: list[torch.Tensor] = []
@@ -114,13 +123,26 @@ class ConversationDataset(torch.utils.data.Dataset):
         return sample
 
     def lengths(self, *, progress: bool = True) -> LengthStats:
-        """Images and tokens of every sample as processed (see the module glossary), in dataset order."""
-        tiles, tokens = np.zeros(len(self), np.int64), np.zeros(len(self), np.int64)
-        for i in track(range(len(self)), f"measuring the samples of {self.path.name}", enabled=progress):
-            s = self[i]
-            tokens[i] = s["input_ids"].numel()
-            tiles[i] = s["pixel_values"].shape[0] if "pixel_values" in s else 0
-        return LengthStats(tiles=tiles, tokens=tokens, image_flags=tiles.copy(), source=str(self.path))
+        """Images and tokens of every sample as processed (see the module glossary), in dataset order; with
+        ``skip_bad``, of the records that can be read (the others are listed in ``skipped``)."""
+        tiles, tokens, kept, skipped = [], [], [], []
+        for r in track(range(len(self.records)), f"measuring the samples of {self.path.name}", enabled=progress):
+            try:
+                s = self._sample(r)
+            except InputError as e:
+                if not self.skip_bad:
+                    raise
+                skipped.append((r, str(e)))
+                continue
+            kept.append(r)
+            tokens.append(s["input_ids"].numel())
+            tiles.append(s["pixel_values"].shape[0] if "pixel_values" in s else 0)
+        if not kept:
+            raise InputError(f"{self.path}: none of its {len(self.records)} records can be read; the first: "
+                             f"{skipped[0][1]}")
+        self.kept, self.skipped = kept, skipped
+        t = np.asarray(tiles, np.int64)
+        return LengthStats(tiles=t, tokens=np.asarray(tokens, np.int64), image_flags=t.copy(), source=str(self.path))
 
     # -- the parts ------------------------------------------------------------------------------------
     def _parse(self, where: str, rec: Any) -> tuple[list[dict[str, str]], list[str]]:

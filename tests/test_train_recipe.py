@@ -234,3 +234,25 @@ def test_llava_resume_is_exact_with_unused_parameters(tmp_path, llava_dir):
     assert [e.lr for e in full] == pytest.approx(want, rel=1e-9)
     meta = json.loads((root / "step-000003" / "meta.json").read_text())
     assert [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
+
+
+@pytest.mark.distributed
+def test_a_last_stage_holding_only_the_tied_head_trains_like_the_unsplit_model(tmp_path, tiny_llama):
+    """The tied head alone on the last stage (its only parameter is the embedding's): its rank's optimizer steps
+    the shared weight, whose gradient sums both ranks' parts (issue "Trust at first sight", tied-only stages)."""
+    config = _llama_run(tmp_path, tiny_llama, stages=2, steps=2, optimizer="sgd", lr=0.5)
+    plan = oc.Plan.from_json((tmp_path / "plan.json").read_text())
+    head = plan.block_names.index("lm_head")
+    alone = dataclasses.replace(plan, boundaries=(0, head, len(plan.block_names)))
+    (tmp_path / "plan.json").write_text(alone.to_json())
+    logged = launch(config, timeout_s=300, quiet=True)
+    model = build_model(config)
+    source = batch_source(config, model)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+    for step, entry in enumerate(logged):
+        opt.zero_grad()
+        loss = model(**source(step)).loss
+        assert abs(float(loss.detach()) - entry.loss) <= NORM_TOL, (step, float(loss.detach()), entry.loss)
+        loss.backward()
+        opt.step()
+    assert len(logged) == 2

@@ -39,7 +39,7 @@ def test_balanced_batches_have_one_fixed_shape_and_are_deterministic(tmp_path, l
     again = batch_source(config, build_model(config))
     assert all(torch.equal(again(3)[k], source(3)[k]) for k in shapes)  # every rank builds the same batch
     assert torch.isfinite(model(**source(0)))
-    with pytest.raises(InputError, match="not both"):
+    with pytest.raises(InputError, match="give one source of batches, not --batches and --lengths"):
         batch_source(dataclasses.replace(config, batches="x:y"), model)
 
 

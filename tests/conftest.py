@@ -122,3 +122,22 @@ def lengths_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("lengths") / "lengths.json"
     path.write_text(json.dumps(records))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo process group of one rank in this process (pipelining and checkpoints need one), destroyed after."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

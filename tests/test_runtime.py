@@ -501,19 +501,6 @@ def test_peak_live_storages_counts_tracked_and_new_storages_until_freed():
 
 # -- one rank in this process: the plan's recomputation and AdamW through build_pipeline -------------
 @pytest.fixture(scope="module")
-def one_rank_group() -> Iterator[None]:
-    """A gloo process group of one rank in this process (pipelining needs a group), destroyed after."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def mixed_two_stages_one_rank() -> tuple[torch.nn.Module, dict[str, torch.Tensor], Plan]:
     """A TinyVLM of its own (the tests train it), two interleaved stages on one rank, and full /
     selective / none recomputation by block."""

@@ -11,13 +11,11 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,23 +69,7 @@ def _model() -> nn.Module:
 
 
 @pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    """A gloo group of one rank in this process (saving and loading the training state need one)."""
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def saved(one_rank: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+def saved(one_rank_group: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     """A step folder written by the project's own save, and the weights in it."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -138,7 +120,7 @@ def test_crafted_metadata_is_refused_without_running_it(copy: Path, tmp_path: Pa
 
 
 def test_dcps_own_reads_are_checked_too(copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        one_rank: None) -> None:
+                                        one_rank_group: None) -> None:
     """A ``.metadata`` swapped in after the checks: DCP's own reads of it refuse it as well."""
     marker = tmp_path / "pwned"
     found = ckpt.find_checkpoint(copy)

@@ -209,17 +209,23 @@ def _image_paths(where: str, rec: dict[str, Any]) -> list[str]:
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """A Hugging Face tokenizer from a local folder (``tokenizer.json`` / ``tokenizer_config.json``); no download."""
+    return load_local_pretrained(path, "tokenizer", "AutoTokenizer")
+
+
+def load_local_pretrained(path: str | os.PathLike[str], what: str, auto_class: str) -> Any:
+    """``transformers.<auto_class>.from_pretrained`` of a local folder saved by ``save_pretrained``, never a
+    download; a missing folder, a missing transformers or a folder without a ``what`` is an :class:`InputError`."""
     p = Path(path)
     if not p.is_dir():
-        raise InputError(f"tokenizer folder {p} does not exist; give a local folder saved by save_pretrained")
+        raise InputError(f"{what} folder {p} does not exist; give a local folder saved by save_pretrained")
     try:
-        from transformers import AutoTokenizer
+        import transformers
     except ImportError:
-        raise InputError("counting text tokens needs transformers: pip install 'omnibal-compile[hf]'") from None
+        raise InputError(f"loading a {what} needs transformers: pip install 'omnibal-compile[hf]'") from None
     try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # transformers raises many types here; all mean the folder is not a tokenizer
-        raise InputError(f"tokenizer folder {p}: cannot load a tokenizer from it ({type(e).__name__}: {e})") from None
+        return getattr(transformers, auto_class).from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises many types here; all mean the folder holds no such thing
+        raise InputError(f"{what} folder {p}: cannot load a {what} from it ({type(e).__name__}: {e})") from None
 
 
 class _TextCounter:

@@ -34,7 +34,7 @@ import torch
 
 from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile._utils.validate import open_regular_file
-from omnibal_compile.data.dataset_lengths import read_records
+from omnibal_compile.data.dataset_lengths import load_local_pretrained, read_records
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
 from omnibal_compile.progress import track
@@ -48,17 +48,7 @@ _ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user
 
 def load_processor(path: str | os.PathLike[str]) -> Any:
     """The processor saved in a local folder (``AutoProcessor``), without downloading anything."""
-    p = Path(path)
-    if not p.is_dir():
-        raise InputError(f"processor folder {p} does not exist; give a folder saved by save_pretrained")
-    try:
-        from transformers import AutoProcessor
-    except ImportError:
-        raise InputError("reading a dataset through a processor needs transformers: pip install transformers") from None
-    try:
-        return AutoProcessor.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # transformers raises many types here; all mean the folder holds no processor
-        raise InputError(f"processor folder {p}: cannot load a processor from it ({type(e).__name__}: {e})") from None
+    return load_local_pretrained(path, "processor", "AutoProcessor")
 
 
 class ConversationDataset(torch.utils.data.Dataset):

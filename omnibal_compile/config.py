@@ -200,6 +200,8 @@ class DataConfig(Section):
     processor, in balanced packs."""
     image_root: str | None = setting(None, metavar="DIR")
     """With dataset: the folder its image paths are relative to; None: the dataset file's folder."""
+    data_workers: int = setting(0, min=0)
+    """DataLoader worker processes that make the next steps' batches while a step trains (0: made in the rank)."""
     skip_bad_records: bool = setting(False)
     """With dataset: leave out the records that cannot be read (each named on stderr) instead of stopping."""
     processor: str | None = setting(None, metavar="DIR")

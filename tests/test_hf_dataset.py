@@ -214,7 +214,7 @@ def test_run_trains_on_the_real_samples_like_the_unsplit_model(llava_data, tmp_p
     (tmp_path / "plan.json").write_text(result.plan.to_json())
     args = ["run", "--plan", "plan.json", "--model", config.model, "--dataset", str(llava_data["data"]),
             "--batch-size", "2", "--samples-per-pack", "2", "--num-microbatches", "2", "--steps", "2",
-            "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl", "--timeout", "300"]
+            "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl", "--timeout", "300", "--data-workers", "2"]
     assert main(args) == 0
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     logged = [line["loss"] for line in lines]
@@ -292,3 +292,15 @@ def test_every_sample_of_an_epoch_is_trained_once_across_dp_ranks(llava_data, tm
     seen = Counter(i for step in range(per_epoch // rows) for r in range(2)
                    for ids in source.sample_ids(step, r) for i in ids)
     assert seen == Counter(range(4)), seen
+
+
+def test_dataloader_workers_make_the_same_batches(llava_data, tmp_path):
+    from omnibal_compile.runtime.batches import batch_source, build_model, step_batches
+
+    config = _run_config(tmp_path, llava_data)
+    source = batch_source(config, build_model(config))
+    here = list(step_batches(source, 1, 4))
+    ahead = list(step_batches(source, 1, 4, workers=2))  # two worker processes, two steps ahead each
+    assert len(here) == len(ahead) == 3
+    for a, b in zip(here, ahead):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

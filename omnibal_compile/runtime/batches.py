@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -93,6 +93,32 @@ def batch_source(config: RunConfig, model: nn.Module, dp_rank: int | None = None
     if dp_rank is None or dp == 1:
         return whole
     return lambda step: _dp_part(whole(step), dp, dp_rank)
+
+
+class _Steps(torch.utils.data.Dataset):
+    """Steps ``first..last-1`` of a batch source, as a dataset a ``DataLoader`` reads in its workers."""
+
+    def __init__(self, source: BatchSource, first: int, last: int) -> None:
+        self.source, self.first, self.last = source, first, last
+
+    def __len__(self) -> int:
+        return self.last - self.first
+
+    def __getitem__(self, k: int) -> Any:
+        return self.source(self.first + k)
+
+
+def step_batches(source: BatchSource, first: int, last: int, *, workers: int = 0) -> Iterator[Any]:
+    """The batches of steps ``first..last-1`` in order: made here (``workers=0``), or by a ``DataLoader``'s
+    ``workers`` processes two steps ahead each, so a step does not wait on reading and processing images.
+
+    The batches are the same either way: a source is a function of the step alone.
+    """
+    if workers == 0:
+        return (source(step) for step in range(first, last))
+    loader = torch.utils.data.DataLoader(_Steps(source, first, last), batch_size=None, shuffle=False,
+                                         num_workers=workers, prefetch_factor=2)
+    return iter(loader)
 
 
 def _dp_part(batch: Any, dp: int, dp_rank: int) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from omnibal_compile.errors import TrainingError
-from omnibal_compile.runtime.batches import batch_source, build_model
+from omnibal_compile.runtime.batches import batch_source, build_model, step_batches
 from omnibal_compile.runtime.recipe import build_optimizer, lr_scheduler
 from omnibal_compile.runtime.settings import (
     RunConfig,
@@ -160,8 +160,9 @@ def train(config: RunConfig) -> list[StepLog]:
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
     logs: list[StepLog] = []
     run_start = time.perf_counter()
+    batches = step_batches(source, first, config.steps, workers=config.data_workers)
     for step in range(first, config.steps):
-        batch = source(step)
+        batch = next(batches)
         tokens = loss_terms(pipeline.flatten(batch), pipeline.input_names, "tokens").sum().to(device)
         if pipeline.dp_group is not None:
             dist.all_reduce(tokens, group=pipeline.dp_group)

@@ -173,21 +173,25 @@ def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any
             "(without --resume) to change optimizers"
         )
     saved_dp, dp = meta.get("layout", {}).get("dp", 1), run_data_parallel(config).size
-    if config.lengths and saved_dp != dp:
+    if (config.lengths or config.dataset) and saved_dp != dp:
         raise InputError(
-            f"checkpoint {folder} was trained with dp {saved_dp} on --lengths packs; with --dp {dp} each rank's "
+            f"checkpoint {folder} was trained with dp {saved_dp} on balanced packs; with --dp {dp} each rank's "
             "sampler would split the epoch's packs another way, so the rest of the epoch would see some samples "
             f"twice and others never: resume with --dp {saved_dp}, or start a new run"
         )
-    saved_sha, now_sha = meta.get("lengths_sha256"), _resume_record(config)["lengths_sha256"]
-    if isinstance(saved_sha, list) and len(saved_sha) == len(now_sha):
-        for path, old, new in zip(config.lengths, saved_sha, now_sha):
-            if old is not None and new != old:
-                raise InputError(
-                    f"lengths file {path} has changed since checkpoint {folder} was saved (sha256 {str(old)[:12]}... "
-                    f"then, {str(new)[:12]}... now): the remaining steps would not continue the run's data; "
-                    "restore the file, or start a new run"
-                )
+    record = _resume_record(config)
+    saved_sha, now_sha = meta.get("lengths_sha256"), record["lengths_sha256"]
+    pairs = list(zip(config.lengths, saved_sha, now_sha)) if isinstance(saved_sha, list) and len(saved_sha) == len(
+        now_sha) else []
+    if config.dataset:
+        pairs.append((config.dataset, meta.get("dataset_sha256"), record["dataset_sha256"]))
+    for path, old, new in pairs:
+        if old is not None and new != old:
+            raise InputError(
+                f"data file {path} has changed since checkpoint {folder} was saved (sha256 {str(old)[:12]}... "
+                f"then, {str(new)[:12]}... now): the remaining steps would not continue the run's data; "
+                "restore the file, or start a new run"
+            )
     settings = meta.get("settings", {})
     base_lrs = meta.get("scheduler", {}).get("base_lrs") or [None]
     saved_values = {"lr": base_lrs[0], **settings}

@@ -142,6 +142,8 @@ def _file_sha256(path: str) -> str | None:
 
 def _resume_record(config: RunConfig) -> dict[str, Any]:
     """What a checkpoint records besides the data settings, for the checks of a resumed run: the optimizer and
-    schedule settings, and the sha256 of each lengths file (an edited file is not the data that was trained on)."""
+    schedule settings, and the sha256 of each lengths file and of the dataset file (an edited file is not the data
+    that was trained on)."""
     return {"optimizer": config.optimizer, "settings": {k: getattr(config, k) for k in _RESUMABLE_SETTINGS},
-            "lengths_sha256": [_file_sha256(p) for p in config.lengths]}
+            "lengths_sha256": [_file_sha256(p) for p in config.lengths],
+            "dataset_sha256": _file_sha256(config.dataset) if config.dataset else None}

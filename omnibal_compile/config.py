@@ -169,8 +169,9 @@ class ModelConfig(Section):
     """Which model, seeded how, computed where."""
 
     model: str = setting("tinyvlm", metavar="MODEL")
-    """tinyvlm (the built-in reference VLM; tiny-vlm also accepted), hf:ClassName:config.json, or
-    package.module:factory returning a model or (model, example_batch)."""
+    """tinyvlm (the built-in reference VLM; tiny-vlm also accepted), hf:DIR (a save_pretrained folder, its weights
+    loaded), hf:ClassName:config.json (random weights), or package.module:factory returning a model or (model,
+    example_batch)."""
     model_config: Mapping[str, Any] = setting(factory=dict, metavar="JSON")
     """TinyVLMConfig fields, or keyword arguments of the factory (JSON on the command line)."""
     seed: int = setting(0, min=0, max=MAX_SEED)
@@ -366,6 +367,9 @@ class CheckpointConfig(Section):
     """Also save every this many steps (0: only at the end)."""
     resume: str | None = setting(None, metavar="DIR")
     """Checkpoint root (its newest complete step folder) or step folder to continue from; steps counts all steps."""
+    export_hf: str | None = setting(None, metavar="DIR")
+    """With save: after each save, rank 0 writes the saved step's model here as a Hugging Face folder (replacing the
+    previous export), from_pretrained loadable."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ SLOW_TESTS: dict[str, int] = {
     "tests/test_examples.py::test_hugging_face_models_get_their_family_batch": 23,
     "tests/test_probes_data_loss.py::test_a_nan_loss_stops_the_run_at_its_step_and_keeps_the_good_checkpoints": 23,
     "tests/test_gpu_check.py::test_gpu_check_dry_run_passes_and_writes_its_results": 22,
+    "tests/test_export.py::test_a_pipeline_run_exports_the_trained_model": 21,
     "tests/test_paper_scale.py::test_compiled_tables_are_the_compilers_and_fit_study_shapes": 17,
     "tests/test_codegen.py::test_random_valid_plans_reproduce_the_model": 17,
     "tests/test_kernels.py::test_triton_cases_in_interpreter": 14,

@@ -21,15 +21,17 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "omnibal-compile run --plan plan.json --steps 2",
         "omnibal-compile run --plan plan.json --dp 2 --lengths lengths.json --save ckpt --save-every 50",
         "omnibal-compile run --plan plan.json --resume ckpt --steps 200",
+        "omnibal-compile run --plan plan.json --model hf:base --save ckpt --export-hf hf-out",
     ),
     "data": ("omnibal-compile data omnibal_compile/data/stats/*.json --dp 8 --samples-per-pack 4",),
     "lengths": ("omnibal-compile lengths train.jsonl --tokenizer tokenizer --out lengths.json",),
     "bench": ("omnibal-compile bench kernels", "omnibal-compile bench all"),
+    "export": ("omnibal-compile export ckpt hf-out", "omnibal-compile export ckpt/step-000050 hf-out --model hf:base"),
 }
 """Example command lines shown at the end of each command's ``--help``."""
 COMMANDS: tuple[str, ...] = ("omnibal_compile.cli.demo", "omnibal_compile.cli.plan", "omnibal_compile.cli.run",
                          "omnibal_compile.cli.data", "omnibal_compile.cli.bench",
-                         "omnibal_compile.cli.lengths")
+                         "omnibal_compile.cli.lengths", "omnibal_compile.cli.export")
 
 
 def build_parser() -> argparse.ArgumentParser:

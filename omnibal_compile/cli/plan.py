@@ -3,6 +3,8 @@
 MODEL is one of:
     tinyvlm                     the built-in reference VLM (``omnibal_compile.models.TinyVLM``; tiny-vlm also
                                 accepted);
+    hf:DIR                      a folder saved by ``save_pretrained``, its weights loaded (the class its
+                                config's ``architectures`` names; ``hf:ClassName:DIR`` names it);
     hf:ClassName:config.json    a Hugging Face ``transformers`` class built offline from a config
                                 file with random weights (``hf:LlavaForConditionalGeneration:cfg.json``);
     module.path:factory         a function returning a model, or ``(model, example_batch)`` (the
@@ -59,7 +61,7 @@ PLAN_EXCLUDE = ("batches", "batching", "batch_size", "samples_per_pack", "datase
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", metavar="MODEL", nargs="?", default=None,
-                   help="the model, as --model (tinyvlm | hf:ClassName:config.json | module.path:factory)")
+                   help="the model, as --model (tinyvlm | hf:DIR | hf:ClassName:config.json | module.path:factory)")
     add_settings(p, Config, sections=PLAN_SECTIONS, exclude=PLAN_EXCLUDE)
     p.add_argument(
         "--sweep-memory", metavar="SIZES", default=None, help="what-if: comma-separated budgets, e.g. 20GiB,40GiB,80GiB"

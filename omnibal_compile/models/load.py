@@ -3,12 +3,17 @@
 Glossary:
     model spec    ``tiny-vlm`` (or ``tinyvlm``): the reference VLM, its config fields from ``config``;
                   ``hf:ClassName:config.json``: a ``transformers`` class built offline from a config
-                  file with random weights; ``module.path:factory``: ``factory(**config)`` returning
-                  a model, or ``(model, example_batch)``, from the installed packages or, when none has
-                  that name, the current folder (searched after them, never ahead);
+                  file with random weights; ``hf:DIR`` (or ``hf:ClassName:DIR``): a folder saved by
+                  ``save_pretrained`` (config.json and its safetensors, sharded or not), its weights
+                  loaded, the class the config's ``architectures`` names; ``module.path:factory``:
+                  ``factory(**config)`` returning a model, or ``(model, example_batch)``, from the
+                  installed packages or, when none has that name, the current folder (searched after
+                  them, never ahead);
                   ``path/to/file.py:factory``: the same from a named file.
     example batch the batch ``plan`` captures the model with: the reference VLM's and Hugging Face
                   models' are built from their configs; a factory may return its own.
+    model folder  the folder of an ``hf:`` spec (DIR, or the config file's folder): where the processor
+                  and tokenizer files are looked for (:func:`model_folder`).
     data facts    what balanced packs need to know about a Hugging Face VLM (tokens per tile, the
                   image placeholder id, the tile's shape, the vocabulary), read from its config.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -34,7 +40,7 @@ from omnibal_compile.config import TINY_VLM_NAMES
 from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_example_batch
 
-__all__ = ["LoadedModel", "load_model", "hf_data_facts", "hf_example_batch", "import_from_spec"]
+__all__ = ["LoadedModel", "load_model", "model_folder", "hf_data_facts", "hf_example_batch", "import_from_spec"]
 
 TINY_VLM = TINY_VLM_NAMES
 
@@ -151,17 +157,21 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
         example = make_example_batch(cfg, batch=batch, tiles_per_sample=tiles, text_tokens=text, seed=seed)
         return LoadedModel(model=TinyVLM(cfg), example_batch=example, name="tiny-vlm")
     if spec.startswith("hf:"):
-        parts = spec.split(":", 2)
-        if len(parts) != 3 or not parts[1] or not parts[2]:
-            raise InputError(
-                f"MODEL {spec!r}: write hf:ClassName:config.json, e.g. hf:LlavaForConditionalGeneration:config.json"
-            )
-        model = _hf_model(parts[1], parts[2], meta=meta)
+        class_name, path = _hf_spec(spec)
+        if Path(path).is_dir():
+            model, class_name = _hf_pretrained(class_name, path, meta=meta)
+        elif class_name is None:
+            raise InputError(f"MODEL {spec!r}: {path} is not a folder; write hf:DIR for a folder saved by "
+                             "save_pretrained, or hf:ClassName:config.json for random weights")
+        else:
+            model = _hf_model(class_name, path, meta=meta)
         example = _hf_example(model, batch=batch, text=text, seed=seed)
-        return LoadedModel(model=model, example_batch=_on_meta(example) if meta and example else example, name=parts[1])
+        return LoadedModel(model=model, example_batch=_on_meta(example) if meta and example else example,
+                           name=class_name)
     if ":" not in spec:
         raise InputError(
-            f"MODEL {spec!r} is not tiny-vlm, hf:ClassName:config.json, module.path:factory or path/to/file.py:factory"
+            f"MODEL {spec!r} is not tiny-vlm, hf:DIR, hf:ClassName:config.json, module.path:factory or "
+            "path/to/file.py:factory"
         )
     made = import_from_spec(spec, "model factory")(**config)
     model, example = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
@@ -175,7 +185,31 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     return LoadedModel(model=model, example_batch=example, name=spec)
 
 
-def _hf_model(class_name: str, config_path: str, *, meta: bool = False) -> nn.Module:
+def _hf_spec(spec: str) -> tuple[str | None, str]:
+    """``hf:DIR`` -> (None, DIR); ``hf:ClassName:PATH`` -> (ClassName, PATH), PATH a config file or a folder."""
+    rest = spec[len("hf:"):]
+    head, sep, tail = rest.partition(":")
+    if sep and head.isidentifier() and tail:
+        return head, tail
+    if rest and not sep:
+        return None, rest
+    raise InputError(f"MODEL {spec!r}: write hf:DIR (a folder saved by save_pretrained) or hf:ClassName:config.json, "
+                     "e.g. hf:LlavaForConditionalGeneration:config.json")
+
+
+def model_folder(spec: str) -> Path | None:
+    """The folder of an ``hf:`` spec: DIR of ``hf:DIR`` and ``hf:ClassName:DIR``, the config file's folder of
+    ``hf:ClassName:config.json``; None for other specs (or a malformed one)."""
+    if not spec.startswith("hf:"):
+        return None
+    try:
+        _, path = _hf_spec(spec)
+    except InputError:
+        return None
+    return Path(path) if Path(path).is_dir() else Path(path).parent
+
+
+def _hf_class(class_name: str) -> Any:
     try:
         import transformers
     except ImportError:
@@ -185,6 +219,56 @@ def _hf_model(class_name: str, config_path: str, *, meta: bool = False) -> nn.Mo
         raise InputError(
             f"transformers has no model class {class_name!r} (e.g. LlavaForConditionalGeneration, LlamaForCausalLM)"
         )
+    return cls
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _hf_pretrained(class_name: str | None, folder: str, *, meta: bool = False) -> tuple[nn.Module, str]:
+    """The model saved in ``folder`` with its weights (float32), of ``class_name`` or the class its config's
+    ``architectures`` names (else the Auto classes' for its ``model_type``); on ``meta``: built from its config
+    alone, in bf16. Returns it and its class name."""
+    config_path = Path(folder) / "config.json"
+    read_text(str(config_path), "config file")  # says whether it is missing, a directory or unreadable
+    if class_name is None:
+        try:
+            saved = json.loads(config_path.read_text())
+            names = saved.get("architectures") or [_auto_class_name(saved.get("model_type"))]
+        except (ValueError, AttributeError) as e:
+            raise InputError(f"config file {config_path} is not a JSON object: {e}") from None
+        if not names or not isinstance(names[0], str):
+            raise InputError(f"{config_path} names no class (no 'architectures', and its model_type "
+                             f"{saved.get('model_type')!r} is no image-text-to-text or causal LM family): write "
+                             f"hf:ClassName:{folder}")
+        class_name = names[0]
+    cls = _hf_class(class_name)
+    if meta:
+        return _hf_model(class_name, str(config_path), meta=True), class_name
+    if not any((Path(folder) / name).is_file() for name in _WEIGHT_FILES):
+        raise InputError(f"model folder {folder} holds no weights ({' or '.join(_WEIGHT_FILES)}): save the model "
+                         f"with save_pretrained, or write hf:{class_name}:{config_path} for random weights")
+    try:
+        model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise InputError(f"model folder {folder}: cannot load {class_name} from it ({type(e).__name__}: {e})") from None
+    return model.train(), class_name  # from_pretrained leaves it in eval mode; a config-built model trains
+
+
+def _auto_class_name(model_type: Any) -> str | None:
+    """The class ``AutoModelForImageTextToText`` (else ``AutoModelForCausalLM``) builds for ``model_type``."""
+    try:
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError:
+        raise InputError("hf: models need transformers: pip install 'omnibal-compile[hf]'") from None
+    for names in (auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        if isinstance(model_type, str) and isinstance(names.get(model_type), str):
+            return str(names[model_type])
+    return None
+
+
+def _hf_model(class_name: str, config_path: str, *, meta: bool = False) -> nn.Module:
+    cls = _hf_class(class_name)
     read_text(config_path, "config file")  # says whether it is missing, a directory or unreadable
     try:
         config = cls.config_class.from_json_file(config_path)

@@ -229,16 +229,18 @@ def _check_epoch_fills_a_step(config: RunConfig, samples: int, per_epoch: int, r
 
 def open_dataset(config: RunConfig, facts: Mapping[str, Any]) -> Any:
     """The run's :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset`, read by its processor
-    (``--processor``, else the folder of an ``hf:`` model's config), checked against the model's image token."""
+    (``--processor``, else the folder of an ``hf:`` model: DIR, or its config's folder), checked against the
+    model's image token."""
     from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
+    from omnibal_compile.models.load import model_folder
 
     folder = config.processor
     if folder is None:
-        spec = config.model.split(":")
-        if not (spec[0] == "hf" and len(spec) == 3):
+        found = model_folder(config.model)
+        if found is None:
             raise InputError(f"dataset (--dataset) needs the processor that reads it: set processor (--processor DIR); "
                              f"model {config.model!r} has no folder to take it from")
-        folder = str(Path(spec[2]).parent)
+        folder = str(found)
     dataset = ConversationDataset(config.dataset, load_processor(folder), image_root=config.image_root,  # type: ignore[arg-type]
                                   skip_bad=config.skip_bad_records)
     if dataset.image_token is not None and "image_token_id" in facts:

@@ -4,8 +4,9 @@ Glossary:
     run config    :class:`RunConfig`: plan file, model, data, optimizer and launch settings. It is
                   written to JSON and read back by every rank.
     model spec    ``tinyvlm`` (the built-in reference VLM, ``model_config`` = TinyVLMConfig
-                  fields), ``hf:ClassName:config.json`` (a ``transformers`` class from a config file)
-                  or ``package.module:factory`` (``factory(**model_config)`` -> a model or ``(model,
+                  fields), ``hf:DIR`` (a ``save_pretrained`` folder, its weights loaded),
+                  ``hf:ClassName:config.json`` (a ``transformers`` class from a config file) or
+                  ``package.module:factory`` (``factory(**model_config)`` -> a model or ``(model,
                   example_batch)``), as for ``omnibal-compile plan`` (:mod:`omnibal_compile.models.load`).
     batch source  ``source(step) -> batch``: one data-parallel rank's part of a training step
                   (``batch_size / dp`` rows), or the whole step (every dp rank's rows, in dp order).
@@ -123,6 +124,8 @@ def precheck(config: RunConfig) -> Plan:
     if config.resume:
         _check_resume(config)
     model = build_model(config)
+    if config.export_hf:
+        _check_export(config, model, config.export_hf)
     compile_for_microbatches(model, batch_source(config, model, 0)(0), plan)  # PlanError when the plan does not fit
     return plan
 
@@ -243,6 +246,21 @@ def _check_outputs(config: RunConfig) -> None:
             if same_file(log, path):
                 raise InputError(f"--log {log} is also {flag}: the step lines would be written into it; "
                                  "give another file")
+
+
+def _check_export(config: RunConfig, model: torch.nn.Module, out: str) -> None:
+    """``--export-hf``: with ``--save`` (it exports the step folders saved), a Hugging Face model, a new folder or an
+    earlier export, not the checkpoint folder."""
+    from omnibal_compile.runtime.export import check_export_target
+
+    if not config.save:
+        raise InputError("--export-hf needs --save DIR: the export is made from each checkpoint the run saves")
+    if same_file(out, config.save):
+        raise InputError(f"--export-hf {out} is also --save; give another folder")
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise InputError(f"--export-hf writes a Hugging Face folder; model {config.model!r} ({type(model).__name__}) "
+                         "has no save_pretrained")
+    check_export_target(out, "--export-hf")
 
 
 def _save_lock(config: RunConfig) -> contextlib.AbstractContextManager[Any]:

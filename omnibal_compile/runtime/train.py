@@ -156,6 +156,10 @@ def train(config: RunConfig) -> list[StepLog]:
         path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
         if rank == 0:
             print(f"[omnibal run] checkpoint written: {path}", flush=True)
+            if config.export_hf:  # from the step folder just written; the other ranks wait in the next collective
+                from omnibal_compile.runtime.export import export_hf
+
+                print(f"[omnibal run] exported: {export_hf(path, config.export_hf)}", flush=True)
 
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
     logs: list[StepLog] = []

@@ -39,6 +39,7 @@ from omnibal_compile.ir.costs import (
     CostTable,
     DataParallel,
     Precision,
+    precision_named,
 )
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
@@ -265,6 +266,8 @@ def _settings(config: Config | None, overrides: dict[str, Any]) -> tuple[Config,
     if config is not None and not isinstance(config, Config):
         raise InputError(f"config= must be an omnibal_compile.config.Config, got {type(config).__name__}")
     base = config if config is not None else Config()
+    if isinstance(overrides.get("precision"), str):  # precision="bf16": the setting; a Precision: the input
+        base = base.replace(precision=overrides.pop("precision"))
     inputs = {k: overrides.pop(k) for k in INPUTS if k in overrides}
     for name in overrides:
         find_field(name, Config)  # a typo names the closest setting
@@ -459,7 +462,8 @@ def optimize(
     """Capture ``model`` on ``example_inputs``, cut it into pipeline stages, emit them.
 
     Args:
-        model: any ``nn.Module``; it is not modified.
+        model: any ``nn.Module``; it is not modified, except that ``freeze=`` turns ``requires_grad`` off for the
+            parameters it names (as the run does), so that the stages and costs are those of the frozen model.
         example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``. None
             (default): one balanced pack when ``lengths`` is given, else synthesized from the model
             (:func:`omnibal_compile.models.examples.example_inputs_for`). What was synthesized is told
@@ -487,14 +491,21 @@ def optimize(
         shard=cfg.dp_shard or DEFAULT_DP_SHARD,
         reshard_after_forward=True if cfg.reshard_after_forward is None else cfg.reshard_after_forward,
     )
+    precision = inputs.get("precision", precision_named(cfg.precision) if cfg.precision else BF16_ADAM)
     work = _Work(model=model, config=cfg, example_inputs=example_inputs, plan=plan, costs=inputs["costs"],
-                 lengths=inputs["lengths"], data=inputs.get("data"), precision=inputs.get("precision", BF16_ADAM),
-                 layout=layout)
+                 lengths=inputs["lengths"], data=inputs.get("data"), precision=precision, layout=layout)
     _validate(work)
+    if cfg.freeze:  # the stages share the model's parameters: frozen there, frozen in every stage and cost
+        from omnibal_compile.models.freeze import freeze_parameters
+
+        freeze_parameters(model, cfg.freeze)
     for _, step in PASSES:
         step(work)
     assert work.graph is not None and work.chosen is not None and work.captured is not None
     graph, chosen = work.graph, work.chosen
+    if plan is None and work.table is not None:  # what the run compares its own settings with
+        notes = {**chosen.notes, "compute dtype": work.table.activation_dtype or work.precision.compute_dtype}
+        chosen = dataclasses.replace(chosen, notes=notes | ({"freeze": list(cfg.freeze)} if cfg.freeze else {}))
     stages = work.run("codegen", lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
         model=model, captured=work.captured, graph=graph, plan=chosen, stages=stages, timings=work.timings,

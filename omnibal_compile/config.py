@@ -21,6 +21,7 @@ import difflib
 import functools
 import inspect
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ __all__ = [
     "Section", "ModelConfig", "DataConfig", "LayoutConfig", "ParallelConfig", "ScheduleConfig", "MemoryConfig",
     "PlannerConfig", "OptimizerConfig", "CheckpointConfig", "RuntimeConfig", "OutputConfig", "Config", "SECTIONS",
     "flag_name", "field_help", "find_field", "load_config_file", "DEFAULT_SAMPLES_PER_PACK", "TINY_VLM_NAMES",
-    "LR_SCHEDULES",
+    "LR_SCHEDULES", "PRECISIONS",
 ]
 
 S = TypeVar("S", bound="Section")
@@ -49,8 +50,30 @@ DEFAULT_SAMPLES_PER_PACK = 4.0
 """Target mean samples per balanced pack, wherever packs are made (DataOptions, the HF sampler, ``run``)."""
 TINY_VLM_NAMES = ("tinyvlm", "tiny-vlm")
 """Names of the built-in reference VLM (``tinyvlm`` is the canonical one)."""
+PRECISIONS = ("bf16", "fp16", "fp32")
+"""Compute dtypes of ``--precision`` (``omnibal_compile.runtime.precision`` runs them)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules after warm-up (``omnibal_compile.runtime.recipe.lr_at`` computes them)."""
+
+
+def freeze_patterns(patterns: Any) -> tuple[str, ...]:
+    """The patterns of a ``freeze`` setting: each entry split on commas (``"a,b"`` is ``a`` and ``b``), each
+    compiled once to check it (an InputError names a malformed one)."""
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    if not isinstance(patterns, (tuple, list)) or not all(isinstance(p, str) for p in patterns):
+        raise InputError(f"freeze (--freeze) must be a list of regular expressions, got {patterns!r}"[:300])
+    out: list[str] = []
+    for entry in patterns:
+        for p in (x.strip() for x in entry.split(",")):
+            if not p:
+                continue
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise InputError(f"freeze pattern {p!r} (--freeze) is not a regular expression: {e}") from None
+            out.append(p)
+    return tuple(out)
 
 
 def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, choices: tuple[Any, ...] = (),
@@ -179,8 +202,15 @@ class ModelConfig(Section):
     device: str | DeviceSpec | None = setting(None)
     """cpu or cuda (profile the costs here; train here, gloo or NCCL), or a roofline target such as a100-80gb (costing
     only); None: optimize() does not cost, plan and run use cpu."""
+    freeze: tuple[str, ...] = setting(factory=tuple, metavar="REGEX", check=False)
+    """Parameters to freeze (no gradient, no optimizer state): regular expressions searched in each parameter name,
+    comma-separated or several, e.g. vision_tower, or vision_tower,language_model to train the projector only."""
+    precision: str | None = setting(None, choices=PRECISIONS)
+    """Compute dtype: bf16, fp16 or fp32 (weights and optimizer states stay fp32); run: autocast, or FSDP2 mixed
+    precision under dp; plan: the Precision costed; None: fp32 runs, bf16-mixed costs (bf16 is the GPU setting)."""
 
     def _check(self) -> None:
+        object.__setattr__(self, "freeze", freeze_patterns(self.freeze))
         if not isinstance(self.model_config, Mapping):
             raise InputError(f"{_label('model_config')} must be a mapping (a JSON object), got {self.model_config!r}")
         if self.device is not None and not isinstance(self.device, str) and not hasattr(self.device, "peak_flops"):

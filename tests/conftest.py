@@ -38,6 +38,7 @@ SLOW_TESTS: dict[str, int] = {
     "tests/test_hf_trainer.py::test_two_ranks_each_train_on_their_own_packs_of_each_step": 9,
     "tests/test_runtime_data.py::test_qwen2_vl_packs_need_one_row_per_microbatch": 9,
     "tests/test_plan_command.py::test_plan_tiny_vlm": 8,
+    "tests/test_freeze.py::test_the_plan_of_a_frozen_vision_tower_is_costed_as_such_and_predicts_a_faster_iteration": 9,
     "tests/test_cost.py::test_shape_model_on_reference_vlm": 8,
     "tests/test_faults_process.py::test_a_frozen_rank_is_named_when_the_time_limit_ends_the_run": 8,
     "tests/test_cost.py::test_hf_models": 8,

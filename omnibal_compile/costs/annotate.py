@@ -223,11 +223,29 @@ ATTENTION_BACKWARD = 2.5
 """Fused attention's backward over its forward: 5 matmuls (the scores recomputed) against 2."""
 
 
-def _roofline_times(records: Sequence[OpRecord], spec: DeviceSpec) -> _Timing:
+def _roofline_times(records: Sequence[OpRecord], spec: DeviceSpec, *, frozen: float = 0.0,
+                    backward: bool = True) -> _Timing:
+    """Roofline times; ``frozen``: the share of the block's parameters that are frozen (no weight gradients: the
+    backward loses that share of its matmuls' forward time); ``backward=False``: nothing needs a gradient here."""
     fwd = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records)
     attention = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "attention")
+    matmul = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "matmul")
     rerun = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "memory")
-    return _Timing(forward_s=fwd, backward_s=2 * fwd + (ATTENTION_BACKWARD - 2) * attention, selective_s=rerun)
+    bwd = 2 * fwd + (ATTENTION_BACKWARD - 2) * attention - frozen * matmul if backward else 0.0
+    return _Timing(forward_s=fwd, backward_s=max(0.0, bwd), selective_s=rerun)
+
+
+def _frozen_share(m: nn.Module) -> float:
+    """Share of the block's parameter elements that are frozen (``requires_grad=False``)."""
+    params = list(m.parameters())
+    total = sum(p.numel() for p in params)
+    return sum(p.numel() for p in params if not p.requires_grad) / total if total else 0.0
+
+
+def _needs_backward(m: nn.Module, inputs: Sequence[Any]) -> bool:
+    """Whether a backward runs through the block: an input or a parameter of it requires grad."""
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs) or any(
+        p.requires_grad for p in m.parameters())
 
 
 def attention_kernel(records: Sequence[OpRecord]) -> str:
@@ -247,22 +265,38 @@ def _roofline_blocks(
     precision: Precision, *, progress: bool,
 ) -> tuple[list[BlockCost], str]:
     """Roofline costs of every block, each distinct block signature costed once; and the attention kernel."""
-    done: dict[tuple[str, tuple[bool, ...]], tuple[float, _Timing, _Memory, str]] = {}
+    done: dict[tuple[str, tuple[bool, ...], float, bool], tuple[float, _Timing, _Memory, str]] = {}
     records_all: list[OpRecord] = []
     blocks: list[BlockCost] = []
     for k in track(range(graph.num_blocks), f"costing blocks for {spec.name}", enabled=progress):
         m, inputs, block = modules[k], all_inputs[k], graph.blocks[k]
         charged = charged_inputs(graph, k, stage_info(m).input_names)
         signature = block_signature(m, inputs)
-        key = (signature, tuple(charged))  # the bytes kept depend on which inputs are charged to the block
+        frozen, backward = _frozen_share(m), _needs_backward(m, inputs)
+        # the bytes kept depend on which inputs are charged to the block; the backward on what trains
+        key = (signature, tuple(charged), frozen, backward)
         if key not in done:
             records, counted = record_ops(m, inputs)
             records_all += records
-            done[key] = (float(counted), _roofline_times(records, spec), _memory(m, inputs, charged), block.name)
+            done[key] = (float(counted), _roofline_times(records, spec, frozen=frozen, backward=backward),
+                         _memory(m, inputs, charged), block.name)
         flops, timing, memory, first = done[key]
         blocks.append(_block_cost(block, precision, flops, timing, memory, signature=signature,
-                                  profiled_as="" if first == block.name else first))
+                                  profiled_as="" if first == block.name else first, frozen=_frozen_params(m, block)))
     return blocks, attention_kernel(records_all)
+
+
+def _training_tag(m: nn.Module, inputs: Sequence[Any]) -> str:
+    """"" when every parameter trains; else which parameters and inputs need gradients (for the signature)."""
+    if all(p.requires_grad for p in m.parameters()):
+        return ""
+    grads = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
+    return f":frozen{[p.requires_grad for p in m.parameters()]}{grads}"
+
+
+def _frozen_params(m: nn.Module, block: Block) -> int:
+    """Frozen parameter elements the block reads (at most its ``num_params``)."""
+    return min(block.num_params, sum(p.numel() for p in m.parameters() if not p.requires_grad))
 
 
 _Memory = tuple[dict[str, int], int, dict[str, int]]
@@ -283,15 +317,18 @@ def _memory(m: fx.GraphModule, inputs: Sequence[Any], charged: Sequence[bool]) -
 
 def _block_cost(
     block: Block, precision: Precision, flops: float, timing: _Timing, memory: _Memory,
-    *, signature: str = "", profiled_as: str = "",
+    *, signature: str = "", profiled_as: str = "", frozen: int = 0,
 ) -> BlockCost:
+    """``frozen``: parameter elements of the block with ``requires_grad=False``: their weights only are static."""
     activation, workspace, peak = memory
     return BlockCost(
         name=block.name,
         kind=block.kind,
         flops=flops,
         num_params=block.num_params,
-        static_bytes=round(block.num_params * precision.bytes_per_param),
+        static_bytes=round((block.num_params - frozen) * precision.bytes_per_param
+                           + frozen * precision.frozen_bytes_per_param),
+        frozen_params=frozen,
         forward_s=timing.forward_s,
         backward_s=timing.backward_s,
         activation_bytes=activation,
@@ -318,6 +355,9 @@ def _cache_key(graph: BlockGraph, model: nn.Module, device: str, settings: Mappi
     h.update(graph.captured.graph_module.code.encode())
     h.update(repr([(b.name, b.kind, len(b.nodes)) for b in graph.blocks]).encode())
     h.update(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]).encode())
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:  # keys of tables without frozen parameters stay as they were
+        h.update(repr(("frozen", frozen)).encode())
     h.update(
         repr([
             (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
@@ -433,6 +473,7 @@ def annotate_costs(
     profiles: dict[str, _Profile] = {}
     timings: dict[str, _Timing] = {}
     rows: list[tuple[str, str, _Memory]] = []  # (signature, block timed for it, its memory)
+    frozen_of: dict[str, int] = {}
     with _threads(threads if not cuda else None):
         all_inputs = block_inputs(graph, modules)
         if spec is not None:
@@ -442,7 +483,9 @@ def annotate_costs(
             for k in track(range(graph.num_blocks), f"costing blocks on {name}", enabled=progress):
                 m, inputs = modules[k], all_inputs[k]
                 charged = charged_inputs(graph, k, stage_info(m).input_names)
-                signature = block_signature(m, inputs)
+                # what trains decides the backward: a frozen copy of a layer is timed on its own
+                signature = block_signature(m, inputs) + _training_tag(m, inputs)
+                frozen_of[graph.blocks[k].name] = _frozen_params(m, graph.blocks[k])
                 if signature not in first_of:
                     first_of[signature] = k
                     records, flops_of[signature] = record_ops(m, inputs, sync=sync, clock=clock)
@@ -457,7 +500,8 @@ def annotate_costs(
             timings = {sig: prof.timing() for sig, prof in profiles.items()}
             for block, (signature, timed, memory) in zip(graph.blocks, rows):
                 blocks.append(_block_cost(block, precision, flops_of[signature], timings[signature], memory,
-                                          signature=signature, profiled_as="" if timed == block.name else timed))
+                                          signature=signature, profiled_as="" if timed == block.name else timed,
+                                          frozen=frozen_of[block.name]))
     n = graph.num_blocks
     table = CostTable(
         blocks=tuple(blocks),

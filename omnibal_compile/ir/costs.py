@@ -30,7 +30,7 @@ from omnibal_compile.errors import InputError
 __all__ = [
     "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
     "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "DATA_PARALLEL_LAYOUTS", "COMPUTE_DTYPES",
-    "running_peak",
+    "running_peak", "PRECISION_NAMES", "precision_named", "with_frozen",
 ]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
@@ -79,6 +79,9 @@ class BlockCost:
     time_spread: float = 0.0
     """Relative spread of the profiled times: the larger of forward's and backward's interquartile range
     over their median, across the timed repeats (0 for modelled times)."""
+    frozen_params: int = 0
+    """Of ``num_params``, the elements that are frozen (``requires_grad=False``): ``static_bytes`` holds only their
+    weights (:attr:`Precision.frozen_bytes_per_param`), and data parallelism reduces no gradient for them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_bytes", dict(self.activation_bytes))
@@ -93,6 +96,16 @@ class BlockCost:
                 raise InputError(f"block '{self.name}': {what} has a negative entry {d}")
         if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0 or self.workspace_bytes < 0:
             raise InputError(f"block '{self.name}': times and bytes must be non-negative")
+        if not 0 <= self.frozen_params <= max(self.num_params, 0):
+            raise InputError(f"block '{self.name}': frozen_params {self.frozen_params} must be within 0..num_params "
+                             f"({self.num_params})")
+
+    def trained_params(self, precision: Precision) -> float:
+        """Parameter elements that train (get gradients and optimizer states), read from ``static_bytes`` as costed
+        with ``precision``: ``(static_bytes - frozen_params x frozen bytes) / bytes_per_param``."""
+        per_param = precision.bytes_per_param
+        rest = self.static_bytes - self.frozen_params * precision.frozen_bytes_per_param
+        return max(0.0, rest) / per_param if per_param > 0 else 0.0
 
 
 def running_peak(kept: Sequence[float], peak: Sequence[float]) -> float:
@@ -191,19 +204,24 @@ class DataParallel:
         peaks can be higher than this predicts.
         """
         per_param = precision.bytes_per_param
-        params = block.static_bytes / per_param if per_param > 0 else 0.0
-        weights = params * precision.weight_bytes
+        params = block.trained_params(precision)
+        frozen = block.frozen_params
+        weights = (params + frozen) * precision.weight_bytes
         ratio = (self.size - 1) / self.size
         kept = weights if self.gathers and not self.reshard_after_forward else 0.0
         if latency_s < 0:
             raise InputError(f"collective latency must be >= 0 seconds, got {latency_s}")
-        call = latency_s if params > 0 and self.size > 1 else 0.0
+        call = latency_s if params + frozen > 0 and self.size > 1 else 0.0
+        reduce_call = latency_s if params > 0 and self.size > 1 else 0.0  # frozen parameters: nothing to reduce
+        frozen_static = frozen * precision.frozen_bytes_per_param / (self.size if self.shard == "fsdp" else 1)
+        trained_static = (block.static_bytes - frozen * precision.frozen_bytes_per_param) * (
+            precision.bytes_per_param_on(self) / per_param if per_param > 0 else 1.0)
         return DataParallelCost(
-            static_bytes=block.static_bytes * (precision.bytes_per_param_on(self) / per_param if per_param > 0 else 1.0)
-            + kept,
+            static_bytes=max(0.0, trained_static) + frozen_static + kept,
             gathered_bytes=weights if self.gathers and self.reshard_after_forward else 0.0,
             gather_s=call + ratio * weights / link_bandwidth if self.gathers else 0.0,
-            reduce_s=call + (1 if self.shard == "fsdp" else 2) * ratio * params * precision.grad_bytes / link_bandwidth,
+            reduce_s=reduce_call
+            + (1 if self.shard == "fsdp" else 2) * ratio * params * precision.grad_bytes / link_bandwidth,
         )
 
 
@@ -288,6 +306,53 @@ class Precision:
     def bytes_per_param(self) -> float:
         """Bytes per parameter of one pipeline replica (no data-parallel layout beyond ``optimizer_shards``)."""
         return self.bytes_per_param_on(NO_DATA_PARALLEL)
+
+    @property
+    def frozen_bytes_per_param(self) -> int:
+        """Bytes a frozen parameter holds: one copy of its weight, the fp32 master when there is one (the runtime
+        keeps parameters in fp32 and casts them per use), else the working weight; no gradient or optimizer state."""
+        return self.master_bytes or self.weight_bytes
+
+
+PRECISION_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""The ``precision`` setting's names -> torch dtype names (:data:`COMPUTE_DTYPES`)."""
+
+
+def precision_named(name: str) -> Precision:
+    """The :class:`Precision` a ``precision`` setting costs: ``bf16`` / ``fp16`` mixed precision (16-bit weights,
+    gradients and activations, fp32 master copy and Adam moments), or ``fp32`` (:data:`FP32_ADAM`)."""
+    if name not in PRECISION_NAMES:
+        raise InputError(f"precision (--precision) must be one of {list(PRECISION_NAMES)}, got {name!r}")
+    return FP32_ADAM if name == "fp32" else Precision(compute_dtype=PRECISION_NAMES[name])
+
+
+def with_frozen(table: CostTable, frozen_params: Sequence[int]) -> CostTable:
+    """A modelled table (roofline, analytic) with ``frozen_params[k]`` of block k's parameters frozen: their
+    gradient and optimizer bytes dropped from ``static_bytes``; a block reading frozen parameters computes no
+    weight gradients for them, so its backward loses ``fraction x forward_s`` (the weight-gradient matmuls cost
+    about the forward's); and the blocks before the first one with trained parameters run no backward at all
+    (nothing before them needs a gradient: the model's inputs do not), so they keep nothing for it either.
+    Profiled tables measure all this on the frozen model (``annotate_costs``) and need no such model."""
+    if len(frozen_params) != len(table.blocks):
+        raise InputError(f"frozen_params needs one entry per block ({len(table.blocks)}), got {len(frozen_params)}")
+    p = table.precision
+    blocks: list[BlockCost] = []
+    trained_yet = False
+    for b, f in zip(table.blocks, frozen_params):
+        f = min(int(f), b.num_params)
+        new = max(0, f - b.frozen_params)
+        trained_yet = trained_yet or f < b.num_params
+        fraction = new / b.num_params if b.num_params else 0.0
+        static = round(b.static_bytes - new * (p.bytes_per_param - p.frozen_bytes_per_param))
+        if not trained_yet:  # no gradient flows here
+            none = dict.fromkeys(RECOMPUTE_OPTIONS, 0)
+            blocks.append(dataclasses.replace(
+                b, frozen_params=f, static_bytes=static, backward_s=0.0, activation_bytes=none,
+                recompute_s=dict.fromkeys(RECOMPUTE_OPTIONS, 0.0)))  # peak_bytes kept: the forward's, at most
+        else:
+            blocks.append(dataclasses.replace(b, frozen_params=f, static_bytes=static,
+                                              backward_s=max(0.0, b.backward_s - fraction * b.forward_s)))
+    return dataclasses.replace(table, blocks=tuple(blocks))
 
 
 BF16_ADAM = Precision()

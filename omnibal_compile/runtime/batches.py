@@ -33,8 +33,13 @@ def _load(config: RunConfig) -> Any:
 
 
 def build_model(config: RunConfig) -> nn.Module:
-    """The model, seeded with ``config.seed`` so every rank builds the same weights."""
-    return _load(config).model
+    """The model, seeded with ``config.seed`` so every rank builds the same weights, its ``config.freeze``
+    parameters frozen (``requires_grad=False``; a pattern matching nothing is an InputError)."""
+    from omnibal_compile.models.freeze import freeze_parameters
+
+    model = _load(config).model
+    freeze_parameters(model, config.freeze)
+    return model
 
 
 BATCHINGS: tuple[str, ...] = ("balanced", "random")

@@ -103,6 +103,7 @@ def precheck(config: RunConfig) -> Plan:
     if config.batching not in BATCHINGS:
         raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
     plan = read_plan(config)
+    _note_plan_settings(config, plan)
     nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
     check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp)
     if config.device not in ("cpu", "cuda"):
@@ -128,6 +129,24 @@ def precheck(config: RunConfig) -> Plan:
         _check_export(config, model, config.export_hf)
     compile_for_microbatches(model, batch_source(config, model, 0)(0), plan)  # PlanError when the plan does not fit
     return plan
+
+
+def _note_plan_settings(config: RunConfig, plan: Plan) -> None:
+    """Refuse fp16; a note when the run computes in another dtype, or freezes other parameters, than the plan's
+    costs were measured with (its step times may then differ from the plan's predictions)."""
+    from omnibal_compile.runtime.precision import compute_dtype
+
+    low = compute_dtype(config.precision)
+    run_dtype = str(low or torch.float32).removeprefix("torch.")
+    planned = plan.notes.get("compute dtype")
+    if isinstance(planned, str) and planned and planned != run_dtype:
+        progress.info(f"note: the plan's costs were measured in {planned}, this run computes in {run_dtype} "
+                      f"(--precision {config.precision or 'fp32'}): its step times may differ from the plan's")
+    planned_freeze = plan.notes.get("freeze", [])
+    if "compute dtype" in plan.notes and list(planned_freeze) != list(config.freeze):
+        progress.info(f"note: the plan was made with --freeze {','.join(planned_freeze) or '(none)'}, this run "
+                      f"freezes {','.join(config.freeze) or 'nothing'}: the plan's costs are of other trained "
+                      "parameters")
 
 
 def _check_seconds(name: str, value: Any) -> None:
@@ -198,6 +217,11 @@ def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any
     settings = meta.get("settings", {})
     base_lrs = meta.get("scheduler", {}).get("base_lrs") or [None]
     saved_values = {"lr": base_lrs[0], **settings}
+    saved_freeze = meta.get("freeze")
+    if isinstance(saved_freeze, list) and saved_freeze != list(config.freeze):
+        now, then = ",".join(config.freeze) or "(none)", ",".join(saved_freeze) or "(none)"
+        progress.info(f"note: resuming {folder} (step {meta['step']}) with --freeze {now} instead of the saved run's "
+                      f"{then}; parameters it unfreezes start with fresh optimizer state")
     for key in ("lr", "warmup_steps", "steps", "save_every"):
         old, new = saved_values.get(key), getattr(config, key)
         if old is not None and old != new:

@@ -50,6 +50,7 @@ from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recomput
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.runtime.precision import PrecisionStage, compute_dtype
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
     from omnibal_compile.api import OptimizeResult
@@ -356,7 +357,7 @@ class RankPipeline:
         args = flat if self.has_first else ()
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
         for t in self.tied:
-            if t.group is not None and t.param is not None:
+            if t.group is not None and t.param is not None and t.param.requires_grad:  # a frozen one: no gradient
                 if t.param.grad is None:
                     t.param.grad = torch.zeros_like(t.param)
                 grad = t.param.grad
@@ -440,6 +441,7 @@ def build_pipeline(
     data_parallel: DataParallel | None = None,
     recompute: bool = True,
     weighting: str = "tokens",
+    precision: str | None = None,
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
@@ -451,8 +453,9 @@ def build_pipeline(
     process groups for tied parameters. ``result.plan`` sets the schedule, micro-batches and
     virtual stages; its recompute options are applied by
     :func:`omnibal_compile.compile.recompute.apply_recompute` unless ``recompute=False``.
-    ``weighting`` says how the model's loss averages (see :func:`loss_terms`). With ``dp > 1`` this
-    rank's stage modules of ``result`` become FSDP/replicate modules in place: build from a
+    ``weighting`` says how the model's loss averages (see :func:`loss_terms`). ``precision``: ``bf16`` computes
+    in bfloat16 with fp32 weights (:mod:`omnibal_compile.runtime.precision`); None or ``fp32``: float32. With
+    ``dp > 1`` this rank's stage modules of ``result`` become FSDP/replicate modules in place: build from a
     ``result`` of its own.
     """
     if weighting not in ("tokens", "rows"):
@@ -479,6 +482,7 @@ def build_pipeline(
     plan = result.plan
     check_pipeline(plan, world_size=world_size)
     device = torch.device(device)
+    low = compute_dtype(precision)
     mine = rank_stages(plan, rank)
     examples = _stage_examples(result, mine, device)
     loss_index = _loss_index(result)
@@ -491,6 +495,8 @@ def build_pipeline(
             mod = _TensorOutputs(mod, keep)
             examples[i] = (ins, tuple(outs[j] for j in keep))
             loss_index = keep.index(loss_index)
+        if low is not None:
+            mod = PrecisionStage(mod, device.type, low)  # autocast inside the stage's forward
         modules.append(mod.to(device))
     original = _original_names(result.model)
     local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not

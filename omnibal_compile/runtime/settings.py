@@ -61,7 +61,7 @@ class RunConfig(RuntimeConfig, CheckpointConfig, OptimizerConfig, ScheduleConfig
             raise InputError(f"run config has unknown fields {unknown}; write it with RunConfig(...).to_json()")
         if "plan" not in data:
             raise InputError("run config needs 'plan' (the plan file)")
-        for key in ("lengths", "memory_steps", "block_prefixes"):  # JSON lists back to tuples
+        for key in ("lengths", "memory_steps", "block_prefixes", "freeze"):  # JSON lists back to tuples
             if isinstance(data.get(key), list):
                 data[key] = tuple(data[key])
         return cls(**data)
@@ -144,6 +144,7 @@ def _resume_record(config: RunConfig) -> dict[str, Any]:
     """What a checkpoint records besides the data settings, for the checks of a resumed run: the optimizer and
     schedule settings, and the sha256 of each lengths file and of the dataset file (an edited file is not the data
     that was trained on)."""
-    return {"optimizer": config.optimizer, "settings": {k: getattr(config, k) for k in _RESUMABLE_SETTINGS},
+    return {"optimizer": config.optimizer, "freeze": list(config.freeze),
+            "settings": {k: getattr(config, k) for k in _RESUMABLE_SETTINGS},
             "lengths_sha256": [_file_sha256(p) for p in config.lengths],
             "dataset_sha256": _file_sha256(config.dataset) if config.dataset else None}

@@ -134,7 +134,7 @@ def train(config: RunConfig) -> list[StepLog]:
     result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
-        recompute=config.apply_recompute, weighting=config.weighting,
+        recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,
     )
     del model, result  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)

@@ -26,7 +26,6 @@ from omnibal_compile.runtime.train import StepLog, progress_line
 
 EXACT = 1e-6
 NORM_TOL = 1e-5
-one_rank_group = test_runtime.one_rank_group  # fixtures shared with the runtime's tests
 mixed_two_stages_one_rank = test_runtime.mixed_two_stages_one_rank
 
 

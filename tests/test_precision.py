@@ -33,7 +33,7 @@ def test_a_bf16_stage_computes_in_bf16_and_hands_on_fp32():
         values = PrecisionStage(stage, "cpu", torch.bfloat16)(*values)
         assert [v.dtype for v in values if v.is_floating_point()] == [torch.float32] * sum(
             v.is_floating_point() for v in values)
-    loss16, loss32 = float(values[0]), float(plain[0])
+    loss16, loss32 = float(values[0].detach()), float(plain[0].detach())
     assert loss16 != loss32 and abs(loss16 - loss32) / loss32 < 0.02  # computed in bf16, close to fp32
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
 

@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,16 @@ def test_every_command_help_ends_with_examples_that_parse(capsys):
             argv = shlex.split(line)
             assert argv[:2] == ["omnibal-compile", name]
             parser.parse_args(argv[1:])  # every flag in the example exists
+
+
+def test_ctrl_c_is_a_sentence_and_exit_status_130(monkeypatch, capsys):
+    import omnibal_compile.cli.data as data_command
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data_command, "run", interrupted)
+    stats = Path(__file__).resolve().parent.parent / "omnibal_compile" / "data" / "stats" / "ai2d_train_12k.json"
+    assert main(["data", str(stats)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "omnibal-compile data: interrupted" and "Traceback" not in err

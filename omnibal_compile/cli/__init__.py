@@ -56,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OmnibalError as e:
         print(f"omnibal-compile {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has ended every rank on its way out; no traceback
+        print(f"omnibal-compile {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

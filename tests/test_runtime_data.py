@@ -166,3 +166,18 @@ def test_qwen2_vl_packs_need_one_row_per_microbatch(tmp_path, lengths_file):
         batch_source(config, model)
     two = batch_source(dataclasses.replace(config, batch_size=2), model)(0)
     assert two["position_ids"].shape[:2] == (8, 1) and two["input_ids"].shape[0] == 2
+
+
+def test_lengths_whose_samples_cannot_be_made_name_the_file_and_sample(tmp_path):
+    """A sample with fewer tokens than its tiles' image tokens (dummy tiles the file does not count) is refused when
+    the source is built, naming the file and the sample (it used to fail at its step, naming neither)."""
+    rows = [{"vit_num": 1, "token_num": 400, "image_flags": 1}] * 6
+    rows[2] = {"vit_num": 3, "token_num": 300, "image_flags": 0}  # a text-only sample with 3 dummy tiles
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(rows))
+    config = RunConfig(plan="-", lengths=(str(path),), batch_size=2, samples_per_pack=1.0)
+    model = build_model(config)
+    with pytest.raises(InputError, match=rf"{path} \(scaled to 16 tokens/tile\): sample 2 has 3 tiles and 19 tokens, "
+                                         r"fewer than its 48 image tokens plus one text token \(1 of 6 samples are "
+                                         r"so\): 3 of its tiles are dummy ones"):
+        batch_source(config, model)

@@ -136,6 +136,24 @@ class DataPlan:
             packing.pack(int(packing.steps[0, 0])), generator=torch.Generator().manual_seed(seed)
         )
 
+    def check_synthetic(self) -> None:
+        """Refuse, naming the file and the sample, statistics whose samples cannot be made as synthetic ones: each
+        needs its tiles' image tokens plus at least one text token (in the model's units, after any conversion)."""
+        tpt = self.collator.tokens_per_tile
+        need = self.stats.tiles * tpt + 1
+        bad = np.flatnonzero(self.stats.tokens < need)
+        if bad.size:
+            i = int(bad[0])
+            dummy = int(self.stats.tiles[i] - self.stats.image_flags[i])
+            why = (f"{dummy} of its tiles are dummy ones (image_flags), whose image tokens the file does not count"
+                   if dummy else "the file's tokens are not in the units assumed")
+            raise InputError(
+                f"{self.stats.source}: sample {i} has {int(self.stats.tiles[i])} tiles and {int(self.stats.tokens[i])} "
+                f"tokens, fewer than its {int(need[i]) - 1} image tokens plus one text token "
+                f"({bad.size} of {len(self.stats)} samples are so): {why}; measure the lengths without dummy tiles "
+                "in the model's own units, or train on the dataset itself (--dataset)"
+            )
+
     def synthetic_batch(
         self, pack: Sequence[int] | np.ndarray, *, generator: torch.Generator
     ) -> dict[str, torch.Tensor]:

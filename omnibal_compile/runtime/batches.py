@@ -169,6 +169,8 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     if dataset is not None:  # measured by the model's own processor: in its units, nothing to rescale
         options = dataclasses.replace(options, source_tokens_per_tile=None)
     data = plan_data(dataset.lengths(progress=False) if dataset else list(config.lengths), options, model=model)
+    if dataset is None:
+        data.check_synthetic()  # every sample of the lengths can be made, named here rather than at its step
     if dataset is not None and dataset.skipped and os.environ.get("RANK", "0") == "0":  # said once, not per rank
         from omnibal_compile import progress
 

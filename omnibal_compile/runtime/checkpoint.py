@@ -455,18 +455,29 @@ def load_into_model(model: nn.Module, path: str | Path) -> int:
     """Load a checkpoint's weights into the unsplit ``model`` (no process group needed); returns its step."""
     folder, meta = find_checkpoint(path)
     state = model.state_dict()
-    saved = set(_saved_model_names(folder))
-    missing, unexpected = sorted(set(state) - saved), sorted(saved - set(state))
-    if missing or unexpected:
-        raise InputError(
-            f"checkpoint {folder} does not fit {type(model).__name__}: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}; was it saved from a pipeline of this model?"
-        )
+    check_fits(folder, model)
     with warnings.catch_warnings():  # DCP warns that it runs in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
         _dcp_load({"model": state}, folder, no_dist=True)
     model.load_state_dict(state)
     return int(meta["step"])
+
+
+def check_fits(folder: Path, model: nn.Module) -> None:
+    """Refuse, before any tensor is read, a step folder whose model tensors are not ``model``'s: names missing
+    or unexpected, or the same name with another shape (a config edited since the save)."""
+    state = model.state_dict()
+    entries = read_dcp_metadata(folder / _DCP_METADATA).state_dict_metadata.items()
+    saved = {k[len("model."):]: tuple(getattr(v, "size", ())) for k, v in entries if k.startswith("model.")}
+    missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
+    shapes = [f"{n} {list(saved[n])} saved, {list(state[n].shape)} now" for n in sorted(set(state) & set(saved))
+              if saved[n] != tuple(state[n].shape)]
+    if missing or unexpected or shapes:
+        parts = [f"{what} {names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+                 for what, names in (("missing", missing), ("unexpected", unexpected), ("other shapes:", shapes))
+                 if names]
+        raise InputError(f"checkpoint {folder} does not fit {type(model).__name__}: {'; '.join(parts)}; was it saved "
+                         "from this model, with this config?")
 
 
 def _saved_model_names(folder: Path) -> list[str]:

@@ -125,6 +125,10 @@ def precheck(config: RunConfig) -> Plan:
     if config.resume:
         _check_resume(config)
     model = build_model(config)
+    if config.resume:  # a config edited since the save: said here, not as a CheckpointException in every rank
+        from omnibal_compile.runtime.checkpoint import check_fits, find_checkpoint
+
+        check_fits(find_checkpoint(config.resume)[0], model)
     if config.export_hf:
         _check_export(config, model, config.export_hf)
     compile_for_microbatches(model, batch_source(config, model, 0)(0), plan)  # PlanError when the plan does not fit

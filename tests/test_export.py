@@ -4,9 +4,6 @@ export`` write the trained model as a Hugging Face folder that ``from_pretrained
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -130,22 +127,7 @@ def test_a_dataset_run_takes_the_processor_from_the_hf_dir(pretrained):
 
 # -- export from a checkpoint (one rank in this process) --------------------------------------------
 @pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def trained_checkpoint(one_rank, pretrained, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+def trained_checkpoint(one_rank_group, pretrained, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """A step folder written by the project's save from a model loaded with hf:DIR and trained one AdamW step."""
     from omnibal_compile.runtime.checkpoint import save_training_state
 

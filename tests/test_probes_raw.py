@@ -37,3 +37,24 @@ def test_a_model_with_other_shapes_is_named_before_any_tensor_is_read(saved: Pat
     with pytest.raises(InputError, match=r"missing \['3.bias', '3.weight'\]"):
         ckpt.check_fits(saved, nn.Sequential(*_model(), nn.Linear(2, 2)))
     ckpt.check_fits(saved, _model())  # the same model fits
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/plan"])
+def test_plan_out_that_cannot_be_a_folder_is_refused_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str], where: str) -> None:
+    """``--out`` a file, or under one: a sentence naming --out before the model is built (it was an OSError
+    traceback from mkdir)."""
+    from omnibal_compile import cli
+    from omnibal_compile.models import load
+
+    (tmp_path / "a-file").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built before --out was checked")
+
+    monkeypatch.setattr(load, "load_model", no_model)
+    assert cli.main(["plan", "--out", where]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {where}" in err and "Traceback" not in err
+    assert (tmp_path / "a-file").read_text() == "mine"

@@ -7,7 +7,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "same_file"]
+__all__ = ["atomic_write_text", "same_file", "writable_folder"]
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
@@ -33,6 +33,29 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
             os.unlink(tmp)
         raise
     return p
+
+
+def writable_folder(path: str | os.PathLike[str], flag: str, holds: str) -> Path:
+    """Folder ``path`` of option ``flag``, made if missing, checked to be one this process can write into.
+
+    The one check of an output folder before any work (``holds``: what goes in it, for the message):
+    a file in its place, a parent that is a file, a folder that cannot be made or written are
+    :class:`InputError`\ s naming the flag, instead of an ``OSError`` after the work is done.
+    """
+    from omnibal_compile.errors import InputError
+
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{flag} {folder} is a file, not a folder: {holds} go inside it; give a folder instead")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{flag} {folder}: cannot create the folder ({e.strerror or e}); give a folder you can "
+                         "write") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {folder}: the folder is not writable, so {holds} could not be written; give a "
+                         "folder you can write")
+    return folder
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

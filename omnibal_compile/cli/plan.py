@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from omnibal_compile import progress as progress_info
-from omnibal_compile._utils.files import atomic_write_text
+from omnibal_compile._utils.files import atomic_write_text, writable_folder
 from omnibal_compile.cli._settings import add_settings, settings_from_args
 from omnibal_compile.config import (
     Config,
@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from omnibal_compile.sim import simulate
 
     cfg = plan_settings(args)
+    out = writable_folder(cfg.out, "--out", "the plan and its pictures")  # before any work, not after it
     if cfg.num_stages is not None and cfg.devices is None:  # a fixed layout: checked before any work
         kind, chunks = cfg.schedule or "1f1b", cfg.virtual_stages or 1
         try:
@@ -149,8 +150,6 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("plan takes one --memory-budget for every device, not a list")
     budget = parse_size(cfg.memory_budget, "--memory-budget") if cfg.memory_budget is not None else None
     planner = cfg.planner if isinstance(cfg.planner, str) else "ilp"  # the command line names planners
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     pictures, no_pictures_note = cfg.pictures, None
     if pictures:
         try:

@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from omnibal_compile import progress
-from omnibal_compile._utils.files import same_file
+from omnibal_compile._utils.files import same_file, writable_folder
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model
@@ -240,18 +240,7 @@ def _check_outputs(config: RunConfig) -> None:
 
     inputs = [("--plan", config.plan), *(("--lengths", p) for p in config.lengths)]
     if config.save:
-        root = Path(config.save)
-        if root.exists() and not root.is_dir():
-            raise InputError(f"--save {root} is a file, not a folder: checkpoints are step-<K> folders inside it; "
-                             "give a folder (new or of earlier checkpoints)")
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise InputError(f"--save {root}: cannot create the folder ({e.strerror or e}); give a folder you can "
-                             "write") from None
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise InputError(f"--save {root}: the folder is not writable, so no checkpoint could be saved; give a "
-                             "folder you can write")
+        root = writable_folder(config.save, "--save", "checkpoints (step-<K> folders)")
         every = config.save_every
         for k in sorted({config.steps, *(range(every, config.steps, every) if every else ())}):
             final = root / f"step-{k:06d}"

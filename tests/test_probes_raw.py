@@ -40,8 +40,9 @@ def test_a_model_with_other_shapes_is_named_before_any_tensor_is_read(saved: Pat
 
 
 @pytest.mark.parametrize("where", ["a-file", "a-file/plan"])
-def test_plan_out_that_cannot_be_a_folder_is_refused_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   capsys: pytest.CaptureFixture[str], where: str) -> None:
+def test_plan_out_that_cannot_be_a_folder_is_refused_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
     """``--out`` a file, or under one: a sentence naming --out before the model is built (it was an OSError
     traceback from mkdir)."""
     from omnibal_compile import cli

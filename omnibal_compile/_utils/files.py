@@ -40,7 +40,7 @@ def writable_folder(path: str | os.PathLike[str], flag: str, holds: str) -> Path
 
     The one check of an output folder before any work (``holds``: what goes in it, for the message):
     a file in its place, a parent that is a file, a folder that cannot be made or written are
-    :class:`InputError`\ s naming the flag, instead of an ``OSError`` after the work is done.
+    InputErrors naming the flag, instead of an ``OSError`` after the work is done.
     """
     from omnibal_compile.errors import InputError
 

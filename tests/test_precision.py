@@ -1,5 +1,6 @@
 """--precision: bf16 and fp16 compute under autocast inside each stage's forward (fp32 weights, fp32 tensors
-between stages), fp16 with a dynamic loss scale agreed by every rank, and a run whose compute dtype differs from its plan's costs says so. The
+between stages), fp16 with a dynamic loss scale agreed by every rank, and a run
+whose compute dtype differs from its plan's costs says so. The
 20-step bf16-vs-fp32 figures are bench/precision_cpu.py's."""
 
 from __future__ import annotations

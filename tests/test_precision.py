@@ -1,5 +1,6 @@
-"""--precision: bf16 computes under autocast inside each stage's forward (fp32 weights, fp32 tensors between
-stages), fp16 is refused by name, and a run whose compute dtype differs from its plan's costs says so. The
+"""--precision: bf16 and fp16 compute under autocast inside each stage's forward (fp32 weights, fp32 tensors
+between stages), fp16 with a dynamic loss scale agreed by every rank, and a run
+whose compute dtype differs from its plan's costs says so. The
 20-step bf16-vs-fp32 figures are bench/precision_cpu.py's."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from omnibal_compile.ir.costs import BF16_ADAM, FP32_ADAM, precision_named
 from omnibal_compile.models import TinyVLM
 from omnibal_compile.runtime.batches import build_model
 from omnibal_compile.runtime.launch import launch, precheck
-from omnibal_compile.runtime.precision import PrecisionStage, compute_dtype
+from omnibal_compile.runtime.precision import LossScaler, PrecisionStage, compute_dtype
 from omnibal_compile.runtime.settings import RunConfig
 from tests.conftest import SMALL_VLM
 
@@ -38,9 +39,8 @@ def test_a_bf16_stage_computes_in_bf16_and_hands_on_fp32():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
 
 
-def test_fp16_is_refused_by_name_and_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
-    with pytest.raises(InputError, match=r"precision fp16 \(--precision\) needs loss scaling"):
-        compute_dtype("fp16")
+def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
+    assert compute_dtype("fp16") is torch.float16
     with pytest.raises(InputError, match=r"setting precision \(--precision\)"):
         Config(precision="int8")
     assert compute_dtype("bf16") is torch.bfloat16 and compute_dtype(None) is compute_dtype("fp32") is None
@@ -52,8 +52,6 @@ def test_fp16_is_refused_by_name_and_the_plan_costs_the_precision_given(tmp_path
     assert plan.notes["compute dtype"] == "float32"
     (tmp_path / "plan.json").write_text(plan.to_json())
     config = RunConfig(plan=str(tmp_path / "plan.json"), model_config=model_config, batch_size=4)
-    with pytest.raises(InputError, match=r"precision fp16"):
-        precheck(dataclasses.replace(config, precision="fp16"))
     capsys.readouterr()
     precheck(config)
     assert "measured in" not in capsys.readouterr().err  # fp32 run, fp32 costs: nothing to say
@@ -80,3 +78,40 @@ def test_bf16_losses_stay_within_2_percent_of_fp32(tmp_path: Path, stages: int, 
     bf16 = _losses(tmp_path, stages, dp, "bf16", 4)
     assert bf16 != fp32  # computed in bf16 indeed
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) <= 0.02
+
+
+def test_the_loss_scaler_unscales_skips_on_inf_halves_and_grows_after_good_steps(one_rank_group):
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([8.0, 16.0, 24.0])
+    assert not scaler.unscale([p], torch.device("cpu"))
+    assert p.grad.tolist() == [1.0, 2.0, 3.0]  # divided by the scale
+    scaler.update(False)
+    assert scaler.scale == 8.0
+    scaler.update(False)
+    assert scaler.scale == 16.0 and scaler.good_steps == 0  # grown after 2 good steps
+    p.grad = torch.tensor([1.0, float("inf"), 0.0])
+    assert scaler.unscale([p], torch.device("cpu"))
+    scaler.update(True)
+    assert scaler.scale == 8.0 and scaler.good_steps == 0
+    again = LossScaler()
+    again.load_state_dict(scaler.state_dict())
+    assert again.state_dict() == {"scale": 8.0, "good_steps": 0}
+    with pytest.raises(InputError, match="loss scaler"):
+        LossScaler(backoff_factor=1.5)
+
+
+@pytest.mark.distributed
+def test_fp16_trains_logs_its_scale_and_resumes_it(tmp_path: Path):
+    model_config = dataclasses.asdict(SMALL_VLM)
+    with progress.quiet():
+        plan = oc.optimize(build_model(RunConfig(plan="-", model_config=model_config)), num_stages=2,
+                           planner="uniform", num_microbatches=2).plan
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    config = RunConfig(plan=str(tmp_path / "plan.json"), model_config=model_config, steps=3, batch_size=4, lr=1e-3,
+                       precision="fp16")
+    whole = launch(config, timeout_s=240, quiet=True)
+    assert [e.loss_scale for e in whole] == [2.0**16] * 3 and not any(e.skipped for e in whole)
+    launch(dataclasses.replace(config, steps=2, save=str(tmp_path / "ck")), timeout_s=240, quiet=True)
+    rest = launch(dataclasses.replace(config, resume=str(tmp_path / "ck")), timeout_s=240, quiet=True)
+    assert [e.loss for e in rest] == [whole[2].loss] and rest[0].loss_scale == 2.0**16

@@ -136,7 +136,7 @@ def precheck(config: RunConfig) -> Plan:
 
 
 def _note_plan_settings(config: RunConfig, plan: Plan) -> None:
-    """Refuse fp16; a note when the run computes in another dtype, or freezes other parameters, than the plan's
+    """A note when the run computes in another dtype, or freezes other parameters, than the plan's
     costs were measured with (its step times may then differ from the plan's predictions)."""
     from omnibal_compile.runtime.precision import compute_dtype
 

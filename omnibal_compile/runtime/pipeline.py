@@ -338,12 +338,13 @@ class RankPipeline:
                 )
         return tuple(x.to(self.device) for x in leaves)
 
-    def step(self, batch: Any) -> float | None:
+    def step(self, batch: Any, *, loss_scale: float = 1.0) -> float | None:
         """Forward and backward on this rank's batch; returns the whole step's loss on ranks with the last stage.
 
         ``batch`` is this data-parallel rank's part of the step. Gradients accumulate into ``.grad``
         (zero them before); they are summed over ``dp`` and, for tied parameters, over the pipeline
-        ranks holding them. The caller runs the optimizer.
+        ranks holding them. The caller runs the optimizer. ``loss_scale`` (fp16's :class:`LossScaler`) multiplies
+        the loss the gradients come from (the returned loss is unscaled).
         """
         flat = self.flatten(batch)
         target = None
@@ -352,7 +353,7 @@ class RankPipeline:
             if self.dp_group is not None:  # weights are shares of the global step, across dp ranks too
                 total = total.to(self.device)
                 dist.all_reduce(total, group=self.dp_group)
-            target = loss_weights(flat, self.input_names, self.weighting, total=total).to(self.device)
+            target = loss_weights(flat, self.input_names, self.weighting, total=total).to(self.device) * loss_scale
         losses: list[torch.Tensor] = []
         args = flat if self.has_first else ()
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
@@ -369,6 +370,7 @@ class RankPipeline:
             return None
         loss = sum(loss.detach().double() for loss in losses)
         assert isinstance(loss, torch.Tensor)
+        loss = loss / loss_scale
         if self.dp_group is not None:
             dist.all_reduce(loss, group=self.dp_group)
         return float(loss)

@@ -14,8 +14,13 @@ Glossary:
                    back), so the pipeline's send and receive buffers keep the dtypes the stages were
                    built with; the captured dtype checks (``_assert_tensor_metadata``) are removed.
                    bf16 is the setting meant for GPUs; the default stays fp32 until it is checked on one.
-    fp16           refused: it needs loss scaling whose found-inf check every pipeline rank agrees
-                   on, which the runtime does not do yet.
+    fp16           as bf16 (autocast in float16, fp32 weights and gradients), plus a dynamic loss scale
+                   (:class:`LossScaler`, ``torch.amp.GradScaler``'s rule): the step's loss is multiplied by
+                   the scale, the gradients are divided by it before clipping, and when any rank's gradients
+                   hold an inf or nan (a flag all-reduced over every rank of the world, pipeline and dp) every
+                   rank skips the optimizer step and halves the scale; after ``growth_interval`` good steps
+                   in a row the scale doubles. Its state goes into checkpoints (trainer ``loss_scale``).
+    not done       FSDP2 ``MixedPrecisionPolicy`` (16-bit parameters in compute): see bf16.
 """
 
 from __future__ import annotations
@@ -28,20 +33,15 @@ from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["compute_dtype", "drop_dtype_checks", "PrecisionStage"]
+__all__ = ["compute_dtype", "drop_dtype_checks", "LossScaler", "PrecisionStage"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": None}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 def compute_dtype(precision: str | None) -> torch.dtype | None:
-    """The low-precision dtype a run computes in (None: float32); fp16 and unknown names are InputErrors."""
+    """The low-precision dtype a run computes in (None: float32); unknown names are InputErrors."""
     if precision in (None, "fp32"):
         return None
-    if precision == "fp16":
-        raise InputError(
-            "precision fp16 (--precision) needs loss scaling with a found-inf check agreed by every pipeline rank, "
-            "which the runtime does not do yet: use --precision bf16 (no loss scaling needed) or fp32"
-        )
     if precision not in _DTYPES:
         raise InputError(f"precision (--precision) must be one of bf16, fp16, fp32, got {precision!r}")
     return _DTYPES[precision]
@@ -85,3 +85,57 @@ class PrecisionStage(nn.Module):
         return pytree.tree_map(
             lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32
             else x, out)
+
+
+class LossScaler:
+    """fp16's dynamic loss scale (``torch.amp.GradScaler`` semantics), agreed by every rank of the world.
+
+    Per step: run the step with the loss times :attr:`scale`, then :meth:`unscale` (divides every local
+    gradient by the scale and returns whether any rank found an inf or nan), clip, step the optimizer
+    unless skipped, and :meth:`update` with the flag.
+    """
+
+    def __init__(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise InputError(f"loss scaler: init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                             f"growth_interval >= 1 are needed, got {init_scale}, {growth_factor}, {backoff_factor}, "
+                             f"{growth_interval}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.good_steps = 0
+
+    def unscale(self, params: list[nn.Parameter], device: torch.device) -> bool:
+        """Divide every local gradient by the scale; whether any rank's gradients are not finite (a collective
+        over the default group: every rank of the world calls it)."""
+        import torch.distributed as dist
+
+        bad = torch.zeros((), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p in params:
+                g = p.grad
+                if g is None:
+                    continue
+                local = g.to_local() if hasattr(g, "to_local") else g
+                local.mul_(1.0 / self.scale)
+                if not bool(torch.isfinite(local).all()):
+                    bad.fill_(1.0)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bool(bad)
+
+    def update(self, skipped: bool) -> None:
+        """Halve (backoff) the scale after a skipped step; grow it after ``growth_interval`` good steps in a row."""
+        if skipped:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

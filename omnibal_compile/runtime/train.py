@@ -52,6 +52,10 @@ class StepLog:
     """``tokens / step_time_s``."""
     samples: tuple[tuple[int, ...], ...] = ()
     """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order)."""
+    loss_scale: float = 0.0
+    """fp16: the loss scale the step ran with (``precision.LossScaler``); 0 in other precisions."""
+    skipped: bool = False
+    """fp16: some rank's gradients were not finite, so every rank skipped the optimizer step (the scale halves)."""
 
 
 def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
@@ -59,7 +63,9 @@ def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
     minutes, secs = divmod(round(max(0.0, seconds_left)), 60)
     eta = f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
     return (f"step {entry.step + 1}/{steps}  loss {entry.loss:.5g}  lr {entry.lr:.3e}  grad norm {entry.grad_norm:.4g}"
-            f"  {entry.tokens_per_s:,.0f} tokens/s  {entry.step_time_s:.3f} s/step  ETA {eta}")
+            f"  {entry.tokens_per_s:,.0f} tokens/s  {entry.step_time_s:.3f} s/step  ETA {eta}"
+            + (f"  loss scale {entry.loss_scale:g}" + ("  skipped (inf/nan gradients)" if entry.skipped else "")
+               if entry.loss_scale else ""))
 
 
 def _step_samples(source: Any, step: int, dp: int) -> tuple[tuple[int, ...], ...]:
@@ -118,6 +124,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from omnibal_compile.costs._measure import PeakLiveStorages
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline, loss_terms
+    from omnibal_compile.runtime.precision import LossScaler
 
     config = with_plan_layout(config)
     layout = run_data_parallel(config)
@@ -138,10 +145,13 @@ def train(config: RunConfig) -> list[StepLog]:
     )
     del model, result  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)
+    scaler = LossScaler() if config.precision == "fp16" else None
     first = 0
     if config.resume:
         folder, meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)
         first = int(meta["step"])
+        if scaler is not None and isinstance(meta.get("loss_scale"), dict):  # a checkpoint of an fp16 run
+            scaler.load_state_dict(meta["loss_scale"])
         if rank == 0:
             print(f"[omnibal run] resumed from {folder} at step {first}", flush=True)
     # the schedule is rebuilt at the run's own step from its own settings: a changed --lr applies (launch notes it)
@@ -152,7 +162,8 @@ def train(config: RunConfig) -> list[StepLog]:
         if not _weights_finite(pipeline.parameters(), device):
             _stop_if_not_finite(math.nan, step - 1, config, what="the weights it made are")
         trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices},
-                   "data": _data_settings(config), "scheduler": scheduler.state_dict(), **record, "loss": last_loss}
+                   "data": _data_settings(config), "scheduler": scheduler.state_dict(), **record, "loss": last_loss,
+                   **({"loss_scale": scaler.state_dict()} if scaler is not None else {})}
         path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)
         if rank == 0:
             print(f"[omnibal run] checkpoint written: {path}", flush=True)
@@ -178,9 +189,14 @@ def train(config: RunConfig) -> list[StepLog]:
         with live:
             if isinstance(live, PeakLiveStorages):
                 live.track([list(pipeline.parameters()), list(optimizer.state.values())])
-            loss = pipeline.step(batch)
+            scale = scaler.scale if scaler is not None else 0.0
+            loss = pipeline.step(batch, loss_scale=scale or 1.0)
+            skipped = scaler is not None and scaler.unscale(pipeline.parameters(), device)  # before clipping
             grad_norm = pipeline.clip_grad_norm(config.max_grad_norm)
-            optimizer.step()
+            if not skipped:
+                optimizer.step()
+            if scaler is not None:
+                scaler.update(skipped)
         scheduler.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -198,7 +214,7 @@ def train(config: RunConfig) -> list[StepLog]:
                 step=step, loss=float(loss or 0.0), step_time_s=seconds, rank_cpu_s=tuple(float(c) for c in cpu),
                 rank_peak_bytes=tuple(int(b) for b in peaks), lr=lr, grad_norm=grad_norm, tokens=int(tokens),
                 tokens_per_s=float(tokens) / seconds if seconds > 0 else 0.0,
-                samples=_step_samples(source, step, dp),
+                samples=_step_samples(source, step, dp), loss_scale=scale, skipped=skipped,
             )
             logs.append(entry)
             line = json.dumps(dataclasses.asdict(entry))
@@ -210,7 +226,8 @@ def train(config: RunConfig) -> list[StepLog]:
                 with open(config.log, "a") as f:
                     f.write(line + "\n")
         last_loss = _shared_loss(loss, last_rank, device)
-        _stop_if_not_finite(last_loss, step, config)
+        if not skipped:  # fp16: a skipped step's loss may overflow; the scale halves and the run goes on
+            _stop_if_not_finite(last_loss, step, config)
         if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
             save(config.save, step + 1)
     if config.save:

@@ -206,8 +206,8 @@ class ModelConfig(Section):
     """Parameters to freeze (no gradient, no optimizer state): regular expressions searched in each parameter name,
     comma-separated or several, e.g. vision_tower, or vision_tower,language_model to train the projector only."""
     precision: str | None = setting(None, choices=PRECISIONS)
-    """Compute dtype: bf16, fp16 or fp32 (weights and optimizer states stay fp32); run: autocast, or FSDP2 mixed
-    precision under dp; plan: the Precision costed; None: fp32 runs, bf16-mixed costs (bf16 is the GPU setting)."""
+    """Compute dtype: bf16, fp16 (with a dynamic loss scale) or fp32; weights, gradients and optimizer states stay fp32;
+    run: autocast in each stage; plan: the Precision costed; None: fp32 runs, bf16-mixed costs."""
 
     def _check(self) -> None:
         object.__setattr__(self, "freeze", freeze_patterns(self.freeze))

@@ -118,8 +118,8 @@ class LossScaler:
                     continue
                 local = g.to_local() if hasattr(g, "to_local") else g
                 local.mul_(1.0 / self.scale)
-                if not bool(torch.isfinite(local).all()):
-                    bad.fill_(1.0)
+                # on the device, no host sync per parameter: one read after the all-reduce
+                bad = torch.maximum(bad, (~torch.isfinite(local)).any().to(bad.dtype))
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad)
 

@@ -161,6 +161,29 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     assert _survivors(tag) == []
 
 
+def test_a_stopped_rank_seen_exiting_is_still_named_stopped():
+    # CI, loaded: the stopped rank 1 showed R while its SIGKILL took effect, and the report blamed it
+    # ("rank 1 was killed by SIGKILL") instead of naming it stopped and rank 0's timeout after it.
+    import signal
+
+    from omnibal_compile.runtime.processes import _mark_ended_by_agent, _Rank, _report
+
+    timed_out = _Rank(rank=0, pid=10, ended_at=20.0, exitcode=1, state="S")
+    stopped = _Rank(rank=1, pid=11, ended_at=24.0, exitcode=-signal.SIGKILL, state="R", stopped_at=23.0)
+    ranks = [timed_out, stopped]
+    for rk in ranks:
+        _mark_ended_by_agent(rk, ranks)
+    assert stopped.state_at_end == "T" and timed_out.state_at_end is None
+    assert _report(ranks, "failed", None, 3).startswith(
+        "the run failed: rank 1 stopped responding (its process is stopped"), _report(ranks, "failed", None, 3)
+    # stopped once, running again and killed before rank 0 failed: its kill is the cause
+    resumed = _Rank(rank=1, pid=11, ended_at=19.0, exitcode=-signal.SIGKILL, state="R", stopped_at=5.0)
+    for rk in (timed_out, resumed):
+        _mark_ended_by_agent(rk, [timed_out, resumed])
+    assert resumed.state_at_end is None
+    assert _report([timed_out, resumed], "failed", None, 3).startswith("the run failed: rank 1 was killed by SIGKILL")
+
+
 def test_first_error_line_reads_torch_prefixed_tracebacks():
     out = ["[omnibal run] step 0\n", "[rank1]: Traceback (most recent call last):\n",
            '[rank1]:   File "x.py", line 3, in f\n', "[rank1]:     g()\n", "[rank1]: RuntimeError: boom\n",

@@ -222,6 +222,8 @@ class _Rank:
     """Where the agent writes its ``stdout.log``, ``stderr.log`` and ``error.json``."""
     state: str | None = None
     """Its last ``/proc`` state seen while it ran."""
+    stopped_at: float | None = None
+    """When it was last seen stopped (``T``/``t``): a killed process shows ``R`` or ``D`` while it exits."""
     ended_at: float | None = None
     exitcode: int | None = None
     state_at_end: str | None = None
@@ -403,10 +405,15 @@ def _mark_ended_by_agent(rk: _Rank, ranks: list[_Rank]) -> None:
     it was killed by SIGTERM without an error of its own while another rank failed otherwise."""
     if rk.state_at_end is not None or rk.has_error_file() or rk.exitcode is None or rk.exitcode >= 0:
         return
+    others = [o for o in ranks if o is not rk]
     if rk.state in ("T", "t"):
         rk.state_at_end = rk.state
+    elif rk.stopped_at is not None and any(
+        (failed := o.failed_at) is not None and failed <= rk.stopped_at for o in others
+    ):  # still stopped when another rank failed: the agent's SIGTERM waited, its SIGKILL ended it
+        rk.state_at_end = "T"
     elif rk.exitcode == -signal.SIGTERM and any(
-        o is not rk and o.exitcode and (o.has_error_file() or o.exitcode != -signal.SIGTERM) for o in ranks
+        o.exitcode and (o.has_error_file() or o.exitcode != -signal.SIGTERM) for o in others
     ):
         rk.state_at_end = rk.state or "S"
 
@@ -446,6 +453,8 @@ def _watch(agent: subprocess.Popen[bytes], ranks: dict[int, _Rank], nproc: int, 
                     rk.ended_at = now
                 else:
                     rk.state = state
+                    if state in ("T", "t"):
+                        rk.stopped_at = now
         if agent.poll() is not None:
             return "done"
         if deadline is not None and now >= deadline:

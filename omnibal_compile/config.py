@@ -425,6 +425,11 @@ class RuntimeConfig(Section):
     """Seconds a rank waits in one collective (start-up included) before it fails, so a frozen rank ends the run."""
     apply_recompute: bool = setting(True)
     """run: apply the plan's recompute options (false: keep every activation)."""
+    peak_flops: float | None = setting(None, above=0, metavar="FLOP/S")
+    """Peak FLOP/s of one device, for the logged MFU; None: the datasheet bf16 figure of an A100, H100 or H200, and no
+    MFU on other devices."""
+    tensorboard: str | None = setting(None, metavar="DIR")
+    """Also write the per-step figures as TensorBoard scalars to this folder (needs the tensorboard package)."""
 
 
 @dataclass(frozen=True, kw_only=True)

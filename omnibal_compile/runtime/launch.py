@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -250,6 +251,11 @@ def _check_outputs(config: RunConfig) -> None:
         for flag, path in inputs:
             if same_file(root, path):
                 raise InputError(f"--save {root} is also {flag}; give another folder")
+    if config.tensorboard:
+        writable_folder(config.tensorboard, "--tensorboard", "TensorBoard event files")
+        if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard needs it
+            raise InputError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or pip install 'omnibal-compile[tensorboard]')")
     if config.log:
         log = Path(config.log)
         if log.is_dir():
@@ -347,5 +353,6 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
 def _step_log(data: dict[str, Any]) -> StepLog:
     return StepLog(**{**data, "rank_cpu_s": tuple(data.get("rank_cpu_s", ())),
                       "rank_peak_bytes": tuple(data.get("rank_peak_bytes", ())),
+                      "rank_memory_bytes": tuple(data.get("rank_memory_bytes", ())),
                       "samples": tuple(tuple(ids) for ids in data.get("samples", ()))})
 

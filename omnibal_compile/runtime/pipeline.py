@@ -29,6 +29,7 @@ Glossary:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -257,6 +258,8 @@ class RankPipeline:
     """``fsdp`` or ``ddp`` (:data:`DP_SHARDS`); None when ``dp_size`` is 1."""
     pp_group: Any = field(default=None, repr=False)
     """Process group along ``pp`` (this replica's pipeline ranks); None: the default group (one pipeline)."""
+    forward_flops: float = 0.0
+    """Forward FLOPs of one micro-batch through this rank's stages (counted once, when they were built)."""
 
     @property
     def has_first(self) -> bool:
@@ -486,7 +489,8 @@ def build_pipeline(
     device = torch.device(device)
     low = compute_dtype(precision)
     mine = rank_stages(plan, rank)
-    examples = _stage_examples(result, mine, device)
+    flops: dict[int, float] = {}
+    examples = _stage_examples(result, mine, device, flops)
     loss_index = _loss_index(result)
     modules: list[nn.Module] = []
     for i, s in enumerate(mine):
@@ -546,24 +550,33 @@ def build_pipeline(
         dp_group=mesh["dp"].get_group() if mesh is not None and dp_size > 1 else None,
         dp_shard=layout.shard if dp_size > 1 else None,
         pp_group=group,
+        forward_flops=sum(flops.values()),
     )
 
 
 def _stage_examples(
-    result: OptimizeResult, wanted: Sequence[int], device: torch.device
+    result: OptimizeResult, wanted: Sequence[int], device: torch.device, flops: dict[int, float] | None = None
 ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """Example inputs and outputs of the ``wanted`` stages, from running every stage once on the
     captured micro-batch: pipelining's static mode takes their shapes, dtypes and ``requires_grad``
-    (true exactly for the values that carry gradients at run time)."""
+    (true exactly for the values that carry gradients at run time). ``flops`` gets each wanted stage's
+    forward FLOPs on that micro-batch."""
+    flops = {} if flops is None else flops
 
     def fresh(x: Any) -> Any:
         return x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+    from omnibal_compile.costs._measure import count_flops
 
     values: tuple[Any, ...] = tuple(fresh(x) for x in result.captured.example_flat_inputs)
     found: dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
     with torch.enable_grad():
         for s, stage in enumerate(result.stages[: max(wanted) + 1]):
-            out = stage(*values)
+            counter = count_flops()
+            with counter if s in wanted else contextlib.nullcontext():
+                out = stage(*values)
+            if s in wanted:
+                flops[s] = float(counter.get_total_flops())
             outs = tuple(fresh(x) for x in (out if isinstance(out, (tuple, list)) else (out,)))
             found[s] = (values, outs)
             values = outs

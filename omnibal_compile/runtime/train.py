@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -56,6 +56,14 @@ class StepLog:
     """fp16: the loss scale the step ran with (``precision.LossScaler``); 0 in other precisions."""
     skipped: bool = False
     """fp16: some rank's gradients were not finite, so every rank skipped the optimizer step (the scale halves)."""
+    rank_memory_bytes: tuple[int, ...] = ()
+    """Each rank's peak memory: on CUDA the step's peak allocated bytes (``max_memory_allocated``); on CPU the
+    process's peak resident set so far (``ru_maxrss``: it never drops)."""
+    model_flops: float = 0.0
+    """Model FLOPs of the step over every rank: 3 x the forward FLOPs of its micro-batches (their padded shape),
+    counted when the stages were built; recomputation not counted, frozen parts counted as trained."""
+    mfu: float | None = None
+    """``model_flops / (step_time_s x devices x peak FLOP/s)`` (``RunConfig.peak_flops``); None without a peak."""
 
 
 def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
@@ -64,6 +72,7 @@ def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
     eta = f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
     return (f"step {entry.step + 1}/{steps}  loss {entry.loss:.5g}  lr {entry.lr:.3e}  grad norm {entry.grad_norm:.4g}"
             f"  {entry.tokens_per_s:,.0f} tokens/s  {entry.step_time_s:.3f} s/step  ETA {eta}"
+            + (f"  MFU {entry.mfu:.1%}" if entry.mfu is not None else "")
             + (f"  loss scale {entry.loss_scale:g}" + ("  skipped (inf/nan gradients)" if entry.skipped else "")
                if entry.loss_scale else ""))
 
@@ -103,6 +112,59 @@ def _stop_if_not_finite(loss: float, step: int, config: RunConfig, what: str = "
             f"step {step}: {what} {loss} (--lr {config.lr:g}); training stopped before saving non-finite "
             f"weights ({kept}): lower --lr (or add --warmup-steps), or look at the data of step {step}"
         )
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory (:attr:`StepLog.rank_memory_bytes`)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, Linux KiB
+
+
+def peak_flops(config: RunConfig, device: torch.device) -> float | None:
+    """Peak FLOP/s of one of the run's devices for the MFU: ``--peak-flops``, else a known GPU's datasheet figure."""
+    if config.peak_flops is not None:
+        return float(config.peak_flops)
+    if device.type != "cuda":
+        return None
+    from omnibal_compile.costs.devices import spec_for_gpu_name
+
+    spec = spec_for_gpu_name(torch.cuda.get_device_name(device))
+    return spec.peak_flops if spec is not None else None
+
+
+class _Scalars:
+    """``--tensorboard``: the step figures as TensorBoard scalars (written by the rank that logs)."""
+
+    def __init__(self, folder: str | None, first_step: int) -> None:
+        self.writer = None
+        if folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run replaces what a stopped run wrote after its checkpoint
+            self.writer = SummaryWriter(folder, purge_step=first_step if first_step else None)
+
+    def write(self, entry: StepLog) -> None:
+        if self.writer is None:
+            return
+        figures = {"loss": entry.loss, "lr": entry.lr, "grad_norm": entry.grad_norm,
+                   "tokens_per_s": entry.tokens_per_s, "step_time_s": entry.step_time_s,
+                   "peak_memory_gib": max(entry.rank_memory_bytes, default=0) / 2**30}
+        if entry.mfu is not None:
+            figures["mfu"] = entry.mfu
+        if entry.loss_scale:
+            figures["loss_scale"] = entry.loss_scale
+        for name, value in figures.items():
+            self.writer.add_scalar(f"train/{name}", value, entry.step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _weights_finite(params: list[torch.nn.Parameter], device: torch.device) -> bool:
@@ -173,6 +235,11 @@ def train(config: RunConfig) -> list[StepLog]:
                 print(f"[omnibal run] exported: {export_hf(path, config.export_hf)}", flush=True)
 
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
+    flops = torch.tensor([pipeline.forward_flops], dtype=torch.float64, device=device)
+    dist.all_reduce(flops)  # every stage of every replica: one micro-batch each
+    step_flops = 3 * float(flops) * cast(int, plan.num_microbatches)
+    peak = peak_flops(config, device)
+    scalars = _Scalars(config.tensorboard if rank == last_rank else None, first)
     logs: list[StepLog] = []
     run_start = time.perf_counter()
     batches = step_batches(source, first, config.steps, workers=config.data_workers)
@@ -184,6 +251,8 @@ def train(config: RunConfig) -> list[StepLog]:
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         lr = float(scheduler.get_last_lr()[0])
         live = PeakLiveStorages() if step in config.memory_steps else contextlib.nullcontext()
         with live:
@@ -201,8 +270,9 @@ def train(config: RunConfig) -> list[StepLog]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        cpu = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(cpu, torch.tensor([time.thread_time() - cpu_start], dtype=torch.float64, device=device))
+        cpu = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]  # CPU s, peak bytes
+        mine = [time.thread_time() - cpu_start, _peak_memory_bytes(device)]
+        dist.all_gather(cpu, torch.tensor(mine, dtype=torch.float64, device=device))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks: list[torch.Tensor] = []
         if isinstance(live, PeakLiveStorages):
@@ -211,12 +281,15 @@ def train(config: RunConfig) -> list[StepLog]:
         if rank == last_rank:
             seconds = float(elapsed)
             entry = StepLog(
-                step=step, loss=float(loss or 0.0), step_time_s=seconds, rank_cpu_s=tuple(float(c) for c in cpu),
+                step=step, loss=float(loss or 0.0), step_time_s=seconds, rank_cpu_s=tuple(float(c[0]) for c in cpu),
+                rank_memory_bytes=tuple(int(c[1]) for c in cpu), model_flops=step_flops,
+                mfu=step_flops / (seconds * world * peak) if peak and seconds > 0 else None,
                 rank_peak_bytes=tuple(int(b) for b in peaks), lr=lr, grad_norm=grad_norm, tokens=int(tokens),
                 tokens_per_s=float(tokens) / seconds if seconds > 0 else 0.0,
                 samples=_step_samples(source, step, dp), loss_scale=scale, skipped=skipped,
             )
             logs.append(entry)
+            scalars.write(entry)
             line = json.dumps(dataclasses.asdict(entry))
             # mean time per step so far (the first steps warm up, so this overestimates a little)
             per_step = (time.perf_counter() - run_start) / (step + 1 - first)
@@ -230,6 +303,7 @@ def train(config: RunConfig) -> list[StepLog]:
             _stop_if_not_finite(last_loss, step, config)
         if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
             save(config.save, step + 1)
+    scalars.close()
     if config.save:
         save(config.save, config.steps)
     dist.barrier()

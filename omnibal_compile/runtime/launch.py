@@ -344,7 +344,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
                 print(line, end="", flush=True)
 
         run_ranks(python_module(_worker, str(cfg_path)), nproc=nproc, env=env, workdir=tmp,
-                  timeout_s=timeout_s, on_line=echo)
+                  timeout_s=timeout_s, on_line=echo, finish_marker=True)
         with open(log) as f:
             f.seek(start)
             return [_step_log(json.loads(line)) for line in f if line.strip()]

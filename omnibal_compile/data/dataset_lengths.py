@@ -186,9 +186,10 @@ def read_records(path: str | os.PathLike[str]) -> list[tuple[str, Any]]:
 def _messages(where: str, rec: Any, placeholder: str) -> list[dict[str, str]]:
     if not isinstance(rec, dict):
         raise InputError(f"{where}: expected an object with 'conversations', got {type(rec).__name__}")
-    turns = rec.get("conversations")
+    turns = rec.get("conversations", rec.get("messages"))  # as ConversationDataset reads them
     if not isinstance(turns, list) or not turns:
-        raise InputError(f"{where}: needs a non-empty 'conversations' list of {{'from': 'human'|'gpt', 'value': ...}}")
+        raise InputError(f"{where}: needs a non-empty 'conversations' list of {{'from': 'human'|'gpt', 'value': ...}} "
+                         "(or 'messages' of role/content)")
     out = []
     for k, t in enumerate(turns):
         if not isinstance(t, dict):

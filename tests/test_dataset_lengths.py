@@ -18,7 +18,10 @@ pytest.importorskip("PIL")
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from test_hf_dataset import IMAGE_TOKENS, SPECIALS, llava_data  # noqa: E402, F401  (a tiny Llava folder, real images)
+import test_hf_dataset  # noqa: E402
+from test_hf_dataset import IMAGE_TOKENS, SPECIALS  # noqa: E402
+
+llava_data = test_hf_dataset.llava_data  # the fixture: a tiny Llava folder with its processor, real PNG/JPEG images
 
 WORDS = ["What", "is", "in", "the", "picture", "?", "A", "red", "bar", ".", "Describe", "it", "Hello", "Hi"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
@@ -320,4 +323,5 @@ def test_run_refuses_lengths_in_other_units(llava_data, llava_lengths, tmp_path)
         batch_source(_run_config(tmp_path, llava_data, lengths=(str(internvl),)), model)
     old = tmp_path / "old.json"  # without a header: InternVL units converted, as before
     old.write_text(json.dumps([{"vit_num": 1, "token_num": 300}] * 4))
-    assert batch_source(_run_config(tmp_path, llava_data, lengths=(str(old),)), model).data_plan.stats.tokens[0] == 17 + 3
+    converted = batch_source(_run_config(tmp_path, llava_data, lengths=(str(old),)), model).data_plan.stats
+    assert converted.tokens[0] == 17 + 3

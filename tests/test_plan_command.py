@@ -216,8 +216,8 @@ def test_plan_chooses_the_layout_for_a_device_count(tmp_path, capsys):
 def test_plan_takes_lengths_in_the_models_units_as_the_run_measures_them(llava_data, tmp_path, capsys):
     """plan --lengths on a file from `lengths --model`: no tokens-per-tile conversion, the samples the run's own
     --dataset measures (so the same packs); a file for another model stops plan before any work."""
-    from omnibal_compile.cli.plan import _plan_lengths, load_model, plan_settings
     from omnibal_compile.cli import build_parser
+    from omnibal_compile.cli.plan import _plan_lengths, load_model, plan_settings
     from omnibal_compile.data import balance_pack
     from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omnibal_compile._utils.files import atomic_write_text, same_file
 from omnibal_compile._utils.validate import int_option
@@ -38,14 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", metavar="DATA", help="dataset file: a JSON list or JSON Lines (.jsonl) of records with "
                    "'image' (a path or a list of paths; absent for text-only) and 'conversations'")
     p.add_argument("--model", default=None, metavar="hf:DIR",
-                   help="measure in this Hugging Face model's units (hf:DIR or hf:ClassName:config.json): each sample as "
-                        "its processor makes it (image tokens, chat template), as run --dataset does; plan and run take "
-                        "the file as it is with this model")
+                   help="measure in this Hugging Face model's units (hf:DIR or hf:ClassName:config.json): each sample "
+                        "as its processor makes it (image tokens, chat template), as run --dataset does; plan and run "
+                        "take the file as it is with this model")
     p.add_argument("--processor", default=None, metavar="DIR",
                    help="with --model: the processor folder (default: the model's folder)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="InternVL units instead: local Hugging Face tokenizer folder (its chat template applied when it "
-                        "has one), images tiled as InternVL does")
+                   help="InternVL units instead: local Hugging Face tokenizer folder (its chat template applied when "
+                        "it has one), images tiled as InternVL does")
     p.add_argument("--out", required=True, metavar="PATH", help="length file to write (.json, .jsonl or .csv)")
     p.add_argument("--image-root", default=None, metavar="DIR",
                    help="folder image paths are relative to (default: the data file's folder)")
@@ -121,13 +121,14 @@ def _check_sources(args: argparse.Namespace) -> None:
 def _internvl_lengths(args: argparse.Namespace) -> DatasetLengths:
     from omnibal_compile.data.dataset_lengths import TilingOptions, dataset_lengths, default_workers
 
-    o = {k: default if getattr(args, k) is None else getattr(args, k) for k, default in INTERNVL_OPTIONS.items()}
+    o: dict[str, Any] = {k: default if getattr(args, k) is None else getattr(args, k)
+                         for k, default in INTERNVL_OPTIONS.items()}
     tiling = TilingOptions(min_tiles=o["min_tiles"], max_tiles=o["max_tiles"], tile_size=o["tile_size"],
-                           thumbnail=o["thumbnail"])
+                           thumbnail=bool(o["thumbnail"]))
     return dataset_lengths(args.data, tokenizer=args.tokenizer, image_root=args.image_root, tiling=tiling,
                            tokens_per_tile=o["tokens_per_tile"], image_marker_tokens=o["image_marker_tokens"],
-                           dummy_tile=o["dummy_tile"], on_error=args.on_error, progress=not args.no_progress,
-                           confine_to_root=o["confine_to_image_root"],
+                           dummy_tile=bool(o["dummy_tile"]), on_error=args.on_error, progress=not args.no_progress,
+                           confine_to_root=bool(o["confine_to_image_root"]),
                            workers=default_workers() if args.workers is None else args.workers)
 
 
@@ -201,6 +202,7 @@ def format_summary(result: DatasetLengths, *, skipped_out: str | None = None) ->
         lines.append(f"left out {len(skipped):,} of {result.records:,} records whose images are missing or unreadable"
                      f"{' (or that cannot be read)' if any(not s.image for s in skipped) else ''}"
                      f"{', the first:' if len(skipped) > _SHOW_SKIPPED else ':'}")
-        lines += [f"  record {s.record:,}: {f'{s.image}: ' if s.image else ''}{s.reason}" for s in skipped[:_SHOW_SKIPPED]]
+        lines += [f"  record {s.record:,}: {f'{s.image}: ' if s.image else ''}{s.reason}"
+                  for s in skipped[:_SHOW_SKIPPED]]
         lines.append(f"After the first of them, row i of the length file is not record i of the dataset ({listed}).")
     return "\n".join(lines)

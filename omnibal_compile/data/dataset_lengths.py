@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from omnibal_compile._utils.validate import json_records, open_regular_file, read_text
 from omnibal_compile._utils.files import file_sha256
+from omnibal_compile._utils.validate import json_records, open_regular_file, read_text
 from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthHeader, LengthStats
 from omnibal_compile.errors import InputError
 from omnibal_compile.progress import Progress

@@ -38,8 +38,8 @@ from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile._utils.validate import check_int, json_records, read_text
 from omnibal_compile.errors import InputError
 
-__all__ = ["LengthStats", "LengthHeader", "UNITS", "load_lengths", "save_lengths", "scale_lengths", "bundled_length_files",
-           "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]
+__all__ = ["LengthStats", "LengthHeader", "UNITS", "load_lengths", "save_lengths", "scale_lengths",
+           "bundled_length_files", "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]
 
 _BUNDLED = Path(__file__).resolve().parent / "stats"
 
@@ -71,8 +71,8 @@ class LengthHeader:
         if self.units not in UNITS:
             raise InputError(f"length header: units must be one of {list(UNITS)}, got {self.units!r}")
         if self.units == "internvl":
-            object.__setattr__(self, "tokens_per_tile", check_int(self.tokens_per_tile, "length header: tokens_per_tile",
-                                                                  min=1))
+            tpt = check_int(self.tokens_per_tile, "length header: tokens_per_tile", min=1)
+            object.__setattr__(self, "tokens_per_tile", tpt)
         elif not isinstance(self.model_type, str) or not self.model_type:
             raise InputError(f"length header: units 'model' needs a model_type string, got {self.model_type!r}")
         if self.image_token_id is not None:

@@ -40,7 +40,8 @@ from omnibal_compile.config import TINY_VLM_NAMES
 from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_example_batch
 
-__all__ = ["LoadedModel", "load_model", "load_hf_config", "model_folder", "hf_data_facts", "hf_example_batch", "import_from_spec"]
+__all__ = ["LoadedModel", "load_model", "load_hf_config", "model_folder", "hf_data_facts", "hf_example_batch",
+           "import_from_spec"]
 
 TINY_VLM = TINY_VLM_NAMES
 

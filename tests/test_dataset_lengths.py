@@ -273,10 +273,13 @@ def test_lengths_model_and_tokenizer_options(llava_data, tmp_path: Path, tokeniz
         (["--model", spec, "--workers", "2"], "--workers apply to InternVL units"),
         (["--tokenizer", str(tokenizers["chat"]), "--processor", str(llava_data["model"])], "--processor goes with"),
         (["--model", "tinyvlm"], "not a Hugging Face model"),
+        (["--model", spec, "--processor", str(tmp_path / "elsewhere")], "processor folder .*elsewhere does not exist"),
     ):
         assert main([*base, *extra]) == 2, extra
         assert re.search(message, capsys.readouterr().err), extra
     assert not (tmp_path / "l.json").exists()
+    assert main([*base, "--model", spec, "--processor", str(llava_data["model"])]) == 0  # a processor named apart
+    assert load_lengths(tmp_path / "l.json").header.info["processor"] == str(llava_data["model"])  # type: ignore[union-attr]
     # InternVL units, as before, now say so in the file's header
     assert main([*base, "--tokenizer", str(llava_data["model"]), "--max-tiles", "6"]) == 0
     h = load_lengths(tmp_path / "l.json").header

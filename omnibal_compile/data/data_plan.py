@@ -88,6 +88,9 @@ class DataOptions:
         for name, low in lows.items():
             if getattr(self, name) is not None:
                 put(name, check_int(getattr(self, name), f"DataOptions.{name}", min=low))
+        if self.model_type is not None and (not isinstance(self.model_type, str) or not self.model_type):
+            raise InputError(f"DataOptions.model_type must be a Hugging Face model_type such as 'llava', "
+                             f"got {self.model_type!r}")
         if self.image_shape is not None:
             shape = check_int_list(self.image_shape, "DataOptions.image_shape", min=1)
             if len(shape) != 3:

@@ -168,7 +168,8 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method, **facts)
     if dataset is not None:  # measured by the model's own processor: in its units, nothing to rescale
         options = dataclasses.replace(options, source_tokens_per_tile=None)
-    data = plan_data(dataset.lengths(progress=False) if dataset else list(config.lengths), options, model=model)
+    data = plan_data(dataset.lengths(progress=False) if dataset else list(config.lengths), options, model=model,
+                     model_spec=config.model)
     if dataset is None:
         data.check_synthetic()  # every sample of the lengths can be made, named here rather than at its step
     if dataset is not None and dataset.skipped and os.environ.get("RANK", "0") == "0":  # said once, not per rank
@@ -235,27 +236,37 @@ def _check_epoch_fills_a_step(config: RunConfig, samples: int, per_epoch: int, r
 
 
 def open_dataset(config: RunConfig, facts: Mapping[str, Any]) -> Any:
-    """The run's :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset`, read by its processor
-    (``--processor``, else the folder of an ``hf:`` model: DIR, or its config's folder), checked against the
-    model's image token."""
+    """The run's :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset` (:func:`conversation_dataset`
+    of ``--dataset``)."""
+    dataset, _ = conversation_dataset(config.dataset, model=config.model,  # type: ignore[arg-type]
+                                      processor=config.processor, image_root=config.image_root,
+                                      skip_bad=config.skip_bad_records, facts=facts)
+    return dataset
+
+
+def conversation_dataset(data: str | os.PathLike[str], *, model: str, processor: str | None, image_root: str | None,
+                         skip_bad: bool, facts: Mapping[str, Any]) -> tuple[Any, str]:
+    """(``data`` as a :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset` read by its processor
+    (``processor``, else the folder of an ``hf:`` model spec ``model``: DIR, or its config's folder), checked against
+    the model's image token (``facts["image_token_id"]``, :func:`~omnibal_compile.models.load.hf_data_facts`); the
+    processor's folder)."""
     from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
     from omnibal_compile.models.load import model_folder
 
-    folder = config.processor
+    folder = processor
     if folder is None:
-        found = model_folder(config.model)
+        found = model_folder(model)
         if found is None:
-            raise InputError(f"dataset (--dataset) needs the processor that reads it: set processor (--processor DIR); "
-                             f"model {config.model!r} has no folder to take it from")
+            raise InputError(f"dataset {data} needs the processor that reads it: set processor (--processor DIR); "
+                             f"model {model!r} has no folder to take it from")
         folder = str(found)
-    dataset = ConversationDataset(config.dataset, load_processor(folder), image_root=config.image_root,  # type: ignore[arg-type]
-                                  skip_bad=config.skip_bad_records)
+    dataset = ConversationDataset(data, load_processor(folder), image_root=image_root, skip_bad=skip_bad)
     if dataset.image_token is not None and "image_token_id" in facts:
         got = int(dataset.tokenizer.convert_tokens_to_ids(dataset.image_token))
         if got != int(facts["image_token_id"]):
             raise InputError(f"processor {folder}: its image token {dataset.image_token!r} has id {got}, but the "
                              f"model's is {facts['image_token_id']}: use the processor saved with this model")
-    return dataset
+    return dataset, folder
 
 
 def model_inputs(

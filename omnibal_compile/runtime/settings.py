@@ -128,16 +128,9 @@ _RESUMABLE_SETTINGS = ("optimizer", "lr", "warmup_steps", "steps", "save_every")
 
 
 def _file_sha256(path: str) -> str | None:
-    import hashlib
+    from omnibal_compile._utils.files import file_sha256
 
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError:
-        return None
-    return digest.hexdigest()
+    return file_sha256(path)
 
 
 def _resume_record(config: RunConfig) -> dict[str, Any]:

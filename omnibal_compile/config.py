@@ -241,6 +241,9 @@ class DataConfig(Section):
     """With lengths: balanced (one balanced pack per row) or random (one random sample per row, padded)."""
     samples_per_pack: float = setting(DEFAULT_SAMPLES_PER_PACK, min=1)
     """With lengths: target mean samples per pack."""
+    oversized: str = setting("error", choices=("error", "truncate", "own-pack"))
+    """A sample larger than the pack shape: error (refused, named), truncate (cut to the shape) or own-pack (a pack
+    of its own shape)."""
     batch_size: int = setting(8, min=1)
     """Rows per training step over all dp ranks and micro-batches; with lengths, packs per step."""
     tiles_per_sample: int = setting(2, min=0)

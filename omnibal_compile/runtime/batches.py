@@ -165,7 +165,8 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     method = "ours" if config.batching == "balanced" else "random"
     facts = hf_data_facts(model)
     dataset = open_dataset(config, facts) if config.dataset else None
-    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method, **facts)
+    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
+                          oversized=config.oversized, **facts)
     if dataset is not None:  # measured by the model's own processor: in its units, nothing to rescale
         options = dataclasses.replace(options, source_tokens_per_tile=None)
     data = plan_data(dataset.lengths(progress=False) if dataset else list(config.lengths), options, model=model,

@@ -112,7 +112,7 @@ def read_plan(config: RunConfig) -> Plan:
 
 
 _DATA_SETTINGS = ("model", "model_config", "batches", "lengths", "dataset", "image_root", "processor",
-                  "skip_bad_records", "batching",
+                  "skip_bad_records", "batching", "oversized",
                   "samples_per_pack", "batch_size", "tiles_per_sample", "text_tokens", "seed")
 """RunConfig fields the batches of a step depend on (with the step and dp): a resumed run must keep them."""
 

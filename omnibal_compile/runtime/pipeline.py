@@ -353,7 +353,7 @@ class RankPipeline:
         try:
             with torch.no_grad():
                 self.schedule.eval(*(flat if self.has_first else ()), target=counts.to(self.device) if self.has_last
-                                   else None, losses=losses if self.has_last else None)
+                                   else None, losses=losses if self.has_last else None, return_outputs=False)
         finally:
             for m, mode in zip(self.modules, modes):
                 m.train(mode)

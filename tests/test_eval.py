@@ -89,16 +89,21 @@ def _plan(tmp_path, train, stages):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_an_epoch_on_two_dp_ranks_logs_every_sample_once(tmp_path, data):
+def test_an_epoch_on_two_dp_ranks_logs_every_sample_once_and_resumes(tmp_path, data):
     train, _ = data
+    root = tmp_path / "ck"
     config = RunConfig(plan=_plan(tmp_path, train, 1), model_config=MODEL_CONFIG, lengths=(train,), batch_size=4,
-                       dp=2, epochs=1, optimizer="sgd", lr=0.1, log=str(tmp_path / "steps.jsonl"))
+                       dp=2, num_microbatches=2, epochs=1, optimizer="sgd", lr=0.1, log=str(tmp_path / "steps.jsonl"),
+                       save=str(root), save_every=1)
     logged = launch(config, timeout_s=240, quiet=True)
     source = batch_source(config, build_model(config))
-    assert len(logged) == run_steps(config, source) == math.ceil(source.packs_per_epoch / 2)
-    assert all(math.isfinite(e.loss) for e in logged)
+    assert len(logged) == run_steps(config, source) == math.ceil(source.packs_per_epoch / 2) == 3
+    assert all(math.isfinite(e.loss) and math.isfinite(e.grad_norm) for e in logged)  # an empty micro-batch: 0
     ids = [i for e in logged for rank in e.samples for i in rank]
     assert sorted(ids) == list(range(40))
+    resumed = launch(dataclasses.replace(config, resume=str(root / "step-000002"), save=None, save_every=0, log=None),
+                     timeout_s=240, quiet=True)  # the epoch's steps in all: step 2 is left
+    assert [(e.step, e.loss, e.samples) for e in resumed] == [(e.step, e.loss, e.samples) for e in logged[2:]]
 
 
 @pytest.mark.slow

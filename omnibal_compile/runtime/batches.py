@@ -190,7 +190,8 @@ def _data_plan(config: RunConfig, model: nn.Module, *, eval_of: Any = None) -> t
     except InputError as e:
         if eval_of is None:
             raise
-        raise InputError(f"eval_data (--eval-data) {config.eval_data}: {e}") from None
+        raise InputError(f"eval_data (--eval-data) {config.eval_data}: {e} (eval packs keep the training packs' "
+                         "shape and row: leave such samples out of the eval set)") from None
     if dataset is None:
         data.check_synthetic()  # every sample of the lengths can be made, named here rather than at its step
     if dataset is not None and dataset.skipped and os.environ.get("RANK", "0") == "0":  # said once, not per rank

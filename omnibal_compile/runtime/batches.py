@@ -177,7 +177,7 @@ def _data_plan(config: RunConfig, model: nn.Module, *, eval_of: Any = None) -> t
             )
     method = "ours" if config.batching == "balanced" else "random"
     facts = hf_data_facts(model)
-    path = config.eval_data if eval_of is not None else config.dataset
+    path = config.eval_data if eval_of is not None else config.dataset  # None: the training lengths files
     dataset = open_dataset(config, facts, path) if config.dataset else None
     options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method, **facts)
     if dataset is not None:  # measured by the model's own processor: in its units, nothing to rescale
@@ -194,6 +194,12 @@ def _data_plan(config: RunConfig, model: nn.Module, *, eval_of: Any = None) -> t
                          "shape and row: leave such samples out of the eval set)") from None
     if dataset is None:
         data.check_synthetic()  # every sample of the lengths can be made, named here rather than at its step
+    left = len(data.stats) % dp if method == "random" else 0
+    if left and os.environ.get("RANK", "0") == "0":  # random rows: dp ranks take equal shares of each epoch
+        from omnibal_compile import progress
+
+        progress.info(f"note: {path or ', '.join(config.lengths)}: --batching random leaves {left} of its "
+                      f"{len(data.stats)} samples out of each epoch (a multiple of --dp {dp} is used)")
     if dataset is not None and dataset.skipped and os.environ.get("RANK", "0") == "0":  # said once, not per rank
         from omnibal_compile import progress
 

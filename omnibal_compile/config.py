@@ -426,8 +426,8 @@ class RuntimeConfig(Section):
     threads: int = setting(1, min=1)
     """torch threads per rank."""
     log: str | None = setting(None, metavar="PATH")
-    """JSON-lines file for per-step loss and time, appended to (a resumed run continues it; written by the rank
-    holding the last stage)."""
+    """JSON-lines file for per-step loss and time, and eval_data's evaluations ("record": "eval"), appended to (a
+    resumed run continues it; written by the rank holding the last stage)."""
     memory_steps: tuple[int, ...] = setting(factory=tuple, min=0, metavar="STEP")
     """Steps in which every rank measures its peak live tensor bytes; empty: no accounting (it costs Python work on
     every op)."""

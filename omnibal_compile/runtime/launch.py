@@ -31,7 +31,8 @@ Glossary:
                   steps or save_every apply with a note), the outputs (--save a folder that can be
                   written, --log a file that can be appended to, neither an input of the run).
     outputs       ``--log`` is appended to (a resumed run continues its file); ``launch`` returns
-                  this run's lines only. ``--save``'s folder is locked for the run (``.lock``, see
+                  this run's lines only: its step lines, and its eval lines (``"record": "eval"``,
+                  ``--eval-data``) in ``.evals``. ``--save``'s folder is locked for the run (``.lock``, see
                   :func:`~omnibal_compile.runtime.checkpoint.lock_checkpoint_root`).
     launching     :func:`launch` starts the ranks with torch's elastic agent (``elastic_launch``, the
                   engine of ``torchrun``; one node, c10d rendezvous on loopback, no restarts), each rank

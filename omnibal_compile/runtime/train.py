@@ -51,7 +51,8 @@ class StepLog:
     tokens_per_s: float = 0.0
     """``tokens / step_time_s``."""
     samples: tuple[tuple[int, ...], ...] = ()
-    """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order)."""
+    """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order; an
+    empty row past the last epoch of ``--epochs`` has none)."""
     loss_scale: float = 0.0
     """fp16: the loss scale the step ran with (``precision.LossScaler``); 0 in other precisions."""
     skipped: bool = False

@@ -65,6 +65,10 @@ def test_steps_and_epochs_are_exclusive_and_epochs_needs_data(data):
     with pytest.raises(InputError, match="--epochs.*--dataset FILE or --lengths FILE"):
         run_steps(config, batch_source(config, build_model(config)))
     assert run_steps(RunConfig(plan="-"), lambda step: None) == 5  # neither: the old default
+    built_in = RunConfig(plan="-", model_config=MODEL_CONFIG, eval_data=data[1])
+    model = build_model(built_in)
+    with pytest.raises(InputError, match="--eval-data.*needs --dataset FILE or --lengths FILE"):
+        eval_source(built_in, model, batch_source(built_in, model))
 
 
 def test_eval_packs_keep_the_training_shape_and_hold_every_eval_sample_once(data):

@@ -260,12 +260,12 @@ def test_tensorboard_folder_and_package_are_checked_before_any_rank_starts(tmp_p
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(InputError, match=r"--tensorboard .*file is a file, not a folder"):
-        _check_outputs(RunConfig(plan="-", tensorboard=str(tmp_path / "file")))
+        _check_outputs(RunConfig(plan="-", tensorboard=str(tmp_path / "file")), 5)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
     with pytest.raises(InputError, match=r"--tensorboard needs the tensorboard package: pip install tensorboard"):
-        _check_outputs(RunConfig(plan="-", tensorboard=str(tmp_path / "board")))
+        _check_outputs(RunConfig(plan="-", tensorboard=str(tmp_path / "board")), 5)
 
 
 # -- distributed: exact resume of a Llava with unused parameters -----------------------------------

@@ -54,6 +54,8 @@ class DataOptions:
     ``len % dp`` samples left over)."""
     shape: PackShape | None = None
     """Fix the pack shape (Q_v, Q_t) in model units instead of deriving it."""
+    row_tokens: int | None = None
+    """With ``shape``: fix the collated row length too (an eval set in the training batches' row); None: derived."""
     source_tokens_per_tile: int | None = INTERNVL_TOKENS_PER_TILE
     """Tokens per tile the statistics were measured with; None if already in model units."""
     oversized: str = "error"
@@ -84,7 +86,8 @@ class DataOptions:
         put("dp", check_int(self.dp, "DataOptions.dp", min=1))
         put("samples_per_pack", check_number(self.samples_per_pack, "DataOptions.samples_per_pack", min=1))
         put("seed", check_seed(self.seed, "DataOptions.seed"))
-        lows = {"source_tokens_per_tile": 1, "tokens_per_tile": 1, "image_token_id": 0, "vocab_size": 1}
+        lows = {"row_tokens": 1, "source_tokens_per_tile": 1, "tokens_per_tile": 1, "image_token_id": 0,
+                "vocab_size": 1}
         for name, low in lows.items():
             if getattr(self, name) is not None:
                 put(name, check_int(getattr(self, name), f"DataOptions.{name}", min=low))
@@ -302,6 +305,8 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
             return isf_pack(stats, dp=o.dp, capacity=fixed, seed=seed, oversized=o.oversized,
                             token_thresh=fixed.tokens - margin)
         row = None  # ISF packs vary in tiles: keep the collator's always-sufficient row
+    elif o.shape is not None and o.row_tokens is not None:  # both given (an eval set in the training row)
+        fixed, row = o.shape, o.row_tokens
     else:
         draft = balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, seed=first, cost=o.cost,
                              capacity=o.shape, oversized=o.oversized)
@@ -317,6 +322,8 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
         tiles = draft.pack_sums(np.minimum(stats.tiles, fixed.tiles))[~own]
         tokens = draft.pack_sums(np.minimum(stats.tokens, fixed.tokens))[~own]
         row = int(max(fixed.tokens, (tokens + (fixed.tiles - tiles) * tpt).max(initial=0)))
+
+    if o.method == "ours":
 
         def packer(seed: int) -> Packing:
             return balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, capacity=fixed, seed=seed,

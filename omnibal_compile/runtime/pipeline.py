@@ -186,7 +186,9 @@ class _WeightedLoss:
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         outs = output if isinstance(output, (tuple, list)) else (output,)
         loss = outs[self.index]
-        return loss * target.sum().to(loss.dtype)
+        weight = target.sum().to(loss.dtype)
+        # a micro-batch of empty rows (labels all -100, weight 0) has a 0/0 mean loss: it adds nothing
+        return torch.where(weight > 0, loss, torch.zeros_like(loss)) * weight
 
 
 class _TensorOutputs(nn.Module):
@@ -340,6 +342,32 @@ class RankPipeline:
                     "planned shape (a packing collator) or re-compile the stages for this shape"
                 )
         return tuple(x.to(self.device) for x in leaves)
+
+    def evaluate(self, batch: Any) -> tuple[float, float] | None:
+        """Forward only (no gradient, stages in eval mode) on this rank's batch; on ranks with the last stage, the
+        loss summed over the step's labelled tokens (each micro-batch's mean loss x its loss terms,
+        :func:`loss_terms`) and their count, both summed over ``dp``: their ratio is the step's mean loss."""
+        flat = self.flatten(batch)
+        counts = loss_terms(flat, self.input_names, self.weighting)
+        losses: list[torch.Tensor] = []
+        modes = [m.training for m in self.modules]
+        for m in self.modules:
+            m.eval()
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*(flat if self.has_first else ()), target=counts.to(self.device) if self.has_last
+                                   else None, losses=losses if self.has_last else None, return_outputs=False)
+        finally:
+            for m, mode in zip(self.modules, modes):
+                m.train(mode)
+        if not self.has_last:
+            return None
+        summed = torch.stack([sum(loss.detach().double() for loss in losses) + torch.zeros((), dtype=torch.float64,
+                                                                                           device=self.device),
+                              counts.sum().to(self.device)])
+        if self.dp_group is not None:
+            dist.all_reduce(summed, group=self.dp_group)
+        return float(summed[0]), float(summed[1])
 
     def step(self, batch: Any, *, loss_scale: float = 1.0) -> float | None:
         """Forward and backward on this rank's batch; returns the whole step's loss on ranks with the last stage.

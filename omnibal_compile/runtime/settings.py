@@ -123,8 +123,9 @@ def _data_settings(config: RunConfig) -> dict[str, Any]:
 
 
 
-_RESUMABLE_SETTINGS = ("optimizer", "lr", "warmup_steps", "steps", "save_every")
-"""RunConfig fields saved with a checkpoint that a resumed run may change (with a note), the optimizer excepted."""
+_RESUMABLE_SETTINGS = ("optimizer", "lr", "warmup_steps", "steps", "epochs", "save_every")
+"""RunConfig fields saved with a checkpoint that a resumed run may change (with a note), the optimizer excepted;
+``steps`` is saved as the run's steps in all (``batches.run_steps``: those of ``epochs`` too)."""
 
 
 def _file_sha256(path: str) -> str | None:
@@ -133,11 +134,11 @@ def _file_sha256(path: str) -> str | None:
     return file_sha256(path)
 
 
-def _resume_record(config: RunConfig) -> dict[str, Any]:
+def _resume_record(config: RunConfig, steps: int) -> dict[str, Any]:
     """What a checkpoint records besides the data settings, for the checks of a resumed run: the optimizer and
-    schedule settings, and the sha256 of each lengths file and of the dataset file (an edited file is not the data
-    that was trained on)."""
+    schedule settings (``steps``: the run's steps in all), and the sha256 of each lengths file and of the dataset
+    file (an edited file is not the data that was trained on)."""
     return {"optimizer": config.optimizer, "freeze": list(config.freeze),
-            "settings": {k: getattr(config, k) for k in _RESUMABLE_SETTINGS},
+            "settings": {**{k: getattr(config, k) for k in _RESUMABLE_SETTINGS}, "steps": steps},
             "lengths_sha256": [_file_sha256(p) for p in config.lengths],
             "dataset_sha256": _file_sha256(config.dataset) if config.dataset else None}

@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 
 from omnibal_compile.errors import TrainingError
-from omnibal_compile.runtime.batches import batch_source, build_model, step_batches
+from omnibal_compile.runtime.batches import batch_source, build_model, eval_source, run_steps, step_batches
 from omnibal_compile.runtime.recipe import build_optimizer, lr_scheduler
 from omnibal_compile.runtime.settings import (
     RunConfig,
@@ -51,7 +51,8 @@ class StepLog:
     tokens_per_s: float = 0.0
     """``tokens / step_time_s``."""
     samples: tuple[tuple[int, ...], ...] = ()
-    """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order)."""
+    """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order; an
+    empty row past the last epoch of ``--epochs`` has none)."""
     loss_scale: float = 0.0
     """fp16: the loss scale the step ran with (``precision.LossScaler``); 0 in other precisions."""
     skipped: bool = False
@@ -64,6 +65,28 @@ class StepLog:
     counted when the stages were built; recomputation not counted, frozen parts counted as trained."""
     mfu: float | None = None
     """``model_flops / (step_time_s x devices x peak FLOP/s)`` (``RunConfig.peak_flops``); None without a peak."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalLog:
+    """One evaluation of the held-out set (``--eval-data``) as logged; its JSON line has ``"record": "eval"``."""
+
+    step: int
+    """Training steps done before it (the weights it measured)."""
+    loss: float
+    """Mean loss over every labelled token of the eval set (forward only, the training plan's packs)."""
+    tokens: int
+    """Labelled tokens of the eval set (rows when the batch has no labels)."""
+    samples: int
+    """Samples of the eval set."""
+    eval_time_s: float
+    """Wall time of the evaluation."""
+
+
+def eval_line(entry: EvalLog, *, steps: int) -> str:
+    """The line a person reads after an evaluation."""
+    return (f"eval after step {entry.step}/{steps}  eval loss {entry.loss:.5g}  over {entry.tokens:,} tokens of "
+            f"{entry.samples} samples  {entry.eval_time_s:.3f} s")
 
 
 def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
@@ -200,6 +223,8 @@ def train(config: RunConfig) -> list[StepLog]:
                             backend_override=_mesh_groups(device.type, config.collective_timeout))
     model = build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
+    steps = run_steps(config, source)
+    held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
     result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
@@ -217,8 +242,8 @@ def train(config: RunConfig) -> list[StepLog]:
         if rank == 0:
             print(f"[omnibal run] resumed from {folder} at step {first}", flush=True)
     # the schedule is rebuilt at the run's own step from its own settings: a changed --lr applies (launch notes it)
-    scheduler = lr_scheduler(config, optimizer, first)
-    record, last_loss = _resume_record(config), None
+    scheduler = lr_scheduler(config, optimizer, first, steps=steps)
+    record, last_loss = _resume_record(config, steps), None
 
     def save(root: str, step: int) -> None:
         if not _weights_finite(pipeline.parameters(), device):
@@ -240,10 +265,31 @@ def train(config: RunConfig) -> list[StepLog]:
     step_flops = 3 * float(flops) * cast(int, plan.num_microbatches)
     peak = peak_flops(config, device)
     scalars = _Scalars(config.tensorboard if rank == last_rank else None, first)
+
+    def evaluate(done: int) -> None:
+        """The eval set's loss after ``done`` steps, logged by ``last_rank``; no gradient, no optimizer change."""
+        assert held_out is not None
+        eval_batches, eval_steps = held_out
+        start = time.perf_counter()
+        loss_sum = tokens = 0.0
+        for k in range(eval_steps):
+            out = pipeline.evaluate(eval_batches(k))
+            if out is not None:
+                loss_sum, tokens = loss_sum + out[0], tokens + out[1]
+        dist.barrier()
+        if rank == last_rank:
+            entry = EvalLog(step=done, loss=loss_sum / tokens if tokens else math.nan, tokens=int(tokens),
+                            samples=len(eval_batches.data_plan.stats),  # type: ignore[attr-defined]
+                            eval_time_s=time.perf_counter() - start)
+            print(f"[omnibal run] {eval_line(entry, steps=steps)}", flush=True)
+            if config.log:
+                with open(config.log, "a") as f:
+                    f.write(json.dumps({"record": "eval", **dataclasses.asdict(entry)}) + "\n")
+
     logs: list[StepLog] = []
     run_start = time.perf_counter()
-    batches = step_batches(source, first, config.steps, workers=config.data_workers)
-    for step in range(first, config.steps):
+    batches = step_batches(source, first, steps, workers=config.data_workers)
+    for step in range(first, steps):
         batch = next(batches)
         tokens = loss_terms(pipeline.flatten(batch), pipeline.input_names, "tokens").sum().to(device)
         if pipeline.dp_group is not None:
@@ -293,7 +339,7 @@ def train(config: RunConfig) -> list[StepLog]:
             line = json.dumps(dataclasses.asdict(entry))
             # mean time per step so far (the first steps warm up, so this overestimates a little)
             per_step = (time.perf_counter() - run_start) / (step + 1 - first)
-            shown = progress_line(entry, steps=config.steps, seconds_left=per_step * (config.steps - step - 1))
+            shown = progress_line(entry, steps=steps, seconds_left=per_step * (steps - step - 1))
             print(f"[omnibal run] {shown}", flush=True)
             if config.log:
                 with open(config.log, "a") as f:
@@ -301,11 +347,15 @@ def train(config: RunConfig) -> list[StepLog]:
         last_loss = _shared_loss(loss, last_rank, device)
         if not skipped:  # fp16: a skipped step's loss may overflow; the scale halves and the run goes on
             _stop_if_not_finite(last_loss, step, config)
-        if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+        if held_out is not None and config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < steps:
+            evaluate(step + 1)
+        if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < steps:
             save(config.save, step + 1)
+    if held_out is not None:
+        evaluate(steps)
     scalars.close()
     if config.save:
-        save(config.save, config.steps)
+        save(config.save, steps)
     dist.barrier()
     return logs
 

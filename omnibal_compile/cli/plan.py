@@ -55,7 +55,7 @@ PLAN_SECTIONS = (ModelConfig, DataConfig, LayoutConfig, ParallelConfig, Schedule
                  OutputConfig)
 """The config sections ``plan`` takes (every field a flag, see :mod:`omnibal_compile.cli._settings`)."""
 PLAN_EXCLUDE = ("batches", "batching", "batch_size", "samples_per_pack", "dataset", "image_root", "processor",
-                "skip_bad_records", "data_workers")
+                "skip_bad_records", "data_workers", "oversized", "eval_data", "eval_every")
 """Fields of those sections only a training run reads."""
 
 

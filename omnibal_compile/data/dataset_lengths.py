@@ -227,10 +227,16 @@ def load_local_pretrained(path: str | os.PathLike[str], what: str, auto_class: s
         import transformers
     except ImportError:
         raise InputError(f"loading a {what} needs transformers: pip install 'omnibal-compile[hf]'") from None
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes (a slow image processor without torchvision) are not the user's
     try:
         return getattr(transformers, auto_class).from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises many types here; all mean the folder holds no such thing
         raise InputError(f"{what} folder {p}: cannot load a {what} from it ({type(e).__name__}: {e})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 class _TextCounter:

@@ -273,10 +273,17 @@ def _hf_pretrained(class_name: str | None, folder: str, *, meta: bool = False) -
     if not any((Path(folder) / name).is_file() for name in _WEIGHT_FILES):
         raise InputError(f"model folder {folder} holds no weights ({' or '.join(_WEIGHT_FILES)}): save the model "
                          f"with save_pretrained, or write hf:{class_name}:{config_path} for random weights")
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Loading weights" once per rank and check: a bar that says nothing new
     try:
         model = cls.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise InputError(f"model folder {folder}: cannot load {class_name} from it ({type(e).__name__}: {e})") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return model.train(), class_name  # from_pretrained leaves it in eval mode; a config-built model trains
 
 

@@ -234,10 +234,10 @@ def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any
     base_lrs = meta.get("scheduler", {}).get("base_lrs") or [None]
     saved_values = {"lr": base_lrs[0], **settings}
     if "lora" in meta and meta["lora"] != (None if config.lora is None else str(config.lora)):
-        then = f"--lora {meta['lora']}" if meta["lora"] else "without --lora"
-        raise InputError(f"checkpoint {folder} was trained {then}; this run has "
-                         f"{'--lora ' + str(config.lora) if config.lora else 'no --lora'}: its trained parameters "
-                         f"are other ones; resume {then.replace('without', 'with no')}, or start a new run")
+        then = f"with --lora {meta['lora']}" if meta["lora"] else "without --lora"
+        now = f"--lora {config.lora}" if config.lora else "no --lora"
+        raise InputError(f"checkpoint {folder} was trained {then}; this run has {now}, so its parameters are other "
+                         f"ones: resume {then}, or start a new run")
     saved_freeze = meta.get("freeze")
     if isinstance(saved_freeze, list) and saved_freeze != list(config.freeze):
         now, then = ",".join(config.freeze) or "(none)", ",".join(saved_freeze) or "(none)"

@@ -159,7 +159,7 @@ def test_a_two_rank_lora_run_trains_the_adapters_only_exports_them_and_resumes_e
     folder = tmp_path / "llava"
     _save_llava(folder)
     monkeypatch.chdir(tmp_path)
-    spec, lora = f"hf:{folder}", "r=4,alpha=8,targets=q_proj,v_proj"
+    spec, lora = f"hf:{folder}", "r=4,alpha=8,dropout=0.1,targets=q_proj,v_proj"
     assert main(["plan", spec, "--num-stages", "2", "--planner", "uniform", "--lora", lora, "--num-microbatches",
                  "2", "--microbatch-size", "1", "--out", "p", "--no-pictures"]) == 0
     assert json.loads((tmp_path / "p" / "plan.json").read_text())["notes"]["lora"] == str(lora_spec(lora))
@@ -169,7 +169,8 @@ def test_a_two_rank_lora_run_trains_the_adapters_only_exports_them_and_resumes_e
     assert main([*run, "parts.jsonl", "--steps", "2", "--save", "parts", "--export-hf", "out"]) == 0
     assert main([*run, "parts.jsonl", "--steps", "4", "--save", "parts", "--export-hf", "out",
                  "--resume", "parts"]) == 0
-    whole, parts = ([json.loads(line)["loss"] for line in open(f)] for f in ("whole.jsonl", "parts.jsonl"))
+    whole, parts = ([json.loads(line)["loss"] for line in Path(f).read_text().splitlines()]
+                    for f in ("whole.jsonl", "parts.jsonl"))
     assert len(whole) == len(parts) == 4 and len(set(whole)) == 4  # the loss changes step to step
     assert parts == pytest.approx(whole, abs=1e-6, rel=0)
     # the trained model: the checkpoint in the adapted model
@@ -185,7 +186,8 @@ def test_a_two_rank_lora_run_trains_the_adapters_only_exports_them_and_resumes_e
         else:
             assert torch.equal(p, pretrained[n.replace(".base_layer.", ".")]), n  # never moved
     out = tmp_path / "out"
-    assert {"adapter_config.json", "adapter_model.safetensors", "omnibal-export.json"} <= {p.name for p in out.iterdir()}
+    written = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "omnibal-export.json"} <= written
     assert json.loads((out / "omnibal-export.json").read_text())["step"] == 4
     assert not (out / "model.safetensors").exists()  # the adapter only, not the base weights
     loaded = PeftModel.from_pretrained(load_model(spec).model, str(out))

@@ -53,9 +53,10 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str, *, seed: int = 0) -> nn.M
     """Inject ``spec``'s adapters into ``model`` in place (see the glossary) and freeze every other parameter;
     returns ``model``. The adapters' random start is drawn from ``seed`` (the global RNG is left as it was), so
     every rank builds the same ones. A target naming no linear module is an InputError naming some module names."""
-    spec = lora_spec(spec)  # type: ignore[assignment]
-    if spec is None:
+    parsed = lora_spec(spec)
+    if parsed is None:
         return model
+    spec = parsed
     peft = _peft()
     linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for target in spec.targets:
@@ -71,7 +72,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str, *, seed: int = 0) -> nn.M
             raise InputError(f"lora (--lora) {spec}: peft cannot adapt {type(model).__name__}: {e}") from None
     for name, p in adapted.named_parameters():
         p.requires_grad_(".lora_" in name)
-    return adapted  # type: ignore[no-any-return]
+    return adapted
 
 
 def peft_model(base: nn.Module, spec: LoraSpec, *, seed: int = 0) -> Any:

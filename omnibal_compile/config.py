@@ -41,11 +41,13 @@ __all__ = [
     "Section", "ModelConfig", "DataConfig", "LayoutConfig", "ParallelConfig", "ScheduleConfig", "MemoryConfig",
     "PlannerConfig", "OptimizerConfig", "CheckpointConfig", "RuntimeConfig", "OutputConfig", "Config", "SECTIONS",
     "flag_name", "field_help", "find_field", "load_config_file", "DEFAULT_SAMPLES_PER_PACK", "TINY_VLM_NAMES",
-    "LR_SCHEDULES", "PRECISIONS", "LoraSpec", "lora_spec",
+    "LR_SCHEDULES", "PRECISIONS", "DEFAULT_STEPS", "LoraSpec", "lora_spec",
 ]
 
 S = TypeVar("S", bound="Section")
 
+DEFAULT_STEPS = 5
+"""Training steps of a run given neither ``steps`` nor ``epochs``."""
 DEFAULT_SAMPLES_PER_PACK = 4.0
 """Target mean samples per balanced pack, wherever packs are made (DataOptions, the HF sampler, ``run``)."""
 TINY_VLM_NAMES = ("tinyvlm", "tiny-vlm")
@@ -337,12 +339,20 @@ class DataConfig(Section):
     """With lengths: balanced (one balanced pack per row) or random (one random sample per row, padded)."""
     samples_per_pack: float = setting(DEFAULT_SAMPLES_PER_PACK, min=1)
     """With lengths: target mean samples per pack."""
+    oversized: str = setting("error", choices=("error", "truncate", "own-pack"))
+    """A sample larger than the pack shape: error (refused, named), truncate (cut to the shape) or own-pack (a pack
+    of its own shape)."""
     batch_size: int = setting(8, min=1)
     """Rows per training step over all dp ranks and micro-batches; with lengths, packs per step."""
     tiles_per_sample: int = setting(2, min=0)
     """Built-in and example batches: image tiles per sample."""
     text_tokens: int = setting(32, min=2)
     """Built-in and example batches: text tokens per sample."""
+    eval_data: str | None = setting(None, metavar="FILE")
+    """A held-out set in the training data's format (a dataset file with dataset, a lengths file with lengths): its
+    loss, forward only, every eval_every steps and at the end."""
+    eval_every: int = setting(0, min=0)
+    """With eval_data: evaluate every this many steps (0: only after the last step)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -455,8 +465,11 @@ class PlannerConfig(Section):
 class OptimizerConfig(Section):
     """The training loop's optimizer and loss."""
 
-    steps: int = setting(5, min=1)
-    """Training steps (a resumed run counts the steps done before)."""
+    steps: int | None = setting(None, min=1)
+    """Training steps (a resumed run counts the steps done before); None: those of epochs, else 5."""
+    epochs: int | None = setting(None, min=1)
+    """With lengths or dataset, instead of steps: train every sample this many times (the last step's missing packs
+    are empty rows)."""
     optimizer: str = setting("adamw", choices=("adamw", "sgd"))
     """adamw or sgd."""
     lr: float = setting(1e-3, above=0)
@@ -477,6 +490,8 @@ class OptimizerConfig(Section):
     """How micro-batch losses combine: tokens (mean over labelled tokens) or rows."""
 
     def _check(self) -> None:
+        if self.steps is not None and self.epochs is not None:
+            raise InputError(f"give {_label('steps')} or {_label('epochs')}, not both: epochs counts the steps itself")
         if self.min_lr > self.lr:
             raise InputError(f"{_label('min_lr')} is {self.min_lr:g}, above lr ({flag_name('lr')}) {self.lr:g}: "
                              "the decay ends at min_lr, so give min_lr <= lr")
@@ -510,8 +525,8 @@ class RuntimeConfig(Section):
     threads: int = setting(1, min=1)
     """torch threads per rank."""
     log: str | None = setting(None, metavar="PATH")
-    """JSON-lines file for per-step loss and time, appended to (a resumed run continues it; written by the rank
-    holding the last stage)."""
+    """JSON-lines file for per-step loss and time, and eval_data's evaluations ("record": "eval"), appended to (a
+    resumed run continues it; written by the rank holding the last stage)."""
     memory_steps: tuple[int, ...] = setting(factory=tuple, min=0, metavar="STEP")
     """Steps in which every rank measures its peak live tensor bytes; empty: no accounting (it costs Python work on
     every op)."""
@@ -521,6 +536,11 @@ class RuntimeConfig(Section):
     """Seconds a rank waits in one collective (start-up included) before it fails, so a frozen rank ends the run."""
     apply_recompute: bool = setting(True)
     """run: apply the plan's recompute options (false: keep every activation)."""
+    peak_flops: float | None = setting(None, above=0, metavar="FLOP/S")
+    """Peak FLOP/s of one device, for the logged MFU; None: the datasheet bf16 figure of an A100, H100 or H200, and no
+    MFU on other devices."""
+    tensorboard: str | None = setting(None, metavar="DIR")
+    """Also write the per-step figures as TensorBoard scalars to this folder (needs the tensorboard package)."""
 
 
 @dataclass(frozen=True, kw_only=True)

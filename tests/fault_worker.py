@@ -1,10 +1,10 @@
 """The real rank worker with a fault planted, for tests: ``launch(config, _worker="fault_worker")``.
 
 ``_OMNIBAL_TEST_FAULT="<rank>:<step>:<how>"`` makes that rank, in that step (counted from the run's
-first), ``stop`` (SIGSTOP itself: frozen, not dead), ``kill`` (SIGKILL itself), ``raise`` an error or
-``hang`` (sleep an hour). The fault fires in the optimizer's ``zero_grad``, the first thing a step
-does after its barrier, so the other ranks meet it inside the pipeline's exchanges. The ranks need
-``tests/`` on ``PYTHONPATH``.
+first), ``stop`` (SIGSTOP itself: frozen, not dead), ``kill`` (SIGKILL itself), ``raise`` an error,
+``hang`` (sleep an hour) or ``exit0`` (``os._exit(0)``: gone without a word). The fault fires in the
+optimizer's ``zero_grad``, the first thing a step does after its barrier, so the other ranks meet it
+inside the pipeline's exchanges. The ranks need ``tests/`` on ``PYTHONPATH``.
 
 ``_OMNIBAL_TEST_KILL_IN_SAVE="<rank>:<step>"`` makes that rank die right after writing its part of
 that step's checkpoint, before the save completes (a kill in the middle of a save).
@@ -32,6 +32,8 @@ def _fire(how: str, rank: int, step: int) -> None:
         raise RuntimeError(f"planted fault in rank {rank} at step {step}")
     elif how == "hang":
         time.sleep(3600)
+    elif how == "exit0":
+        os._exit(0)
 
 
 def _plant(spec: str) -> None:

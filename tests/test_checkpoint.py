@@ -121,3 +121,54 @@ def test_resume_checks_fail_before_any_process_starts(tmp_path, lengths_file, un
     (broken / "meta.json").write_text(json.dumps({"format": 1}))
     with pytest.raises(InputError, match="format 1"):
         checkpoint_meta(broken)
+
+
+def test_a_save_onto_a_full_disk_says_so_and_keeps_the_earlier_checkpoint(one_rank_group, tmp_path, monkeypatch):
+    """DCP reports a failed write as ``CheckpointException ranks:dict_keys([0])`` and a traceback; the run says
+    what happened (no space left), where, and that the earlier checkpoints are kept."""
+    import contextlib
+    import errno
+    import io
+
+    from torch.distributed.checkpoint import filesystem as dcp_fs
+
+    from omnibal_compile.errors import TrainingError
+    from omnibal_compile.runtime.checkpoint import save_training_state
+
+    model = torch.nn.Linear(4, 4)
+    state = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = save_training_state(tmp_path, step=1, state=state, optimizer=optimizer, trainer={"loss": 1.0})
+
+    class Full:
+        def write(self, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(io.BytesIO(), name)
+
+    @contextlib.contextmanager
+    def full_stream(self: Any, path: Any, mode: str) -> Any:
+        yield Full()
+
+    monkeypatch.setattr(dcp_fs.FileSystem, "create_stream", full_stream)
+    with pytest.raises(TrainingError) as info:
+        save_training_state(tmp_path, step=2, state=state, optimizer=optimizer, trainer={"loss": 1.0})
+    message = str(info.value)
+    assert message.startswith(f"saving the checkpoint of step 2 in {tmp_path} failed: no space left on device "
+                              "(OSError: [Errno 28] No space left on device); the earlier checkpoints there are "
+                              "kept"), message
+    assert "CheckpointException" not in message
+    # torch's zip writer turns a full disk into "unexpected pos": the free space tells
+    Full.write = lambda self, data: (_ for _ in ()).throw(RuntimeError("unexpected pos 704 vs 598"))  # type: ignore
+    from omnibal_compile.runtime import checkpoint
+
+    usage = checkpoint.shutil.disk_usage
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage(p)._replace(free=10))
+    with pytest.raises(TrainingError, match=r"step 3 .* failed: no space left on device \(RuntimeError: unexpected"):
+        save_training_state(tmp_path, step=3, state=state, optimizer=optimizer, trainer={"loss": 1.0})
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", usage)  # room enough: another failure, named as it is
+    with pytest.raises(TrainingError, match=r"step 3 .* failed: on rank 0 \(RuntimeError: unexpected pos"):
+        save_training_state(tmp_path, step=3, state=state, optimizer=optimizer, trainer={"loss": 1.0})
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == first  # the partial folders never became step folders

@@ -120,7 +120,7 @@ def test_oversized_samples_are_never_dropped(policy: str) -> None:
     for pack in (lambda: isf_pack(s, dp=2, capacity=cap, oversized=policy),
                  lambda: balance_pack(s, dp=2, samples_per_pack=2, capacity=cap, oversized=policy)):
         if policy == "error":
-            with pytest.raises(InputError, match=r"2 sample\(s\) exceed.*oversized='truncate'"):
+            with pytest.raises(InputError, match=r"2 sample\(s\) exceed.*oversized \(--oversized\) to 'truncate'"):
                 pack()
             continue
         p = pack()

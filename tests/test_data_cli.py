@@ -34,3 +34,25 @@ def test_data_command_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "record 0" in capsys.readouterr().err
     assert main(["data", str(bad), "--methods", "magic", "--no-progress"]) == 2
     assert "magic" in capsys.readouterr().err
+
+
+def test_one_huge_sample_is_named_alone_and_the_oversized_flag_exists(tmp_path: Path, capsys) -> None:
+    """A 16M-token sample among 1-3K-token ones: ISF used to size its shape by the mean (1 tile, 4096 tokens),
+    blame 160 normal samples and suggest a Python keyword the command lacks."""
+    rng = np.random.default_rng(0)
+    records = [{"vit_num": int(rng.integers(1, 7)), "token_num": int(rng.integers(300, 3000)), "image_flags": 1}
+               for _ in range(200)]
+    records[17] = {"vit_num": 1, "token_num": 16_000_000, "image_flags": 1}
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(records))
+    assert main(["data", str(path), "--methods", "isf", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "1 sample(s) exceed the pack shape" in err and "e.g. 17 (1 tiles, 16000000 tokens)" in err, err
+    assert "set oversized (--oversized) to 'truncate' or 'own-pack'" in err
+    records[17] = {"vit_num": 1, "token_num": 9000, "image_flags": 1}  # long, not corrupt: its own pack
+    path.write_text(json.dumps(records))
+    assert main(["data", str(path), "--methods", "isf,ours", "--oversized", "own-pack", "--no-progress"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["data", str(path), "--oversized", "drop", "--no-progress"])
+    assert "--oversized: invalid choice: 'drop'" in capsys.readouterr().err

@@ -93,3 +93,89 @@ def test_shared_files_load() -> None:
     s = load_lengths(bundled_length_files())
     assert len(s) == 12_413 + 18_317
     assert s.tiles.max() == 5 and s.tokens.max() == 1_832
+
+
+MODEL_HEADER = {"units": "model", "model_type": "llava", "image_token_id": 7, "processor": "llava-dir",
+                "dataset": "train.json", "dataset_sha256": "ab" * 32}
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv"])
+def test_a_header_record_round_trips_and_rows_keep_their_numbers(tmp_path: Path, suffix: str) -> None:
+    from omnibal_compile.data.lengths import LengthHeader, save_lengths
+
+    header = LengthHeader.from_json(MODEL_HEADER, "test")
+    stats = LengthStats.from_arrays([1, 0, 2], [32, 13, 57], source="x")
+    path = save_lengths(LengthStats(tiles=stats.tiles, tokens=stats.tokens, image_flags=stats.image_flags,
+                                    header=header), tmp_path / f"l{suffix}")
+    first = path.read_text().splitlines()[0 if suffix != ".json" else 1]
+    assert json.loads(first.lstrip("#").rstrip(",")) == MODEL_HEADER  # the header is the first record / line
+    back = load_lengths(path)
+    assert back.header == header and back.header.to_json() == MODEL_HEADER
+    assert back.tokens.tolist() == [32, 13, 57] and back.digest == stats.digest  # the header is no sample
+    # an error in a record still names the sample index (and the file's own line)
+    text = path.read_text().replace("57", "-57")
+    path.write_text(text)
+    line = {".json": "", ".jsonl": r" \(line 4\)", ".csv": r" \(line 5\)"}[suffix]
+    with pytest.raises(InputError, match=rf"record 2{line}: field 'token_num'"):
+        load_lengths(path)
+
+
+def test_files_without_a_header_and_bad_headers(tmp_path: Path) -> None:
+    (tmp_path / "old.json").write_text(json.dumps(RECORDS))
+    assert load_lengths(tmp_path / "old.json").header is None  # today's files: InternVL units, as before
+    cases = {
+        "units.jsonl": ([{"units": "pixels"}, *RECORDS], "units must be one of"),
+        "late.jsonl": ([*RECORDS, MODEL_HEADER], "record 2 .*header record .* belongs first"),
+        "tpt.jsonl": ([{"units": "internvl"}, *RECORDS], "tokens_per_tile"),
+        "kind.jsonl": ([{"units": "model", "image_token_id": 7}, *RECORDS], "needs a model_type"),
+    }
+    for name, (records, message) in cases.items():
+        (tmp_path / name).write_text("\n".join(json.dumps(r) for r in records))
+        with pytest.raises(InputError, match=rf"{name}.*{message}"):
+            load_lengths(tmp_path / name)
+    (tmp_path / "bad.csv").write_text("# {units: model}\nvit_num,token_num\n1,2\n")
+    with pytest.raises(InputError, match="bad.csv line 1: a '#' line holds the header"):
+        load_lengths(tmp_path / "bad.csv")
+    (tmp_path / "model.jsonl").write_text("\n".join(json.dumps(r) for r in [MODEL_HEADER, *RECORDS]))
+    with pytest.raises(InputError, match=r"different units \(.*old.json: no header .*model.jsonl: the units of a "):
+        load_lengths([tmp_path / "old.json", tmp_path / "model.jsonl"])
+    assert len(load_lengths([tmp_path / "model.jsonl", tmp_path / "model.jsonl"])) == 4  # one model's units: fine
+
+
+def _facts(**extra: object) -> dict[str, object]:
+    return {"tokens_per_tile": 17, "image_token_id": 7, "image_shape": (3, 16, 16), **extra}
+
+
+def test_model_units_are_taken_as_they_are_by_that_model_only(tmp_path: Path) -> None:
+    from omnibal_compile.data.data_plan import DataOptions, model_lengths
+
+    path = tmp_path / "model.jsonl"
+    rows = [{"vit_num": 1, "token_num": 32}, {"vit_num": 0, "token_num": 13}, {"vit_num": 2, "token_num": 57}]
+    path.write_text("\n".join(json.dumps(r) for r in [MODEL_HEADER, *rows]))
+    same = model_lengths(path, DataOptions(**_facts(model_type="llava")))  # type: ignore[arg-type]
+    assert same.tokens.tolist() == [32, 13, 57]  # as is: no tokens-per-tile conversion (57 < 2 x 256)
+    for facts, said in ((_facts(model_type="qwen2_vl"), "qwen2_vl"), (_facts(model_type="llava", image_token_id=9),
+                                                                       "image token 9")):
+        with pytest.raises(InputError, match=rf"model.jsonl: its lengths are in the units of a llava model "
+                                             rf"\(image token 7\), measured by processor llava-dir, but the model is "
+                                             rf".*{said}.*omnibal-compile lengths train.json --model hf:X "
+                                             rf"--out {path}"):
+            model_lengths(path, DataOptions(**facts), model_spec="hf:X")  # type: ignore[arg-type]
+
+
+def test_internvl_units_convert_for_internvl_and_the_reference_model_only(tmp_path: Path) -> None:
+    from omnibal_compile.data.data_plan import DataOptions, model_lengths
+
+    path = tmp_path / "internvl.json"
+    path.write_text(json.dumps([{"units": "internvl", "tokens_per_tile": 128, "dataset": "d.jsonl"},
+                                {"vit_num": 2, "token_num": 2 * 128 + 64, "image_flags": 2}]))
+    for kind in (None, "internvl"):  # the reference VLM (no model_type) or InternVL: scaled from the header's 128
+        got = model_lengths(path, DataOptions(**_facts(tokens_per_tile=16, model_type=kind)))  # type: ignore[arg-type]
+        assert got.tokens.tolist() == [2 * 16 + 8]
+    with pytest.raises(InputError, match=r"internvl.json: its lengths are in InternVL units \(128 tokens per tile\)"
+                                         r".*a llava model's processor.*omnibal-compile lengths d.jsonl "
+                                         r"--model hf:DIR"):
+        model_lengths(path, DataOptions(**_facts(model_type="llava")))  # type: ignore[arg-type]
+    (tmp_path / "old.json").write_text(json.dumps([{"vit_num": 2, "token_num": 2 * 256 + 64}]))
+    old = model_lengths(tmp_path / "old.json", DataOptions(**_facts(tokens_per_tile=16, model_type="llava")))  # type: ignore[arg-type]
+    assert old.tokens.tolist() == [2 * 16 + 4]  # no header: today's meaning, source_tokens_per_tile (256)

@@ -18,6 +18,11 @@ pytest.importorskip("PIL")
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
+import test_hf_dataset  # noqa: E402
+from test_hf_dataset import IMAGE_TOKENS, SPECIALS  # noqa: E402
+
+llava_data = test_hf_dataset.llava_data  # the fixture: a tiny Llava folder with its processor, real PNG/JPEG images
+
 WORDS = ["What", "is", "in", "the", "picture", "?", "A", "red", "bar", ".", "Describe", "it", "Hello", "Hi"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
             "{{ raise_exception('system turns are not supported') }}{% endif %}"
@@ -224,3 +229,102 @@ def test_worker_processes_give_the_same_lengths(tmp_path: Path, tokenizers: dict
     assert one.stats.tiles.tolist()[:4] == [0, 3, 7, 11]
     with pytest.raises(InputError, match="record 7: image"):
         dataset_lengths(data, tokenizer=tokenizers["chat"], workers=2, on_error="fail")
+
+
+# -- lengths in a model's own units (--model) -----------------------------------------------------
+def _llava_spec(llava_data: dict[str, Path]) -> str:
+    return f"hf:LlavaForConditionalGeneration:{llava_data['config']}"
+
+
+@pytest.fixture(scope="module")
+def llava_lengths(llava_data: dict[str, Path]) -> Path:
+    """The tiny Llava dataset's length file, measured with --model."""
+    out = llava_data["root"] / "model-lengths.jsonl"
+    assert main(["lengths", str(llava_data["data"]), "--model", _llava_spec(llava_data), "--out", str(out),
+                 "--no-progress"]) == 0
+    return out
+
+
+def test_lengths_with_model_are_the_token_counts_the_run_measures(llava_data, llava_lengths) -> None:
+    from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
+
+    stats = load_lengths(llava_lengths)
+    ds = ConversationDataset(llava_data["data"], load_processor(llava_data["model"]))
+    for i in range(len(ds)):  # per record: the processor's own tokens and images
+        sample = ds[i]
+        assert int(stats.tokens[i]) == sample["input_ids"].numel()
+        assert int(stats.tiles[i]) == (sample["pixel_values"].shape[0] if "pixel_values" in sample else 0)
+    assert stats.tiles.tolist() == [1, 0, 2, 1]  # a 200x150 PNG is one image of 17 tokens, not InternVL's tiles
+    assert stats.tokens.tolist()[0] == 1 + 1 + IMAGE_TOKENS + 6 + 1 + 1 + 4 + 1  # <s> <|user|> 17 x <image> ...
+    assert stats.digest == ds.lengths(progress=False).digest
+    h = stats.header
+    assert h is not None and (h.units, h.model_type, h.image_token_id) == ("model", "llava", SPECIALS.index("<image>"))
+    assert h.info["processor"] == str(llava_data["model"]) and len(h.info["dataset_sha256"]) == 64
+
+
+def test_lengths_model_and_tokenizer_options(llava_data, tmp_path: Path, tokenizers: dict[str, Path],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["lengths", str(llava_data["data"]), "--out", str(tmp_path / "l.json"), "--no-progress"]
+    spec = _llava_spec(llava_data)
+    for extra, message in (
+        ([], "give --model hf:DIR .* or --tokenizer DIR .* not neither"),
+        (["--model", spec, "--tokenizer", str(tokenizers["chat"])], "not both"),
+        (["--model", spec, "--max-tiles", "6", "--dummy-tile"], "--max-tiles, --dummy-tile apply to InternVL units"),
+        (["--model", spec, "--workers", "2"], "--workers apply to InternVL units"),
+        (["--tokenizer", str(tokenizers["chat"]), "--processor", str(llava_data["model"])], "--processor goes with"),
+        (["--model", "tinyvlm"], "not a Hugging Face model"),
+        (["--model", spec, "--processor", str(tmp_path / "elsewhere")], "processor folder .*elsewhere does not exist"),
+    ):
+        assert main([*base, *extra]) == 2, extra
+        assert re.search(message, capsys.readouterr().err), extra
+    assert not (tmp_path / "l.json").exists()
+    assert main([*base, "--model", spec, "--processor", str(llava_data["model"])]) == 0  # a processor named apart
+    assert load_lengths(tmp_path / "l.json").header.info["processor"] == str(llava_data["model"])  # type: ignore[union-attr]
+    # InternVL units, as before, now say so in the file's header
+    assert main([*base, "--tokenizer", str(llava_data["model"]), "--max-tiles", "6"]) == 0
+    h = load_lengths(tmp_path / "l.json").header
+    assert h is not None and (h.units, h.tokens_per_tile, h.info["max_tiles"]) == ("internvl", 256, 6)
+
+
+def _run_config(tmp_path: Path, llava_data: dict[str, Path], **extra: object):  # as tests/test_hf_dataset.py's
+    from omnibal_compile.runtime.settings import RunConfig
+
+    return RunConfig(plan=str(tmp_path / "plan.json"), model=_llava_spec(llava_data), batch_size=2,
+                     samples_per_pack=2.0, **extra)  # type: ignore[arg-type]
+
+
+def test_run_on_model_lengths_makes_the_packs_of_run_on_the_dataset(llava_data, llava_lengths, tmp_path) -> None:
+    from omnibal_compile.runtime.batches import batch_source, build_model
+
+    on_data = _run_config(tmp_path, llava_data, dataset=str(llava_data["data"]), dp=2)
+    on_lengths = _run_config(tmp_path, llava_data, lengths=(str(llava_lengths),), dp=2)
+    model = build_model(on_data)
+    a, b = batch_source(on_data, model), batch_source(on_lengths, model)
+    assert a.data_plan.shape == b.data_plan.shape and a.data_plan.seq_len == b.data_plan.seq_len
+    assert a.data_plan.stats.digest == b.data_plan.stats.digest
+    assert [a.packs(s, r) for s in range(2) for r in range(2)] == [b.packs(s, r) for s in range(2) for r in range(2)]
+
+
+def test_run_refuses_lengths_in_other_units(llava_data, llava_lengths, tmp_path) -> None:
+    from omnibal_compile.runtime.batches import batch_source, build_model
+
+    model = build_model(_run_config(tmp_path, llava_data))
+    other = tmp_path / "other.jsonl"
+    lines = llava_lengths.read_text().splitlines()
+    head = json.loads(lines[0])
+    other.write_text("\n".join([json.dumps({**head, "image_token_id": 3}), *lines[1:]]) + "\n")
+    spec = _llava_spec(llava_data)
+    with pytest.raises(InputError, match=rf"other.jsonl: its lengths are in the units of a llava model \(image token "
+                                         rf"3\).*but the model is llava \(image token 7\).*omnibal-compile lengths "
+                                         rf"{llava_data['data']} --model {re.escape(spec)} --out {other}"):
+        batch_source(_run_config(tmp_path, llava_data, lengths=(str(other),)), model)
+    internvl = tmp_path / "internvl.json"  # InternVL's tiling: 200x150 -> 13 tiles x 256 tokens, nothing Llava sees
+    assert main(["lengths", str(llava_data["data"]), "--tokenizer", str(llava_data["model"]), "--out", str(internvl),
+                 "--no-progress"]) == 0
+    with pytest.raises(InputError, match=r"internvl.json: its lengths are in InternVL units \(256 tokens per tile\)"
+                                         r".* a llava model's processor.*omnibal-compile lengths .*train.json --model"):
+        batch_source(_run_config(tmp_path, llava_data, lengths=(str(internvl),)), model)
+    old = tmp_path / "old.json"  # without a header: InternVL units converted, as before
+    old.write_text(json.dumps([{"vit_num": 1, "token_num": 300}] * 4))
+    converted = batch_source(_run_config(tmp_path, llava_data, lengths=(str(old),)), model).data_plan.stats
+    assert converted.tokens[0] == 17 + 3

@@ -240,6 +240,27 @@ def test_a_frozen_rank_ends_the_run_after_the_collective_timeout(run_config, mon
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_a_hung_rank_is_shown_where_it_was_when_the_collective_timeout_ends_the_run(run_config, monkeypatch):
+    # Rank 1 sleeps inside step 1: rank 0 times out waiting for it, and the agent's SIGTERM makes rank 1 print
+    # its stack (faulthandler) before it ends, so the report says where it hung.
+    message, tag = _launch_with_fault(run_config, monkeypatch, "1:1:hang", collective_timeout=10.0, timeout_s=150)
+    assert message.startswith("the run failed: rank 0 failed with RuntimeError: Timed out waiting 10000ms"), message
+    assert "rank 1 was still running, waiting in _fire (" in message and "fault_worker.py:" in message, message
+    assert _survivors(tag) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_exits_with_code_0_mid_run_is_named_as_leaving_early(run_config, monkeypatch):
+    message, tag = _launch_with_fault(run_config, monkeypatch, "1:1:exit0", collective_timeout=20.0, timeout_s=150)
+    assert message.startswith("the run failed: rank 1 left the run early: it exited with code 0 before the end"), \
+        message
+    assert "exit 0 before the end" in message and "finished" not in message, message
+    assert _survivors(tag) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_killed_rank_ends_the_run(run_config, monkeypatch):
     message, tag = _launch_with_fault(run_config, monkeypatch, "1:1:kill")
     assert message.startswith("the run failed: rank 1 was killed by SIGKILL"), message

@@ -196,6 +196,26 @@ def test_packs_hold_the_real_samples(llava_data, tmp_path):
     assert abs(row_loss - total / count) < 1e-5
 
 
+def test_an_epoch_and_an_eval_set_of_a_dataset_hold_each_record_once(llava_data, tmp_path):
+    """--epochs 1 trains every record once (the last step padded with empty rows); --eval-data's records (another
+    file of the same format) are packed once each into the training packs' shapes."""
+    from omnibal_compile.runtime.batches import batch_source, build_model, eval_source, run_steps
+
+    records = json.loads(llava_data["data"].read_text())
+    held_out = llava_data["root"] / "held_out.json"  # next to train.json: the same relative image paths
+    held_out.write_text(json.dumps(records[1:4]))
+    config = _run_config(tmp_path, llava_data, epochs=1, eval_data=str(held_out))
+    model = build_model(config)
+    source = batch_source(config, model)
+    steps = run_steps(config, source)
+    assert sorted(i for k in range(steps) for ids in source.sample_ids(k, 0) for i in ids) == list(range(4))
+    evals, eval_steps = eval_source(config, model, source)
+    shapes = {k: tuple(v.shape) for k, v in source(0).items()}
+    for k in range(eval_steps):
+        assert {n: tuple(v.shape) for n, v in evals(k).items()} == shapes
+    assert sorted(i for k in range(eval_steps) for ids in evals.sample_ids(k, 0) for i in ids) == [0, 1, 2]
+
+
 @pytest.mark.distributed
 def test_run_trains_on_the_real_samples_like_the_unsplit_model(llava_data, tmp_path, monkeypatch):
     """`omnibal-compile run --dataset train.json --model hf:...` on 2 pipeline ranks: each step's loss equals the

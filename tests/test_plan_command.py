@@ -12,6 +12,13 @@ from omnibal_compile.cli import main
 from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
 
+try:
+    from test_hf_dataset import llava_data  # noqa: F401  (a tiny Llava folder with its processor and real images)
+except pytest.skip.Exception:  # no transformers: the tests taking it skip, the others run
+    @pytest.fixture
+    def llava_data():  # type: ignore[no-redef]
+        pytest.skip("needs transformers")
+
 ARTEFACTS = ("plan.json", "plan.txt", "costs.json", "torchtitan.json", "megatron.txt", "trace.json", "blocks.png",
              "blocks.svg", "timeline.png", "stages.png")
 
@@ -204,3 +211,34 @@ def test_plan_chooses_the_layout_for_a_device_count(tmp_path, capsys):
         best.startswith(f"PP {plan.num_devices} x DP {plan.dp.size}, ") and f"M {plan.num_microbatches} x b 1" in best
     )
     assert f"simulated {plan.schedule}: {plan.num_stages} stages on {plan.num_devices} devices" in printed
+
+
+def test_plan_takes_lengths_in_the_models_units_as_the_run_measures_them(llava_data, tmp_path, capsys):
+    """plan --lengths on a file from `lengths --model`: no tokens-per-tile conversion, the samples the run's own
+    --dataset measures (so the same packs); a file for another model stops plan before any work."""
+    from omnibal_compile.cli import build_parser
+    from omnibal_compile.cli.plan import _plan_lengths, load_model, plan_settings
+    from omnibal_compile.data import balance_pack
+    from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
+
+    spec = f"hf:LlavaForConditionalGeneration:{llava_data['config']}"
+    lengths = tmp_path / "lengths.csv"
+    assert main(["lengths", str(llava_data["data"]), "--model", spec, "--out", str(lengths), "--no-progress"]) == 0
+    argv = ["plan", spec, "--num-stages", "2", "--num-microbatches", "2", "--microbatch-size", "2", "--device",
+            "a100-80gb", "--text-tokens", "8", "--no-pictures", "--lengths", str(lengths), "--out", str(tmp_path / "o")]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert f"micro-batches of 2 samples from {lengths} (4 samples)" in capsys.readouterr().out
+    cfg = plan_settings(build_parser().parse_args(argv))
+    model = load_model(spec, batch=1, tiles=1, text=8, seed=0)[0]
+    planned = _plan_lengths(cfg, model)
+    measured = ConversationDataset(llava_data["data"], load_processor(llava_data["model"])).lengths(progress=False)
+    assert planned.tokens.tolist() == measured.tokens.tolist() and planned.tiles.tolist() == measured.tiles.tolist()
+    a, b = (balance_pack(s, dp=2, samples_per_pack=2, seed=0) for s in (planned, measured))
+    assert a.order.tolist() == b.order.tolist() and a.capacity == b.capacity
+    other = tmp_path / "other.csv"
+    other.write_text(lengths.read_text().replace('"model_type": "llava"', '"model_type": "qwen2_vl"'))
+    assert main([*argv[:-4], "--lengths", str(other), "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert f"{other}: its lengths are in the units of a qwen2_vl model" in err and "but the model is llava" in err
+    assert f"omnibal-compile lengths {llava_data['data']} --model {spec} --out {other}" in err
+    assert not (tmp_path / "o2" / "plan.json").exists()

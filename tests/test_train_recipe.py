@@ -148,6 +148,40 @@ def test_progress_line_shows_step_loss_lr_grad_norm_throughput_and_eta():
     assert line.endswith("0.500 s/step  ETA 1:02:05")
 
 
+def test_progress_line_shows_mfu_only_when_known():
+    entry = StepLog(step=0, loss=1.0, step_time_s=0.5, tokens_per_s=10.0, mfu=0.4213)
+    assert progress_line(entry, steps=1, seconds_left=0).endswith("ETA 0:00:00  MFU 42.1%")
+    assert "MFU" not in progress_line(dataclasses.replace(entry, mfu=None), steps=1, seconds_left=0)
+
+
+def test_peak_flops_comes_from_the_setting_or_a_known_gpu_name():
+    from omnibal_compile.costs.devices import H100_80G, spec_for_gpu_name
+    from omnibal_compile.runtime.train import peak_flops
+
+    assert spec_for_gpu_name("NVIDIA H100 80GB HBM3") is H100_80G
+    assert spec_for_gpu_name("NVIDIA A100-SXM4-40GB").name == "a100-80gb"  # the same bf16 peak
+    assert spec_for_gpu_name("NVIDIA GeForce RTX 4090") is None
+    cpu = torch.device("cpu")
+    assert peak_flops(RunConfig(plan="-"), cpu) is None  # no MFU on a CPU unless told its peak
+    assert peak_flops(RunConfig(plan="-", peak_flops=2e12), cpu) == 2e12
+    with pytest.raises(InputError, match=r"peak_flops \(--peak-flops\)"):
+        RunConfig(plan="-", peak_flops=0.0)
+
+
+def test_a_pipeline_counts_its_stages_forward_flops_once(one_rank_group, mixed_two_stages_one_rank):
+    """Two stages on one rank: their forward FLOPs on one micro-batch are the unsplit model's (the MFU's numerator)."""
+    from omnibal_compile.costs._measure import count_flops
+    from omnibal_compile.runtime import build_pipeline
+
+    model, batch, plan = mixed_two_stages_one_rank
+    pipe = build_pipeline(compile_for_microbatches(copy.deepcopy(model), batch, plan), rank=0, world_size=1)
+    rows = len(next(iter(batch.values()))) // plan.num_microbatches
+    with torch.no_grad(), count_flops() as counter:
+        model(**{k: v[:rows] for k, v in batch.items()})
+    assert counter.get_total_flops() > 0
+    assert pipe.forward_flops == counter.get_total_flops()
+
+
 # -- distributed: global gradient norm -------------------------------------------------------------
 def _llama_run(tmp_path: Path, tiny_llama: Any, *, stages: int, **kw: Any) -> RunConfig:
     llama, _ = tiny_llama
@@ -189,6 +223,49 @@ def test_logged_grad_norm_is_the_unsplit_models_and_clipping_trains_like_it(tmp_
         assert entry.lr == config.lr and entry.tokens == 4 * 11 and entry.tokens_per_s > 0
     assert any(n > config.max_grad_norm for n, _ in norms)  # the clip did act
     print(f"grad norms (unsplit, pipeline) dp={dp} pp={stages}: {norms}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_run_logs_mfu_peak_memory_per_rank_and_tensorboard_scalars(tmp_path, tiny_llama):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from omnibal_compile.costs._measure import count_flops
+
+    board = tmp_path / "board"
+    config = _llama_run(tmp_path, tiny_llama, stages=2, steps=2, optimizer="sgd", lr=0.1, peak_flops=1e9,
+                        tensorboard=str(board))
+    logged = launch(config, timeout_s=300, quiet=True)
+    model = build_model(config)
+    batch = batch_source(config, model)(0)
+    with torch.no_grad(), count_flops() as counter:  # one micro-batch: 2 of the 4 rows
+        model(**{k: v[:2] for k, v in batch.items()})
+    for entry in logged:
+        assert entry.model_flops == 3 * counter.get_total_flops() * 2  # 2 micro-batches
+        assert entry.mfu == pytest.approx(entry.model_flops / (entry.step_time_s * 2 * 1e9), rel=1e-12)
+        assert len(entry.rank_memory_bytes) == 2 and min(entry.rank_memory_bytes) > 50 * 2**20  # torch alone
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([e.loss for e in logged], rel=1e-6)
+    assert [e.step for e in events.Scalars("train/mfu")] == [0, 1]
+    tags = set(events.Tags()["scalars"])
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/peak_memory_gib"} <= tags
+
+
+def test_tensorboard_folder_and_package_are_checked_before_any_rank_starts(tmp_path, monkeypatch):
+    import importlib.util
+
+    from omnibal_compile.runtime.launch import _check_outputs
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match=r"--tensorboard .*file is a file, not a folder"):
+        _check_outputs(RunConfig(plan="-", tensorboard=str(tmp_path / "file")), 5)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    with pytest.raises(InputError, match=r"--tensorboard needs the tensorboard package: pip install tensorboard"):
+        _check_outputs(RunConfig(plan="-", tensorboard=str(tmp_path / "board")), 5)
 
 
 # -- distributed: exact resume of a Llava with unused parameters -----------------------------------

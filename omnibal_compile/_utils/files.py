@@ -7,7 +7,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "same_file", "writable_folder"]
+__all__ = ["atomic_write_text", "file_sha256", "same_file", "writable_folder"]
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
@@ -67,3 +67,17 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     except OSError:
         pass
     return pa.resolve() == pb.resolve()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str | None:
+    """The sha256 of a file's bytes (hex), or None when it cannot be read."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from omnibal_compile._utils.validate import MAX_SEED, int_option
+from omnibal_compile.data.packing import OVERSIZED_POLICIES
 
 NAME = "data"
 HELP = "balance dataset length statistics and print Pad/Dist Ratios of random, length-grouped, ISF and ours"
@@ -21,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resample", type=int_option(min=1), default=None, metavar="N",
                    help="draw N samples with replacement first")
     p.add_argument("--methods", default="random,length-grouped,isf,ours", help="comma-separated subset to run")
+    p.add_argument("--oversized", choices=OVERSIZED_POLICIES, default="error",
+                   help="a sample larger than ISF's and our pack shape: refused and named (error, the default), cut "
+                        "to the shape (truncate) or given a pack of its own (own-pack)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -39,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         stats = stats.resample(args.resample, seed=args.seed)
     with Progress(len(methods), enabled=not args.no_progress, unit="method") as progress:
         result = compare_balancers(stats, dp=args.dp, samples_per_pack=args.samples_per_pack, seed=args.seed,
-                                   iterations=args.iterations, methods=methods, progress=progress)
+                                   iterations=args.iterations, methods=methods, progress=progress,
+                                   oversized=args.oversized)
     print(f"statistics: {stats.source}")
     print(format_comparison(result))
     return 0

@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         step("building the model")
         model, batch, name = load_model(cfg.model, batch=cfg.microbatch_size, tiles=cfg.tiles_per_sample,
                                         text=cfg.text_tokens, seed=cfg.seed, meta=cfg.meta, config=cfg.model_config)
+        stats = _plan_lengths(cfg, model) if cfg.lengths else None  # a file in other units fails before any work
         step(f"capture, blocks, costs, planning ({planner})")
         with progress_info.quiet():  # the command prints the layout search itself, on stdout
             result = oc.optimize(model, batch, config=dataclasses.replace(
@@ -211,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
         lengths_report = None
         if cfg.lengths:
             step("micro-batches from --lengths")
-            lengths_report = _lengths_report(cfg, plan, costs, result)
+            assert stats is not None
+            lengths_report = _lengths_report(cfg, stats, plan, costs, result)
         sweeps: list[str] = []
         for flag, kind in ((args.sweep_memory, "memory"), (args.sweep_stages, "stages")):
             if not flag:
@@ -294,13 +296,25 @@ def _sweep(kind: str, text: str, num_stages: int, make_plan: PlanMaker, budget: 
     return f"what-if over {kind} (planner {planner}):\n" + sweep_table(points, label=label, fmt=fmt)
 
 
-def _lengths_report(cfg: Config, plan: Any, costs: Any, result: Any) -> str:
-    """Simulate micro-batches drawn from real length statistics: random batches vs balanced packs."""
-    from omnibal_compile.costs.mix import packing_shapes, shape_costs
-    from omnibal_compile.data import balance_pack, load_lengths, random_batches
-    from omnibal_compile.sim import simulate
+def _plan_lengths(cfg: Config, model: Any) -> Any:
+    """--lengths as the report balances them: a file with a units header in the model's units, as ``run`` takes it
+    (``model_lengths``: another model's file is an error); a file without one as it is (its shapes' spread)."""
+    from omnibal_compile.data import load_lengths
+    from omnibal_compile.data.data_plan import DataOptions, model_lengths
+    from omnibal_compile.models.load import hf_data_facts
 
     stats = load_lengths(list(cfg.lengths))
+    if stats.header is None:
+        return stats
+    return model_lengths(stats, DataOptions(**hf_data_facts(model)), model=model, model_spec=cfg.model)
+
+
+def _lengths_report(cfg: Config, stats: Any, plan: Any, costs: Any, result: Any) -> str:
+    """Simulate micro-batches drawn from real length statistics: random batches vs balanced packs."""
+    from omnibal_compile.costs.mix import packing_shapes, shape_costs
+    from omnibal_compile.data import balance_pack, random_batches
+    from omnibal_compile.sim import simulate
+
     M = plan.num_microbatches
     # The cost table counts as the average micro-batch of --microbatch-size samples.
     size = cfg.microbatch_size

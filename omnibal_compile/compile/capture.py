@@ -30,6 +30,7 @@ import difflib
 import inspect
 import io
 import logging
+import re
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -407,7 +408,10 @@ def _export(
     """
     # torch.export prints the partial graph of a failed export to stderr: noise when we try again.
     printed = io.StringIO()
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")  # "Unable to find user code ...": noise
+    level = shapes_log.level
     try:
+        shapes_log.setLevel(logging.ERROR)
         with contextlib.redirect_stderr(printed):
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with context unless a data-dependent guard
@@ -422,12 +426,35 @@ def _export(
             # Meta tensors have no values to propagate: the sizes stay symbolic, and the cost pass
             # names any input whose values it would need.
             return ep, False
+    finally:
+        shapes_log.setLevel(level)
     try:
         with _quiet_real_tensor_propagation():
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001
         raise _capture_error(model, "export", e) from e
     return ep, True
+
+
+_ASSERT = re.compile(r"Runtime assertion failed for expression (.+) on node '[^']*'")
+
+
+def _explain_runtime_asserts(gm: fx.GraphModule, model_name: str) -> None:
+    """Reword the graph's checks of the example's data-dependent choices (``u0 >= 1``), which fail on a batch that
+    would choose otherwise, to say what happened and what to change."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._assert_scalar.default and len(node.args) == 2:
+            found = _ASSERT.fullmatch(str(node.args[1]))
+            if found:
+                node.args = (node.args[0], (
+                    f"{model_name}: this batch differs from the example the model was captured with in a value its "
+                    f"code decided on ({found.group(1)}): the captured graph holds only the example's choice (a "
+                    "Python `if` on a tensor value, or a size read with .item() or .tolist()); make the choice with "
+                    "tensor ops (torch.where), or keep those values the same in every batch"))
+                changed = True
+    if changed:
+        gm.recompile()
 
 
 def _drop_data_dependent_outputs(gm: fx.GraphModule, out_spec: pytree.TreeSpec | None) -> tuple[str, ...]:
@@ -509,6 +536,8 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
         with training_config(model):
             ep, data_dependent = _export(model, args, kwargs)
         gm = ep.module()
+        if data_dependent:
+            _explain_runtime_asserts(gm, type(model).__name__)
         dropped = _drop_data_dependent_outputs(gm, ep.call_spec.out_spec) if data_dependent else ()
         # The unlifted module checks input shapes in a `_guards_fn` submodule; stages drop it.
         out_spec = ep.call_spec.out_spec

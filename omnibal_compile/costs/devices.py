@@ -30,6 +30,7 @@ __all__ = [
     "PROFILED_DEVICES",
     "known_devices",
     "get_device",
+    "spec_for_gpu_name",
 ]
 
 OP_CLASSES: tuple[str, ...] = ("matmul", "attention", "memory")
@@ -148,3 +149,12 @@ def get_device(name: str | DeviceSpec) -> DeviceSpec:
         f"unknown device {name!r}; known devices: {known_devices()} "
         "('cpu'/'cuda' profile on this machine, the others use the roofline model), or pass a DeviceSpec"
     )
+
+
+def spec_for_gpu_name(gpu_name: str) -> DeviceSpec | None:
+    """The built-in spec of a GPU as ``torch.cuda.get_device_name`` calls it (``NVIDIA H100 80GB HBM3``), or None."""
+    words = gpu_name.lower().replace("-", " ").split()
+    for spec in DEVICES.values():
+        if spec.name.split("-")[0] in words:
+            return spec
+    return None

@@ -40,8 +40,10 @@ class Comparison:
 def compare_balancers(
     stats: LengthStats, *, dp: int, samples_per_pack: int, seed: int = 0, iterations: int = 50,
     methods: tuple[str, ...] = METHODS, cost: CostFn | None = None, progress: Progress | None = None,
+    oversized: str = "error",
 ) -> Comparison:
-    """Run each method; ours targets the samples per pack ISF reached (when ISF runs)."""
+    """Run each method; ours targets the samples per pack ISF reached (when ISF runs). ``oversized``: the policy of
+    ISF and ours for a sample larger than their pack shape (``error``, ``truncate`` or ``own-pack``)."""
     rows: list[BalanceMetrics] = []
     shapes: dict[str, PackShape] = {}
     isf_spp: float | None = None
@@ -55,11 +57,12 @@ def compare_balancers(
             packing = length_grouped_batches(stats, dp=dp, batch_size=samples_per_pack, seed=seed)
         elif method == "isf":
             found = isf_search(stats, dp=dp, samples_per_pack=samples_per_pack, iterations=iterations, seed=seed,
-                               progress=progress.note if progress is not None else None)
+                               oversized=oversized, progress=progress.note if progress is not None else None)
             packing = found.packing
             isf_spp = packing.samples_per_pack()
         elif method == "ours":
-            packing = balance_pack(stats, dp=dp, samples_per_pack=isf_spp or samples_per_pack, seed=seed, cost=cost)
+            packing = balance_pack(stats, dp=dp, samples_per_pack=isf_spp or samples_per_pack, seed=seed, cost=cost,
+                                   oversized=oversized)
         else:
             raise InputError(f"unknown method {method!r}; choose from {list(METHODS)}")
         seconds = time.perf_counter() - t0

@@ -1,9 +1,14 @@
 """The data pass of ``optimize``: length statistics -> micro-batch shape, sampler and collator.
 
 Glossary:
-    model units   the statistics are scaled (:func:`~omnibal_compile.data.lengths.scale_lengths`)
-                  from ``source_tokens_per_tile`` (256 for the shared InternVL statistics) to the
-                  model's own tokens per tile before balancing, so Q_t is in the model's tokens.
+    model units   statistics are balanced in the model's own tiles and tokens (:func:`model_lengths`):
+                  a file whose header says ``units: model`` is taken as is when its model_type and
+                  image token are the model's (else an error); a file in InternVL units (a header
+                  ``units: internvl``, or no header: ``source_tokens_per_tile``, 256 for the shared
+                  statistics) is scaled (:func:`~omnibal_compile.data.lengths.scale_lengths`) to the
+                  model's own tokens per tile, except that a file measured with InternVL's tiling
+                  is refused for a Hugging Face model of another family, whose processor sees
+                  other images and tokens.
     DataPlan      what the pass decides: the fixed pack shape, the balance it reached, and
                   factories for the per-rank sampler and the collator.
 """
@@ -29,7 +34,10 @@ from omnibal_compile.data.packing import OVERSIZED_POLICIES, Packing, PackShape,
 from omnibal_compile.data.sampler import BalancedBatchSampler, epoch_seed
 from omnibal_compile.errors import InputError
 
-__all__ = ["DataOptions", "DataPlan", "plan_data"]
+__all__ = ["DataOptions", "DataPlan", "plan_data", "model_lengths", "INTERNVL_MODEL_TYPES"]
+
+INTERNVL_MODEL_TYPES: tuple[str, ...] = ("internvl", "internvl_chat")
+"""Hugging Face model_types that tile images as InternVL does (a file in InternVL units converts to them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +54,8 @@ class DataOptions:
     ``len % dp`` samples left over)."""
     shape: PackShape | None = None
     """Fix the pack shape (Q_v, Q_t) in model units instead of deriving it."""
+    row_tokens: int | None = None
+    """With ``shape``: fix the collated row length too (an eval set in the training batches' row); None: derived."""
     source_tokens_per_tile: int | None = INTERNVL_TOKENS_PER_TILE
     """Tokens per tile the statistics were measured with; None if already in model units."""
     oversized: str = "error"
@@ -58,6 +68,8 @@ class DataOptions:
     """Model's image tokens per tile (default: ``model.config.tokens_per_tile``)."""
     image_token_id: int | None = None
     """Model's image placeholder id (default: ``model.config.image_token_id``)."""
+    model_type: str | None = None
+    """Model's Hugging Face family, checked against a length file's header (default: ``model.config.model_type``)."""
     image_shape: tuple[int, int, int] | None = None
     """(channels, height, width) of a tile (default: from ``model.config``)."""
     vocab_size: int | None = None
@@ -74,10 +86,14 @@ class DataOptions:
         put("dp", check_int(self.dp, "DataOptions.dp", min=1))
         put("samples_per_pack", check_number(self.samples_per_pack, "DataOptions.samples_per_pack", min=1))
         put("seed", check_seed(self.seed, "DataOptions.seed"))
-        lows = {"source_tokens_per_tile": 1, "tokens_per_tile": 1, "image_token_id": 0, "vocab_size": 1}
+        lows = {"row_tokens": 1, "source_tokens_per_tile": 1, "tokens_per_tile": 1, "image_token_id": 0,
+                "vocab_size": 1}
         for name, low in lows.items():
             if getattr(self, name) is not None:
                 put(name, check_int(getattr(self, name), f"DataOptions.{name}", min=low))
+        if self.model_type is not None and (not isinstance(self.model_type, str) or not self.model_type):
+            raise InputError(f"DataOptions.model_type must be a Hugging Face model_type such as 'llava', "
+                             f"got {self.model_type!r}")
         if self.image_shape is not None:
             shape = check_int_list(self.image_shape, "DataOptions.image_shape", min=1)
             if len(shape) != 3:
@@ -205,17 +221,61 @@ def _model_fact(options: DataOptions, model: Any, name: str) -> Any:
     raise InputError(f"the data pass needs the model's {name}; pass DataOptions({name}=...)")
 
 
-def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = None) -> DataPlan:
-    """Balance ``lengths`` for ``options.dp`` ranks; facts about the model come from ``options`` or ``model.config``."""
+def _model_type(options: DataOptions, model: Any) -> str | None:
+    if options.model_type is not None:
+        return options.model_type
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return kind if isinstance(kind, str) and kind else None
+
+
+def model_lengths(lengths: Any, options: DataOptions | None = None, *, model: Any = None,
+                  model_spec: str | None = None) -> LengthStats:
+    """``lengths`` in the model's units (module glossary: model units); a file in another model's units, or in
+    InternVL units for a Hugging Face model of another family, is an InputError naming the command that measures it
+    for this model (``model_spec``: how the model is named there; default ``hf:DIR``)."""
+    o = options or DataOptions()
+    tpt = int(_model_fact(o, model, "tokens_per_tile"))
+    image_token_id = int(_model_fact(o, model, "image_token_id"))
+    kind = _model_type(o, model)
+    stats = load_lengths(lengths)
+    h = stats.header
+    data = h.info.get("dataset") if h is not None else None
+    out = stats.source if " + " not in stats.source else "FILE"
+    measure = f"omnibal-compile lengths {data if isinstance(data, str) else 'DATA'} --model {model_spec or 'hf:DIR'} " \
+              f"--out {out}"
+    named = kind or (type(model).__name__ if model is not None else "the model given by DataOptions")
+    if h is not None and h.units == "model":
+        if h.model_type != kind or h.image_token_id != image_token_id:
+            by = h.info.get("processor")
+            raise InputError(
+                f"{stats.source}: its lengths are in {h.describe()}{f', measured by processor {by}' if by else ''}, "
+                f"but the model is {named} (image token {image_token_id}): another model's processor gives other "
+                f"tokens; measure them for this model: {measure}"
+            )
+        return stats
+    if h is not None and kind is not None and kind not in INTERNVL_MODEL_TYPES:
+        raise InputError(
+            f"{stats.source}: its lengths are in {h.describe()}, InternVL's tiling, which does not convert to what a "
+            f"{kind} model's processor makes of the images; measure them with this model's processor: {measure}"
+        )
+    source = h.tokens_per_tile if h is not None else o.source_tokens_per_tile
+    if source is not None and source != tpt:
+        stats = scale_lengths(stats, tokens_per_tile=tpt, source_tokens_per_tile=source)
+    return stats
+
+
+def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = None,
+              model_spec: str | None = None) -> DataPlan:
+    """Balance ``lengths`` (in the model's units, :func:`model_lengths`) for ``options.dp`` ranks; facts about the
+    model come from ``options`` or ``model.config``; ``model_spec`` names the model in the command an error
+    suggests."""
     o = options or DataOptions()
     tpt = int(_model_fact(o, model, "tokens_per_tile"))
     image_token_id = int(_model_fact(o, model, "image_token_id"))
     image_shape = tuple(int(x) for x in _model_fact(o, model, "image_shape"))
     if o.vocab_size is None and model is not None and hasattr(getattr(model, "config", None), "vocab_size"):
         o = replace(o, vocab_size=int(model.config.vocab_size))
-    stats = load_lengths(lengths)
-    if o.source_tokens_per_tile is not None and o.source_tokens_per_tile != tpt:
-        stats = scale_lengths(stats, tokens_per_tile=tpt, source_tokens_per_tile=o.source_tokens_per_tile)
+    stats = model_lengths(lengths, o, model=model, model_spec=model_spec)
     first = epoch_seed(o.seed, 0)
     if o.method == "random":
         if o.shape is None:
@@ -245,6 +305,8 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
             return isf_pack(stats, dp=o.dp, capacity=fixed, seed=seed, oversized=o.oversized,
                             token_thresh=fixed.tokens - margin)
         row = None  # ISF packs vary in tiles: keep the collator's always-sufficient row
+    elif o.shape is not None and o.row_tokens is not None:  # both given (an eval set in the training row)
+        fixed, row = o.shape, o.row_tokens
     else:
         draft = balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, seed=first, cost=o.cost,
                              capacity=o.shape, oversized=o.oversized)
@@ -260,6 +322,8 @@ def plan_data(lengths: Any, options: DataOptions | None = None, *, model: Any = 
         tiles = draft.pack_sums(np.minimum(stats.tiles, fixed.tiles))[~own]
         tokens = draft.pack_sums(np.minimum(stats.tokens, fixed.tokens))[~own]
         row = int(max(fixed.tokens, (tokens + (fixed.tiles - tiles) * tpt).max(initial=0)))
+
+    if o.method == "ours":
 
         def packer(seed: int) -> Packing:
             return balance_pack(stats, dp=o.dp, samples_per_pack=o.samples_per_pack, capacity=fixed, seed=seed,

@@ -6,7 +6,10 @@ A dataset is a JSON list (or JSON Lines file) of records such as::
                                                  {"from": "gpt", "value": "A cat."}]}
 
 ``image`` is a path or a list of paths (relative to the image root); a record without one is
-text-only. The result is OmniBal's length format (:mod:`.lengths`), one row per kept record.
+text-only. The result is OmniBal's length format (:mod:`.lengths`), one row per kept record, in
+InternVL units (its header: ``units: internvl``, the tiling and the dataset's sha256). For lengths in
+a Hugging Face model's own units (its processor's image tokens), ``omnibal-compile lengths --model``
+measures with :meth:`~omnibal_compile.integrations.hf.dataset.ConversationDataset.lengths` instead.
 
 Glossary:
     grid         (columns, rows) of tiles an image is cut into: InternVL's dynamic tiling picks,
@@ -39,8 +42,9 @@ from typing import Any
 
 import numpy as np
 
+from omnibal_compile._utils.files import file_sha256
 from omnibal_compile._utils.validate import json_records, open_regular_file, read_text
-from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthStats
+from omnibal_compile.data.lengths import INTERNVL_TOKENS_PER_TILE, LengthHeader, LengthStats
 from omnibal_compile.errors import InputError
 from omnibal_compile.progress import Progress
 
@@ -83,7 +87,7 @@ class SkippedRecord:
     record: int
     """Index of the record in the dataset file."""
     image: str
-    """The image path as resolved (image root joined)."""
+    """The image path as resolved (image root joined); empty when the reason says what failed (``--model``)."""
     reason: str
     """Why it could not be read, in words."""
 
@@ -182,9 +186,10 @@ def read_records(path: str | os.PathLike[str]) -> list[tuple[str, Any]]:
 def _messages(where: str, rec: Any, placeholder: str) -> list[dict[str, str]]:
     if not isinstance(rec, dict):
         raise InputError(f"{where}: expected an object with 'conversations', got {type(rec).__name__}")
-    turns = rec.get("conversations")
+    turns = rec.get("conversations", rec.get("messages"))  # as ConversationDataset reads them
     if not isinstance(turns, list) or not turns:
-        raise InputError(f"{where}: needs a non-empty 'conversations' list of {{'from': 'human'|'gpt', 'value': ...}}")
+        raise InputError(f"{where}: needs a non-empty 'conversations' list of {{'from': 'human'|'gpt', 'value': ...}} "
+                         "(or 'messages' of role/content)")
     out = []
     for k, t in enumerate(turns):
         if not isinstance(t, dict):
@@ -438,7 +443,13 @@ def dataset_lengths(
                          f"first {skipped[0].image}: {skipped[0].reason}); is --image-root right?")
     ids = np.flatnonzero(keep)
     flags = np.concatenate([c.flags for c in chunks])[ids]
+    header = LengthHeader(units="internvl", tokens_per_tile=tokens_per_tile, info={
+        "image_marker_tokens": image_marker_tokens, "min_tiles": tiling.min_tiles, "max_tiles": tiling.max_tiles,
+        "tile_size": tiling.tile_size, "thumbnail": tiling.thumbnail, "dummy_tile": dummy_tile,
+        **({"tokenizer": str(tokenizer)} if isinstance(tokenizer, (str, os.PathLike)) else {}),
+        "dataset": str(data), "dataset_sha256": file_sha256(data)})
     stats = LengthStats(tiles=np.concatenate([c.tiles for c in chunks])[ids],
-                        tokens=np.concatenate([c.tokens for c in chunks])[ids], image_flags=flags, source=str(data))
+                        tokens=np.concatenate([c.tokens for c in chunks])[ids], image_flags=flags, source=str(data),
+                        header=header)
     return DatasetLengths(stats=stats, record_ids=ids, skipped=tuple(skipped), records=len(records),
                           text_only=int(np.sum(flags == 0)), images=sum(c.images for c in chunks))

@@ -148,6 +148,10 @@ class IsfSearch:
     """Every candidate: (Q_v, Q_t, samples per pack, vision Dist, language Dist)."""
 
 
+OUTLIER_FACTOR = 64
+"""A sample longer than this many times the median sample does not count in the ISF search's tokens per tile."""
+
+
 def isf_search(
     stats: LengthStats, *, dp: int, samples_per_pack: float, iterations: int = 50, seed: int = 0,
     start_tokens: int = 4096, token_margin: int = 128, length_bin: int = 256, oversized: str = "error",
@@ -168,7 +172,12 @@ def isf_search(
     dp, iterations, seed = check_int(dp, "dp", min=1), check_int(iterations, "iterations", min=1), check_seed(seed)
     binned_tokens = -(-stats.tokens // length_bin) * length_bin  # the reference bins lengths to 256 first
     round_to = max(length_bin // 16, 1)  # the reference rounds to 16 with 256-token bins
-    per_tile = int(((float(binned_tokens.mean()) // max(float(stats.tiles.mean()), 1.0) + 1) // round_to) * round_to)
+    # The reference's tokens per tile of the average sample, over the typical samples: one corrupt or huge sample
+    # (16M tokens among 1K-token ones) would otherwise set every candidate shape, and then be named among dozens of
+    # normal samples as too large for it. On real data nothing is left out (the longest is < 2x the median).
+    typical = stats.tokens <= OUTLIER_FACTOR * max(float(np.median(stats.tokens)), 1.0)
+    per_tile = int(((float(binned_tokens[typical].mean()) // max(float(stats.tiles[typical].mean()), 1.0) + 1)
+                    // round_to) * round_to)
     per_tile = max(per_tile, round_to)
     q_t, q_v = start_tokens, max(start_tokens // per_tile, 1)
     best: tuple[float, IsfSearch] | None = None

@@ -9,6 +9,13 @@ Glossary:
     source units the published statistics are in InternVL units: 448 px tiles that become 256 LLM
                  tokens each. :func:`scale_lengths` converts them for a model with fewer tokens per
                  tile (such as the tiny reference VLM).
+    header       a file's first record, ``{"units": ...}``, says what its counts are in
+                 (:class:`LengthHeader`): ``internvl`` (InternVL's tiling, ``tokens_per_tile`` image
+                 tokens per tile) or ``model`` (measured by one model's own processor: taken as is, by
+                 that model only). JSON: the list's first object; JSON Lines: the first line; CSV: a
+                 first line ``# {...}`` (``#`` then the JSON object) above the column names. A file
+                 without one (the published statistics, files written before headers) is in InternVL
+                 units, ``source_tokens_per_tile`` tokens per tile.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +38,8 @@ from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile._utils.validate import check_int, json_records, read_text
 from omnibal_compile.errors import InputError
 
-__all__ = ["LengthStats", "load_lengths", "save_lengths", "scale_lengths", "bundled_length_files",
-           "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]
+__all__ = ["LengthStats", "LengthHeader", "UNITS", "load_lengths", "save_lengths", "scale_lengths",
+           "bundled_length_files", "INTERNVL_TOKENS_PER_TILE", "MAX_SAMPLE_LENGTH"]
 
 _BUNDLED = Path(__file__).resolve().parent / "stats"
 
@@ -39,6 +47,68 @@ INTERNVL_TOKENS_PER_TILE = 256
 """Image tokens per tile in the published statistics (InternViT 448 px, pixel shuffle 0.5)."""
 
 _FIELDS = ("vit_num", "token_num", "image_flags")
+
+UNITS = ("internvl", "model")
+"""What a length file's counts are in (its header's ``units``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthHeader:
+    """A length file's header record: what its counts are in, and what they were measured on."""
+
+    units: str
+    """``internvl`` (InternVL's tiling, ``tokens_per_tile`` tokens per tile) or ``model`` (one model's own units)."""
+    tokens_per_tile: int | None = None
+    """internvl: image tokens each tile was counted as."""
+    model_type: str | None = None
+    """model: the Hugging Face ``model_type`` whose processor measured the samples."""
+    image_token_id: int | None = None
+    """model: that model's image placeholder id (None: a text-only model)."""
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """The rest of the header, as written (processor, model, dataset, dataset_sha256, tiling, ...): not checked."""
+
+    def __post_init__(self) -> None:
+        if self.units not in UNITS:
+            raise InputError(f"length header: units must be one of {list(UNITS)}, got {self.units!r}")
+        if self.units == "internvl":
+            tpt = check_int(self.tokens_per_tile, "length header: tokens_per_tile", min=1)
+            object.__setattr__(self, "tokens_per_tile", tpt)
+        elif not isinstance(self.model_type, str) or not self.model_type:
+            raise InputError(f"length header: units 'model' needs a model_type string, got {self.model_type!r}")
+        if self.image_token_id is not None:
+            object.__setattr__(self, "image_token_id", check_int(self.image_token_id, "length header: image_token_id",
+                                                                 min=0))
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What the counts mean (two files with equal keys can be concatenated)."""
+        return (self.units, self.tokens_per_tile, self.model_type, self.image_token_id)
+
+    def describe(self) -> str:
+        if self.units == "internvl":
+            return f"InternVL units ({self.tokens_per_tile} tokens per tile)"
+        return f"the units of a {self.model_type} model (image token {self.image_token_id})"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"units": self.units}
+        for name in ("tokens_per_tile", "model_type", "image_token_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return {**out, **{k: v for k, v in self.info.items() if k not in out}}
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> LengthHeader:
+        if not isinstance(value, dict):
+            raise InputError(f"{where}: the header must be a JSON object, got {type(value).__name__}")
+        known = {k: value.get(k) for k in ("units", "tokens_per_tile", "model_type", "image_token_id")}
+        try:
+            return cls(**known, info={k: v for k, v in value.items() if k not in known})  # type: ignore[arg-type]
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+
+
+def _is_header(rec: Any) -> bool:
+    return isinstance(rec, dict) and "units" in rec and "vit_num" not in rec
 
 MAX_SAMPLE_LENGTH = 2**24
 """Most tiles or tokens one sample may have (16.8M): far beyond any real sample, and small enough
@@ -57,6 +127,8 @@ class LengthStats:
     """Real (non-dummy) tiles per sample; equals ``tiles`` when the source has no such field."""
     source: str = "arrays"
     """Where the statistics came from (file names), for messages."""
+    header: LengthHeader | None = None
+    """What the counts are in (the file's header record); None: no header, InternVL units (module glossary)."""
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -126,22 +198,29 @@ class LengthStats:
         """Several datasets as one; sample ids follow the order of ``parts``."""
         if not parts:
             raise InputError("no length statistics to concatenate")
+        keys = {None if p.header is None else p.header.key for p in parts}
+        if len(keys) > 1:
+            said = "; ".join(f"{p.source}: {'no header (InternVL units)' if p.header is None else p.header.describe()}"
+                             for p in parts)
+            raise InputError(f"the length files are in different units ({said}): measure them the same way "
+                             "(omnibal-compile lengths with the same --model, or the same --tokenizer options)")
         return cls(
             tiles=np.concatenate([p.tiles for p in parts]),
             tokens=np.concatenate([p.tokens for p in parts]),
             image_flags=np.concatenate([p.image_flags for p in parts]),
             source=" + ".join(p.source for p in parts),
+            header=parts[0].header,
         )
 
     def resample(self, n: int, *, seed: int = 0) -> LengthStats:
         """``n`` samples drawn with replacement (scale tests on a bigger set from the same distribution)."""
         idx = np.random.default_rng(seed).integers(0, len(self), size=n)
         return LengthStats(tiles=self.tiles[idx], tokens=self.tokens[idx], image_flags=self.image_flags[idx],
-                           source=f"{n} draws from {self.source}")
+                           source=f"{n} draws from {self.source}", header=self.header)
 
     def subset(self, idx: np.ndarray) -> LengthStats:
         return LengthStats(tiles=self.tiles[idx], tokens=self.tokens[idx], image_flags=self.image_flags[idx],
-                           source=self.source)
+                           source=self.source, header=self.header)
 
 
 def _first_bad(a: np.ndarray, pred: Any) -> int:
@@ -164,7 +243,8 @@ def _check_value(value: Any, where: str, field: str, *, text: bool = False, low:
                      hint="a count of tiles or tokens (a larger one is corrupt statistics)")
 
 
-def _records_to_stats(records: Iterable[tuple[str, Any]], source: str, *, text: bool = False) -> LengthStats:
+def _records_to_stats(records: Iterable[tuple[str, Any]], source: str, *, text: bool = False,
+                      header: LengthHeader | None = None) -> LengthStats:
     """``text``: records are CSV rows (string cells; a row shorter or longer than the header is an error)."""
     tiles: list[int] = []
     tokens: list[int] = []
@@ -172,6 +252,8 @@ def _records_to_stats(records: Iterable[tuple[str, Any]], source: str, *, text: 
     for where, rec in records:
         if not isinstance(rec, dict):
             raise InputError(f"{where}: expected an object with fields {list(_FIELDS)}, got {type(rec).__name__}")
+        if _is_header(rec):
+            raise InputError(f"{where}: a header record ('units') belongs first in the file, before every record")
         if text:  # csv.DictReader: None for a column the row lacks, key None for values past the header
             if None in rec:
                 raise InputError(f"{where}: {len(rec[None])} value(s) beyond the header's columns; "
@@ -200,7 +282,7 @@ def _records_to_stats(records: Iterable[tuple[str, Any]], source: str, *, text: 
     if not tokens:
         raise InputError(f"{source}: empty file; it must hold at least one record")
     return LengthStats(tiles=np.array(tiles, np.int64), tokens=np.array(tokens, np.int64),
-                       image_flags=np.array(flags, np.int64), source=source)
+                       image_flags=np.array(flags, np.int64), source=source, header=header)
 
 
 def _load_file(path: Path) -> LengthStats:
@@ -210,19 +292,35 @@ def _load_file(path: Path) -> LengthStats:
     if not text.strip():
         raise InputError(f"{name}: empty file; it must hold at least one record")
     if suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
+        lines = text.splitlines()
+        header = None
+        if lines and lines[0].startswith("#"):  # the header record: '# {"units": ...}'
+            try:
+                value = json.loads(lines[0][1:])
+            except ValueError as e:
+                raise InputError(f"{name} line 1: a '#' line holds the header, a JSON object ({e})") from None
+            header = LengthHeader.from_json(value, f"{name} line 1")
+            lines = lines[1:]
+        reader = csv.DictReader(lines)
         missing = [k for k in ("vit_num", "token_num") if k not in (reader.fieldnames or [])]
         if missing:
             raise InputError(f"{name}: CSV header {reader.fieldnames} lacks column(s) {missing}")
-        # Header is line 1, so record i sits on line i + 2.
-        rows = ((f"{name} record {i} (line {i + 2})", r) for i, r in enumerate(reader))
-        return _records_to_stats(rows, name, text=True)
+        # The column names are line 1 (2 under a header record), so record i sits on line i + 2 (i + 3).
+        first = 2 + (header is not None)
+        rows = ((f"{name} record {i} (line {i + first})", r) for i, r in enumerate(reader))
+        return _records_to_stats(rows, name, text=True, header=header)
     records = json_records(
         text,
         name,
         lines=suffix in (".jsonl", ".ndjson"),
         expected='records like {"vit_num": 5, "token_num": 1420, "image_flags": 5} (or use .csv for CSV)',
     )
+    if records and _is_header(records[0][1]):
+        where, value = records[0]
+        header = LengthHeader.from_json(value, f"{where} (the header)")
+        # record i of the samples, as without a header (the line numbers stay the file's)
+        rest = [(re.sub(r"record \d+", f"record {i}", w, count=1), r) for i, (w, r) in enumerate(records[1:])]
+        return _records_to_stats(rest, name, header=header)
     return _records_to_stats(records, name)
 
 
@@ -261,14 +359,17 @@ def check_length_file(path: str | os.PathLike[str]) -> str:
 
 def save_lengths(stats: LengthStats, path: str | os.PathLike[str]) -> Path:
     """Write ``stats`` in the format :func:`load_lengths` reads, chosen by suffix: ``.json`` (OmniBal's
-    list of records), ``.jsonl`` or ``.csv``. Returns the path written."""
+    list of records), ``.jsonl`` or ``.csv``, its header (``stats.header``) first when it has one (module
+    glossary). Returns the path written."""
     p = Path(path)
     suffix = check_length_file(p)
     rows = zip(stats.tiles.tolist(), stats.tokens.tolist(), stats.image_flags.tolist())
+    head = None if stats.header is None else json.dumps(stats.header.to_json())
     if suffix == ".csv":
-        text = ",".join(_FIELDS) + "\n" + "".join(f"{v},{t},{f}\n" for v, t, f in rows)
+        text = ("" if head is None else f"# {head}\n") + ",".join(_FIELDS) + "\n" + "".join(
+            f"{v},{t},{f}\n" for v, t, f in rows)
     else:
-        lines = [json.dumps(dict(zip(_FIELDS, r))) for r in rows]
+        lines = ([] if head is None else [head]) + [json.dumps(dict(zip(_FIELDS, r))) for r in rows]
         text = "\n".join(lines) + "\n" if suffix != ".json" else "[\n" + ",\n".join(lines) + "\n]\n"
     atomic_write_text(p, text)  # a full disk or a kill leaves the old file as it was
     return p
@@ -295,7 +396,8 @@ def scale_lengths(stats: LengthStats, *, tokens_per_tile: int, source_tokens_per
         bad = int(np.argmax(text < 0))
         raise InputError(
             f"{stats.source}: record {bad} has {stats.tokens[bad]} tokens, fewer than its {stats.image_flags[bad]} "
-            f"image tiles x {source_tokens_per_tile}; is source_tokens_per_tile right?"
+            f"image tiles x {source_tokens_per_tile}; is source_tokens_per_tile right? (a file measured in a model's "
+            "own units: measure it again with omnibal-compile lengths DATA --model hf:DIR, whose header says so)"
         )
     new_text = np.maximum(np.ceil(text * scale).astype(np.int64), min_text_tokens)
     return LengthStats(

@@ -72,7 +72,8 @@ def refuse_unpackable(stats: LengthStats, ids: np.ndarray | None = None) -> None
         raise InputError(
             f"{stats.source}: sample {i} has {stats.tiles[i]:,} tiles and {stats.tokens[i]:,} tokens, more than any "
             f"pack may hold ({MAX_PACK_TILES:,} tiles, {MAX_PACK_TOKENS:,} tokens; {over.size} such sample(s)); "
-            "check the statistics, or fix the shape with DataOptions(shape=PackShape(...)) and oversized='truncate'"
+            "check the statistics for a corrupt length and drop that sample, or (Python API) fix the shape with "
+            "DataOptions(shape=PackShape(...)) and oversized='truncate'"
         )
 
 
@@ -160,7 +161,7 @@ def split_oversized(stats: LengthStats, capacity: PackShape, policy: str) -> tup
         first = ", ".join(f"{i} ({stats.tiles[i]} tiles, {stats.tokens[i]} tokens)" for i in big[:5])
         raise InputError(
             f"{stats.source}: {big.size} sample(s) exceed the pack shape ({capacity.tiles} tiles, {capacity.tokens} "
-            f"tokens), e.g. {first}; raise the shape, or pass oversized='truncate' or 'own-pack'"
+            f"tokens), e.g. {first}; raise the shape, or set oversized (--oversized) to 'truncate' or 'own-pack'"
         )
     if big.size and policy == "own-pack":
         refuse_unpackable(stats, big)  # each becomes a pack of its own shape

@@ -40,7 +40,8 @@ from omnibal_compile.config import TINY_VLM_NAMES
 from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_example_batch
 
-__all__ = ["LoadedModel", "load_model", "model_folder", "hf_data_facts", "hf_example_batch", "import_from_spec"]
+__all__ = ["LoadedModel", "load_model", "load_hf_config", "model_folder", "hf_data_facts", "hf_example_batch",
+           "import_from_spec"]
 
 TINY_VLM = TINY_VLM_NAMES
 
@@ -207,6 +208,30 @@ def model_folder(spec: str) -> Path | None:
     except InputError:
         return None
     return Path(path) if Path(path).is_dir() else Path(path).parent
+
+
+def load_hf_config(spec: str) -> Any:
+    """The ``transformers`` config of an ``hf:`` spec (``hf:DIR``, ``hf:ClassName:DIR``, ``hf:ClassName:config.json``),
+    read without building the model or its weights."""
+    if not spec.startswith("hf:"):
+        raise InputError(f"model {spec!r} is not a Hugging Face model: write hf:DIR or hf:ClassName:config.json")
+    class_name, path = _hf_spec(spec)
+    if class_name is None and not Path(path).is_dir():
+        raise InputError(f"MODEL {spec!r}: {path} is not a folder; write hf:DIR for a folder saved by "
+                         "save_pretrained, or hf:ClassName:config.json")
+    config_path = str(Path(path) / "config.json") if Path(path).is_dir() else path
+    read_text(config_path, "config file")  # says whether it is missing, a directory or unreadable
+    try:
+        if class_name is not None:
+            return _hf_class(class_name).config_class.from_json_file(config_path)
+        import transformers
+
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except ImportError:
+        raise InputError("hf: models need transformers: pip install 'omnibal-compile[hf]'") from None
+    except (ValueError, OSError, KeyError) as e:
+        raise InputError(f"config file {config_path}: cannot read a model config from it ({type(e).__name__}: {e})") \
+            from None
 
 
 def _hf_class(class_name: str) -> Any:

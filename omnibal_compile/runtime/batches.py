@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from omnibal_compile.config import DEFAULT_STEPS
 from omnibal_compile.errors import InputError
 from omnibal_compile.models.load import TINY_VLM
 from omnibal_compile.runtime.settings import RunConfig, read_plan, with_plan_layout
@@ -149,14 +150,26 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     epoch), so each sample is used once per epoch and the dp packs of one (k, i) are one step of
     the packing, of near-equal cost. Deterministic in (seed, step): every rank builds the same
     batches. ``source.packs(step, r)`` gives rank r's sample ids; ``dp_rank=None``: every rank's rows.
-    """
-    from torch.utils import _pytree as pytree
 
+    With ``config.epochs`` the run trains ``epochs x P`` packs per rank: the rows of the last step past them are
+    empty rows (a pack whose labels are all -100: no loss, no gradient, no sample ids in the step log).
+    """
+    config = with_plan_layout(config)  # a direct caller may leave dp open (None), as RunConfig does by default
+    data, dataset = _data_plan(config, model)
+    samplers = [data.sampler(r) for r in range(cast(int, config.dp))]
+    _check_epoch_fills_a_step(config, len(data.stats), len(samplers[0]), config.batch_size // cast(int, config.dp),
+                              cast(int, config.dp))
+    limit = config.epochs * len(samplers[0]) if config.epochs is not None else None
+    return _pack_source(config, model, data, dataset, samplers, dp_rank, limit=limit)
+
+
+def _data_plan(config: RunConfig, model: nn.Module, *, eval_of: Any = None) -> tuple[Any, Any]:
+    """The balanced packing of the run's data (its ``DataPlan``) and its dataset (None with lengths); ``eval_of``:
+    the training ``DataPlan`` whose pack shape and row length the packs of ``config.eval_data`` keep."""
     from omnibal_compile.data.data_plan import DataOptions, plan_data
     from omnibal_compile.integrations.hf.inputs import stacked_positions
     from omnibal_compile.models.load import hf_data_facts
 
-    config = with_plan_layout(config)  # a direct caller may leave dp open (None), as RunConfig does by default
     dp = cast(int, config.dp)  # with_plan_layout fills in dp
     rows_per_rank = config.batch_size // dp
     if stacked_positions(model) and Path(config.plan).is_file():
@@ -169,23 +182,50 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
             )
     method = "ours" if config.batching == "balanced" else "random"
     facts = hf_data_facts(model)
-    dataset = open_dataset(config, facts) if config.dataset else None
-    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method, **facts)
+    path = config.eval_data if eval_of is not None else config.dataset  # None: the training lengths files
+    dataset = open_dataset(config, facts, path) if config.dataset else None
+    options = DataOptions(dp=dp, samples_per_pack=config.samples_per_pack, seed=config.seed, method=method,
+                          oversized=config.oversized, **facts)
     if dataset is not None:  # measured by the model's own processor: in its units, nothing to rescale
         options = dataclasses.replace(options, source_tokens_per_tile=None)
-    data = plan_data(dataset.lengths(progress=False) if dataset else list(config.lengths), options, model=model)
+    if eval_of is not None:
+        options = dataclasses.replace(options, shape=eval_of.shape, row_tokens=eval_of.seq_len)
+    lengths = dataset.lengths(progress=False) if dataset else [config.eval_data] if eval_of else list(config.lengths)
+    try:
+        data = plan_data(lengths, options, model=model, model_spec=config.model)
+    except InputError as e:
+        if eval_of is None:
+            raise
+        raise InputError(f"eval_data (--eval-data) {config.eval_data}: {e} (eval packs keep the training packs' "
+                         "shape and row: leave such samples out of the eval set)") from None
     if dataset is None:
         data.check_synthetic()  # every sample of the lengths can be made, named here rather than at its step
+    left = len(data.stats) % dp if method == "random" else 0
+    if left and os.environ.get("RANK", "0") == "0":  # random rows: dp ranks take equal shares of each epoch
+        from omnibal_compile import progress
+
+        progress.info(f"note: {path or ', '.join(config.lengths)}: --batching random leaves {left} of its "
+                      f"{len(data.stats)} samples out of each epoch (a multiple of --dp {dp} is used)")
     if dataset is not None and dataset.skipped and os.environ.get("RANK", "0") == "0":  # said once, not per rank
         from omnibal_compile import progress
 
         shown = "; ".join(reason for _, reason in dataset.skipped[:5])
-        progress.info(f"{config.dataset}: {len(dataset.skipped)} of {len(dataset.records)} records left out "
+        progress.info(f"{path}: {len(dataset.skipped)} of {len(dataset.records)} records left out "
                       f"(--skip-bad-records): {shown}" + (" ..." if len(dataset.skipped) > 5 else ""))
-    samplers = [data.sampler(r) for r in range(dp)]
+    return data, dataset
+
+
+def _pack_source(config: RunConfig, model: nn.Module, data: Any, dataset: Any, samplers: list[Any],
+                 dp_rank: int | None, *, limit: int | None) -> BatchSource:
+    """``step -> batch`` of ``data``'s packs (see :func:`packed_source`); rows past pack ``limit`` of a rank's
+    sequence are empty rows."""
+    from torch.utils import _pytree as pytree
+
+    from omnibal_compile._utils.labels import IGNORE_INDEX
+
+    dp = cast(int, config.dp)
     per_epoch = len(samplers[0])
     rows = config.batch_size // dp
-    _check_epoch_fills_a_step(config, len(data.stats), per_epoch, rows, dp)
     epochs: dict[tuple[int, int], list[list[int]]] = {}
 
     def pack(r: int, j: int) -> list[int]:
@@ -198,27 +238,64 @@ def packed_source(config: RunConfig, model: nn.Module, dp_rank: int | None = Non
     def packs(step: int, r: int) -> list[list[int]]:
         return [pack(r, step * rows + i) for i in range(rows)]
 
+    def trained(step: int, r: int) -> list[list[int]]:  # the sample ids each row trains on (none: an empty row)
+        return [ids if limit is None or step * rows + i < limit else [] for i, ids in enumerate(packs(step, r))]
+
     def source(step: int) -> dict[str, Any]:
         out = []
         for r in range(dp) if dp_rank is None else (dp_rank,):
             for i, ids in enumerate(packs(step, r)):
                 j = step * rows + i
                 if dataset is not None:
-                    row = data.real_batch([dataset[i] for i in ids], where=f"{config.dataset} records {ids}")
+                    row = data.real_batch([dataset[i] for i in ids], where=f"{dataset.path} records {ids}")
                 else:
                     g = torch.Generator().manual_seed(config.seed * 1_000_003 + j * dp + r)
                     row = data.synthetic_batch(ids, generator=g)
+                if limit is not None and j >= limit:  # past the last epoch: a row of the planned shape, no loss
+                    row = {**row, "labels": torch.full_like(row["labels"], IGNORE_INDEX)}
                 out.append(model_inputs(model, row))
         return pytree.tree_map(lambda *rows: torch.cat(rows), *out)  # a mask per layer type is a dict
 
     source.data_plan = data  # type: ignore[attr-defined]  # for inspection: shape, metrics
     source.packs = packs  # type: ignore[attr-defined]
+    source.packs_per_epoch = per_epoch  # type: ignore[attr-defined]
     kept = dataset.kept if dataset is not None else None
     # the step log's sample ids: dataset record indices (a record left out by --skip-bad-records has none)
     source.sample_ids = (  # type: ignore[attr-defined]
-        packs if kept is None else lambda step, r: [[kept[i] for i in ids] for ids in packs(step, r)]
+        trained if kept is None else lambda step, r: [[kept[i] for i in ids] for ids in trained(step, r)]
     )
     return source
+
+
+def run_steps(config: RunConfig, source: BatchSource) -> int:
+    """The run's steps in all: ``steps``; with ``epochs``, as many as hold ``epochs`` x each rank's packs per epoch
+    (the last one padded with empty rows); neither: ``DEFAULT_STEPS``."""
+    if config.epochs is None:
+        return config.steps if config.steps is not None else DEFAULT_STEPS
+    per_epoch = getattr(source, "packs_per_epoch", None)
+    if per_epoch is None:
+        raise InputError("epochs (--epochs) counts passes over the data: give --dataset FILE or --lengths FILE, "
+                         "or give --steps N instead")
+    rows = config.batch_size // cast(int, with_plan_layout(config).dp)
+    return -(-config.epochs * int(per_epoch) // rows)
+
+
+def eval_source(config: RunConfig, model: nn.Module, train: BatchSource, dp_rank: int | None = None
+                ) -> tuple[BatchSource, int]:
+    """``config.eval_data``'s batches in the training plan's pack shape and row length, and how many steps hold it
+    (every pack once over the dp ranks; the last step padded with empty rows)."""
+    config = with_plan_layout(config)
+    if config.eval_data is None:
+        raise InputError("eval_data (--eval-data) is not set")
+    if not (config.dataset or config.lengths):
+        raise InputError("eval_data (--eval-data) is a held-out set in the training data's format: the run needs "
+                         "--dataset FILE or --lengths FILE too (built-in and --batches data have no held-out set)")
+    data, dataset = _data_plan(config, model, eval_of=train.data_plan)  # type: ignore[attr-defined]
+    samplers = [data.sampler(r) for r in range(cast(int, config.dp))]
+    per_epoch = len(samplers[0])
+    rows = config.batch_size // cast(int, config.dp)
+    source = _pack_source(config, model, data, dataset, samplers, dp_rank, limit=per_epoch)
+    return source, -(-per_epoch // rows)
 
 
 def _check_epoch_fills_a_step(config: RunConfig, samples: int, per_epoch: int, rows: int, dp: int) -> None:
@@ -239,28 +316,38 @@ def _check_epoch_fills_a_step(config: RunConfig, samples: int, per_epoch: int, r
         )
 
 
-def open_dataset(config: RunConfig, facts: Mapping[str, Any]) -> Any:
-    """The run's :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset`, read by its processor
-    (``--processor``, else the folder of an ``hf:`` model: DIR, or its config's folder), checked against the
-    model's image token."""
+def open_dataset(config: RunConfig, facts: Mapping[str, Any], path: str | None = None) -> Any:
+    """The run's :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset` (:func:`conversation_dataset`
+    of ``path``, default ``--dataset``: its eval set is another file)."""
+    dataset, _ = conversation_dataset(path or config.dataset, model=config.model,  # type: ignore[arg-type]
+                                      processor=config.processor, image_root=config.image_root,
+                                      skip_bad=config.skip_bad_records, facts=facts)
+    return dataset
+
+
+def conversation_dataset(data: str | os.PathLike[str], *, model: str, processor: str | None, image_root: str | None,
+                         skip_bad: bool, facts: Mapping[str, Any]) -> tuple[Any, str]:
+    """(``data`` as a :class:`~omnibal_compile.integrations.hf.dataset.ConversationDataset` read by its processor
+    (``processor``, else the folder of an ``hf:`` model spec ``model``: DIR, or its config's folder), checked against
+    the model's image token (``facts["image_token_id"]``, :func:`~omnibal_compile.models.load.hf_data_facts`); the
+    processor's folder)."""
     from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
     from omnibal_compile.models.load import model_folder
 
-    folder = config.processor
+    folder = processor
     if folder is None:
-        found = model_folder(config.model)
+        found = model_folder(model)
         if found is None:
-            raise InputError(f"dataset (--dataset) needs the processor that reads it: set processor (--processor DIR); "
-                             f"model {config.model!r} has no folder to take it from")
+            raise InputError(f"dataset {data} needs the processor that reads it: set processor (--processor DIR); "
+                             f"model {model!r} has no folder to take it from")
         folder = str(found)
-    dataset = ConversationDataset(config.dataset, load_processor(folder), image_root=config.image_root,  # type: ignore[arg-type]
-                                  skip_bad=config.skip_bad_records)
+    dataset = ConversationDataset(data, load_processor(folder), image_root=image_root, skip_bad=skip_bad)
     if dataset.image_token is not None and "image_token_id" in facts:
         got = int(dataset.tokenizer.convert_tokens_to_ids(dataset.image_token))
         if got != int(facts["image_token_id"]):
             raise InputError(f"processor {folder}: its image token {dataset.image_token!r} has id {got}, but the "
                              f"model's is {facts['image_token_id']}: use the processor saved with this model")
-    return dataset
+    return dataset, folder
 
 
 def model_inputs(

@@ -41,6 +41,7 @@ Glossary:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -65,7 +66,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from omnibal_compile import progress
 from omnibal_compile._utils.files import atomic_write_text
 from omnibal_compile._utils.validate import open_regular_file
-from omnibal_compile.errors import InputError
+from omnibal_compile.errors import InputError, TrainingError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -408,8 +409,12 @@ def save_training_state(
             shutil.rmtree(old, ignore_errors=True)  # left by a save that was killed
     dist.barrier()
     names = _param_names(state)
-    dcp.save({"model": dict(state), "optim": _optimizer_state(optimizer, names)}, checkpoint_id=str(partial))
-    torch.save({"cpu": torch.get_rng_state()}, partial / f"rng-rank{rank}.pt")
+    try:
+        dcp.save({"model": dict(state), "optim": _optimizer_state(optimizer, names)}, checkpoint_id=str(partial))
+        torch.save({"cpu": torch.get_rng_state()}, partial / f"rng-rank{rank}.pt")
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # DCP's gathers every rank's errors
+        need = sum(t.numel() * t.element_size() for t in state.values())
+        raise _save_failure(e, root, step, need) from None
     dist.barrier()  # every rank's part is on disk before the folder counts as complete
     if rank == 0:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -425,6 +430,26 @@ def save_training_state(
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def _save_failure(exc: BaseException, root: Path, step: int, need: int) -> TrainingError:
+    """What a failed save says: the ranks and their first error, in plain words for a full disk (an ``ENOSPC``, or
+    less room left than this rank's weights: torch's writer reports a full disk as "unexpected pos")."""
+    failures = getattr(exc, "failures", None)
+    errors = {r: e for r, (e, _) in failures.items()} if isinstance(failures, dict) else {dist.get_rank(): exc}
+    first = next(iter(errors.values()))
+    text = f"{type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}".strip()
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    full = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors.values()) or (
+        free is not None and free < need)
+    what = "no space left on device" if full else f"on rank{'s' if len(errors) > 1 else ''} " + ", ".join(
+        str(r) for r in sorted(errors))
+    fix = "free space there" if full else "check the folder"
+    return TrainingError(f"saving the checkpoint of step {step} in {root} failed: {what} ({text}); the earlier "
+                         f"checkpoints there are kept: {fix}, or give --save another folder")
 
 
 def load_training_state(

@@ -31,7 +31,8 @@ Glossary:
                   steps or save_every apply with a note), the outputs (--save a folder that can be
                   written, --log a file that can be appended to, neither an input of the run).
     outputs       ``--log`` is appended to (a resumed run continues its file); ``launch`` returns
-                  this run's lines only. ``--save``'s folder is locked for the run (``.lock``, see
+                  this run's lines only: its step lines, and its eval lines (``"record": "eval"``,
+                  ``--eval-data``) in ``.evals``. ``--save``'s folder is locked for the run (``.lock``, see
                   :func:`~omnibal_compile.runtime.checkpoint.lock_checkpoint_root`).
     launching     :func:`launch` starts the ranks with torch's elastic agent (``elastic_launch``, the
                   engine of ``torchrun``; one node, c10d rendezvous on loopback, no restarts), each rank
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -74,7 +76,7 @@ from omnibal_compile import progress
 from omnibal_compile._utils.files import same_file, writable_folder
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model
+from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model, eval_source, run_steps
 from omnibal_compile.runtime.recipe import OPTIMIZERS
 from omnibal_compile.runtime.settings import (
     _DATA_SETTINGS,
@@ -85,7 +87,15 @@ from omnibal_compile.runtime.settings import (
     run_data_parallel,
     with_plan_layout,
 )
-from omnibal_compile.runtime.train import StepLog
+from omnibal_compile.runtime.train import EvalLog, StepLog
+
+
+class RunLogs(list[StepLog]):
+    """A run's step logs (a list), with its evaluations of ``--eval-data`` in ``evals``."""
+
+    def __init__(self, steps: list[StepLog] = (), evals: list[EvalLog] = ()) -> None:  # type: ignore[assignment]
+        super().__init__(steps)
+        self.evals: list[EvalLog] = list(evals)
 
 
 def precheck(config: RunConfig) -> Plan:
@@ -114,17 +124,21 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {config.optimizer!r}")
     if config.weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {config.weighting!r}")
-    if config.steps < 1:
+    if config.steps is not None and config.steps < 1:
         raise InputError(f"steps must be >= 1, got {config.steps}")
     _check_seconds("collective_timeout (--collective-timeout)", config.collective_timeout)
     if config.save_every < 0 or config.warmup_steps < 0:
         raise InputError("save_every (--save-every) and warmup_steps (--warmup-steps) must be >= 0")
     if config.save_every and not config.save:
         raise InputError("--save-every needs --save DIR (where to write the checkpoints)")
-    _check_outputs(config)
-    if config.resume:
-        _check_resume(config)
+    if config.eval_every and not config.eval_data:
+        raise InputError("--eval-every needs --eval-data FILE (the held-out set to evaluate)")
     model = build_model(config)
+    source = batch_source(config, model, 0)
+    steps = run_steps(config, source)
+    _check_outputs(config, steps)
+    if config.resume:
+        _check_resume(config, steps)
     if config.resume:  # a config edited since the save: said here, not as a CheckpointException in every rank
         from omnibal_compile.runtime.checkpoint import check_fits, find_checkpoint
 
@@ -132,7 +146,7 @@ def precheck(config: RunConfig) -> Plan:
     if config.export_hf:
         _check_export(config, model, config.export_hf)
     try:
-        compile_for_microbatches(model, batch_source(config, model, 0)(0), plan)  # PlanError when it does not fit
+        compile_for_microbatches(model, source(0), plan)  # PlanError when the plan does not fit
     except PlanError as e:
         planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"
         now = None if config.lora is None else str(config.lora)
@@ -144,6 +158,8 @@ def precheck(config: RunConfig) -> Plan:
                             "adapters, so make the plan with the run's --lora (omnibal-compile plan ... --lora "
                             f"{now or '...'})") from None
         raise
+    if config.eval_data:
+        eval_source(config, model, source, 0)[0](0)  # an eval set that does not fit the training packs, named here
     return plan
 
 
@@ -170,15 +186,17 @@ def _check_seconds(name: str, value: Any) -> None:
         raise InputError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
-def _check_resume(config: RunConfig) -> None:
-    """The checkpoint is complete, is behind ``steps`` and was saved with this run's data settings."""
+def _check_resume(config: RunConfig, steps: int) -> None:
+    """The checkpoint is complete, is behind ``steps`` (the run's in all) and was saved with this run's data
+    settings."""
     from omnibal_compile.runtime.checkpoint import find_checkpoint
 
     folder, meta = find_checkpoint(config.resume)  # type: ignore[arg-type]  # InputError when incomplete or truncated
-    if int(meta["step"]) >= config.steps:
+    if int(meta["step"]) >= steps:
+        given = f"--epochs {config.epochs} makes {steps} steps" if config.epochs else f"--steps is {steps}"
         raise InputError(
-            f"checkpoint {folder} is at step {meta['step']} and --steps is {config.steps}: nothing left to run; "
-            "--steps counts all steps, so raise it to continue"
+            f"checkpoint {folder} is at step {meta['step']} and {given}: nothing left to run; "
+            f"{'--epochs' if config.epochs else '--steps'} counts all steps, so raise it to continue"
         )
     saved, now = meta.get("data", {}), _data_settings(config)
     differ = sorted(k for k in _DATA_SETTINGS if saved.get(k) != now[k])
@@ -188,7 +206,7 @@ def _check_resume(config: RunConfig) -> None:
             f"resuming from {folder} with other data settings would change what the model sees ({detail}); "
             "use the settings of the saved run"
         )
-    _check_resumed_settings(config, folder, meta)
+    _check_resumed_settings(config, folder, meta, steps)
 
 
 def _saved_optimizer(meta: dict[str, Any]) -> str | None:
@@ -199,7 +217,7 @@ def _saved_optimizer(meta: dict[str, Any]) -> str | None:
     return "adamw" if "betas" in groups[0] else "sgd" if "momentum" in groups[0] else None
 
 
-def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any]) -> None:
+def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any], steps: int) -> None:
     """What a resumed run may change: the optimizer no (its saved state is of that optimizer), dp with --lengths no
     (each dp rank's sampler draws its own share of the epoch's packs), the lengths files' content no; lr, warm-up,
     steps and save_every yes, with a note."""
@@ -217,7 +235,7 @@ def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any
             "sampler would split the epoch's packs another way, so the rest of the epoch would see some samples "
             f"twice and others never: resume with --dp {saved_dp}, or start a new run"
         )
-    record = _resume_record(config)
+    record = _resume_record(config, steps)
     saved_sha, now_sha = meta.get("lengths_sha256"), record["lengths_sha256"]
     pairs = list(zip(config.lengths, saved_sha, now_sha)) if isinstance(saved_sha, list) and len(saved_sha) == len(
         now_sha) else []
@@ -243,23 +261,26 @@ def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any
         now, then = ",".join(config.freeze) or "(none)", ",".join(saved_freeze) or "(none)"
         progress.info(f"note: resuming {folder} (step {meta['step']}) with --freeze {now} instead of the saved run's "
                       f"{then}; parameters it unfreezes start with fresh optimizer state")
-    for key in ("lr", "warmup_steps", "steps", "save_every"):
-        old, new = saved_values.get(key), getattr(config, key)
+    for key in ("lr", "warmup_steps", "steps", "epochs", "save_every"):
+        old, new = saved_values.get(key), steps if key == "steps" else getattr(config, key)
+        if key == "epochs" and "epochs" not in settings:  # saved before --epochs existed
+            continue
         if old is not None and old != new:
             progress.info(f"note: resuming {folder} (step {meta['step']}) with --{key.replace('_', '-')} {new} "
                           f"instead of the saved run's {old}; it applies from step {meta['step']} on")
 
 
-def _check_outputs(config: RunConfig) -> None:
+def _check_outputs(config: RunConfig, steps: int) -> None:
     """``--save`` is a folder that can be written (made here) where no step folder of another program is in the
     way; ``--log`` a file that can be appended to; neither is an input of the run (the plan, a lengths file)."""
     from omnibal_compile.runtime.checkpoint import is_ours
 
-    inputs = [("--plan", config.plan), *(("--lengths", p) for p in config.lengths)]
+    inputs = [("--plan", config.plan), *(("--lengths", p) for p in config.lengths),
+              *((("--eval-data", config.eval_data),) if config.eval_data else ())]
     if config.save:
         root = writable_folder(config.save, "--save", "checkpoints (step-<K> folders)")
         every = config.save_every
-        for k in sorted({config.steps, *(range(every, config.steps, every) if every else ())}):
+        for k in sorted({steps, *(range(every, steps, every) if every else ())}):
             final = root / f"step-{k:06d}"
             if final.exists() and not is_ours(final):
                 raise InputError(f"--save {root}: {final.name} exists and was not written by --save; saving step {k} "
@@ -267,6 +288,11 @@ def _check_outputs(config: RunConfig) -> None:
         for flag, path in inputs:
             if same_file(root, path):
                 raise InputError(f"--save {root} is also {flag}; give another folder")
+    if config.tensorboard:
+        writable_folder(config.tensorboard, "--tensorboard", "TensorBoard event files")
+        if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard needs it
+            raise InputError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or pip install 'omnibal-compile[tensorboard]')")
     if config.log:
         log = Path(config.log)
         if log.is_dir():
@@ -323,8 +349,8 @@ WORKER = "omnibal_compile.runtime.worker"
 
 
 def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = False,
-           _worker: str = WORKER) -> list[StepLog]:
-    """Check, then run ``config`` on ``nproc`` local processes; returns the step logs.
+           _worker: str = WORKER) -> RunLogs:
+    """Check, then run ``config`` on ``nproc`` local processes; returns the step logs (and ``.evals``).
 
     The ranks are started by torch's elastic agent (as ``torchrun --standalone`` would) and talk over
     loopback only (gloo on CPU, NCCL on GPU). When a rank fails or the run exceeds ``timeout_s``,
@@ -355,14 +381,18 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
                 print(line, end="", flush=True)
 
         run_ranks(python_module(_worker, str(cfg_path)), nproc=nproc, env=env, workdir=tmp,
-                  timeout_s=timeout_s, on_line=echo)
+                  timeout_s=timeout_s, on_line=echo, finish_marker=True)
         with open(log) as f:
             f.seek(start)
-            return [_step_log(json.loads(line)) for line in f if line.strip()]
+            records = [json.loads(line) for line in f if line.strip()]
+        return RunLogs([_step_log(r) for r in records if r.get("record", "step") == "step"],
+                       [EvalLog(**{k: v for k, v in r.items() if k != "record"}) for r in records
+                        if r.get("record") == "eval"])
 
 
 def _step_log(data: dict[str, Any]) -> StepLog:
     return StepLog(**{**data, "rank_cpu_s": tuple(data.get("rank_cpu_s", ())),
                       "rank_peak_bytes": tuple(data.get("rank_peak_bytes", ())),
+                      "rank_memory_bytes": tuple(data.get("rank_memory_bytes", ())),
                       "samples": tuple(tuple(ids) for ids in data.get("samples", ()))})
 

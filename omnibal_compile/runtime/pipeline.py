@@ -29,6 +29,7 @@ Glossary:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -185,7 +186,9 @@ class _WeightedLoss:
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         outs = output if isinstance(output, (tuple, list)) else (output,)
         loss = outs[self.index]
-        return loss * target.sum().to(loss.dtype)
+        weight = target.sum().to(loss.dtype)
+        # a micro-batch of empty rows (labels all -100, weight 0) has a 0/0 mean loss: it adds nothing
+        return torch.where(weight > 0, loss, torch.zeros_like(loss)) * weight
 
 
 class _TensorOutputs(nn.Module):
@@ -257,6 +260,8 @@ class RankPipeline:
     """``fsdp`` or ``ddp`` (:data:`DP_SHARDS`); None when ``dp_size`` is 1."""
     pp_group: Any = field(default=None, repr=False)
     """Process group along ``pp`` (this replica's pipeline ranks); None: the default group (one pipeline)."""
+    forward_flops: float = 0.0
+    """Forward FLOPs of one micro-batch through this rank's stages (counted once, when they were built)."""
 
     @property
     def has_first(self) -> bool:
@@ -337,6 +342,32 @@ class RankPipeline:
                     "planned shape (a packing collator) or re-compile the stages for this shape"
                 )
         return tuple(x.to(self.device) for x in leaves)
+
+    def evaluate(self, batch: Any) -> tuple[float, float] | None:
+        """Forward only (no gradient, stages in eval mode) on this rank's batch; on ranks with the last stage, the
+        loss summed over the step's labelled tokens (each micro-batch's mean loss x its loss terms,
+        :func:`loss_terms`) and their count, both summed over ``dp``: their ratio is the step's mean loss."""
+        flat = self.flatten(batch)
+        counts = loss_terms(flat, self.input_names, self.weighting)
+        losses: list[torch.Tensor] = []
+        modes = [m.training for m in self.modules]
+        for m in self.modules:
+            m.eval()
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*(flat if self.has_first else ()), target=counts.to(self.device) if self.has_last
+                                   else None, losses=losses if self.has_last else None, return_outputs=False)
+        finally:
+            for m, mode in zip(self.modules, modes):
+                m.train(mode)
+        if not self.has_last:
+            return None
+        summed = torch.stack([sum(loss.detach().double() for loss in losses) + torch.zeros((), dtype=torch.float64,
+                                                                                           device=self.device),
+                              counts.sum().to(self.device)])
+        if self.dp_group is not None:
+            dist.all_reduce(summed, group=self.dp_group)
+        return float(summed[0]), float(summed[1])
 
     def step(self, batch: Any, *, loss_scale: float = 1.0) -> float | None:
         """Forward and backward on this rank's batch; returns the whole step's loss on ranks with the last stage.
@@ -486,7 +517,8 @@ def build_pipeline(
     device = torch.device(device)
     low = compute_dtype(precision)
     mine = rank_stages(plan, rank)
-    examples = _stage_examples(result, mine, device)
+    flops: dict[int, float] = {}
+    examples = _stage_examples(result, mine, device, flops)
     loss_index = _loss_index(result)
     modules: list[nn.Module] = []
     for i, s in enumerate(mine):
@@ -546,24 +578,33 @@ def build_pipeline(
         dp_group=mesh["dp"].get_group() if mesh is not None and dp_size > 1 else None,
         dp_shard=layout.shard if dp_size > 1 else None,
         pp_group=group,
+        forward_flops=sum(flops.values()),
     )
 
 
 def _stage_examples(
-    result: OptimizeResult, wanted: Sequence[int], device: torch.device
+    result: OptimizeResult, wanted: Sequence[int], device: torch.device, flops: dict[int, float] | None = None
 ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """Example inputs and outputs of the ``wanted`` stages, from running every stage once on the
     captured micro-batch: pipelining's static mode takes their shapes, dtypes and ``requires_grad``
-    (true exactly for the values that carry gradients at run time)."""
+    (true exactly for the values that carry gradients at run time). ``flops`` gets each wanted stage's
+    forward FLOPs on that micro-batch."""
+    flops = {} if flops is None else flops
 
     def fresh(x: Any) -> Any:
         return x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+    from omnibal_compile.costs._measure import count_flops
 
     values: tuple[Any, ...] = tuple(fresh(x) for x in result.captured.example_flat_inputs)
     found: dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
     with torch.enable_grad():
         for s, stage in enumerate(result.stages[: max(wanted) + 1]):
-            out = stage(*values)
+            counter = count_flops()
+            with counter if s in wanted else contextlib.nullcontext():
+                out = stage(*values)
+            if s in wanted:
+                flops[s] = float(counter.get_total_flops())
             outs = tuple(fresh(x) for x in (out if isinstance(out, (tuple, list)) else (out,)))
             found[s] = (values, outs)
             values = outs

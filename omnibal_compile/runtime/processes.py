@@ -72,6 +72,18 @@ def python_module(module: str, *args: str) -> list[str]:
 # -- the rank's side -------------------------------------------------------------------------------
 
 
+FINISHED_FILE = "finished"
+"""Written by a rank beside its error file when it ends normally (:func:`mark_finished`)."""
+
+
+def mark_finished() -> None:
+    """Say that this rank ended normally (a file beside ``$TORCHELASTIC_ERROR_FILE``; nothing without one)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            (Path(error_file).parent / FINISHED_FILE).touch()
+
+
 def die_with_parent() -> None:
     """Make this rank die (SIGKILL) when the process that started it dies (Linux; a no-op elsewhere)."""
     if not sys.platform.startswith("linux"):
@@ -228,6 +240,8 @@ class _Rank:
     exitcode: int | None = None
     state_at_end: str | None = None
     """Its state when the launcher (or the agent, for a stopped rank) ended it; None: it ended by itself."""
+    early_exit: bool = False
+    """It exited with code 0 without writing :data:`FINISHED_FILE`: it left the run before its end."""
     lines: list[str] = field(default_factory=list)
     seen: int = 0
     """Bytes of its stdout already passed on (:meth:`pass_on`)."""
@@ -261,7 +275,7 @@ class _Rank:
             assert self.error_file is not None
             with contextlib.suppress(OSError):
                 return self.error_file.stat().st_mtime - time.time() + time.monotonic()
-        if self.state_at_end is None and self.exitcode:
+        if self.state_at_end is None and (self.exitcode or self.early_exit):
             return self.ended_at if self.ended_at is not None else time.monotonic()
         return None
 
@@ -289,7 +303,9 @@ class _Rank:
             return "unknown"
         if code < 0:
             return f"killed by {_signal_name(-code)}"
-        return "finished" if code == 0 else f"exit {code}"
+        if code == 0:
+            return "exit 0 before the end" if self.early_exit else "finished"
+        return f"exit {code}"
 
 
 def _signal_name(number: int) -> str:
@@ -328,6 +344,7 @@ def run_ranks(
     timeout_s: float | None = None,
     on_line: Callable[[int, str], None] | None = None,
     grace_s: float = GRACE_S,
+    finish_marker: bool = False,
 ) -> None:
     """Run ``argv`` as ranks 0..nproc-1 under torch's elastic agent; every rank process ends before this returns.
 
@@ -335,7 +352,9 @@ def run_ranks(
     ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``TORCHELASTIC_ERROR_FILE``...). Their output goes to
     files in ``workdir``; each line a rank prints on stdout is also passed to ``on_line(rank, line)``.
     Raises :class:`LaunchError` when a rank fails (the agent then ends the others at once) or the run
-    exceeds ``timeout_s``: the message names the rank at fault and its first error line.
+    exceeds ``timeout_s``: the message names the rank at fault and its first error line. With
+    ``finish_marker`` the ranks write :data:`FINISHED_FILE` at their normal end (:func:`mark_finished`), so
+    a rank that exited with code 0 before it is named as having left early.
     """
     workdir = Path(workdir)
     run_id = uuid.uuid4().hex
@@ -391,7 +410,8 @@ def run_ranks(
         if str(r) in failures:
             rk.exitcode = int(failures[str(r)]["exitcode"])
         elif outcome == "failed":
-            rk.exitcode = 0  # not among the failures: it finished
+            rk.exitcode = 0  # not among the failures: it finished, or left early (os._exit(0) in a model's code)
+            rk.early_exit = finish_marker and rk.log_dir is not None and not (rk.log_dir / FINISHED_FILE).exists()
         rk.read_output()
     if outcome == "failed":
         for rk in ranks.values():
@@ -537,11 +557,19 @@ def _report(ranks: list[_Rank], outcome: str, timeout_s: float | None, grace_s: 
         then = " then" if stopped else ""
         if error:
             causes.append(f"rank {first.rank}{then} failed with {error}")
+        elif first.early_exit:
+            causes.append(f"rank {first.rank}{then} left the run early: it exited with code 0 before the end of "
+                          "training (os._exit or sys.exit in the model's or the data's code?)")
         elif first.died_of_signal():
             hint = " (the out-of-memory killer or `kill -9`)" if code == -signal.SIGKILL else ""
             causes.append(f"rank {first.rank}{then} was {first.how_it_ended()}{hint}")
         else:
             causes.append(f"rank {first.rank}{then} ended with {first.how_it_ended()} and printed no error")
+    if outcome != "timeout":  # ranks still running when another failed: where they were (their SIGTERM stack dump)
+        for rk in ranks:
+            where = _where(rk.lines) if rk.state_at_end is not None and rk.state_at_end not in "Tt" else None
+            if where and rk.failed_at is None:
+                causes.append(f"rank {rk.rank} was still running, {where}")
     if outcome == "timeout":
         running = [str(rk.rank) for rk in ranks if rk.state_at_end is not None and rk.state_at_end not in "Tt"]
         if running and not failed:

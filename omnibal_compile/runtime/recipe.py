@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnibal_compile.config import LR_SCHEDULES, OptimizerConfig
+from omnibal_compile.config import DEFAULT_STEPS, LR_SCHEDULES, OptimizerConfig
 from omnibal_compile.errors import InputError
 
 if TYPE_CHECKING:
@@ -88,13 +88,15 @@ def build_optimizer(config: OptimizerConfig, pipeline: RankPipeline) -> torch.op
 
 
 def lr_scheduler(config: OptimizerConfig, optimizer: torch.optim.Optimizer,
-                 first_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+                 first_step: int = 0, *, steps: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` running :func:`lr_at`, set to step ``first_step`` (a resumed run's): the learning rate is a
-    function of the step alone, so a resumed run recomputes it, with its own ``steps``."""
+    function of the step alone, so a resumed run recomputes it, with its own ``steps``. ``steps``: the run's
+    steps in all (``batches.run_steps``; default ``config.steps``, else ``DEFAULT_STEPS``)."""
+    total = steps if steps is not None else config.steps if config.steps is not None else DEFAULT_STEPS
 
     def factor(step: int) -> float:
         return lr_at(step, lr=config.lr, schedule=config.lr_schedule, warmup_steps=config.warmup_steps,
-                     steps=config.steps, min_lr=config.min_lr) / config.lr
+                     steps=total, min_lr=config.min_lr) / config.lr
 
     for group in optimizer.param_groups:
         group["initial_lr"] = config.lr  # what LambdaLR scales; it needs it given to start past step 0

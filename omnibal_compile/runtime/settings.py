@@ -112,7 +112,7 @@ def read_plan(config: RunConfig) -> Plan:
 
 
 _DATA_SETTINGS = ("model", "model_config", "batches", "lengths", "dataset", "image_root", "processor",
-                  "skip_bad_records", "batching",
+                  "skip_bad_records", "batching", "oversized",
                   "samples_per_pack", "batch_size", "tiles_per_sample", "text_tokens", "seed")
 """RunConfig fields the batches of a step depend on (with the step and dp): a resumed run must keep them."""
 
@@ -123,29 +123,23 @@ def _data_settings(config: RunConfig) -> dict[str, Any]:
 
 
 
-_RESUMABLE_SETTINGS = ("optimizer", "lr", "warmup_steps", "steps", "save_every")
-"""RunConfig fields saved with a checkpoint that a resumed run may change (with a note), the optimizer excepted."""
+_RESUMABLE_SETTINGS = ("optimizer", "lr", "warmup_steps", "steps", "epochs", "save_every")
+"""RunConfig fields saved with a checkpoint that a resumed run may change (with a note), the optimizer excepted;
+``steps`` is saved as the run's steps in all (``batches.run_steps``: those of ``epochs`` too)."""
 
 
 def _file_sha256(path: str) -> str | None:
-    import hashlib
+    from omnibal_compile._utils.files import file_sha256
 
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError:
-        return None
-    return digest.hexdigest()
+    return file_sha256(path)
 
 
-def _resume_record(config: RunConfig) -> dict[str, Any]:
+def _resume_record(config: RunConfig, steps: int) -> dict[str, Any]:
     """What a checkpoint records besides the data settings, for the checks of a resumed run: the optimizer and
-    schedule settings, and the sha256 of each lengths file and of the dataset file (an edited file is not the data
-    that was trained on)."""
+    schedule settings (``steps``: the run's steps in all), and the sha256 of each lengths file and of the dataset
+    file (an edited file is not the data that was trained on)."""
     return {"optimizer": config.optimizer, "freeze": list(config.freeze),
             "lora": None if config.lora is None else str(config.lora),
-            "settings": {k: getattr(config, k) for k in _RESUMABLE_SETTINGS},
+            "settings": {**{k: getattr(config, k) for k in _RESUMABLE_SETTINGS}, "steps": steps},
             "lengths_sha256": [_file_sha256(p) for p in config.lengths],
             "dataset_sha256": _file_sha256(config.dataset) if config.dataset else None}

@@ -10,12 +10,12 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from omnibal_compile.errors import TrainingError
-from omnibal_compile.runtime.batches import batch_source, build_model, step_batches
+from omnibal_compile.runtime.batches import batch_source, build_model, eval_source, run_steps, step_batches
 from omnibal_compile.runtime.recipe import build_optimizer, lr_scheduler
 from omnibal_compile.runtime.settings import (
     RunConfig,
@@ -51,11 +51,42 @@ class StepLog:
     tokens_per_s: float = 0.0
     """``tokens / step_time_s``."""
     samples: tuple[tuple[int, ...], ...] = ()
-    """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order)."""
+    """With lengths or a dataset: the sample indices each dp rank trained on in the step (its packs, in order; an
+    empty row past the last epoch of ``--epochs`` has none)."""
     loss_scale: float = 0.0
     """fp16: the loss scale the step ran with (``precision.LossScaler``); 0 in other precisions."""
     skipped: bool = False
     """fp16: some rank's gradients were not finite, so every rank skipped the optimizer step (the scale halves)."""
+    rank_memory_bytes: tuple[int, ...] = ()
+    """Each rank's peak memory: on CUDA the step's peak allocated bytes (``max_memory_allocated``); on CPU the
+    process's peak resident set so far (``ru_maxrss``: it never drops)."""
+    model_flops: float = 0.0
+    """Model FLOPs of the step over every rank: 3 x the forward FLOPs of its micro-batches (their padded shape),
+    counted when the stages were built; recomputation not counted, frozen parts counted as trained."""
+    mfu: float | None = None
+    """``model_flops / (step_time_s x devices x peak FLOP/s)`` (``RunConfig.peak_flops``); None without a peak."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalLog:
+    """One evaluation of the held-out set (``--eval-data``) as logged; its JSON line has ``"record": "eval"``."""
+
+    step: int
+    """Training steps done before it (the weights it measured)."""
+    loss: float
+    """Mean loss over every labelled token of the eval set (forward only, the training plan's packs)."""
+    tokens: int
+    """Labelled tokens of the eval set (rows when the batch has no labels)."""
+    samples: int
+    """Samples of the eval set."""
+    eval_time_s: float
+    """Wall time of the evaluation."""
+
+
+def eval_line(entry: EvalLog, *, steps: int) -> str:
+    """The line a person reads after an evaluation."""
+    return (f"eval after step {entry.step}/{steps}  eval loss {entry.loss:.5g}  over {entry.tokens:,} tokens of "
+            f"{entry.samples} samples  {entry.eval_time_s:.3f} s")
 
 
 def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
@@ -64,6 +95,7 @@ def progress_line(entry: StepLog, *, steps: int, seconds_left: float) -> str:
     eta = f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
     return (f"step {entry.step + 1}/{steps}  loss {entry.loss:.5g}  lr {entry.lr:.3e}  grad norm {entry.grad_norm:.4g}"
             f"  {entry.tokens_per_s:,.0f} tokens/s  {entry.step_time_s:.3f} s/step  ETA {eta}"
+            + (f"  MFU {entry.mfu:.1%}" if entry.mfu is not None else "")
             + (f"  loss scale {entry.loss_scale:g}" + ("  skipped (inf/nan gradients)" if entry.skipped else "")
                if entry.loss_scale else ""))
 
@@ -105,6 +137,59 @@ def _stop_if_not_finite(loss: float, step: int, config: RunConfig, what: str = "
         )
 
 
+def _peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory (:attr:`StepLog.rank_memory_bytes`)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, Linux KiB
+
+
+def peak_flops(config: RunConfig, device: torch.device) -> float | None:
+    """Peak FLOP/s of one of the run's devices for the MFU: ``--peak-flops``, else a known GPU's datasheet figure."""
+    if config.peak_flops is not None:
+        return float(config.peak_flops)
+    if device.type != "cuda":
+        return None
+    from omnibal_compile.costs.devices import spec_for_gpu_name
+
+    spec = spec_for_gpu_name(torch.cuda.get_device_name(device))
+    return spec.peak_flops if spec is not None else None
+
+
+class _Scalars:
+    """``--tensorboard``: the step figures as TensorBoard scalars (written by the rank that logs)."""
+
+    def __init__(self, folder: str | None, first_step: int) -> None:
+        self.writer = None
+        if folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run replaces what a stopped run wrote after its checkpoint
+            self.writer = SummaryWriter(folder, purge_step=first_step if first_step else None)
+
+    def write(self, entry: StepLog) -> None:
+        if self.writer is None:
+            return
+        figures = {"loss": entry.loss, "lr": entry.lr, "grad_norm": entry.grad_norm,
+                   "tokens_per_s": entry.tokens_per_s, "step_time_s": entry.step_time_s,
+                   "peak_memory_gib": max(entry.rank_memory_bytes, default=0) / 2**30}
+        if entry.mfu is not None:
+            figures["mfu"] = entry.mfu
+        if entry.loss_scale:
+            figures["loss_scale"] = entry.loss_scale
+        for name, value in figures.items():
+            self.writer.add_scalar(f"train/{name}", value, entry.step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 def _weights_finite(params: list[torch.nn.Parameter], device: torch.device) -> bool:
     """Whether every rank's weights (their local shards) are finite."""
     import torch.distributed as dist
@@ -138,6 +223,8 @@ def train(config: RunConfig) -> list[StepLog]:
                             backend_override=_mesh_groups(device.type, config.collective_timeout))
     model = build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
+    steps = run_steps(config, source)
+    held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
     result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
@@ -155,8 +242,8 @@ def train(config: RunConfig) -> list[StepLog]:
         if rank == 0:
             print(f"[omnibal run] resumed from {folder} at step {first}", flush=True)
     # the schedule is rebuilt at the run's own step from its own settings: a changed --lr applies (launch notes it)
-    scheduler = lr_scheduler(config, optimizer, first)
-    record, last_loss = _resume_record(config), None
+    scheduler = lr_scheduler(config, optimizer, first, steps=steps)
+    record, last_loss = _resume_record(config, steps), None
 
     def save(root: str, step: int) -> None:
         if not _weights_finite(pipeline.parameters(), device):
@@ -173,10 +260,36 @@ def train(config: RunConfig) -> list[StepLog]:
                 print(f"[omnibal run] exported: {export_hf(path, config.export_hf)}", flush=True)
 
     last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
+    flops = torch.tensor([pipeline.forward_flops], dtype=torch.float64, device=device)
+    dist.all_reduce(flops)  # every stage of every replica: one micro-batch each
+    step_flops = 3 * float(flops) * cast(int, plan.num_microbatches)
+    peak = peak_flops(config, device)
+    scalars = _Scalars(config.tensorboard if rank == last_rank else None, first)
+
+    def evaluate(done: int) -> None:
+        """The eval set's loss after ``done`` steps, logged by ``last_rank``; no gradient, no optimizer change."""
+        assert held_out is not None
+        eval_batches, eval_steps = held_out
+        start = time.perf_counter()
+        loss_sum = tokens = 0.0
+        for k in range(eval_steps):
+            out = pipeline.evaluate(eval_batches(k))
+            if out is not None:
+                loss_sum, tokens = loss_sum + out[0], tokens + out[1]
+        dist.barrier()
+        if rank == last_rank:
+            entry = EvalLog(step=done, loss=loss_sum / tokens if tokens else math.nan, tokens=int(tokens),
+                            samples=len(eval_batches.data_plan.stats),  # type: ignore[attr-defined]
+                            eval_time_s=time.perf_counter() - start)
+            print(f"[omnibal run] {eval_line(entry, steps=steps)}", flush=True)
+            if config.log:
+                with open(config.log, "a") as f:
+                    f.write(json.dumps({"record": "eval", **dataclasses.asdict(entry)}) + "\n")
+
     logs: list[StepLog] = []
     run_start = time.perf_counter()
-    batches = step_batches(source, first, config.steps, workers=config.data_workers)
-    for step in range(first, config.steps):
+    batches = step_batches(source, first, steps, workers=config.data_workers)
+    for step in range(first, steps):
         batch = next(batches)
         tokens = loss_terms(pipeline.flatten(batch), pipeline.input_names, "tokens").sum().to(device)
         if pipeline.dp_group is not None:
@@ -184,6 +297,8 @@ def train(config: RunConfig) -> list[StepLog]:
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         lr = float(scheduler.get_last_lr()[0])
         live = PeakLiveStorages() if step in config.memory_steps else contextlib.nullcontext()
         with live:
@@ -201,8 +316,9 @@ def train(config: RunConfig) -> list[StepLog]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        cpu = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(cpu, torch.tensor([time.thread_time() - cpu_start], dtype=torch.float64, device=device))
+        cpu = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]  # CPU s, peak bytes
+        mine = [time.thread_time() - cpu_start, _peak_memory_bytes(device)]
+        dist.all_gather(cpu, torch.tensor(mine, dtype=torch.float64, device=device))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks: list[torch.Tensor] = []
         if isinstance(live, PeakLiveStorages):
@@ -211,16 +327,19 @@ def train(config: RunConfig) -> list[StepLog]:
         if rank == last_rank:
             seconds = float(elapsed)
             entry = StepLog(
-                step=step, loss=float(loss or 0.0), step_time_s=seconds, rank_cpu_s=tuple(float(c) for c in cpu),
+                step=step, loss=float(loss or 0.0), step_time_s=seconds, rank_cpu_s=tuple(float(c[0]) for c in cpu),
+                rank_memory_bytes=tuple(int(c[1]) for c in cpu), model_flops=step_flops,
+                mfu=step_flops / (seconds * world * peak) if peak and seconds > 0 else None,
                 rank_peak_bytes=tuple(int(b) for b in peaks), lr=lr, grad_norm=grad_norm, tokens=int(tokens),
                 tokens_per_s=float(tokens) / seconds if seconds > 0 else 0.0,
                 samples=_step_samples(source, step, dp), loss_scale=scale, skipped=skipped,
             )
             logs.append(entry)
+            scalars.write(entry)
             line = json.dumps(dataclasses.asdict(entry))
             # mean time per step so far (the first steps warm up, so this overestimates a little)
             per_step = (time.perf_counter() - run_start) / (step + 1 - first)
-            shown = progress_line(entry, steps=config.steps, seconds_left=per_step * (config.steps - step - 1))
+            shown = progress_line(entry, steps=steps, seconds_left=per_step * (steps - step - 1))
             print(f"[omnibal run] {shown}", flush=True)
             if config.log:
                 with open(config.log, "a") as f:
@@ -228,10 +347,15 @@ def train(config: RunConfig) -> list[StepLog]:
         last_loss = _shared_loss(loss, last_rank, device)
         if not skipped:  # fp16: a skipped step's loss may overflow; the scale halves and the run goes on
             _stop_if_not_finite(last_loss, step, config)
-        if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+        if held_out is not None and config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < steps:
+            evaluate(step + 1)
+        if config.save and config.save_every and (step + 1) % config.save_every == 0 and step + 1 < steps:
             save(config.save, step + 1)
+    if held_out is not None:
+        evaluate(steps)
+    scalars.close()
     if config.save:
-        save(config.save, config.steps)
+        save(config.save, steps)
     dist.barrier()
     return logs
 

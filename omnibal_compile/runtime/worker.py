@@ -12,13 +12,14 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from omnibal_compile.runtime.processes import STACK_SIGNAL, die_with_parent
+from omnibal_compile.runtime.processes import STACK_SIGNAL, die_with_parent, mark_finished
 
 
 def init_process_group(config: Any) -> None:
@@ -46,11 +47,15 @@ def run(config_path: str) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    mark_finished()
 
 
 def main(argv: list[str] | None = None) -> int:
     """The rank's main: :func:`run` under torch's ``@record``, then out at once (no interpreter teardown)."""
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # first, so a rank stuck anywhere can say where
+    # and where it was when the agent ends it (another rank failed, e.g. timed out waiting for this one); the
+    # default action (termination) follows
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     die_with_parent()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:

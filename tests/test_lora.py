@@ -190,6 +190,11 @@ def test_a_two_rank_lora_run_trains_the_adapters_only_exports_them_and_resumes_e
     assert {"adapter_config.json", "adapter_model.safetensors", "omnibal-export.json"} <= written
     assert json.loads((out / "omnibal-export.json").read_text())["step"] == 4
     assert not (out / "model.safetensors").exists()  # the adapter only, not the base weights
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8 and set(adapter["target_modules"]) == {"q_proj", "v_proj"}
+    assert main(["export", "parts", "again"]) == 0  # the export command: the same adapter
+    assert (tmp_path / "again" / "adapter_model.safetensors").read_bytes() == (
+        out / "adapter_model.safetensors").read_bytes()
     loaded = PeftModel.from_pretrained(load_model(spec).model, str(out))
     loaded.eval()
     trained.eval()

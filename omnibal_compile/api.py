@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -463,7 +464,8 @@ def optimize(
 
     Args:
         model: any ``nn.Module``; it is not modified, except that ``freeze=`` turns ``requires_grad`` off for the
-            parameters it names (as the run does), so that the stages and costs are those of the frozen model.
+            parameters it names (as the run does), so that the stages and costs are those of the frozen model;
+            ``lora=`` adapts a copy (:func:`omnibal_compile.models.lora.apply_lora`, the result's ``model``).
         example_inputs: one batch: a tuple (positional), a dict (keyword) or ``(args, kwargs)``. None
             (default): one balanced pack when ``lengths`` is given, else synthesized from the model
             (:func:`omnibal_compile.models.examples.example_inputs_for`). What was synthesized is told
@@ -494,6 +496,14 @@ def optimize(
     precision = inputs.get("precision", precision_named(cfg.precision) if cfg.precision else BF16_ADAM)
     work = _Work(model=model, config=cfg, example_inputs=example_inputs, plan=plan, costs=inputs["costs"],
                  lengths=inputs["lengths"], data=inputs.get("data"), precision=precision, layout=layout)
+    if cfg.lora is not None:  # on a copy: the user's model keeps its modules; the result's model is the adapted copy
+        from omnibal_compile.models.lora import apply_lora, lora_names
+
+        if lora_names(model):
+            raise InputError("optimize(lora=...): the model already holds LoRA adapters (lora_ parameters); "
+                             "give the base model, or leave lora out")
+        model = apply_lora(copy.deepcopy(model), cfg.lora, seed=cfg.seed)
+        work.model = model
     _validate(work)
     if cfg.freeze:  # the stages share the model's parameters: frozen there, frozen in every stage and cost
         from omnibal_compile.models.freeze import freeze_parameters
@@ -505,7 +515,8 @@ def optimize(
     graph, chosen = work.graph, work.chosen
     if plan is None and work.table is not None:  # what the run compares its own settings with
         notes = {**chosen.notes, "compute dtype": work.table.activation_dtype or work.precision.compute_dtype}
-        chosen = dataclasses.replace(chosen, notes=notes | ({"freeze": list(cfg.freeze)} if cfg.freeze else {}))
+        notes |= ({"freeze": list(cfg.freeze)} if cfg.freeze else {}) | ({"lora": str(cfg.lora)} if cfg.lora else {})
+        chosen = dataclasses.replace(chosen, notes=notes)
     stages = work.run("codegen", lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(
         model=model, captured=work.captured, graph=graph, plan=chosen, stages=stages, timings=work.timings,

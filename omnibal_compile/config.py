@@ -41,7 +41,7 @@ __all__ = [
     "Section", "ModelConfig", "DataConfig", "LayoutConfig", "ParallelConfig", "ScheduleConfig", "MemoryConfig",
     "PlannerConfig", "OptimizerConfig", "CheckpointConfig", "RuntimeConfig", "OutputConfig", "Config", "SECTIONS",
     "flag_name", "field_help", "find_field", "load_config_file", "DEFAULT_SAMPLES_PER_PACK", "TINY_VLM_NAMES",
-    "LR_SCHEDULES", "PRECISIONS", "DEFAULT_STEPS",
+    "LR_SCHEDULES", "PRECISIONS", "DEFAULT_STEPS", "LoraSpec", "lora_spec",
 ]
 
 S = TypeVar("S", bound="Section")
@@ -76,6 +76,98 @@ def freeze_patterns(patterns: Any) -> tuple[str, ...]:
                 raise InputError(f"freeze pattern {p!r} (--freeze) is not a regular expression: {e}") from None
             out.append(p)
     return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """A LoRA adapter (``--lora r=16,alpha=32,targets=q_proj,v_proj``): low-rank updates ``B @ A`` beside the named
+    linear layers, the base weights frozen (peft's ``LoraConfig``)."""
+
+    KEYS: ClassVar[tuple[str, ...]] = ("r", "alpha", "dropout", "targets")
+
+    r: int = 8
+    """Rank of each adapter (rows of A, columns of B)."""
+    alpha: float = 16.0
+    """Scale numerator: the update is ``alpha / r x B @ A x input``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input in training (0: none)."""
+    targets: tuple[str, ...] = ()
+    """Names of the linear modules to adapt, matched as peft matches ``target_modules`` (the last parts of a module
+    path: q_proj matches every ``...self_attn.q_proj``)."""
+
+    def __post_init__(self) -> None:
+        write = "write e.g. --lora r=16,alpha=32,targets=q_proj,v_proj"
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise InputError(f"lora (--lora): r must be a whole number > 0, got {self.r!r}; {write}")
+        for name in ("alpha", "dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value == value:
+                raise InputError(f"lora (--lora): {name} must be a number, got {value!r}; {write}")
+            object.__setattr__(self, name, float(value))
+        if self.alpha <= 0:
+            raise InputError(f"lora (--lora): alpha must be > 0, got {self.alpha:g}; {write}")
+        if not 0 <= self.dropout < 1:
+            raise InputError(f"lora (--lora): dropout must be in [0, 1), got {self.dropout:g}; {write}")
+        targets = (self.targets,) if isinstance(self.targets, str) else self.targets
+        if not isinstance(targets, (tuple, list)) or not all(isinstance(t, str) and t.strip() for t in targets):
+            raise InputError(f"lora (--lora): targets must be module names, got {self.targets!r}; {write}")
+        object.__setattr__(self, "targets", tuple(t.strip() for t in targets))
+        if not self.targets:
+            raise InputError(f"lora (--lora) names no targets (the linear modules to adapt); {write}")
+
+    def __str__(self) -> str:
+        """The ``--lora`` text of this spec (``lora_spec`` reads it back)."""
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
+
+
+def lora_spec(value: Any) -> LoraSpec | None:
+    """A ``lora`` setting as a :class:`LoraSpec`: None (off), a LoraSpec, a mapping of its fields (run.json), or the
+    flag's text ``r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj`` (the names after ``targets=`` run to the end or
+    the next ``key=``). An InputError names --lora and what to write."""
+    write = "write e.g. --lora r=16,alpha=32,targets=q_proj,v_proj"
+    if value is None or isinstance(value, LoraSpec):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(LoraSpec.KEYS))
+        if unknown:
+            raise InputError(f"lora (--lora): unknown key {unknown[0]!r}; the keys are {', '.join(LoraSpec.KEYS)}")
+        data = dict(value)
+        if isinstance(data.get("targets"), list):
+            data["targets"] = tuple(data["targets"])
+        return LoraSpec(**data)
+    if not isinstance(value, str):
+        raise InputError(f"lora (--lora) must be text such as r=16,alpha=32,targets=q_proj,v_proj, got {value!r}")
+    if not value.strip() or value.strip().lower() in ("none", "off"):
+        return None
+    fields: dict[str, Any] = {}
+    key: str | None = None
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            key, _, text = (x.strip() for x in part.partition("="))
+            if key not in LoraSpec.KEYS:
+                close = difflib.get_close_matches(key, LoraSpec.KEYS, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise InputError(f"lora (--lora): unknown key {key!r}{hint}; the keys are "
+                                 f"{', '.join(LoraSpec.KEYS)}: {write}")
+            if key in fields:
+                raise InputError(f"lora (--lora): {key} is given twice in {value!r}; {write}")
+            fields[key] = [text] if key == "targets" else text
+        elif key == "targets":
+            fields["targets"].append(part)
+        else:
+            raise InputError(f"lora (--lora): {part!r} is not key=value; {write}")
+    try:
+        if "r" in fields:
+            fields["r"] = int(fields["r"])
+        for name in ("alpha", "dropout"):
+            if name in fields:
+                fields[name] = float(fields[name])
+    except ValueError as e:
+        raise InputError(f"lora (--lora): {e} in {value!r}; {write}") from None
+    fields["targets"] = tuple(t for t in fields.get("targets", ()) if t)
+    return LoraSpec(**fields)
 
 
 def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, choices: tuple[Any, ...] = (),
@@ -207,12 +299,16 @@ class ModelConfig(Section):
     freeze: tuple[str, ...] = setting(factory=tuple, metavar="REGEX", check=False)
     """Parameters to freeze (no gradient, no optimizer state): regular expressions searched in each parameter name,
     comma-separated or several, e.g. vision_tower, or vision_tower,language_model to train the projector only."""
+    lora: LoraSpec | str | None = setting(None, metavar="SPEC", check=False)
+    """Train LoRA adapters instead of the weights (needs peft): r=16,alpha=32,dropout=0.0,targets=q_proj,v_proj; the
+    base weights are frozen (before freeze applies); None: off."""
     precision: str | None = setting(None, choices=PRECISIONS)
     """Compute dtype: bf16, fp16 (with a dynamic loss scale) or fp32; weights, gradients and optimizer states stay fp32;
     run: autocast in each stage; plan: the Precision costed; None: fp32 runs, bf16-mixed costs."""
 
     def _check(self) -> None:
         object.__setattr__(self, "freeze", freeze_patterns(self.freeze))
+        object.__setattr__(self, "lora", lora_spec(self.lora))
         if not isinstance(self.model_config, Mapping):
             raise InputError(f"{_label('model_config')} must be a mapping (a JSON object), got {self.model_config!r}")
         if self.device is not None and not isinstance(self.device, str) and not hasattr(self.device, "peak_flops"):

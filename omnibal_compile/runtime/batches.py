@@ -34,11 +34,16 @@ def _load(config: RunConfig) -> Any:
 
 
 def build_model(config: RunConfig) -> nn.Module:
-    """The model, seeded with ``config.seed`` so every rank builds the same weights, its ``config.freeze``
-    parameters frozen (``requires_grad=False``; a pattern matching nothing is an InputError)."""
+    """The model, seeded with ``config.seed`` so every rank builds the same weights; with ``config.lora`` its LoRA
+    adapters injected and every other parameter frozen (:func:`~omnibal_compile.models.lora.apply_lora`); then its
+    ``config.freeze`` parameters frozen (``requires_grad=False``; a pattern matching nothing is an InputError)."""
     from omnibal_compile.models.freeze import freeze_parameters
 
     model = _load(config).model
+    if config.lora is not None:
+        from omnibal_compile.models.lora import apply_lora
+
+        model = apply_lora(model, config.lora, seed=config.seed)
     freeze_parameters(model, config.freeze)
     return model
 

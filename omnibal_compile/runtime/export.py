@@ -11,6 +11,11 @@ Glossary:
                     ``meta.json``, or given), the checkpoint's full (consolidated) tensors are loaded
                     into it under their original names
                     (:func:`~omnibal_compile.runtime.checkpoint.load_into_model`), and it is saved.
+    LoRA export     a checkpoint of a ``--lora`` run (its ``meta.json`` names the spec): the base model
+                    is wrapped by peft (``get_peft_model``), the checkpoint loaded into it, and the
+                    adapter alone written by ``PeftModel.save_pretrained`` (``adapter_config.json``,
+                    ``adapter_model.safetensors``), which ``PeftModel.from_pretrained(base, OUT)`` loads
+                    onto the base model (the run's ``hf:DIR``).
     processor folder  ``--processor`` of the run when it set one, else the model folder of an
                     ``hf:`` spec (:func:`~omnibal_compile.models.load.model_folder`): DIR of ``hf:DIR``,
                     the config file's folder of ``hf:ClassName:config.json``. Only the files of
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 
 from omnibal_compile._utils.files import atomic_write_text
+from omnibal_compile.config import lora_spec
 from omnibal_compile.errors import InputError
 
 __all__ = ["EXPORT_MARKER", "PROCESSOR_FILES", "check_export_target", "export_hf", "is_export"]
@@ -96,13 +102,21 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, model: str | None = No
     saved_config, saved_seed = data.get("model_config"), data.get("seed")
     config = saved_config if isinstance(saved_config, dict) else {}
     seed = saved_seed if isinstance(saved_seed, int) else 0
+    lora = lora_spec(meta.get("lora"))
     with torch.random.fork_rng(devices=[]):  # load_model seeds the global RNG
         net = load_model(spec, config=config, seed=seed).model
     save_pretrained = getattr(net, "save_pretrained", None)
     if not callable(save_pretrained):
         raise InputError(f"model {spec!r} ({type(net).__name__}) has no save_pretrained: only Hugging Face models "
                          "export to a Hugging Face folder; load the checkpoint with load_into_model instead")
-    step = load_into_model(net, folder)
+    if lora is not None:  # the adapter alone: adapter_config.json and adapter_model.safetensors
+        from omnibal_compile.models.lora import peft_model
+
+        wrapped = peft_model(net, lora, seed=seed)
+        step = load_into_model(wrapped.base_model.model, folder)  # the run's parameter names
+        save_pretrained = wrapped.save_pretrained
+    else:
+        step = load_into_model(net, folder)
     source = processor if processor is not None else data.get("processor") or model_folder(spec)
     partial, old = out.parent / f".{out.name}.partial", out.parent / f".{out.name}.old"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +129,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, model: str | None = No
             if not (partial / f.name).exists():  # save_pretrained's own (generation config) are the model's
                 shutil.copy2(f, partial / f.name)
         record = {"written_by": _WRITER, "checkpoint": str(folder.resolve()), "step": step, "model": spec,
-                  "processor": str(source) if source else None}
+                  "processor": str(source) if source else None, "lora": None if lora is None else str(lora)}
         atomic_write_text(partial / EXPORT_MARKER, json.dumps(record, indent=2) + "\n")
         if out.exists():
             out.rename(old)

@@ -74,7 +74,7 @@ import torch
 
 from omnibal_compile import progress
 from omnibal_compile._utils.files import same_file, writable_folder
-from omnibal_compile.errors import InputError
+from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model, eval_source, run_steps
 from omnibal_compile.runtime.recipe import OPTIMIZERS
@@ -145,7 +145,19 @@ def precheck(config: RunConfig) -> Plan:
         check_fits(find_checkpoint(config.resume)[0], model)
     if config.export_hf:
         _check_export(config, model, config.export_hf)
-    compile_for_microbatches(model, source(0), plan)  # PlanError when the plan does not fit
+    try:
+        compile_for_microbatches(model, source(0), plan)  # PlanError when the plan does not fit
+    except PlanError as e:
+        planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"
+        now = None if config.lora is None else str(config.lora)
+        if planned != now and "parameter counts differ" in str(e):
+            said = "without --lora" if planned is None else "with an unknown --lora" if planned == "?" else (
+                f"with --lora {planned}")
+            raise PlanError(f"{e}. The plan was made {said}, this run trains "
+                            f"{'--lora ' + now if now else 'without --lora'}: a LoRA run's blocks hold its "
+                            "adapters, so make the plan with the run's --lora (omnibal-compile plan ... --lora "
+                            f"{now or '...'})") from None
+        raise
     if config.eval_data:
         eval_source(config, model, source, 0)[0](0)  # an eval set that does not fit the training packs, named here
     return plan
@@ -239,6 +251,11 @@ def _check_resumed_settings(config: RunConfig, folder: Path, meta: dict[str, Any
     settings = meta.get("settings", {})
     base_lrs = meta.get("scheduler", {}).get("base_lrs") or [None]
     saved_values = {"lr": base_lrs[0], **settings}
+    if "lora" in meta and meta["lora"] != (None if config.lora is None else str(config.lora)):
+        then = f"with --lora {meta['lora']}" if meta["lora"] else "without --lora"
+        now = f"--lora {config.lora}" if config.lora else "no --lora"
+        raise InputError(f"checkpoint {folder} was trained {then}; this run has {now}, so its parameters are other "
+                         f"ones: resume {then}, or start a new run")
     saved_freeze = meta.get("freeze")
     if isinstance(saved_freeze, list) and saved_freeze != list(config.freeze):
         now, then = ",".join(config.freeze) or "(none)", ",".join(saved_freeze) or "(none)"

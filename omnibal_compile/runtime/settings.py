@@ -139,6 +139,7 @@ def _resume_record(config: RunConfig, steps: int) -> dict[str, Any]:
     schedule settings (``steps``: the run's steps in all), and the sha256 of each lengths file and of the dataset
     file (an edited file is not the data that was trained on)."""
     return {"optimizer": config.optimizer, "freeze": list(config.freeze),
+            "lora": None if config.lora is None else str(config.lora),
             "settings": {**{k: getattr(config, k) for k in _RESUMABLE_SETTINGS}, "steps": steps},
             "lengths_sha256": [_file_sha256(p) for p in config.lengths],
             "dataset_sha256": _file_sha256(config.dataset) if config.dataset else None}

@@ -315,6 +315,10 @@ class ModelConfig(Section):
             raise InputError(f"{_label('device')} must be a device name or a DeviceSpec, got {self.device!r}")
 
 
+OVERSIZED_POLICIES: tuple[str, ...] = ("error", "truncate", "own-pack")
+"""What the balancer does with a sample larger than the pack shape (``DataConfig.oversized``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig(Section):
     """What a step trains on: built-in batches, a batch function, or packs balanced from length statistics."""
@@ -339,7 +343,7 @@ class DataConfig(Section):
     """With lengths: balanced (one balanced pack per row) or random (one random sample per row, padded)."""
     samples_per_pack: float = setting(DEFAULT_SAMPLES_PER_PACK, min=1)
     """With lengths: target mean samples per pack."""
-    oversized: str = setting("error", choices=("error", "truncate", "own-pack"))
+    oversized: str = setting("error", choices=OVERSIZED_POLICIES)
     """A sample larger than the pack shape: error (refused, named), truncate (cut to the shape) or own-pack (a pack
     of its own shape)."""
     batch_size: int = setting(8, min=1)

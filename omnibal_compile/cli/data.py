@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from omnibal_compile._utils.validate import MAX_SEED, int_option
-from omnibal_compile.data.packing import OVERSIZED_POLICIES
+from omnibal_compile.config import OVERSIZED_POLICIES
 
 NAME = "data"
 HELP = "balance dataset length statistics and print Pad/Dist Ratios of random, length-grouped, ISF and ours"

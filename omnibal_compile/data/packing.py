@@ -25,6 +25,7 @@ from typing import Literal
 import numpy as np
 
 from omnibal_compile._utils.validate import check_int, check_seed
+from omnibal_compile.config import OVERSIZED_POLICIES
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
 
@@ -40,7 +41,6 @@ MAX_PACK_TOKENS = 2**21
 """Most LLM tokens one pack may hold (2,097,152: beyond any VLM's context, far below a corrupt length's)."""
 
 OversizedPolicy = Literal["error", "truncate", "own-pack"]
-OVERSIZED_POLICIES: tuple[str, ...] = ("error", "truncate", "own-pack")
 Layout = Literal["packed", "padded"]
 
 

@@ -116,7 +116,8 @@ def _plant_scaler(inf_grad: str | None, log_dir: str | None) -> None:
             for p in seen[0]:
                 digest.update((p.to_local() if hasattr(p, "to_local") else p).detach().cpu().numpy().tobytes())
             with open(os.path.join(log_dir, f"scaler-rank{rank}.jsonl"), "a") as f:
-                f.write(json.dumps({"skipped": bool(skipped), "scale": self.scale, "params": digest.hexdigest()}) + "\n")
+                line = {"skipped": bool(skipped), "scale": self.scale, "params": digest.hexdigest()}
+                f.write(json.dumps(line) + "\n")
 
     precision.LossScaler.unscale = planted_unscale
     precision.LossScaler.update = logged_update

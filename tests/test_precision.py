@@ -6,6 +6,9 @@ whose compute dtype differs from its plan's costs says so. The
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,71 @@ def test_fp16_trains_logs_its_scale_and_resumes_it(tmp_path: Path):
     launch(dataclasses.replace(config, steps=2, save=str(tmp_path / "ck")), timeout_s=240, quiet=True)
     rest = launch(dataclasses.replace(config, resume=str(tmp_path / "ck")), timeout_s=240, quiet=True)
     assert [e.loss for e in rest] == [whole[2].loss] and rest[0].loss_scale == 2.0**16
+
+
+# -- fp16: one rank's inf skips the step everywhere; a resumed run keeps the changed scale --------------------------
+TESTS = Path(__file__).resolve().parent
+EXACT = 1e-6
+
+
+def _fp16_pp2(tmp_path: Path, **kw) -> RunConfig:
+    model_config = dataclasses.asdict(SMALL_VLM)
+    with progress.quiet():
+        plan = oc.optimize(build_model(RunConfig(plan="-", model_config=model_config)), num_stages=2,
+                           planner="uniform", num_microbatches=2).plan
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    return RunConfig(plan=str(tmp_path / "plan.json"), model_config=model_config, batch_size=4, lr=1e-3,
+                     optimizer="adamw", precision="fp16", **kw)
+
+
+def _launch_planted(config: RunConfig, monkeypatch, *, inf_grad: str | None, scaler_log: Path | None = None):
+    """``launch`` with tests/fault_worker.py: an inf in one rank's gradients (``rank:step``), each rank's scaler
+    updates logged to ``scaler_log``."""
+    with monkeypatch.context() as planted:
+        planted.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+        for name, value in (("_OMNIBAL_TEST_INF_GRAD", inf_grad), ("_OMNIBAL_TEST_SCALER_LOG", scaler_log)):
+            if value is None:
+                planted.delenv(name, raising=False)
+            else:
+                planted.setenv(name, str(value))
+        return launch(config, timeout_s=240, quiet=True, _worker="fault_worker")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fp16_an_inf_in_one_ranks_gradients_skips_the_step_and_halves_the_scale_on_every_rank(tmp_path, monkeypatch):
+    """pp=2: rank 0 alone gets an inf gradient in step 1; the flag is all-reduced, so rank 1 (whose own gradients are
+    finite, and which logs) skips the optimizer step too, both ranks' parameters stay as they were, both scales halve,
+    and the next step trains again at the halved scale."""
+    updates = tmp_path / "scaler"
+    updates.mkdir()
+    logged = _launch_planted(_fp16_pp2(tmp_path, steps=3), monkeypatch, inf_grad="0:1", scaler_log=updates)
+    assert [e.skipped for e in logged] == [False, True, False]
+    assert [e.loss_scale for e in logged] == [2.0**16, 2.0**16, 2.0**15]
+    assert math.isfinite(logged[1].loss) and not math.isfinite(logged[1].grad_norm)  # the loss was fine, not the grads
+    for rank in (0, 1):
+        steps = [json.loads(line) for line in (updates / f"scaler-rank{rank}.jsonl").read_text().splitlines()]
+        assert [s["skipped"] for s in steps] == [False, True, False], rank
+        assert [s["scale"] for s in steps] == [2.0**16, 2.0**15, 2.0**15], rank
+        params = [s["params"] for s in steps]
+        assert params[1] == params[0] != params[2], rank  # step 1 left this rank's parameters alone, step 2 moved them
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fp16_a_run_resumed_after_its_scale_halved_continues_at_that_scale_exactly(tmp_path, monkeypatch):
+    """The loss scale is fixed at 2**16 until 2000 good steps in a row, so a forced skip (an inf in rank 1's gradients
+    in step 1) changes it: 4 steps saving after step 2 vs --resume from that step-2 checkpoint give the same
+    steps 2 and 3 (losses <= 1e-6, grad norms, lrs) at the halved scale."""
+    root = tmp_path / "ckpt"
+    config = _fp16_pp2(tmp_path, steps=4, warmup_steps=2, lr_schedule="cosine", max_grad_norm=1.0)
+    whole = _launch_planted(dataclasses.replace(config, save=str(root), save_every=2), monkeypatch, inf_grad="1:1")
+    assert [e.skipped for e in whole] == [False, True, False, False]
+    assert [e.loss_scale for e in whole] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+    meta = json.loads((root / "step-000002" / "meta.json").read_text())
+    assert meta["loss_scale"] == {"scale": 2.0**15, "good_steps": 0}
+    rest = launch(dataclasses.replace(config, resume=str(root / "step-000002")), timeout_s=240, quiet=True)
+    assert [e.step for e in rest] == [2, 3] and [e.loss_scale for e in rest] == [2.0**15] * 2
+    for a, b in zip(rest, whole[2:]):
+        assert not a.skipped and abs(a.loss - b.loss) <= EXACT, (a, b)
+        assert a.lr == b.lr and abs(a.grad_norm - b.grad_norm) <= EXACT, (a, b)

@@ -26,6 +26,7 @@ from omnibal_compile.runtime.train import StepLog, progress_line
 
 EXACT = 1e-6
 NORM_TOL = 1e-5
+REPO = Path(__file__).resolve().parents[1]
 mixed_two_stages_one_rank = test_runtime.mixed_two_stages_one_rank
 
 
@@ -332,3 +333,59 @@ def test_a_last_stage_holding_only_the_tied_head_trains_like_the_unsplit_model(t
         loss.backward()
         opt.step()
     assert len(logged) == 2
+
+
+# -- distributed: exact resume on a real dataset, frozen tower and bf16 ----------------------------
+@pytest.fixture(scope="module")
+def tiny_llava_vfl2(tmp_path_factory) -> Path:
+    """``examples/make_tiny_llava.py``'s model and dataset, the model's features taken from the next-to-last vision
+    layer (``vision_feature_layer=-2``: the last layer and the post-layernorm get no gradient)."""
+    import importlib.util
+
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("make_tiny_llava", REPO / "examples" / "make_tiny_llava.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path_factory.mktemp("tiny-vfl2")
+    module.make(out)
+    config_file = out / "model" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["vision_feature_layer"] = -2
+    config_file.write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["fp32", "bf16"], ids=["frozen-tower", "frozen-tower-bf16"])
+def test_resume_on_a_dataset_is_exact_with_a_frozen_tower_and_in_bf16(tmp_path, tiny_llava_vfl2, precision):
+    """dp=2 (DDP) on the real records of a dataset (8 records, 4 a step: the resume falls inside the second epoch),
+    Llava with ``vision_feature_layer=-2`` and its vision tower frozen: 6 steps in one run vs 3 then ``--resume`` to
+    6 log the same steps, losses (<= 1e-6), lrs, grad norms and sample indices of each dp rank."""
+    tiny = tiny_llava_vfl2
+    spec = f"hf:{tiny / 'model'}"
+    config = RunConfig(plan=str(tmp_path / "plan.json"), model=spec, dataset=str(tiny / "train.json"), dp=2,
+                       batch_size=4, samples_per_pack=1, num_microbatches=2, schedule="1f1b", steps=6,
+                       optimizer="adamw", lr=2e-3, lr_schedule="cosine", warmup_steps=2, min_lr=1e-4,
+                       weight_decay=0.1, max_grad_norm=1.0, freeze=("vision_tower",), precision=precision)
+    model = build_model(config)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "vision_tower" in n)
+    batch = batch_source(config, model)(0)
+    micro = {k: v[:1] if k != "pixel_values" else v[: v.shape[0] // 2] for k, v in batch.items()}
+    plan = oc.optimize(model, micro, num_stages=1, planner="uniform").plan
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    root = tmp_path / "ckpt"
+    # the 6 steps, saving after step 3 too: its step-3 folder is what a run stopped there leaves
+    full = launch(dataclasses.replace(config, save=str(root), save_every=3), timeout_s=400, quiet=True)
+    rest = launch(dataclasses.replace(config, resume=str(root / "step-000003")), timeout_s=400, quiet=True)
+    assert [e.step for e in full] == list(range(6)) and [e.step for e in rest] == [3, 4, 5]
+    assert len({e.loss for e in full}) == 6  # it trains: the loss moves step to step
+    for a, b in zip(rest, full[3:]):
+        assert a.samples == b.samples and len(a.samples) == 2 and all(a.samples), (a.samples, b.samples)
+        assert abs(a.loss - b.loss) <= EXACT, (a, b)
+        assert abs(a.lr - b.lr) <= 1e-12 and abs(a.grad_norm - b.grad_norm) <= EXACT, (a, b)
+    epochs = [sorted(i for e in full[k:k + 2] for rank in e.samples for i in rank) for k in (0, 2, 4)]
+    assert epochs == [list(range(8))] * 3  # each 2 steps an epoch: every record once
+    want = [lr_at(k, lr=2e-3, schedule="cosine", warmup_steps=2, steps=6, min_lr=1e-4) for k in range(6)]
+    assert [e.lr for e in full] == pytest.approx(want, rel=1e-9)

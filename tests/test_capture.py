@@ -234,27 +234,38 @@ def test_inputs_through_untyped_kwargs_are_accepted_unless_a_tensor_is_never_rea
 
 
 class _BranchOnValue(nn.Module):
-    """``if h.sum() > 0``: a Python branch on a tensor value, which capture decides by the example."""
+    """A Python ``if`` on a tensor value: on the input's (``on="x"``), or on a value computed from the weights."""
 
-    def __init__(self) -> None:
+    def __init__(self, on: str) -> None:
         super().__init__()
+        self.on = on
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        if h.sum() > 0:
+        if (x if self.on == "x" else h).sum() > 0:
             h = h * 2
         return self.c(self.b(h)).mean()
 
 
-def test_a_branch_on_a_tensor_value_holds_for_its_example_and_names_the_cause_on_another_batch(capfd):
+def test_a_branch_on_an_input_value_holds_for_its_example_and_names_the_cause_on_another_batch(capfd):
     torch.manual_seed(0)
-    model = _BranchOnValue()
-    with torch.no_grad():
-        sign = 1.0 if float(model.a(torch.ones(4, 8)).sum()) > 0 else -1.0
-    result = oc.optimize(model, {"x": torch.full((4, 8), sign)}, num_stages=2, planner="uniform")
+    result = oc.optimize(_BranchOnValue("x"), {"x": torch.ones(4, 8)}, num_stages=2, planner="uniform")
     assert result.check_parity().ok
     assert "Unable to find user code" not in capfd.readouterr().err  # torch's internal warning, not shown
     with pytest.raises(RuntimeError, match=r"_BranchOnValue: this batch differs from the example the model was "
                                            r"captured with in a value its code decided on .*torch\.where"):
-        result.check_parity({"x": torch.full((4, 8), -sign)})
+        result.check_parity({"x": -torch.ones(4, 8)})
+
+
+def test_a_branch_on_a_value_of_the_weights_is_refused_at_capture():
+    """torch.export decides it without the example's value (here: not taken, where the example takes it); the graph
+    then failed ``check_parity`` on its own example (issue "Trust at first sight")."""
+    torch.manual_seed(0)
+    model = _BranchOnValue("h")
+    with torch.no_grad():  # h = x @ 0.1: its sum > 0 on the example, so the model takes the branch
+        model.a.weight.fill_(0.1)
+        model.a.bias.zero_()
+    with pytest.raises(CaptureError, match=r"_BranchOnValue: its code decides on a tensor value that torch.export "
+                                           r"could not take from the example .*torch\.where"):
+        oc.optimize(model, {"x": torch.ones(4, 8)}, num_stages=2, planner="uniform")

@@ -457,6 +457,23 @@ def _explain_runtime_asserts(gm: fx.GraphModule, model_name: str) -> None:
         gm.recompile()
 
 
+def _check_example_path(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Run the graph once on its own example: a choice torch.export made without the example's value (a branch on a
+    value computed from the weights) fails here, at capture, instead of in every later run."""
+    try:
+        with torch.no_grad():
+            gm(*args, **kwargs)
+    except RuntimeError as e:
+        if "this batch differs from the example" not in str(e):
+            raise
+        raise CaptureError(
+            f"{type(model).__name__}: its code decides on a tensor value that torch.export could not take from the "
+            "example (a Python `if`, .item() or .tolist() on a value computed from the weights, not the inputs), so "
+            "the captured graph takes another path than the model does on the example itself; make that choice with "
+            "tensor ops (torch.where), or from the inputs' shapes"
+        ) from None
+
+
 def _drop_data_dependent_outputs(gm: fx.GraphModule, out_spec: pytree.TreeSpec | None) -> tuple[str, ...]:
     """Return None instead of the outputs of data-dependent shape when the model also returns a scalar loss.
 
@@ -538,6 +555,7 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
         gm = ep.module()
         if data_dependent:
             _explain_runtime_asserts(gm, type(model).__name__)
+            _check_example_path(gm, model, args, kwargs)
         dropped = _drop_data_dependent_outputs(gm, ep.call_spec.out_spec) if data_dependent else ()
         # The unlifted module checks input shapes in a `_guards_fn` submodule; stages drop it.
         out_spec = ep.call_spec.out_spec

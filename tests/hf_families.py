@@ -22,7 +22,7 @@ import torch
 
 from omnibal_compile.integrations.hf.inputs import hf_example_batch
 
-__all__ = ["FAMILIES", "build"]
+__all__ = ["FAMILIES", "KWARG_FAMILIES", "build"]
 
 HIDDEN, HEADS, KV_HEADS, MLP, LAYERS, VOCAB = 32, 4, 2, 64, 3, 128
 TEXT = 12
@@ -35,8 +35,8 @@ def _tf() -> Any:
     return transformers
 
 
-def _text(**extra: Any) -> dict[str, Any]:
-    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+def _text(layers: int = LAYERS, **extra: Any) -> dict[str, Any]:
+    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=layers,
                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
 
@@ -112,13 +112,13 @@ def internvl(batch: int = 2) -> tuple[Any, dict[str, Any]]:
     return _with_batch(tf.InternVLForConditionalGeneration(cfg), batch)
 
 
-def idefics3(batch: int = 2, *, smolvlm: bool = False) -> tuple[Any, dict[str, Any]]:
+def idefics3(batch: int = 2, *, smolvlm: bool = False, layers: int = LAYERS) -> tuple[Any, dict[str, Any]]:
     """Idefics3 (or SmolVLM): padded image slots per row (1 or 2 images), real images found from the pixels, 4
     tokens per image between ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``."""
     tf = _tf()
     vision = dict(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=2, num_attention_heads=HEADS,
                   image_size=16, patch_size=4)
-    text = tf.LlamaConfig(**_text())
+    text = tf.LlamaConfig(**_text(layers))
     if smolvlm:
         model = tf.SmolVLMForConditionalGeneration(
             tf.SmolVLMConfig(vision_config=vision, text_config=text, image_token_id=120, scale_factor=2))
@@ -129,8 +129,41 @@ def idefics3(batch: int = 2, *, smolvlm: bool = False) -> tuple[Any, dict[str, A
 
 
 def smolvlm(batch: int = 2) -> tuple[Any, dict[str, Any]]:
-    """SmolVLM: Idefics3's layout."""
-    return idefics3(batch, smolvlm=True)
+    """SmolVLM: Idefics3's layout (2 LLM layers)."""
+    return idefics3(batch, smolvlm=True, layers=2)
+
+
+def llava(batch: int = 2) -> tuple[Any, dict[str, Any]]:
+    """Llava: CLIP vision, 17 image tokens per tile (16 patches and CLS, ``"full"`` strategy), 2 LLM layers."""
+    tf = _tf()
+    vision = tf.CLIPVisionConfig(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=2,
+                                 num_attention_heads=HEADS, image_size=16, patch_size=4, projection_dim=HIDDEN)
+    cfg = tf.LlavaConfig(vision_config=vision, text_config=tf.LlamaConfig(**_text(2)), image_token_index=120,
+                         vision_feature_layer=-1, vision_feature_select_strategy="full")
+    return _with_batch(tf.LlavaForConditionalGeneration(cfg), batch)
+
+
+def aya_vision(batch: int = 2) -> tuple[Any, dict[str, Any]]:
+    """Aya Vision: SigLIP tiles of 4x4 patches pixel-shuffled 2x2 into 4 image tokens, a Cohere 2 LLM of 2 layers
+    (one sliding-window, one full)."""
+    tf = _tf()
+    text = tf.Cohere2Config(**_text(2, sliding_window=8))
+    cfg = tf.AyaVisionConfig(vision_config=_siglip(), text_config=text, image_token_index=120, downsample_factor=2,
+                             vision_feature_layer=-1)
+    return _with_batch(tf.AyaVisionForConditionalGeneration(cfg), batch)
+
+
+def mllama(batch: int = 2) -> tuple[Any, dict[str, Any]]:
+    """Mllama (Llama 3.2 Vision): one ``<|image|>`` token per row, images of 1 or 2 tiles of 16x16 pixels read by a
+    cross-attention layer (the second of 2 LLM layers); a 2-layer local + 1-layer global vision encoder."""
+    tf = _tf()
+    vision = tf.MllamaVisionConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_global_layers=1,
+                                   attention_heads=HEADS, intermediate_size=MLP, vision_output_dim=2 * HIDDEN,
+                                   image_size=16, patch_size=4, max_num_tiles=2, intermediate_layers_indices=[0],
+                                   supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    text = tf.MllamaTextConfig(**_text(2, cross_attention_layers=[1]))
+    return _with_batch(tf.MllamaForConditionalGeneration(tf.MllamaConfig(vision_config=vision, text_config=text,
+                                                                        image_token_index=120)), batch)
 
 
 FAMILIES: dict[str, Callable[..., tuple[Any, dict[str, Any]]]] = {
@@ -147,10 +180,20 @@ aspect ratios of the image sizes, and torch 2.13 cannot turn that guard into a r
 (``TraceError`` in ``insert_deferred_runtime_asserts``), so it cannot be captured yet."""
 
 
+KWARG_FAMILIES: dict[str, Callable[..., tuple[Any, dict[str, Any]]]] = {
+    "llava": llava,
+    "aya_vision": aya_vision,
+    "mllama": mllama,
+    "smolvlm": smolvlm,
+}
+"""More families, of 2 LLM layers, checked only for a 2-stage split with ``use_cache=False`` among the inputs
+(tests/test_hf_families.py)."""
+
+
 def build(name: str, batch: int = 2, *, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     """Family ``name`` with weights seeded by ``seed``, in eval mode (no dropout). ``use_cache`` is left at the
     family's default (on): capture turns it off."""
     torch.manual_seed(seed)
-    model, inputs = FAMILIES[name](batch)
+    model, inputs = {**FAMILIES, **KWARG_FAMILIES}[name](batch)
     model.eval()
     return model, inputs

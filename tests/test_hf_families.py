@@ -106,3 +106,22 @@ def test_keyword_flags_the_forward_takes_through_kwargs_are_passed_on(family):
     plan = plan_stages(graph, num_stages=2, schedule=Schedule.for_stages(2, kind="gpipe"), planner="parameters")
     report = _result(model, captured, graph, plan).check_parity(flagged, tolerance=1e-5)
     assert report.ok, f"{name}: {report}"
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name == "smolvlm" else name for name in H.KWARG_FAMILIES
+])
+def test_more_families_split_with_parity_given_use_cache_false(name):
+    """Llava, Aya Vision, Mllama and SmolVLM: their processor-style batch plus ``use_cache=False`` (through
+    ``**kwargs``), split in 2 uniform stages, give the unsplit model's loss and gradients (SmolVLM, whose real
+    images are picked from the pixels, takes about 14 s: slow)."""
+    import omnibal_compile
+
+    model, batch = H.build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = omnibal_compile.optimize(model, {**batch, "use_cache": False}, num_stages=2, planner="uniform")
+        report = result.check_parity()
+    assert report.ok, f"{name}: {report}"
+    assert report.num_params == sum(1 for p in model.parameters() if p.requires_grad)
+    assert result.plan.num_stages == 2

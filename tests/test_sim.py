@@ -444,3 +444,29 @@ def test_chunks_on_one_device_send_nothing():
 def test_a_plan_of_free_blocks_takes_no_time():
     sim = simulate(chain_plan(2, schedule="1f1b", M=2), table([block(0, f=0.0, b=0.0), block(1, f=0.0, b=0.0)]))
     assert sim.iteration_time_s == 0.0 and sim.bubble_fraction == 0.0
+
+
+def test_a_parameter_several_blocks_of_one_device_read_is_charged_once():
+    """Tied weights (``CostTable.shared``): each reading block's static bytes count the parameter, a stage or a
+    device holding several of those blocks one copy (48 bytes: 3 elements at BF16_ADAM's 16 bytes each)."""
+    import dataclasses
+
+    from omnibal_compile.ir.costs import SharedParameter
+    from omnibal_compile.planning.problem import problem_from_costs, stage_static, stage_transient
+
+    def tied(*blocks: int) -> CostTable:
+        return dataclasses.replace(table([block(i) for i in range(4)]),
+                                   shared=(SharedParameter(name="w", blocks=blocks, numel=3),))
+
+    two = chain_plan(2, schedule="1f1b", M=2, per_stage=2)
+    assert [c.static_bytes for c in stage_costs(two, tied(0, 1))] == [52, 100]  # both readers on stage 0
+    assert [c.static_bytes for c in stage_costs(two, tied(0, 3))] == [100, 100]  # a copy on each stage
+    assert simulate(two, tied(0, 1)).static_bytes == (52, 100)
+    chunks = chain_plan(4, schedule="interleaved", M=4, v=2)  # device 0 runs stages 0 and 2
+    assert simulate(chunks, tied(0, 2)).static_bytes == (52, 100)
+    assert simulate(chunks, tied(0, 1)).static_bytes == (100, 100)
+    problem = problem_from_costs(tied(0, 1), num_stages=2, num_microbatches=2)
+    assert stage_static(problem, 0, 2) - stage_transient(problem, 0, 2) == 52
+    assert stage_static(problem, 0, 3) - stage_transient(problem, 0, 3) == 150 - 48
+    assert stage_static(problem, 1, 3) - stage_transient(problem, 1, 3) == 100  # one reader: its copy
+    assert CostTable.from_json(tied(0, 1).to_json()) == tied(0, 1)

@@ -64,7 +64,7 @@ from omnibal_compile.costs._signature import block_signature
 from omnibal_compile.costs.devices import PROFILED_DEVICES, DeviceSpec, get_device
 from omnibal_compile.costs.meta import check_only_nodes, check_values_available, costing_graph, drop_checks, model_dtype
 from omnibal_compile.errors import InputError
-from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
+from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision, SharedParameter
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.progress import track
 
@@ -73,6 +73,7 @@ __all__ = [
     "CACHE_FORMAT",
     "annotate_costs",
     "profile_costs",
+    "shared_parameters",
     "block_modules",
     "block_inputs",
     "charged_inputs",
@@ -286,6 +287,26 @@ def _roofline_blocks(
     return blocks, attention_kernel(records_all)
 
 
+def shared_parameters(graph: BlockGraph) -> tuple[SharedParameter, ...]:
+    """The parameters of ``graph``'s captured model that several blocks read (tied weights), in block order."""
+    gm = graph.captured.graph_module
+    readers: dict[str, list[int]] = {}
+    for b in graph.blocks:
+        for target in b.params:
+            readers.setdefault(target, []).append(b.index)
+    found = []
+    for target, on in readers.items():
+        if len(on) < 2:
+            continue
+        try:
+            p = gm.get_parameter(target)
+        except AttributeError:  # a buffer or constant
+            continue
+        found.append(SharedParameter(name=target, blocks=tuple(sorted(set(on))), numel=p.numel(),
+                                     frozen=not p.requires_grad))
+    return tuple(sorted(found, key=lambda sp: (sp.blocks, sp.name)))
+
+
 def _training_tag(m: nn.Module, inputs: Sequence[Any]) -> str:
     """"" when every parameter trains; else which parameters and inputs need gradients (for the signature)."""
     if all(p.requires_grad for p in m.parameters()):
@@ -443,11 +464,14 @@ def annotate_costs(
         "calibration": dict(spec.calibration) if spec else None,
     }
     path = Path(cache) if cache is not None else None
+    shared = shared_parameters(graph)
     key = _cache_key(graph, model, name, settings) if path else ""
     entries = read_cache(path) if path else {}  # InputError now, before profiling, when it is not a cache of ours
     if path and not refresh and key in entries:
         try:
-            return CostTable.from_dict({**entries[key], "precision": asdict(precision)})  # entries predating the field
+            # entries predating the fields: the precision asked for; the shared parameters, read from the graph
+            return CostTable.from_dict({**entries[key], "precision": asdict(precision),
+                                        "shared": [asdict(sp) for sp in shared]})
         except (TypeError, ValueError, KeyError) as e:
             warnings.warn(f"cost cache {path}: entry is malformed ({e}); profiling again", stacklevel=2)
 
@@ -513,6 +537,7 @@ def annotate_costs(
         precision=precision,
         activation_dtype=activation_dtype,
         attention=attention,
+        shared=shared,
     )
     if path:
         try:

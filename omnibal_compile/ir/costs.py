@@ -30,13 +30,36 @@ from omnibal_compile.errors import InputError
 __all__ = [
     "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
     "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "DATA_PARALLEL_LAYOUTS", "COMPUTE_DTYPES",
-    "running_peak", "PRECISION_NAMES", "precision_named", "with_frozen",
+    "running_peak", "PRECISION_NAMES", "precision_named", "with_frozen", "SharedParameter", "held_once",
 ]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
 
 COMPUTE_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 """Activation dtypes a :class:`Precision` may name (torch dtype names)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedParameter:
+    """A parameter that several blocks read (a head tied to the embedding): the static bytes of each of those
+    blocks count it whole, as a stage holding any one of them keeps it, but a device holding several keeps one
+    copy (:func:`held_once`)."""
+
+    name: str
+    """Its name in the captured graph."""
+    blocks: tuple[int, ...]
+    """Indices of the blocks reading it (two or more, ascending)."""
+    numel: int
+    """Its elements."""
+    frozen: bool = False
+    """Whether it is frozen (``requires_grad=False``: its weights only are static)."""
+
+
+def held_once(shared: Sequence[tuple[tuple[int, ...], float]], blocks: Sequence[int] | range) -> float:
+    """Bytes that summing the static bytes of ``blocks`` counts too often: per shared parameter, given as (its
+    blocks, the static bytes of one copy), one copy for every block of ``blocks`` reading it beyond the first."""
+    held = set(blocks)
+    return sum(size * max(0, sum(1 for b in on if b in held) - 1) for on, size in shared)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,6 +412,8 @@ class CostTable:
     """Seconds of one data-parallel collective call beyond its bytes (launch, FSDP's hooks): every block
     with parameters pays it per all-gather and per reduction (``runtime.links.measure_links`` measures it
     on local gloo ranks; 0 = bytes only)."""
+    shared: tuple[SharedParameter, ...] = ()
+    """Parameters several blocks read (tied weights), each counted in every one of those blocks' static bytes."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -414,6 +439,18 @@ class CostTable:
     def dp_bandwidth(self) -> float:
         """Bytes/s of data-parallel collectives: ``dp_link_bandwidth``, else ``link_bandwidth``."""
         return self.link_bandwidth if self.dp_link_bandwidth is None else self.dp_link_bandwidth
+
+    def shared_static(self, dp: DataParallel) -> tuple[tuple[tuple[int, ...], float], ...]:
+        """(blocks, static bytes of one copy on a device under ``dp``) of every :attr:`shared` parameter, by the
+        rules of :meth:`DataParallel.block_cost`."""
+        p = self.precision
+        out = []
+        for sp in self.shared:
+            one = dataclasses.replace(
+                self.blocks[sp.blocks[0]], num_params=sp.numel, frozen_params=sp.numel if sp.frozen else 0,
+                static_bytes=round(sp.numel * (p.frozen_bytes_per_param if sp.frozen else p.bytes_per_param)))
+            out.append((sp.blocks, dp.block_cost(one, p, self.dp_bandwidth, self.dp_link_latency_s).static_bytes))
+        return tuple(out)
 
     def data_parallel_costs(self, dp: DataParallel) -> list[DataParallelCost]:
         """Each block's :meth:`DataParallel.block_cost` under ``dp`` over this table's data-parallel link."""
@@ -468,6 +505,9 @@ class CostTable:
     def from_dict(cls, data: Mapping[str, Any]) -> CostTable:
         data = dict(data)
         data["blocks"] = tuple(BlockCost(**b) for b in data["blocks"])
+        data["shared"] = tuple(
+            SharedParameter(**{**sp, "blocks": tuple(sp["blocks"])}) for sp in data.get("shared", ())
+        )
         if isinstance(data.get("precision"), Mapping):
             data["precision"] = Precision(**data["precision"])
         return cls(**data)

@@ -30,6 +30,7 @@ from omnibal_compile.planning.problem import (
     evaluate,
     in_flight,
     stage_io,
+    stage_shared,
     stage_time_bound,
     stage_transient,
 )
@@ -120,7 +121,8 @@ class Frontiers:
         """Activation bytes per micro-batch stage ``s`` can keep on [i, j): (budget - static - transient
         - receive buffer - outputs held) / k_s; negative when even no activations fit."""
         P = self.problem
-        fixed = self.prefix_static[j] - self.prefix_static[i] + stage_transient(P, i, j) + stage_io(P, s, i, j)
+        fixed = (self.prefix_static[j] - self.prefix_static[i] - stage_shared(P, i, j) + stage_transient(P, i, j)
+                 + stage_io(P, s, i, j))
         return (self.budget[s] - fixed) / self.in_flight[s]
 
     def options(self, i: int, j: int, k: int) -> list[int]:

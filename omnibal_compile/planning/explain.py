@@ -11,7 +11,14 @@ import numpy as np
 
 from omnibal_compile._utils.tables import counted
 from omnibal_compile._utils.units import format_size
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, in_flight, stage_io, stage_static
+from omnibal_compile.planning.problem import (
+    OPTIONS,
+    PartitionProblem,
+    in_flight,
+    stage_io,
+    stage_shared,
+    stage_static,
+)
 
 __all__ = ["least_memory_split", "explain_infeasible"]
 
@@ -36,7 +43,8 @@ def least_memory_split(problem: PartitionProblem) -> tuple[list[int], list[float
                 P.workspace, s, j
             )  # stage_transient(P, i, j) for each i
             out = k * P.cut_bytes[j] if j < n else 0.0  # outputs held per micro-batch in flight (stage_io)
-            need = v * (static[j] - static[i] + transient + k * (act[j] - act[i]) + recv[i] + out)
+            shared = np.asarray([stage_shared(P, int(a), j) for a in i]) if P.shared else 0.0
+            need = v * (static[j] - static[i] - shared + transient + k * (act[j] - act[i]) + recv[i] + out)
             cand = np.maximum(best[s, i], need)
             q = int(np.argmin(cand))
             best[s + 1, j], arg[s + 1, j] = cand[q], i[q]

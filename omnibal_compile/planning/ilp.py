@@ -51,6 +51,7 @@ from omnibal_compile.planning.problem import (
     in_flight,
     lower_bound,
     stage_figures,
+    stage_shared,
     stage_time_bound,
     stage_transient,
 )
@@ -346,7 +347,9 @@ def _joint_model(
                 + (pulp.lpSum(ends(k, s - 1) * P.cut_bytes[k] for k in cuts) if s > 0 else 0)
                 # the outputs each micro-batch in flight holds until its backward (problem.stage_io)
                 + (in_flight(P, s) * pulp.lpSum(ends(k, s) * P.cut_bytes[k] for k in cuts) if s < S - 1 else 0)
-                + pulp.lpSum(var * stage_transient(P, key[0], key[1]) for key, var in z.items() if key[2] == s)
+                # the largest transient bytes, less the copies of tied weights counted twice (h_s), of its interval
+                + pulp.lpSum(var * (stage_transient(P, key[0], key[1]) - stage_shared(P, key[0], key[1]))
+                             for key, var in z.items() if key[2] == s)
             )
             # As a share of the budget, so coefficients stay in a range the solver handles well at any
             # scale (in GiB, the bytes of a small problem fell below HiGHS's smallest matrix value).

@@ -37,7 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnibal_compile.planning.dp import Frontiers
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, Solution, evaluate, stage_transient
+from omnibal_compile.planning.problem import (
+    OPTIONS,
+    PartitionProblem,
+    Solution,
+    evaluate,
+    stage_shared,
+    stage_transient,
+)
 
 __all__ = ["TwoChunkResult", "two_chunk_search", "applies"]
 
@@ -88,6 +95,7 @@ class _Intervals:
                 fixed = (
                     F.prefix_static[j]
                     - F.prefix_static[i]
+                    - stage_shared(P, i, j)
                     + stage_transient(P, i, j)
                     + (P.cut_bytes[i] if i > 0 else 0)
                 )

@@ -6,6 +6,8 @@ Torch-free. Notation (as in the ILP):
     t_io = f_i + b_i + r_io     time of block i under option o (forward, backward, recompute);
     a_io                        activation bytes block i keeps for backward under option o;
     w_i                         static bytes (weights, gradients, optimizer states);
+    h_s                         shared parameters (tied weights) that several blocks of stage s read: each
+                                such block's w_i counts it, the stage holds one copy (:func:`held_once`);
     c_k = bytes_k / bandwidth   time to send what crosses cut k (c_0 = c_n = 0);
     u_i                         bytes of block i's weights gathered while it computes (FSDP), else 0;
     q_i                         workspace: bytes block i holds only while it computes, beyond a_io;
@@ -14,12 +16,12 @@ Torch-free. Notation (as in the ILP):
                                 (a_io plus what it holds while it computes; p_io <= a_io + q_i).
 Stage s running blocks [i, j):
     T_s = sum t_io + c_j + c_i            (sends forward activations at its end, gradients at its start)
-    Mem_s = sum w_i + max u_i + max q_i + k_s * sum a_io + bytes_i + k_s * bytes_j
+    Mem_s = sum w_i - h_s + max u_i + max q_i + k_s * sum a_io + bytes_i + k_s * bytes_j
             (k_s micro-batches in flight; a receive buffer; the outputs each micro-batch in flight holds
             until its backward, which torch's pipelining keeps to run that backward)
 Mem_s is what every planner fits under the budget: a bound, linear in the options, with one
 interval constant (max q_i). The predicted peak a plan reports is tighter:
-    Peak_s = sum w_i + max u_i + (k_s - 1) A + max_b (A_<b + p_bo) + bytes_i + k_s * bytes_j,   A = sum a_io,
+    Peak_s = sum w_i - h_s + max u_i + (k_s - 1) A + max_b (A_<b + p_bo) + bytes_i + k_s * bytes_j,   A = sum a_io,
 the micro-batch that runs holding only what the blocks before b keep plus b's own peak
 (:func:`omnibal_compile.ir.costs.running_peak`); Peak_s <= Mem_s. Without p (not measured) Peak_s = Mem_s.
 In flight k_s: GPipe M; 1F1B min(S - s, M); interleaved 1F1B with p = S / v devices and v chunks
@@ -56,12 +58,19 @@ from dataclasses import dataclass, field
 
 from omnibal_compile._utils.units import format_size
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.ir.costs import NO_DATA_PARALLEL, RECOMPUTE_OPTIONS, CostTable, DataParallel, running_peak
+from omnibal_compile.ir.costs import (
+    NO_DATA_PARALLEL,
+    RECOMPUTE_OPTIONS,
+    CostTable,
+    DataParallel,
+    held_once,
+    running_peak,
+)
 from omnibal_compile.ir.schedule import Schedule
 
 __all__ = [
     "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
-    "stage_static", "sync_time", "stage_peak", "stage_io",
+    "stage_static", "stage_shared", "sync_time", "stage_peak", "stage_io",
 ]
 
 OPTIONS = RECOMPUTE_OPTIONS
@@ -115,6 +124,9 @@ class PartitionProblem:
     data_parallel: DataParallel = NO_DATA_PARALLEL
     """The data-parallel layout ``static``, ``gathered``, ``sync`` and ``time`` were derived with (recorded in
     plans)."""
+    shared: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """(blocks, static bytes of one copy) of each parameter several blocks read (tied weights): w_i of each of
+    those blocks counts it, a stage holding several of them one copy (h_s). Empty = none."""
     tie_tolerance: float = 0.0
     """Plans predicted within this fraction of the least iteration time count as equal, and
     :func:`omnibal_compile.planning.ties.break_ties` picks among them by figures that do not depend on
@@ -246,8 +258,13 @@ def _iteration_time(problem: PartitionProblem, stage_time: Sequence[float]) -> f
 
 
 def stage_static(problem: PartitionProblem, i: int, j: int) -> float:
-    """sum w_i + max u_i + max q_i over blocks [i, j): memory a stage holds whatever is in flight."""
-    return sum(problem.static[i:j]) + stage_transient(problem, i, j)
+    """sum w_i - h_s + max u_i + max q_i over blocks [i, j): memory a stage holds whatever is in flight."""
+    return sum(problem.static[i:j]) - stage_shared(problem, i, j) + stage_transient(problem, i, j)
+
+
+def stage_shared(problem: PartitionProblem, i: int, j: int) -> float:
+    """h_s over blocks [i, j): the static bytes that sum w_i counts more than once (tied weights)."""
+    return held_once(problem.shared, range(i, j)) if problem.shared else 0.0
 
 
 def stage_transient(problem: PartitionProblem, i: int, j: int) -> float:
@@ -290,7 +307,8 @@ def stage_peak(problem: PartitionProblem, s: int, i: int, j: int, options: Seque
     own = [problem.peak[b][o] for b, o in zip(range(i, j), options)]
     # the other micro-batches in flight keep all (k_s - 1 of them; fewer than one with interleaved's share)
     others = (in_flight(problem, s) - 1) * sum(kept)
-    return (sum(problem.static[i:j]) + max(problem.gathered[i:j], default=0.0) + others + running_peak(kept, own)
+    return (sum(problem.static[i:j]) - stage_shared(problem, i, j) + max(problem.gathered[i:j], default=0.0) + others
+            + running_peak(kept, own)
             + stage_io(problem, s, i, j))
 
 
@@ -440,6 +458,7 @@ def problem_from_costs(
         ),
         act=tuple(tuple(int(b.activation_bytes[o]) for o in OPTIONS) for b in blocks),  # type: ignore[misc]
         static=tuple(int(round(c.static_bytes)) for c in dpc),
+        shared=costs.shared_static(dp),
         gathered=tuple(c.gathered_bytes for c in dpc) if dp.gathers else (),
         workspace=tuple(float(b.workspace_bytes) for b in blocks) if any(b.workspace_bytes for b in blocks) else (),
         peak=tuple(tuple(float(b.peak_bytes[o]) for o in OPTIONS) for b in blocks)  # type: ignore[misc]

@@ -73,7 +73,7 @@ from typing import Literal, cast
 
 from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError, PlanError, SimulationError
-from omnibal_compile.ir.costs import CostTable, running_peak
+from omnibal_compile.ir.costs import CostTable, held_once, running_peak
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
 
@@ -218,6 +218,7 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
     dp = plan.dp
     out = []
     every = costs.data_parallel_costs(dp)
+    shared = costs.shared_static(dp)
     for st in plan.stages:
         blocks = costs.blocks[st.start : st.stop]
         opts = options[st.start : st.stop]
@@ -237,7 +238,8 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
                     [b.activation_bytes[o] for b, o in zip(blocks, opts)],
                     [b.peak_bytes[o] for b, o in zip(blocks, opts)],
                 )))) if all(b.peak_bytes for b in blocks) else None,
-                static_bytes=int(round(sum(c.static_bytes for c in dpc))),
+                # a tied weight read by several of its blocks: one copy (ir.costs.held_once)
+                static_bytes=int(round(sum(c.static_bytes for c in dpc) - held_once(shared, range(st.start, st.stop)))),
                 gathered_bytes=int(round(max(c.gathered_bytes for c in dpc))),
                 op_gather_s=sum(c.op_gather_s(dp) for c in dpc),
                 step_gather_s=sum(c.step_gather_s(dp) for c in dpc),
@@ -299,6 +301,17 @@ def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_mi
                 ops.append(bwd(j))
         orders.append(ops)
     return orders
+
+
+def _held_across_stages(plan: Plan, costs: CostTable, stages: range) -> int:
+    """Bytes of tied weights that a device running ``stages`` holds once but its stages' static bytes count once
+    each (stages of one device that share a parameter)."""
+    if not costs.shared:
+        return 0
+    shared = costs.shared_static(plan.dp)
+    b = plan.boundaries
+    each = sum(held_once(shared, range(b[s], b[s + 1])) for s in stages)
+    return int(round(held_once(shared, [i for s in stages for i in range(b[s], b[s + 1])]) - each))
 
 
 def _microbatch_stage_costs(
@@ -589,6 +602,7 @@ def simulate(
     static = [
         sum(per_mb[0][s].static_bytes for s in range(d, S, D))
         + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
+        - _held_across_stages(plan, costs, range(d, S, D))
         for d in range(D)
     ]
     events.sort(key=lambda e: (e.start_s, e.device, e.kind))

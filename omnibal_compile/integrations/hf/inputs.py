@@ -9,7 +9,8 @@ as real batches do.
 
 Glossary:
     tiled family   images are fixed-size tiles, ``pixel_values`` of shape (tiles, C, H, W), and every
-                   tile has the same number of placeholders (Llava, InternVL, PaliGemma, Gemma 3):
+                   tile has the same number of placeholders (Llava, InternVL, PaliGemma, Gemma 3,
+                   Aya Vision):
                    :func:`hf_data_facts` reads those facts, which the data balancer packs with.
     stand-in ids   tokens a processor wraps images with (``<img>``/``</img>``, Pixtral's
                    ``[IMG_BREAK]``/``[IMG_END]``, Idefics3's ``<fake_token_around_image>``) live in the
@@ -19,6 +20,7 @@ Glossary:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -190,6 +192,31 @@ def idefics3(model: nn.Module, *, batch: int, text: int, g: torch.Generator) -> 
     return {"input_ids": ids, "pixel_values": pixels, "pixel_attention_mask": mask, "labels": _labels(ids, prefix)}
 
 
+def mllama(model: nn.Module, *, batch: int, text: int, g: torch.Generator) -> Batch:
+    """Mllama (Llama 3.2 Vision): one ``<|image|>`` token per row, read by the cross-attention layers; row i holds an
+    image of 1 + i % 2 tiles side by side (aspect ratio 1x1 or 1x2), padded to ``max_num_tiles`` with zero tiles,
+    with ``aspect_ratio_ids`` (1 + the ratio's index in ``supported_aspect_ratios``), ``aspect_ratio_mask`` and a
+    ``cross_attention_mask`` that lets every token from the image token on see the image's real tiles."""
+    cfg = _config(model)
+    vision = cfg.vision_config
+    image, vocab = _image_token(cfg), int(cfg.get_text_config().vocab_size)
+    ratios = [list(r) for r in vision.supported_aspect_ratios]
+    most = int(vision.max_num_tiles)
+    tiles = [min(1 + i % 2, most) if [1, 2] in ratios else 1 for i in range(batch)]
+    ids, prefix = _rows([[image]] * batch, text, {image}, vocab, g)
+    size, channels = int(vision.image_size), int(getattr(vision, "num_channels", 3))
+    pixels = torch.zeros(batch, 1, most, channels, size, size)
+    ratio_mask = torch.zeros(batch, 1, most, dtype=torch.long)
+    cross = torch.zeros(batch, ids.shape[1], 1, most, dtype=torch.long)
+    for i, n in enumerate(tiles):
+        pixels[i, 0, :n] = torch.randn(n, channels, size, size, generator=g)
+        ratio_mask[i, 0, :n] = 1
+        cross[i, :, 0, :n] = 1  # the image token is first: every token sees it
+    ratio_ids = torch.tensor([[ratios.index([1, n]) + 1] for n in tiles])
+    return {"input_ids": ids, "pixel_values": pixels, "aspect_ratio_ids": ratio_ids, "aspect_ratio_mask": ratio_mask,
+            "cross_attention_mask": cross, "labels": _labels(ids, prefix)}
+
+
 HF_FAMILIES: dict[str, Callable[..., Batch]] = {
     "qwen2_vl": qwen2_vl,
     "qwen2_5_vl": qwen2_vl,
@@ -199,6 +226,7 @@ HF_FAMILIES: dict[str, Callable[..., Batch]] = {
     "internvl": internvl,
     "idefics3": idefics3,
     "smolvlm": idefics3,
+    "mllama": mllama,
 }
 """``config.model_type`` -> the family's batch builder ``(model, *, batch, text, g) -> batch``. Other models with
 fixed-size tiles (Llava...) and text-only models use the generic builder of :func:`hf_example_batch`."""
@@ -234,7 +262,9 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
       ``<|vision_start|>``/``<|vision_end|>`` tokens around them counted as placeholders (6);
     - Mistral 3: a square image of r x r merged patches, r = image_size // (patch x merge), with its r
       ``[IMG_BREAK]``/``[IMG_END]`` tokens counted as placeholders (r x (r + 1));
-    - Idefics3, SmolVLM: one image slot, its patches pixel-shuffled by ``scale_factor`` per side.
+    - Idefics3, SmolVLM: one image slot, its patches pixel-shuffled by ``scale_factor`` per side;
+    - Aya Vision: a tiled family whose tile's patches are pixel-shuffled by ``downsample_factor`` per side;
+    - Mllama: none (empty): its images take no placeholders but are read by cross-attention layers.
     """
     cfg = getattr(model, "config", None)
     vision = getattr(cfg, "vision_config", None)
@@ -248,7 +278,7 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
         side = 2 * int(vision.spatial_merge_size) * int(vision.patch_size)
         return {"tokens_per_tile": 2 * 2 + 2, "image_token_id": int(image_token), "image_shape": (channels, side, side),
                 "vocab_size": vocab}
-    if not hasattr(vision, "image_size"):
+    if not hasattr(vision, "image_size") or kind == "mllama":  # Mllama's images are read by cross-attention
         return {}
     size, patch = _pair(vision.image_size), _pair(vision.patch_size)
     if kind == "mistral3":
@@ -259,6 +289,9 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
     tokens = getattr(cfg, "mm_tokens_per_image", None) or getattr(cfg, "image_seq_length", None)  # Gemma 3, PaliGemma
     if kind in ("idefics3", "smolvlm"):
         tokens = idefics3_tokens_per_image(cfg)
+    elif kind == "aya_vision":  # the tile's patches (less the first under "default"), pixel-shuffled per side
+        kept = (size // patch) ** 2 - (1 if getattr(cfg, "vision_feature_select_strategy", "full") == "default" else 0)
+        tokens = (math.isqrt(kept) // int(cfg.downsample_factor)) ** 2
     elif tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
         tokens = (size // patch) ** 2 + (
             1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0

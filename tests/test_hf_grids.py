@@ -1,0 +1,83 @@
+"""Qwen2-VL captured once takes packs of other per-image grids with the same tensor shapes
+(omnibal_compile/integrations/hf/grids.py): outputs, loss and gradients equal the unmodified model's."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from test_hf_packing import IMG, _qwen2_vl  # noqa: E402
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids  # noqa: E402
+
+from omnibal_compile import optimize  # noqa: E402
+from omnibal_compile.compile.capture import capture, is_data_dependent  # noqa: E402
+from omnibal_compile.integrations.hf.grids import _cu_seqlens, patch_positions, segment_ids  # noqa: E402
+
+Grids = list[tuple[int, int, int]]
+
+
+@pytest.mark.parametrize("grids", [[(1, 4, 4)], [(1, 2, 4), (1, 4, 2), (2, 6, 4)], [(3, 2, 8), (1, 8, 2)]])
+def test_positions_and_segments_equal_hugging_faces(grids: Grids) -> None:
+    grid = torch.tensor(grids)
+    n = int(grid.prod(-1).sum())
+    assert torch.equal(patch_positions(grid, 2, n), get_vision_position_ids(grid, 2))
+    ref = get_vision_cu_seqlens(grid)
+    cu = _cu_seqlens(segment_ids(grid, n)[0])
+    assert cu.shape == (n + 1,)
+    assert torch.equal(cu[:len(ref)], ref) and bool((cu[len(ref):] == n).all())
+
+
+def _pack(model, grids: Grids, seed: int) -> dict[str, torch.Tensor]:
+    """One processor-style row: text, then each image as vision_start, its placeholders, vision_end; M-RoPE positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 90, (2,), generator=g)]
+    for t, h, w in grids:
+        ids += [torch.tensor([93]), torch.full((t * h * w // 4,), IMG), torch.tensor([94]),
+                torch.randint(0, 90, (1,), generator=g)]
+    ids.append(torch.randint(0, 90, (4,), generator=g))
+    row = torch.cat(ids)[None]
+    grid = torch.tensor(grids)
+    positions, _ = model.model.get_rope_index(row, (row == IMG).int(), image_grid_thw=grid)
+    n = int(grid.prod(-1).sum())
+    return {"input_ids": row, "position_ids": positions, "pixel_values": torch.randn(n, 96, generator=g),
+            "image_grid_thw": grid, "labels": row.clone()}
+
+
+PAIRS = {  # (example grids, other grids): same patches, images and placeholders
+    "two images": ([(1, 4, 4), (1, 4, 8)], [(1, 2, 8), (1, 8, 4)]),
+    "frames": ([(1, 4, 4), (2, 4, 4)], [(2, 2, 4), (1, 8, 4)]),
+}
+
+
+@pytest.mark.parametrize(("pair", "impl"), [("two images", "sdpa"), ("frames", "eager")])
+def test_graph_captured_on_one_pack_takes_other_grids(pair: str, impl: str) -> None:
+    model = _qwen2_vl(impl)
+    example, other = (_pack(model, grids, seed) for seed, grids in enumerate(PAIRS[pair]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(model, example)
+    assert not any(k in vars(m) for m in model.modules() for k in ("forward", "get_image_features")), "model left patched"
+    gm = captured.graph_module
+    # What still follows the grids: the per-image split of the image features the model returns next to the loss
+    # (returned as None), and transformers' check that the placeholders match the features. No size in the graph.
+    assert captured.dropped_outputs == ("image_outputs.pooler_output[0]", "image_outputs.pooler_output[1]")
+    assert not any(is_data_dependent(d) for n in gm.graph.nodes
+                   for d in (n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else ()))
+    assert not captured.data_dependent
+    checks = set(re.findall(r"Runtime assertion failed for expression ([^\n]*?) on node", gm.code))
+    assert checks == {"Eq(u0, 1)", "u0 <= 1", "u0 >= 1"}, checks  # u0: the placeholder check, true or false
+    for batch in (example, other):
+        captured.flatten_inputs(**batch)
+        with torch.no_grad():
+            ref, got = model(**batch), gm(**batch)
+        torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=0)
+        assert float(got.loss) == pytest.approx(float(ref.loss), abs=1e-5)
+    result = optimize(model, example, num_stages=2, device="cpu")
+    for batch in (example, other):
+        report = result.check_parity(batch, tolerance=1e-5)
+        assert report.ok, report

@@ -33,7 +33,7 @@ def test_positions_and_segments_equal_hugging_faces(grids: Grids) -> None:
 
 
 def _pack(model, grids: Grids, seed: int) -> dict[str, torch.Tensor]:
-    """One processor-style row: text, then each image as vision_start, its placeholders, vision_end; M-RoPE positions."""
+    """One processor-style row: text, then each image as vision_start, placeholders, vision_end; M-RoPE positions."""
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, 90, (2,), generator=g)]
     for t, h, w in grids:
@@ -61,7 +61,8 @@ def test_graph_captured_on_one_pack_takes_other_grids(pair: str, impl: str) -> N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         captured = capture(model, example)
-    assert not any(k in vars(m) for m in model.modules() for k in ("forward", "get_image_features")), "model left patched"
+    patched = ("forward", "get_image_features", "get_video_features")
+    assert not any(k in vars(m) for m in model.modules() for k in patched), "the model is left patched"
     gm = captured.graph_module
     # What still follows the grids: the per-image split of the image features the model returns next to the loss
     # (returned as None), and transformers' check that the placeholders match the features. No size in the graph.

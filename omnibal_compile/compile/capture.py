@@ -15,7 +15,8 @@ Glossary:
                   alongside (``fake_tensor_propagate_real_tensors``): every such size gets the
                   example's value as its hint, and every branch taken on one is decided by the
                   example and asserted in the graph, so another batch that would branch otherwise
-                  fails loudly instead of computing something else.
+                  fails loudly instead of computing something else. Qwen2-VL's per-image grids are
+                  made shape-static for the export instead (:func:`_family_substitutions`).
     size hint     the example's concrete value of a (possibly symbolic) size: :func:`size_hint`.
     use_cache     Hugging Face models build a KV cache unless their config says ``use_cache=False``;
                   training needs none, so capture turns it off (:func:`training_config`).

@@ -70,7 +70,7 @@ def _cu_seqlens(segment: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(segment, torch.arange(n + 1, device=segment.device)).to(torch.int32)
 
 
-def _vision_forward(self: nn.Module, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
+def _vision_forward(self: Any, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
     """``Qwen2VisionTransformerPretrainedModel.forward`` with positions and segments computed from shapes."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -92,7 +92,7 @@ def _vision_forward(self: nn.Module, hidden_states: torch.Tensor, grid_thw: torc
     return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=self.merger(hidden_states))
 
 
-def _attention_forward(self: nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+def _attention_forward(self: Any, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                        max_seqlen: int | None = None, **kwargs: Any) -> torch.Tensor:
     """``VisionAttention.forward``: one SDPA over the pack with a block-diagonal mask instead of a loop per frame."""
@@ -117,7 +117,7 @@ def _features(modality: str) -> Any:
     """``Qwen2VLModel.get_{image,video}_features`` without the split per image: the model concatenates them back."""
     other = "video_" if modality == "image" else "image_"
 
-    def get_features(self: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None,
+    def get_features(self: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None,
                      **kwargs: Any) -> Any:
         kwargs = {k.removeprefix(f"{modality}_"): v for k, v in kwargs.items() if not k.startswith(other)}
         out = self.visual(pixel_values.type(self.visual.dtype), grid_thw=grid_thw, **kwargs)
@@ -131,10 +131,11 @@ def _stand_in_outputs(forward: Any, returned_none: set[str]) -> Any:
     """``Qwen2VLModel.forward`` whose ``image_outputs``/``video_outputs`` hold one stand-in per image: the model
     returns the features split per image, sizes that follow the grids; capture returns those outputs as None."""
 
-    def stand_in_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def stand_in_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = forward(self, *args, **kwargs)
         for key in ("image", "video"):
-            features, grid = getattr(out, f"{key}_outputs", None), kwargs.get(f"{key}_grid_thw")
+            features: Any = getattr(out, f"{key}_outputs", None)
+            grid = kwargs.get(f"{key}_grid_thw")
             pooled = getattr(features, "pooler_output", None)
             if grid is not None and isinstance(pooled, tuple) and len(pooled) == 1:
                 features.pooler_output = tuple(pooled[0].new_zeros(0) for _ in range(grid.shape[0]))
@@ -171,24 +172,20 @@ def grid_free_capture(model: nn.Module) -> Iterator[set[str]]:
         return
     from transformers.models.qwen2_vl import modeling_qwen2_vl as q
 
-    replaced: list[tuple[nn.Module, str]] = []
+    stand_ins: list[tuple[nn.Module, str, Any]] = []
+    for m in model.modules():
+        if type(m) is q.Qwen2VisionTransformerPretrainedModel:
+            stand_ins.append((m, "forward", _vision_forward))
+        elif type(m) is q.VisionAttention and not m.config._attn_implementation.startswith("flash"):
+            stand_ins.append((m, "forward", _attention_forward))  # flash: the kernel takes cu_seqlens as a tensor
+        elif type(m) is q.Qwen2VLModel:
+            stand_ins += [(m, f"get_{k}_features", _features(k)) for k in ("image", "video")]
+            stand_ins.append((m, "forward", _stand_in_outputs(type(m).forward, returned_none)))
     try:
-        for m in model.modules():
-            if type(m) is q.Qwen2VisionTransformerPretrainedModel:
-                m.forward = types.MethodType(_vision_forward, m)  # type: ignore[method-assign]
-            elif type(m) is q.VisionAttention:
-                if m.config._attn_implementation.startswith("flash"):
-                    continue  # the varlen kernel takes cu_seqlens as a tensor, no loop over it
-                m.forward = types.MethodType(_attention_forward, m)  # type: ignore[method-assign]
-            elif type(m) is q.Qwen2VLModel:
-                for modality in ("image", "video"):
-                    setattr(m, f"get_{modality}_features", types.MethodType(_features(modality), m))
-                    replaced.append((m, f"get_{modality}_features"))
-                m.forward = types.MethodType(_stand_in_outputs(type(m).forward, returned_none), m)  # type: ignore[method-assign]
-            else:
-                continue
-            replaced.append((m, "forward"))
+        for m, attr, fn in stand_ins:  # on the instances: the class, and every other model of it, stay as they are
+            setattr(m, attr, types.MethodType(fn, m))
         yield returned_none
     finally:
-        for m, attr in replaced:
-            delattr(m, attr)
+        for m, attr, _ in stand_ins:
+            if attr in vars(m):
+                delattr(m, attr)

@@ -83,3 +83,16 @@ def test_graph_captured_on_one_pack_takes_other_grids(pair: str, impl: str) -> N
     for batch in (example, other):
         report = result.check_parity(batch, tolerance=1e-5)
         assert report.ok, report
+
+
+def test_qwen2_5_vl_is_left_as_it_is_and_said_so(capsys) -> None:
+    """Its window attention (get_vision_window_index) is not replaced: nothing is patched, and the user is told."""
+    import hf_families as H
+
+    from omnibal_compile.integrations.hf.grids import grid_free_capture
+
+    model, _ = H.qwen2_5_vl()
+    with grid_free_capture(model) as returned_none:
+        assert not any("forward" in vars(m) or "get_image_features" in vars(m) for m in model.modules())
+    assert returned_none == set()
+    assert "window attention is captured for the example's image grids" in capsys.readouterr().err

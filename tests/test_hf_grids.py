@@ -85,11 +85,14 @@ def test_graph_captured_on_one_pack_takes_other_grids(pair: str, impl: str) -> N
         assert report.ok, report
 
 
-def test_qwen2_5_vl_is_left_as_it_is_and_said_so(capsys) -> None:
+def test_qwen2_5_vl_is_left_as_it_is_and_said_so(capsys, monkeypatch) -> None:
     """Its window attention (get_vision_window_index) is not replaced: nothing is patched, and the user is told."""
     import hf_families as H
 
+    from omnibal_compile.integrations.hf import grids
     from omnibal_compile.integrations.hf.grids import grid_free_capture
+
+    monkeypatch.setattr(grids, "_TOLD", set())  # said once per process: another test may have captured one
 
     model, _ = H.qwen2_5_vl()
     with grid_free_capture(model) as returned_none:

@@ -32,33 +32,39 @@ def test_positions_and_segments_equal_hugging_faces(grids: Grids) -> None:
     assert torch.equal(cu[:len(ref)], ref) and bool((cu[len(ref):] == n).all())
 
 
-def _pack(model, grids: Grids, seed: int) -> dict[str, torch.Tensor]:
-    """One processor-style row: text, then each image as vision_start, placeholders, vision_end; M-RoPE positions."""
+def _pack(model, grids: Grids, seed: int, *, video: bool = False) -> dict[str, torch.Tensor]:
+    """One processor-style row: text, then each image (or video) as vision_start, placeholders, vision_end;
+    M-RoPE positions."""
+    token, kind = (92, "video") if video else (IMG, "image")
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, 90, (2,), generator=g)]
     for t, h, w in grids:
-        ids += [torch.tensor([93]), torch.full((t * h * w // 4,), IMG), torch.tensor([94]),
+        ids += [torch.tensor([93]), torch.full((t * h * w // 4,), token), torch.tensor([94]),
                 torch.randint(0, 90, (1,), generator=g)]
     ids.append(torch.randint(0, 90, (4,), generator=g))
     row = torch.cat(ids)[None]
     grid = torch.tensor(grids)
-    positions, _ = model.model.get_rope_index(row, (row == IMG).int(), image_grid_thw=grid)
+    positions, _ = model.model.get_rope_index(row, (row == token).int() * (2 if video else 1),
+                                              **{f"{kind}_grid_thw": grid})
     n = int(grid.prod(-1).sum())
-    return {"input_ids": row, "position_ids": positions, "pixel_values": torch.randn(n, 96, generator=g),
-            "image_grid_thw": grid, "labels": row.clone()}
+    pixels = "pixel_values_videos" if video else "pixel_values"
+    return {"input_ids": row, "position_ids": positions, pixels: torch.randn(n, 96, generator=g),
+            f"{kind}_grid_thw": grid, "labels": row.clone()}
 
 
 PAIRS = {  # (example grids, other grids): same patches, images and placeholders; other sizes per image, which
     # Hugging Face's code, captured on the example, refuses (its per-image split sizes are asserted)
     "two images": ([(1, 4, 4), (1, 4, 8)], [(1, 2, 4), (1, 4, 10)]),
     "frames": ([(1, 4, 4), (2, 4, 4)], [(2, 2, 4), (1, 8, 4)]),
+    "videos": ([(2, 4, 4), (1, 4, 8)], [(3, 2, 4), (1, 4, 10)]),
 }
 
 
-@pytest.mark.parametrize(("pair", "impl"), [("two images", "sdpa"), ("frames", "eager")])
+@pytest.mark.parametrize(("pair", "impl"), [("two images", "sdpa"), ("frames", "eager"), ("videos", "sdpa")])
 def test_graph_captured_on_one_pack_takes_other_grids(pair: str, impl: str) -> None:
     model = _qwen2_vl(impl)
-    example, other = (_pack(model, grids, seed) for seed, grids in enumerate(PAIRS[pair]))
+    kind = "video" if pair == "videos" else "image"
+    example, other = (_pack(model, grids, seed, video=kind == "video") for seed, grids in enumerate(PAIRS[pair]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         captured = capture(model, example)
@@ -67,7 +73,7 @@ def test_graph_captured_on_one_pack_takes_other_grids(pair: str, impl: str) -> N
     gm = captured.graph_module
     # What still follows the grids: the per-image split of the image features the model returns next to the loss
     # (returned as None), and transformers' check that the placeholders match the features. No size in the graph.
-    assert captured.dropped_outputs == ("image_outputs.pooler_output[0]", "image_outputs.pooler_output[1]")
+    assert captured.dropped_outputs == (f"{kind}_outputs.pooler_output[0]", f"{kind}_outputs.pooler_output[1]")
     assert not any(is_data_dependent(d) for n in gm.graph.nodes
                    for d in (n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else ()))
     assert not captured.data_dependent

@@ -6,6 +6,9 @@ frame by ``lengths.tolist()``) and ``get_image_features`` (splits the merged fea
 exported through them holds the example's grids: another pack with the same tensor shapes but other grids fails
 its assertions or computes something else. While :func:`grid_free_capture` is entered, those three are replaced,
 on the model's own instances, by code whose sizes depend only on input shapes; on exit the model is as it was.
+Videos (``pixel_values_videos``, ``video_grid_thw``) go through the same tower and are replaced alike. The
+features per image that the model returns (``image_outputs.pooler_output``) have sizes that follow the grids:
+the model returns stand-ins there, which capture returns as None (the loss and logits are whole).
 
 Glossary:
     N             patches in the pack: ``pixel_values.shape[0]`` (= sum of t*h*w over the grids).

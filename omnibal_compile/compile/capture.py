@@ -15,7 +15,8 @@ Glossary:
                   alongside (``fake_tensor_propagate_real_tensors``): every such size gets the
                   example's value as its hint, and every branch taken on one is decided by the
                   example and asserted in the graph, so another batch that would branch otherwise
-                  fails loudly instead of computing something else.
+                  fails loudly instead of computing something else. Qwen2-VL's per-image grids are
+                  made shape-static for the export instead (:func:`_family_substitutions`).
     size hint     the example's concrete value of a (possibly symbolic) size: :func:`size_hint`.
     use_cache     Hugging Face models build a KV cache unless their config says ``use_cache=False``;
                   training needs none, so capture turns it off (:func:`training_config`).
@@ -33,7 +34,7 @@ import logging
 import re
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -439,9 +440,9 @@ def _export(
 _ASSERT = re.compile(r"Runtime assertion failed for expression (.+) on node '[^']*'")
 
 
-def _explain_runtime_asserts(gm: fx.GraphModule, model_name: str) -> None:
+def _explain_runtime_asserts(gm: fx.GraphModule, model_name: str) -> bool:
     """Reword the graph's checks of the example's data-dependent choices (``u0 >= 1``), which fail on a batch that
-    would choose otherwise, to say what happened and what to change."""
+    would choose otherwise, to say what happened and what to change; whether it has any."""
     changed = False
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten._assert_scalar.default and len(node.args) == 2:
@@ -455,6 +456,7 @@ def _explain_runtime_asserts(gm: fx.GraphModule, model_name: str) -> None:
                 changed = True
     if changed:
         gm.recompile()
+    return changed
 
 
 def _check_example_path(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -474,8 +476,10 @@ def _check_example_path(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, .
         ) from None
 
 
-def _drop_data_dependent_outputs(gm: fx.GraphModule, out_spec: pytree.TreeSpec | None) -> tuple[str, ...]:
-    """Return None instead of the outputs of data-dependent shape when the model also returns a scalar loss.
+def _drop_data_dependent_outputs(gm: fx.GraphModule, out_spec: pytree.TreeSpec | None,
+                                 returned_none: Collection[str] = ()) -> tuple[str, ...]:
+    """Return None instead of the outputs of data-dependent shape when the model also returns a scalar loss,
+    and instead of those whose path starts with one of ``returned_none`` (stand-ins, see :func:`_family_substitutions`).
 
     Such outputs (Idefics3's ``image_outputs``, the vision tower's features) would have to travel to the
     last stage through every cut after the vision tower, and a data-dependent shape cannot be sent.
@@ -484,15 +488,17 @@ def _drop_data_dependent_outputs(gm: fx.GraphModule, out_spec: pytree.TreeSpec |
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in flat]
     has_loss = any(isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point() for v in vals)
-    doomed = [i for i, v in enumerate(vals) if has_loss and any(is_data_dependent(d) for d in _sizes(v))]
-    if not doomed:
-        return ()
     paths = [f"output {i}" for i in range(len(flat))]
     if out_spec is not None and out_spec.num_leaves == len(flat):
         tree = pytree.tree_unflatten(list(range(len(flat))), out_spec)
         for path, i in pytree.tree_flatten_with_path(tree)[0]:
             paths[i] = "".join(f".{k.key}" if hasattr(k, "key") else f"[{k.idx}]" if hasattr(k, "idx") else str(k)
                                for k in path).lstrip(".")
+    doomed = [i for i, v in enumerate(vals)
+              if (has_loss and any(is_data_dependent(d) for d in _sizes(v)))
+              or any(paths[i].startswith(p) for p in returned_none)]
+    if not doomed:
+        return ()
     for i in doomed:
         flat[i] = None
     out.args = (type(out.args[0])(flat) if isinstance(out.args[0], (tuple, list)) else flat[0], *out.args[1:])
@@ -540,6 +546,19 @@ def training_config(model: nn.Module) -> Iterator[None]:
             cfg.use_cache = True
 
 
+def _family_substitutions(model: nn.Module) -> contextlib.AbstractContextManager[set[str]]:
+    """Within: code of a Hugging Face family replaced by code whose sizes follow the input shapes only
+    (Qwen2-VL's per-image grids: :mod:`omnibal_compile.integrations.hf.grids`); other models as they are.
+
+    Yields the paths of outputs that hold stand-ins (per-image features no shape-static graph can return),
+    filled during the export: the capture returns them as None."""
+    if "transformers" not in sys.modules:  # not a Hugging Face model
+        return contextlib.nullcontext(set())
+    from omnibal_compile.integrations.hf.grids import grid_free_capture
+
+    return grid_free_capture(model)
+
+
 def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "export") -> Captured:
     """Trace ``model`` on ``example_inputs`` into a :class:`Captured` graph. The model is not modified."""
     if not isinstance(model, nn.Module):
@@ -550,13 +569,13 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
     through_kwargs = _check_signature(model, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     if method == "export":
-        with training_config(model):
+        with training_config(model), _family_substitutions(model) as returned_none:
             ep, data_dependent = _export(model, args, kwargs)
         gm = ep.module()
-        if data_dependent:
-            _explain_runtime_asserts(gm, type(model).__name__)
+        if _explain_runtime_asserts(gm, type(model).__name__):  # choices made on the example's values
             _check_example_path(gm, model, args, kwargs)
-        dropped = _drop_data_dependent_outputs(gm, ep.call_spec.out_spec) if data_dependent else ()
+        dropped = (_drop_data_dependent_outputs(gm, ep.call_spec.out_spec, returned_none)
+                   if data_dependent or returned_none else ())
         # The unlifted module checks input shapes in a `_guards_fn` submodule; stages drop it.
         out_spec = ep.call_spec.out_spec
         flat_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

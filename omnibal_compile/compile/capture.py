@@ -461,7 +461,11 @@ def _explain_runtime_asserts(gm: fx.GraphModule, model_name: str) -> bool:
 
 def _check_example_path(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Run the graph once on its own example: a choice torch.export made without the example's value (a branch on a
-    value computed from the weights) fails here, at capture, instead of in every later run."""
+    value computed from the weights) fails here, at capture, instead of in every later run. Not on meta tensors:
+    they have no values to check (the cost pass drops the checks)."""
+    tensors = pytree.tree_leaves((args, kwargs, model.state_dict()))
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return
     try:
         with torch.no_grad():
             gm(*args, **kwargs)

@@ -143,3 +143,20 @@ def one_rank_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+def make_tiny_llava(out):
+    """``examples/make_tiny_llava.py`` run into ``out`` (a pretrained tiny Llava folder, a dataset with real images):
+    the documented training path's stand-in, shared by the tests that walk it."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    script = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_llava.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_llava", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.make(Path(out))
+    return Path(out)
+

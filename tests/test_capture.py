@@ -286,3 +286,21 @@ def test_a_branch_on_a_value_of_the_weights_is_refused_or_follows_the_example():
         assert "could not take from the example" in str(e)
     else:  # never a graph that fails its own example
         assert result.check_parity().ok
+
+
+def test_an_example_the_model_itself_refuses_is_named_as_such():
+    """An inconsistent example (here: a branch the graph asserts, and a model that raises on the other value) is said
+    to fail in the model, not blamed on torch.export."""
+    from omnibal_compile.compile.capture import _check_example_path
+
+    class Strict(_BranchOnValue):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() <= 0:
+                raise ValueError("Image features and image tokens do not match")
+            return super().forward(x)
+
+    model = Strict("x")
+    captured = capture(model, {"x": torch.ones(4, 8)})
+    with pytest.raises(CaptureError, match=r"Strict fails on the example inputs itself \(ValueError: Image features "
+                                           r"and image tokens do not match\); give an example batch the model runs on"):
+        _check_example_path(captured.graph_module, model, (), {"x": -torch.ones(4, 8)})

@@ -4,27 +4,19 @@ sample alone."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_llava
 
 pytest.importorskip("transformers")
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = importlib.util.spec_from_file_location("make_tiny_llava", REPO / "examples" / "make_tiny_llava.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tmp_path_factory.mktemp("tiny")
-    module.make(out)
-    return out
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.slow

@@ -340,15 +340,9 @@ def test_a_last_stage_holding_only_the_tied_head_trains_like_the_unsplit_model(t
 def tiny_llava_vfl2(tmp_path_factory) -> Path:
     """``examples/make_tiny_llava.py``'s model and dataset, the model's features taken from the next-to-last vision
     layer (``vision_feature_layer=-2``: the last layer and the post-layernorm get no gradient)."""
-    import importlib.util
+    from conftest import make_tiny_llava
 
-    pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("make_tiny_llava", REPO / "examples" / "make_tiny_llava.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tmp_path_factory.mktemp("tiny-vfl2")
-    module.make(out)
+    out = make_tiny_llava(tmp_path_factory.mktemp("tiny-vfl2"))
     config_file = out / "model" / "config.json"
     config = json.loads(config_file.read_text())
     config["vision_feature_layer"] = -2
@@ -371,8 +365,9 @@ def test_resume_on_a_dataset_is_exact_with_a_frozen_tower_and_in_bf16(tmp_path, 
                        weight_decay=0.1, max_grad_norm=1.0, freeze=("vision_tower",), precision=precision)
     model = build_model(config)
     assert not any(p.requires_grad for n, p in model.named_parameters() if "vision_tower" in n)
-    batch = batch_source(config, model)(0)
-    micro = {k: v[:1] if k != "pixel_values" else v[: v.shape[0] // 2] for k, v in batch.items()}
+    batch = batch_source(config, model)(0)  # both dp ranks' rows, each with the pack's tiles
+    tiles = batch["pixel_values"].shape[0] // batch["input_ids"].shape[0]
+    micro = {k: v[:1] if k != "pixel_values" else v[:tiles] for k, v in batch.items()}
     plan = oc.optimize(model, micro, num_stages=1, planner="uniform").plan
     (tmp_path / "plan.json").write_text(plan.to_json())
     root = tmp_path / "ckpt"

@@ -472,6 +472,15 @@ def _check_example_path(gm: fx.GraphModule, model: nn.Module, args: tuple[Any, .
     except RuntimeError as e:
         if "this batch differs from the example" not in str(e):
             raise
+        try:
+            with torch.no_grad():
+                model(*args, **kwargs)
+        except Exception as own:  # noqa: BLE001 - the model's own error on its example, named as it is
+            raise CaptureError(
+                f"{type(model).__name__} fails on the example inputs itself ({type(own).__name__}: "
+                f"{str(own).strip().splitlines()[0] if str(own).strip() else ''}); give an example batch the model "
+                "runs on (a micro-batch: its rows and their images)"
+            ) from None
         raise CaptureError(
             f"{type(model).__name__}: its code decides on a tensor value that torch.export could not take from the "
             "example (a Python `if`, .item() or .tolist() on a value computed from the weights, not the inputs), so "

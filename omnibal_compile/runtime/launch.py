@@ -145,19 +145,21 @@ def precheck(config: RunConfig) -> Plan:
         check_fits(find_checkpoint(config.resume)[0], model)
     if config.export_hf:
         _check_export(config, model, config.export_hf)
+    planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"  # older plans did not record it
+    now = None if config.lora is None else str(config.lora)
     try:
         compile_for_microbatches(model, source(0), plan)  # PlanError when the plan does not fit
     except PlanError as e:
-        planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"
-        now = None if config.lora is None else str(config.lora)
-        if planned != now and "parameter counts differ" in str(e):
-            said = "without --lora" if planned is None else "with an unknown --lora" if planned == "?" else (
-                f"with --lora {planned}")
-            raise PlanError(f"{e}. The plan was made {said}, this run trains "
-                            f"{'--lora ' + now if now else 'without --lora'}: a LoRA run's blocks hold its "
-                            "adapters, so make the plan with the run's --lora (omnibal-compile plan ... --lora "
-                            f"{now or '...'})") from None
-        raise
+        if planned in ("?", now):  # not a LoRA mismatch (or a plan that cannot tell)
+            raise
+        said = "without --lora" if planned is None else f"with --lora {planned}"
+        raise PlanError(f"{e}. The plan was made {said}, this run trains "
+                        f"{'--lora ' + now if now else 'without --lora'}: a LoRA run's blocks hold its "
+                        "adapters, so make the plan with the run's --lora (omnibal-compile plan ... --lora "
+                        f"{now or '...'})") from None
+    if planned not in ("?", now):  # the same blocks and parameter counts (another alpha or dropout): costs alike
+        progress.info(f"note: the plan was made with --lora {planned or '(none)'}, this run trains --lora "
+                      f"{now or '(none)'}")
     if config.eval_data:
         eval_source(config, model, source, 0)[0](0)  # an eval set that does not fit the training packs, named here
     return plan

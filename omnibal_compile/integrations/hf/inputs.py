@@ -322,8 +322,10 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
 
     - Qwen2-VL, Qwen2.5-VL: a row that carries ``image_grid_thw`` (real images,
       :class:`~omnibal_compile.integrations.hf.grid_pack.GridPackCollator`) keeps its patches and grids; in
-      a row of tiles each tile (one merged patch) becomes an image of grid (1, merge, merge), its flattened
-      patches in the image processor's order (the tile repeated over the temporal patch). Both get
+      a row of tiles (one merged patch each) each run of a sample's tiles becomes an image of grid
+      (1, merge, merge x run), its flattened patches in the image processor's order (each tile repeated over
+      the temporal patch), the grid rows padded to one per tile with empty images (0, merge, merge), as
+      ``GridPackCollator`` lays them out. Both get
       ``mm_token_type_ids`` and ``position_ids`` of shape (4, 1, L): the text positions, then each
       sample's 3-D rotary positions as if it ran alone;
     - Mistral 3: ``image_sizes`` per tile, the last placeholder of each row of merged patches turned into
@@ -336,7 +338,7 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
     """
     import inspect
 
-    from omnibal_compile.integrations.hf.collate import is_varlen, mrope_positions
+    from omnibal_compile.integrations.hf.collate import block_ids, is_varlen, mrope_positions
 
     cfg = getattr(model, "config", None)
     kind = str(getattr(cfg, "model_type", ""))
@@ -354,12 +356,15 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
         m = int(vision.spatial_merge_size)
         if "image_grid_thw" in row:  # real images, already the image processor's patches
             grid = row["image_grid_thw"].long()
-        else:
+        else:  # each run of a sample's tiles is one image of grid (1, m, m * run), the grid rows padded with empty ones
             p, t = int(vision.patch_size), int(vision.temporal_patch_size)
             x = pixels[:, None].expand(n_tiles, t, channels, side, side)
             x = x.reshape(n_tiles, t, channels, 1, m, p, 1, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
             out["pixel_values"] = x.reshape(n_tiles * m * m, channels * t * p * p)
-            grid = torch.tensor([[1, m, m]] * n_tiles, dtype=torch.long)
+            runs = block_ids(row["segment_ids"], ids == image)
+            run_tiles = torch.bincount(runs[runs >= 0]).tolist()
+            grid = torch.tensor([[1, m, m * r] for r in run_tiles] + [[0, m, m]] * (n_tiles - len(run_tiles)),
+                                dtype=torch.long).reshape(-1, 3)
         out["image_grid_thw"] = grid
         if "mm_token_type_ids" in params:
             out["mm_token_type_ids"] = (ids == image).int()

@@ -52,7 +52,8 @@ def test_packs_of_other_images_have_the_same_shapes_with_a_filler_image_in_the_t
     assert not rows[0]["pixel_values"][32:].any()  # the filler's pixels are zeros
     ids, labels, seg = rows[0]["input_ids"][0], rows[0]["labels"][0], rows[0]["segment_ids"][0]
     tail, used = seg == 2, samples[0]["input_ids"].numel() + samples[1]["input_ids"].numel()
-    assert int(tail.sum()) == ROW - used and bool((ids[tail][:4] == IMG).all()) and not bool((ids[tail][4:] == IMG).any())
+    assert int(tail.sum()) == ROW - used and bool((ids[tail][:4] == IMG).all())
+    assert not bool((ids[tail][4:] == IMG).any())
     assert bool((labels[tail] == -100).all()) and int((ids == IMG).sum()) == SHAPE.tiles  # one placeholder a tile
     assert rows[0]["position_ids"][0, used] == 0  # the tail restarts its positions
     with pytest.raises(InputError, match=r"pack of 3 samples has 14 tiles \(merged patches\).*over the shape"):

@@ -203,12 +203,7 @@ def _data_plan(config: RunConfig, model: nn.Module, *, eval_of: Any = None) -> t
     elif stacked_positions(model):  # Qwen2-VL: real samples are patches and grids, not tiles
         from omnibal_compile.integrations.hf.grid_pack import GridPackCollator
 
-        vision = model.config.vision_config  # type: ignore[union-attr]  # a Hugging Face grid-family model
-        patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-        pad = getattr(model.config.get_text_config(), "pad_token_id", None)  # type: ignore[union-attr, operator]
-        data = dataclasses.replace(data, real_collator=GridPackCollator(
-            shape=data.shape, seq_len=data.seq_len, merge=int(vision.spatial_merge_size), patch_dim=patch_dim,
-            image_token_id=int(facts["image_token_id"]), pad_token_id=int(pad or 0)))
+        data = dataclasses.replace(data, real_collator=GridPackCollator.for_model(model, data.shape, data.seq_len))
     left = len(data.stats) % dp if method == "random" else 0
     if left and os.environ.get("RANK", "0") == "0":  # random rows: dp ranks take equal shares of each epoch
         from omnibal_compile import progress

@@ -8,8 +8,9 @@ Glossary:
     rendering     the conversation rendered by the chat template (the processor's, else its
                   tokenizer's) as text; the dataset's ``<image>`` marks become the family's image mark
                   (the processor's image token; Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``,
-                  whose ``<|image_pad|>`` the processor expands to t*h*w / merge^2), and a record whose text has fewer marks than images gets the rest at the start
-                  of its first user turn (LLaVA's convention).
+                  whose ``<|image_pad|>`` the processor expands to t*h*w / merge^2), and a record whose
+                  text has fewer marks than images gets the rest at the start of its first user turn
+                  (LLaVA's convention).
     assistant     each assistant turn's span of the rendering: from the end of the conversation up to
     spans         that turn rendered with the generation prompt, to the end of it rendered through the
                   turn. A template whose renderings are not prefixes of one another is refused.
@@ -127,7 +128,7 @@ class ConversationDataset(torch.utils.data.Dataset):
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.image_root = Path(image_root) if image_root is not None else self.path.parent
         self.image_token = getattr(processor, "image_token", None)
-        self.image_mark = getattr(processor, "image_mark", self.image_token)
+        self.image_mark: str = getattr(processor, "image_mark", None) or self.image_token or ""
         holder = processor if getattr(processor, "chat_template", None) else self.tokenizer
         if not getattr(holder, "chat_template", None):
             raise InputError(f"{self.path}: the processor and its tokenizer have no chat template; save one with the "

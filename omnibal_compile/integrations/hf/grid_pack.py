@@ -57,6 +57,16 @@ class GridPackCollator:
     pad_token_id: int = 0
     """Id of the padding tail's text tokens."""
 
+    @classmethod
+    def for_model(cls, model: Any, shape: PackShape, seq_len: int) -> GridPackCollator:
+        """The collator of a Hugging Face grid-family model (its vision config, image and padding tokens)."""
+        config = model.config
+        vision = config.vision_config
+        patch_dim = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        pad = getattr(config.get_text_config(), "pad_token_id", None)
+        return cls(shape=shape, seq_len=seq_len, merge=int(vision.spatial_merge_size), patch_dim=patch_dim,
+                   image_token_id=int(config.image_token_id), pad_token_id=int(pad or 0))
+
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not samples:
             raise InputError("the collator got an empty pack; the sampler never yields one")

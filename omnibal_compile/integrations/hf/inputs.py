@@ -325,7 +325,8 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
       a row of tiles (one merged patch each) each run of a sample's tiles becomes an image of grid
       (1, merge, merge x run), its flattened patches in the image processor's order (each tile repeated over
       the temporal patch), the grid rows padded to one per tile with empty images (0, merge, merge), as
-      ``GridPackCollator`` lays them out. Both get
+      ``GridPackCollator`` lays them out (Qwen2.5-VL, captured for the example's grids: one image of grid
+      (1, merge, merge) per tile). Both get
       ``mm_token_type_ids`` and ``position_ids`` of shape (4, 1, L): the text positions, then each
       sample's 3-D rotary positions as if it ran alone;
     - Mistral 3: ``image_sizes`` per tile, the last placeholder of each row of merged patches turned into
@@ -362,7 +363,9 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
             x = x.reshape(n_tiles, t, channels, 1, m, p, 1, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
             out["pixel_values"] = x.reshape(n_tiles * m * m, channels * t * p * p)
             runs = block_ids(row["segment_ids"], ids == image)
-            run_tiles = torch.bincount(runs[runs >= 0]).tolist()
+            # Qwen2.5-VL's captured tower keeps the example's grids (integrations/hf/grids.py): one image per tile,
+            # the same grids in every pack
+            run_tiles = [1] * n_tiles if kind == "qwen2_5_vl" else torch.bincount(runs[runs >= 0]).tolist()
             grid = torch.tensor([[1, m, m * r] for r in run_tiles] + [[0, m, m]] * (n_tiles - len(run_tiles)),
                                 dtype=torch.long).reshape(-1, 3)
         out["image_grid_thw"] = grid

@@ -24,8 +24,8 @@ Glossary:
                   placeholder each) and tokens, as the balancer counts them (the model's own units: no
                   tokens-per-tile conversion).
     processor     the folder's ``AutoProcessor``; for Qwen2-VL, whose full processor needs torchvision (for
-                  videos), the folder's image processor and tokenizer when it cannot load
-                  (:class:`ImageTokenProcessor`).
+                  videos, which datasets here do not have), the folder's image processor and tokenizer
+                  (:class:`ImageTokenProcessor`), the same in every environment.
 """
 
 from __future__ import annotations
@@ -56,21 +56,14 @@ _ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user
 
 def load_processor(path: str | os.PathLike[str]) -> Any:
     """The processor saved in a local folder (``AutoProcessor``), without downloading anything; for a grid family
-    (Qwen2-VL) whose full processor cannot load, its image processor and tokenizer (:class:`ImageTokenProcessor`)."""
-    try:
+    (Qwen2-VL: the folder's ``config.json`` says so), its image processor and tokenizer
+    (:class:`ImageTokenProcessor`), whatever torchvision the full processor's video part needs."""
+    config = Path(path) / "config.json"
+    kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if kind not in GRID_FAMILIES:
         return load_local_pretrained(path, "processor", "AutoProcessor")
-    except InputError as e:
-        config = Path(path) / "config.json"
-        kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-        if kind not in GRID_FAMILIES:
-            raise
-        reason = e
-    try:
-        images = load_local_pretrained(path, "image processor", "AutoImageProcessor")
-        tokenizer = load_local_pretrained(path, "tokenizer", "AutoTokenizer")
-    except InputError as e:
-        raise InputError(f"{reason}; nor its image processor and tokenizer alone ({e})") from None
-    return ImageTokenProcessor(image_processor=images, tokenizer=tokenizer)
+    return ImageTokenProcessor(image_processor=load_local_pretrained(path, "image processor", "AutoImageProcessor"),
+                               tokenizer=load_local_pretrained(path, "tokenizer", "AutoTokenizer"))
 
 
 class ImageTokenProcessor:
@@ -108,7 +101,8 @@ class ImageTokenProcessor:
 
 
 class ConversationDataset(torch.utils.data.Dataset):
-    """Samples ``{"input_ids", "labels", "pixel_values"}`` (1-D ids and labels; pixels [images, C, H, W]).
+    """Samples ``{"input_ids", "labels", "pixel_values"}`` (1-D ids and labels; pixels [images, C, H, W], or for a
+    grid family the processor's patches [patches, C*T*P*P] with ``image_grid_thw`` [images, 3]).
 
     ``processor``: a Hugging Face processor (a tokenizer alone for text-only data). ``image_root``: the
     folder image paths are relative to (default: the dataset file's folder). A record that cannot be

@@ -160,3 +160,15 @@ def test_qwen2_vl_lengths_plan_run_on_dp2_x_pp2_trains_the_pretrained_model_on_t
     want = _alone(model, dataset, ids, images)
     assert abs(step["loss"] - want) <= 1e-5, (step["loss"], want)
     _check_pixels_count(model_spec, tiny_qwen, step, tmp_path)
+
+
+@pytest.mark.slow
+def test_qwen2_vl_dataset_packs_refuse_cutting_images(tiny_qwen):
+    from omnibal_compile.errors import InputError
+    from omnibal_compile.runtime.batches import batch_source, build_model
+    from omnibal_compile.runtime.settings import RunConfig
+
+    config = RunConfig(plan="-", model=f"hf:{tiny_qwen / 'model'}", dataset=str(tiny_qwen / "train.json"),
+                       batch_size=2, oversized="truncate")
+    with pytest.raises(InputError, match=r"oversized \(--oversized\) 'truncate': Qwen2VLForConditionalGeneration"):
+        batch_source(config, build_model(config))

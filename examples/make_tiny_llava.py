@@ -25,7 +25,6 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['con
 def make(out: Path) -> None:
     import torch
     import transformers as tf
-    from PIL import Image
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
@@ -46,6 +45,12 @@ def make(out: Path) -> None:
     torch.manual_seed(0)
     tf.LlavaForConditionalGeneration(config).save_pretrained(out / "model")
     processor.save_pretrained(out / "model")
+    write_dataset(out)
+
+
+def write_dataset(out: Path) -> None:
+    """OUT/images (PNG and JPEG files of varied sizes), OUT/train.json and OUT/eval.json (see the module doc)."""
+    from PIL import Image
 
     (out / "images").mkdir(parents=True, exist_ok=True)
     pictures = {"red.png": (200, 150, (200, 30, 30)), "blue.jpg": (1600, 900, (20, 20, 220)),

@@ -148,12 +148,22 @@ def one_rank_group():
 def make_tiny_llava(out):
     """``examples/make_tiny_llava.py`` run into ``out`` (a pretrained tiny Llava folder, a dataset with real images):
     the documented training path's stand-in, shared by the tests that walk it."""
+    return _run_example("make_tiny_llava", out)
+
+
+def make_tiny_qwen2vl(out):
+    """``examples/make_tiny_qwen2vl.py`` run into ``out``: a pretrained tiny Qwen2-VL folder (tokenizer with a chat
+    template, image processor) and the same dataset as :func:`make_tiny_llava`."""
+    return _run_example("make_tiny_qwen2vl", out)
+
+
+def _run_example(name, out):
     import importlib.util
     from pathlib import Path
 
     pytest.importorskip("transformers")
-    script = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_llava.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_llava", script)
+    script = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,17 +1,21 @@
 """The documented fine-tune path end to end on 4 ranks: ``lengths --model`` -> ``plan`` -> ``run`` (dp=2 x pp=2) on a
-pretrained tiny Llava folder and a LLaVA-format dataset of real images, checked against the unsplit model on each
-sample alone."""
+pretrained tiny Llava or Qwen2-VL folder and a LLaVA-format dataset of real images, checked against the unsplit model
+on each sample alone; the step's packs carry the images' pixels (one image changed, the step's loss changes)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llava
+from conftest import make_tiny_llava, make_tiny_qwen2vl
 
 pytest.importorskip("transformers")
+
+RUN = ["--dp", "2", "--batch-size", "4", "--samples-per-pack", "2", "--num-microbatches", "2"]
+"""The run's data layout: 2 dp ranks x 2 rows of 2 samples (one row per micro-batch, as Qwen2-VL's packs need)."""
 
 
 @pytest.fixture(scope="module")
@@ -19,38 +23,152 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llava(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen2vl(tmp_path_factory.mktemp("tiny_qwen"))
+
+
+def _walk(folder: Path) -> tuple[str, dict]:
+    """``lengths`` -> ``plan`` -> ``run`` (one SGD step) in the current folder; the model spec and step 0's log."""
+    from omnibal_compile.cli import main
+
+    model_spec = f"hf:{folder / 'model'}"
+    assert main(["lengths", str(folder / "train.json"), "--model", model_spec, "--out", "lengths.jsonl"]) == 0
+    assert main(["plan", model_spec, "--lengths", "lengths.jsonl", "--num-stages", "2", "--dp", "2",
+                 "--no-pictures", "--out", "plan"]) == 0
+    assert main(["run", "--plan", "plan/plan.json", "--model", model_spec, "--dataset", str(folder / "train.json"),
+                 *RUN, "--steps", "1", "--optimizer", "sgd", "--log", "steps.jsonl", "--timeout", "400"]) == 0
+    (step,) = [json.loads(line) for line in Path("steps.jsonl").read_text().splitlines()]
+    ids = [i for rank in step["samples"] for i in rank]
+    assert len(step["samples"]) == 2 and len(ids) == len(set(ids)) > 2  # both dp ranks, distinct records
+    return model_spec, step
+
+
+def _alone(model, dataset, ids, extra=lambda sample: {}) -> float:
+    """Each sample alone through the pretrained model (its processor's tensors, its own labels), token-weighted."""
+    total = count = 0.0
+    with torch.no_grad():
+        for i in ids:
+            sample = dataset[i]
+            inputs = {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None], **extra(sample)}
+            n = int((sample["labels"][1:] != -100).sum())
+            total += float(model(**inputs).loss) * n
+            count += n
+    assert count > 0
+    return total / count
+
+
+def _packed_step_loss(model_spec: str, data: Path) -> float:
+    """Step 0 of ``run --dataset data`` as this process builds it (every rank's rows), through the unsplit model one
+    row at a time (Qwen2-VL: its vision tower as captured, which takes the packs' empty images), token-weighted."""
+    from torch.utils import _pytree as pytree
+
+    from omnibal_compile.compile.capture import split_batch
+    from omnibal_compile.integrations.hf.grids import grid_free_capture
+    from omnibal_compile.runtime.batches import batch_source, build_model
+    from omnibal_compile.runtime.settings import RunConfig
+
+    config = RunConfig(plan="plan/plan.json", model=model_spec, dataset=str(data), dp=2, batch_size=4,
+                       samples_per_pack=2, num_microbatches=2)
+    model = build_model(config)
+    leaves, spec = pytree.tree_flatten(batch_source(config, model)(0))
+    total = count = 0.0
+    with torch.no_grad(), grid_free_capture(model):
+        for part in split_batch(leaves, 4):
+            row = pytree.tree_unflatten(list(part), spec)
+            n = int((row["labels"][:, 1:] != -100).sum())
+            total += float(model(**row).loss) * n
+            count += n
+    return total / count
+
+
+def _changed_image(folder: Path, out: Path) -> Path:
+    """``folder``'s dataset with one image (images/red.png, records 0 and 7) given other pixels of the same size."""
+    from PIL import Image
+
+    shutil.copytree(folder / "images", out / "images")
+    shutil.copy(folder / "train.json", out / "train.json")
+    with Image.open(out / "images" / "red.png") as im:
+        w, h = im.size
+    Image.frombytes("RGB", (w, h), bytes((7 * i) % 251 for i in range(w * h * 3))).save(out / "images" / "red.png")
+    return out / "train.json"
+
+
+def _check_pixels_count(model_spec: str, folder: Path, step: dict, tmp_path: Path) -> None:
+    """The step's packs as built here give the run's loss; with one image's pixels changed, another loss."""
+    same = _packed_step_loss(model_spec, folder / "train.json")
+    assert abs(same - step["loss"]) <= 1e-5, (same, step["loss"])
+    changed = _packed_step_loss(model_spec, _changed_image(folder, tmp_path / "changed"))
+    assert abs(changed - same) > 1e-4, (changed, same)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_lengths_plan_run_on_dp2_x_pp2_trains_the_pretrained_model_on_the_real_samples(tiny, tmp_path, monkeypatch):
     from transformers import LlavaForConditionalGeneration
 
-    from omnibal_compile.cli import main
     from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
 
     monkeypatch.chdir(tmp_path)
-    model_spec = f"hf:{tiny / 'model'}"
-    assert main(["lengths", str(tiny / "train.json"), "--model", model_spec, "--out", "lengths.jsonl"]) == 0
-    assert main(["plan", model_spec, "--lengths", "lengths.jsonl", "--num-stages", "2", "--dp", "2",
-                 "--no-pictures", "--out", "plan"]) == 0
-    assert main(["run", "--plan", "plan/plan.json", "--model", model_spec, "--dataset", str(tiny / "train.json"),
-                 "--dp", "2", "--batch-size", "4", "--samples-per-pack", "2", "--num-microbatches", "2", "--steps", "1",
-                 "--optimizer", "sgd",
-                 "--log", "steps.jsonl", "--timeout", "400"]) == 0
-    (step,) = [json.loads(line) for line in Path("steps.jsonl").read_text().splitlines()]
+    model_spec, step = _walk(tiny)
     ids = [i for rank in step["samples"] for i in rank]
-    assert len(step["samples"]) == 2 and len(ids) == len(set(ids)) > 2  # both dp ranks, distinct records
-
-    # each sample alone through the pretrained model (its processor's tensors, its own labels), token-weighted
     dataset = ConversationDataset(tiny / "train.json", load_processor(tiny / "model"))
     model = LlavaForConditionalGeneration.from_pretrained(tiny / "model", dtype=torch.float32)
-    total = count = 0.0
-    with torch.no_grad():
-        for i in ids:
-            sample = dataset[i]
-            inputs = {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None]}
-            if "pixel_values" in sample:
-                inputs["pixel_values"] = sample["pixel_values"]
-            n = int((sample["labels"][1:] != -100).sum())
-            total += float(model(**inputs).loss) * n
-            count += n
-    assert count > 0 and abs(step["loss"] - total / count) <= 1e-5, (step["loss"], total / count)
+    want = _alone(model, dataset, ids,
+                  lambda s: {"pixel_values": s["pixel_values"]} if "pixel_values" in s else {})
+    assert abs(step["loss"] - want) <= 1e-5, (step["loss"], want)
+    _check_pixels_count(model_spec, tiny, step, tmp_path)
+
+
+QWEN_SAMPLE_0 = (["<|im_start|>", "system", "You", "are", "a", "helpful", "assistant", ".", "<|im_end|>",
+                  "<|im_start|>", "user", "<|vision_start|>"] + ["<|image_pad|>"] * 12
+                 + ["<|vision_end|>", "What", "is", "in", "the", "picture", "?", "<|im_end|>",
+                    "<|im_start|>", "assistant", "A", "red", "bar", ".", "<|im_end|>"])
+"""Record 0 rendered by the tiny Qwen2-VL's chat template, by hand: the default system turn, the 200x150 image as
+12 placeholders (grid (1, 6, 8) of 4-pixel patches, 2x2 merged), the answer and its end-of-turn token."""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_qwen2_vl_lengths_plan_run_on_dp2_x_pp2_trains_the_pretrained_model_on_the_real_samples(
+        tiny_qwen, tmp_path, monkeypatch):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
+
+    dataset = ConversationDataset(tiny_qwen / "train.json", load_processor(tiny_qwen / "model"))
+    sample = dataset[0]  # only the assistant's tokens carry labels, as the chat template renders the record
+    words = dataset.tokenizer.convert_ids_to_tokens(sample["input_ids"].tolist())
+    assert words == QWEN_SAMPLE_0
+    trained = sample["labels"] != -100
+    assert trained.tolist() == [False] * (len(words) - 5) + [True] * 5
+    assert torch.equal(sample["labels"][trained], sample["input_ids"][trained])
+    assert sample["image_grid_thw"].tolist() == [[1, 6, 8]] and sample["pixel_values"].shape == (48, 3 * 2 * 4 * 4)
+
+    monkeypatch.chdir(tmp_path)
+    model_spec, step = _walk(tiny_qwen)
+    ids = [i for rank in step["samples"] for i in rank]
+    model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen / "model", dtype=torch.float32)
+    image = int(model.config.image_token_id)
+
+    def images(s):
+        if "pixel_values" not in s:
+            return {}
+        return {"pixel_values": s["pixel_values"], "image_grid_thw": s["image_grid_thw"],
+                "mm_token_type_ids": (s["input_ids"][None] == image).int()}
+
+    want = _alone(model, dataset, ids, images)
+    assert abs(step["loss"] - want) <= 1e-5, (step["loss"], want)
+    _check_pixels_count(model_spec, tiny_qwen, step, tmp_path)
+
+
+@pytest.mark.slow
+def test_qwen2_vl_dataset_packs_refuse_cutting_images(tiny_qwen):
+    from omnibal_compile.errors import InputError
+    from omnibal_compile.runtime.batches import batch_source, build_model
+    from omnibal_compile.runtime.settings import RunConfig
+
+    config = RunConfig(plan="-", model=f"hf:{tiny_qwen / 'model'}", dataset=str(tiny_qwen / "train.json"),
+                       batch_size=2, oversized="truncate")
+    with pytest.raises(InputError, match=r"oversized \(--oversized\) 'truncate': Qwen2VLForConditionalGeneration"):
+        batch_source(config, build_model(config))

@@ -137,6 +137,10 @@ class DataPlan:
     """``seed -> Packing`` that the sampler runs once per epoch."""
     first_packing: Packing = field(repr=False)
     """The packing of epoch 0 (what ``metrics`` measured)."""
+    real_collator: Callable[[Sequence[Mapping[str, Any]]], dict[str, torch.Tensor]] | None = field(
+        default=None, repr=False)
+    """Collates real samples to a row of the same shapes as ``collator``'s, for a family whose samples are not
+    tiles (Qwen2-VL's patches and grids: ``integrations.hf.grid_pack``); None: ``collator`` takes them."""
 
     def sampler(self, rank: int = 0) -> BalancedBatchSampler:
         """The batch sampler of data-parallel ``rank``; its state names everything its sequence depends on."""
@@ -194,10 +198,10 @@ class DataPlan:
         """Real samples (``input_ids``, ``labels``, ``pixel_values``) of one pack collated to one fixed-shape row;
         ``where`` names them in errors."""
         try:
-            batch = self.collator(samples)
+            batch = (self.real_collator or self.collator)(samples)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
-        return {k: batch[k] for k in MODEL_KEYS}
+        return batch if self.real_collator is not None else {k: batch[k] for k in MODEL_KEYS}
 
     def summary(self) -> str:
         m = self.metrics

@@ -200,6 +200,15 @@ def _data_plan(config: RunConfig, model: nn.Module, *, eval_of: Any = None) -> t
                          "shape and row: leave such samples out of the eval set)") from None
     if dataset is None:
         data.check_synthetic()  # every sample of the lengths can be made, named here rather than at its step
+    elif stacked_positions(model):  # Qwen2-VL: real samples are patches and grids, not tiles
+        from omnibal_compile.integrations.hf.grid_pack import GridPackCollator
+
+        if config.oversized != "error":  # a cut image or a pack of its own would change the pipeline's shapes
+            raise InputError(f"oversized (--oversized) {config.oversized!r}: {type(model).__name__} packs of a "
+                             "dataset keep every image whole in one fixed shape; leave it at 'error' (the pack shape "
+                             "is derived from the samples, so none is over it)")
+
+        data = dataclasses.replace(data, real_collator=GridPackCollator.for_model(model, data.shape, data.seq_len))
     left = len(data.stats) % dp if method == "random" else 0
     if left and os.environ.get("RANK", "0") == "0":  # random rows: dp ranks take equal shares of each epoch
         from omnibal_compile import progress

@@ -6,9 +6,11 @@ Records are LLaVA / ShareGPT style (``conversations`` of ``from``/``value``) or 
 
 Glossary:
     rendering     the conversation rendered by the chat template (the processor's, else its
-                  tokenizer's) as text; the dataset's ``<image>`` marks become the processor's image
-                  token, and a record whose text has fewer marks than images gets the rest at the start
-                  of its first user turn (LLaVA's convention).
+                  tokenizer's) as text; the dataset's ``<image>`` marks become the family's image mark
+                  (the processor's image token; Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``,
+                  whose ``<|image_pad|>`` the processor expands to t*h*w / merge^2), and a record whose
+                  text has fewer marks than images gets the rest at the start of its first user turn
+                  (LLaVA's convention).
     assistant     each assistant turn's span of the rendering: from the end of the conversation up to
     spans         that turn rendered with the generation prompt, to the end of it rendered through the
                   turn. A template whose renderings are not prefixes of one another is refused.
@@ -18,12 +20,17 @@ Glossary:
                   pieces concatenated: a label boundary never falls inside a token.
     labels        the token ids on assistant spans; ``-100`` on system and user turns, template text,
                   and image tokens.
-    lengths       per sample: images (tiles, one ``pixel_values`` row each) and tokens, as the balancer
-                  counts them (the model's own units: no tokens-per-tile conversion).
+    lengths       per sample: images (tiles, one ``pixel_values`` row each; Qwen2-VL: merged patches, one
+                  placeholder each) and tokens, as the balancer counts them (the model's own units: no
+                  tokens-per-tile conversion).
+    processor     the folder's ``AutoProcessor``; for Qwen2-VL, whose full processor needs torchvision (for
+                  videos, which datasets here do not have), the folder's image processor and tokenizer
+                  (:class:`ImageTokenProcessor`), the same in every environment.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,9 +44,10 @@ from omnibal_compile._utils.validate import open_regular_file
 from omnibal_compile.data.dataset_lengths import load_local_pretrained, read_records
 from omnibal_compile.data.lengths import LengthStats
 from omnibal_compile.errors import InputError
+from omnibal_compile.integrations.hf.inputs import GRID_FAMILIES
 from omnibal_compile.progress import track
 
-__all__ = ["ConversationDataset", "load_processor"]
+__all__ = ["ConversationDataset", "ImageTokenProcessor", "load_processor"]
 
 DATASET_IMAGE_MARK = "<image>"
 """How a LLaVA record marks an image in its text."""
@@ -47,12 +55,54 @@ _ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user
 
 
 def load_processor(path: str | os.PathLike[str]) -> Any:
-    """The processor saved in a local folder (``AutoProcessor``), without downloading anything."""
-    return load_local_pretrained(path, "processor", "AutoProcessor")
+    """The processor saved in a local folder (``AutoProcessor``), without downloading anything; for a grid family
+    (Qwen2-VL: the folder's ``config.json`` says so), its image processor and tokenizer
+    (:class:`ImageTokenProcessor`), whatever torchvision the full processor's video part needs."""
+    config = Path(path) / "config.json"
+    kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if kind not in GRID_FAMILIES:
+        return load_local_pretrained(path, "processor", "AutoProcessor")
+    return ImageTokenProcessor(image_processor=load_local_pretrained(path, "image processor", "AutoImageProcessor"),
+                               tokenizer=load_local_pretrained(path, "tokenizer", "AutoTokenizer"))
+
+
+class ImageTokenProcessor:
+    """A grid family's processor for images and text, from its image processor and tokenizer (what
+    ``Qwen2VLProcessor`` does for images, without its video processor): each image token of the text becomes
+    ``t*h*w / merge^2`` of them for the next image's grid; returns ``input_ids``, ``pixel_values``,
+    ``image_grid_thw`` and ``mm_token_type_ids`` (1 on image tokens)."""
+
+    image_token = "<|image_pad|>"
+    image_mark = "<|vision_start|><|image_pad|><|vision_end|>"
+    """What the dataset's ``<image>`` becomes, as Qwen2-VL's chat template writes an image."""
+
+    def __init__(self, *, image_processor: Any, tokenizer: Any) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+        self.merge = int(image_processor.merge_size)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __call__(self, *, text: str, images: Sequence[Any] = (), **kwargs: Any) -> dict[str, torch.Tensor]:
+        kwargs.pop("return_tensors", None)
+        out: dict[str, torch.Tensor] = {}
+        if images:
+            pix = self.image_processor(images=list(images), return_tensors="pt")
+            out = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"]}
+            pieces = text.split(self.image_token)
+            if len(pieces) - 1 != len(images):
+                raise ValueError(f"the text holds {len(pieces) - 1} image tokens for {len(images)} images")
+            counts = (out["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
+            text = pieces[0] + "".join(self.image_token * int(n) + p for n, p in zip(counts, pieces[1:]))
+        ids = torch.as_tensor(self.tokenizer(text, return_tensors="pt", **kwargs)["input_ids"])
+        token = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        return {"input_ids": ids, **out, "mm_token_type_ids": (ids == token).int()}
 
 
 class ConversationDataset(torch.utils.data.Dataset):
-    """Samples ``{"input_ids", "labels", "pixel_values"}`` (1-D ids and labels; pixels [images, C, H, W]).
+    """Samples ``{"input_ids", "labels", "pixel_values"}`` (1-D ids and labels; pixels [images, C, H, W], or for a
+    grid family the processor's patches [patches, C*T*P*P] with ``image_grid_thw`` [images, 3]).
 
     ``processor``: a Hugging Face processor (a tokenizer alone for text-only data). ``image_root``: the
     folder image paths are relative to (default: the dataset file's folder). A record that cannot be
@@ -72,6 +122,7 @@ class ConversationDataset(torch.utils.data.Dataset):
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.image_root = Path(image_root) if image_root is not None else self.path.parent
         self.image_token = getattr(processor, "image_token", None)
+        self.image_mark: str = getattr(processor, "image_mark", None) or self.image_token or ""
         holder = processor if getattr(processor, "chat_template", None) else self.tokenizer
         if not getattr(holder, "chat_template", None):
             raise InputError(f"{self.path}: the processor and its tokenizer have no chat template; save one with the "
@@ -91,6 +142,7 @@ class ConversationDataset(torch.utils.data.Dataset):
         ids: list[torch.Tensor] = []
         labels: list[torch.Tensor] = []
         pixels: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
         used = 0
         for text, trained in pieces:
             marks = text.count(self.image_token) if self.image_token else 0
@@ -104,12 +156,16 @@ class ConversationDataset(torch.utils.data.Dataset):
             labels.append(piece.clone() if trained else torch.full_like(piece, IGNORE_INDEX))
             if mine:
                 pixels.append(torch.as_tensor(out["pixel_values"]).float())
+                if "image_grid_thw" in out:
+                    grids.append(torch.as_tensor(out["image_grid_thw"]).long())
         sample = {"input_ids": torch.cat(ids), "labels": torch.cat(labels)}
         if self.image_token is not None:
             token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
             sample["labels"][sample["input_ids"] == token_id] = IGNORE_INDEX
         if pixels:
             sample["pixel_values"] = torch.cat(pixels)
+        if grids:
+            sample["image_grid_thw"] = torch.cat(grids)
         return sample
 
     def lengths(self, *, progress: bool = True) -> LengthStats:
@@ -126,7 +182,11 @@ class ConversationDataset(torch.utils.data.Dataset):
                 continue
             kept.append(r)
             tokens.append(s["input_ids"].numel())
-            tiles.append(s["pixel_values"].shape[0] if "pixel_values" in s else 0)
+            if "image_grid_thw" in s:  # a grid family's tiles: its merged patches (module glossary: lengths)
+                tiles.append(int(s["image_grid_thw"].prod(-1).sum()) // int(self.processor.image_processor.merge_size)
+                             ** 2)
+            else:
+                tiles.append(s["pixel_values"].shape[0] if "pixel_values" in s else 0)
         if not kept:
             raise InputError(f"{self.path}: none of its {len(self.records)} records can be read; the first: "
                              f"{skipped[0][1]}")
@@ -159,7 +219,7 @@ class ConversationDataset(torch.utils.data.Dataset):
             raise InputError(f"{where}: has images, but the processor has no image token (a text-only tokenizer?)")
         if self.image_token is not None:
             for m in messages:
-                m["content"] = m["content"].replace(DATASET_IMAGE_MARK, self.image_token)
+                m["content"] = m["content"].replace(DATASET_IMAGE_MARK, self.image_mark)
             marks = sum(m["content"].count(self.image_token) for m in messages)
             if marks > len(images):
                 raise InputError(f"{where}: its text marks {marks} images but it has {len(images)}")
@@ -167,7 +227,7 @@ class ConversationDataset(torch.utils.data.Dataset):
             if marks < len(images):
                 if first is None:
                     raise InputError(f"{where}: has images but no user turn to put them in")
-                first["content"] = self.image_token * (len(images) - marks) + "\n" + first["content"]
+                first["content"] = self.image_mark * (len(images) - marks) + "\n" + first["content"]
         return messages, images
 
     def _render(self, messages: Sequence[dict[str, str]], prompt: bool = False) -> str:

@@ -258,8 +258,9 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
     Tiled families (Llava, InternVL, PaliGemma, Gemma 3) take their tile from the vision config; the others
     count a tile as the family's images are counted (see :func:`hf_pack_inputs`, which lays a pack out):
 
-    - Qwen2-VL, Qwen2.5-VL: a square image of 2 x 2 merged patches, its 4 placeholders with the
-      ``<|vision_start|>``/``<|vision_end|>`` tokens around them counted as placeholders (6);
+    - Qwen2-VL, Qwen2.5-VL: one merged patch (merge x merge patches, ``merge * patch`` pixels a side) and its
+      one ``<|image_pad|>`` placeholder: an image of grid (t, h, w) is t*h*w / merge^2 tiles (the pack
+      convention of :mod:`~omnibal_compile.integrations.hf.grid_pack`);
     - Mistral 3: a square image of r x r merged patches, r = image_size // (patch x merge), with its r
       ``[IMG_BREAK]``/``[IMG_END]`` tokens counted as placeholders (r x (r + 1));
     - Idefics3, SmolVLM: one image slot, its patches pixel-shuffled by ``scale_factor`` per side;
@@ -275,8 +276,8 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
     channels = int(getattr(vision, "num_channels", getattr(vision, "in_channels", 3)))
     vocab = int(cfg.get_text_config().vocab_size)
     if kind in GRID_FAMILIES:
-        side = 2 * int(vision.spatial_merge_size) * int(vision.patch_size)
-        return {"tokens_per_tile": 2 * 2 + 2, "image_token_id": int(image_token), "image_shape": (channels, side, side),
+        side = int(vision.spatial_merge_size) * int(vision.patch_size)
+        return {"tokens_per_tile": 1, "image_token_id": int(image_token), "image_shape": (channels, side, side),
                 "vocab_size": vocab}
     if not hasattr(vision, "image_size") or kind == "mllama":  # Mllama's images are read by cross-attention
         return {}
@@ -319,11 +320,15 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
     block-causal ``attention_mask`` of its segments (flash attention reads the restarting ``position_ids``).
     Per family, as its processor lays images out:
 
-    - Qwen2-VL, Qwen2.5-VL: each tile becomes an image of flattened patches (the image processor's order,
-      the tile repeated over the temporal patch) between ``<|vision_start|>`` and ``<|vision_end|>``,
-      ``image_grid_thw`` per image, ``mm_token_type_ids``, and
-      ``position_ids`` of shape (4, 1, L): the text positions, then each sample's 3-D rotary positions as if
-      it ran alone;
+    - Qwen2-VL, Qwen2.5-VL: a row that carries ``image_grid_thw`` (real images,
+      :class:`~omnibal_compile.integrations.hf.grid_pack.GridPackCollator`) keeps its patches and grids; in
+      a row of tiles (one merged patch each) each run of a sample's tiles becomes an image of grid
+      (1, merge, merge x run), its flattened patches in the image processor's order (each tile repeated over
+      the temporal patch), the grid rows padded to one per tile with empty images (0, merge, merge), as
+      ``GridPackCollator`` lays them out (Qwen2.5-VL, captured for the example's grids: one image of grid
+      (1, merge, merge) per tile). Both get
+      ``mm_token_type_ids`` and ``position_ids`` of shape (4, 1, L): the text positions, then each
+      sample's 3-D rotary positions as if it ran alone;
     - Mistral 3: ``image_sizes`` per tile, the last placeholder of each row of merged patches turned into
       ``[IMG_BREAK]``, the tile's last into ``[IMG_END]`` (stand-in ids);
     - Idefics3, SmolVLM: ``pixel_values`` of shape (1, tiles, C, H, W) with ``pixel_attention_mask``; a dummy
@@ -334,7 +339,7 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
     """
     import inspect
 
-    from omnibal_compile.integrations.hf.collate import is_varlen, mrope_positions
+    from omnibal_compile.integrations.hf.collate import block_ids, is_varlen, mrope_positions
 
     cfg = getattr(model, "config", None)
     kind = str(getattr(cfg, "model_type", ""))
@@ -349,25 +354,34 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
     n_tiles, channels, side = pixels.shape[0], pixels.shape[1], pixels.shape[-1]
     if kind in GRID_FAMILIES:
         vision = cfg.vision_config
-        m, p, t = int(vision.spatial_merge_size), int(vision.patch_size), int(vision.temporal_patch_size)
-        g = side // p
-        x = pixels[:, None].expand(n_tiles, t, channels, side, side)
-        x = x.reshape(n_tiles, t, channels, g // m, m, p, g // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        out["pixel_values"] = x.reshape(n_tiles * g * g, channels * t * p * p)
-        ids = ids.clone()  # each tile's first and last placeholder: the processor's vision start and end
-        where = (ids[0] == image).nonzero().flatten().reshape(n_tiles, -1)
-        ids[0, where[:, 0]], ids[0, where[:, -1]] = int(cfg.vision_start_token_id), int(cfg.vision_end_token_id)
-        out["input_ids"] = ids
-        grid = torch.tensor([[1, g, g]] * n_tiles, dtype=torch.long)
+        m = int(vision.spatial_merge_size)
+        if "image_grid_thw" in row:  # real images, already the image processor's patches
+            grid = row["image_grid_thw"].long()
+        else:  # each run of a sample's tiles is one image of grid (1, m, m * run), the grid rows padded with empty ones
+            p, t = int(vision.patch_size), int(vision.temporal_patch_size)
+            x = pixels[:, None].expand(n_tiles, t, channels, side, side)
+            x = x.reshape(n_tiles, t, channels, 1, m, p, 1, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            out["pixel_values"] = x.reshape(n_tiles * m * m, channels * t * p * p)
+            runs = block_ids(row["segment_ids"], ids == image)
+            # Qwen2.5-VL's captured tower keeps the example's grids (integrations/hf/grids.py): one image per tile,
+            # the same grids in every pack
+            run_tiles = [1] * n_tiles if kind == "qwen2_5_vl" else torch.bincount(runs[runs >= 0]).tolist()
+            grid = torch.tensor([[1, m, m * r] for r in run_tiles] + [[0, m, m]] * (n_tiles - len(run_tiles)),
+                                dtype=torch.long).reshape(-1, 3)
         out["image_grid_thw"] = grid
         if "mm_token_type_ids" in params:
             out["mm_token_type_ids"] = (ids == image).int()
         seg = row["segment_ids"][0]
+        images = grid[grid.prod(-1) > 0]  # the empty images that pad the grid rows have no placeholders
+        per_image = (images.prod(-1) // m**2).tolist()
         rope, used = [], 0
         for k in range(int(seg.max()) + 1):
             part = ids[0][seg == k]
-            n = int((part == image).sum()) // (g * g // m**2)
-            rope.append(mrope_positions(part, grid[used:used + n], image_token_id=image, merge=m))
+            placeholders, n = int((part == image).sum()), 0
+            while placeholders > 0:  # the segment's images: the next ones in order, as many as its placeholders
+                placeholders -= per_image[used + n]
+                n += 1
+            rope.append(mrope_positions(part, images[used:used + n], image_token_id=image, merge=m))
             used += n
         out["position_ids"] = torch.cat([row["position_ids"], torch.cat(rope, dim=1)])[:, None]
     elif kind == "mistral3":

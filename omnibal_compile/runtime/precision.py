@@ -108,6 +108,8 @@ class ComputeParams:
         """id -> (dtype, bytes) of every parameter the stages computed with."""
         self.grads: dict[int, tuple[torch.dtype, int]] = {}
         """id -> (dtype, bytes) of the gradient accumulated into it."""
+        self.storages: set[int] = set()
+        """Data pointers of their storages when recorded (a tensor sharing one is no separate copy)."""
         self._held: list[nn.Parameter] = []  # keeps the ids unique while recording
         self._handles = [m.register_forward_pre_hook(self._forward) for mod in modules for m in mod.modules()]
 
@@ -118,6 +120,7 @@ class ComputeParams:
             if isinstance(p, DTensor) or id(p) in self.params:
                 continue
             self.params[id(p)] = (p.dtype, p.numel() * p.element_size())
+            self.storages.add(p.untyped_storage().data_ptr())
             self._held.append(p)
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad))

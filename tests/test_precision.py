@@ -105,12 +105,25 @@ def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
                            planner="uniform", device="cpu", precision="fp32").plan
     assert plan.notes["compute dtype"] == "float32"
     (tmp_path / "plan.json").write_text(plan.to_json())
+    with progress.quiet():
+        bf16 = oc.optimize(build_model(RunConfig(plan="-", model_config=model_config)), num_stages=2,
+                           planner="uniform", device="cpu", precision="bf16").plan
+    (tmp_path / "bf16.json").write_text(bf16.to_json())
     config = RunConfig(plan=str(tmp_path / "plan.json"), model_config=model_config, batch_size=4)
     capsys.readouterr()
     precheck(config)
     assert "measured in" not in capsys.readouterr().err  # fp32 run, fp32 costs: nothing to say
+    assert plan.notes["precision"] == "fp32"  # the setting its parameter bytes were costed in
     precheck(dataclasses.replace(config, precision="bf16"))
-    assert "costs were measured in float32, this run computes in bfloat16" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "costs were measured in float32, this run computes in bfloat16" in said
+    assert ("the plan costed the parameters of --precision fp32 (4-byte weights and gradients in compute), this run "
+            "holds those of --precision bf16 (2-byte weights and gradients in compute over a 4-byte master copy)"
+            in said)
+    precheck(dataclasses.replace(config, plan=str(tmp_path / "bf16.json")))  # a bf16 plan, an fp32 run
+    said = capsys.readouterr().err
+    assert "parameters of --precision bf16 (2-byte" in said and "those of --precision fp32 (4-byte" in said
+    assert "measured in" not in said  # profiled on CPU: activations in the model's float32, as the run's
 
 
 def _losses(tmp_path: Path, stages: int, dp: int, precision: str, steps: int) -> list[float]:

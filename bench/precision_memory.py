@@ -32,7 +32,6 @@ import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -92,15 +91,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 pipe.step(part)
                 recorder.close()
 
+                def local(t: torch.Tensor) -> torch.Tensor:
+                    return t.to_local() if isinstance(t, DTensor) else t
+
                 def local_bytes(t: torch.Tensor) -> int:
-                    t = t.to_local() if isinstance(t, DTensor) else t
-                    return t.numel() * t.element_size()
+                    return local(t).numel() * local(t).element_size()
 
-                def shared(p: torch.Tensor) -> bool:  # the compute tensor itself, or one on its storage
-                    local = p.to_local() if isinstance(p, DTensor) else p
-                    return id(p) in recorder.params or local.untyped_storage().data_ptr() in recorder.storages
-
-                separate = [p for p in pipe.parameters() if not shared(p)]
+                # the masters: not a compute tensor itself, nor one on a compute tensor's storage
+                separate = [p for p in pipe.parameters() if id(p) not in recorder.params
+                            and local(p).untyped_storage().data_ptr() not in recorder.storages]
                 found[(label, precision)] = {
                     "params": recorder.param_bytes, "grads": recorder.grad_bytes,
                     "master": sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)

@@ -169,7 +169,8 @@ def _mesh_worker(rank: int, world: int, port: int, out: str, models: dict, cases
             low = compute_dtype(precision)
             masters = cast_for_capture(model, low) if low is not None else None
             pipe = build_pipeline(compile_for_microbatches(model, cast_inputs(part, low), plan), mesh=mesh,
-                                  precision=precision, masters=masters, data_parallel=DataParallel(size=dp, shard=shard))
+                                  precision=precision, masters=masters,
+                                  data_parallel=DataParallel(size=dp, shard=shard))
             optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
             losses, seen = [], {}
             for k in range(steps):

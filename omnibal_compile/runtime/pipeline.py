@@ -25,6 +25,11 @@ Glossary:
                    backward. Every dp rank weighs its micro-batch losses by its share of the
                    *global* step's loss terms (an all-reduce of the counts over ``dp``), so the
                    gradients are summed over ``dp`` (divide factor 1), never averaged again.
+    16 bits        ``precision`` bf16 / fp16: the stages of a model captured in that dtype get fp32
+                   masters back and are wrapped at every dp (FSDP2 on the 1-rank dp mesh at dp = 1)
+                   with a policy gathering 16-bit weights and reducing fp32 gradients
+                   (:mod:`omnibal_compile.runtime.precision`); batches' float inputs are cast to the
+                   captured dtypes.
 """
 
 from __future__ import annotations

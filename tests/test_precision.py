@@ -27,7 +27,7 @@ from omnibal_compile.runtime.settings import RunConfig
 from tests.conftest import SMALL_VLM
 
 
-def _one_rank(precision: str, steps: int = 2) -> dict:
+def _one_rank(precision: str, steps: int = 1) -> dict:
     """TinyVLM on a (dp=1, pp=1) mesh in ``precision``: losses, and what the stages computed with (step 0)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -85,12 +85,12 @@ def test_16_bit_runs_need_a_model_captured_in_16_bits_and_a_mesh(one_rank_group)
     batch = make_example_batch(SMALL_VLM, batch=2, tiles_per_sample=1, text_tokens=12)
     with progress.quiet():
         plan = oc.optimize(model, num_stages=1, planner="uniform", num_microbatches=2).plan
+    result = compile_for_microbatches(model, batch, plan)
     with pytest.raises(InputError, match=r"captured with float32 parameters; capture it in bfloat16"):
-        build_pipeline(compile_for_microbatches(model, batch, plan), rank=0, world_size=1, precision="bf16")
-    cast_for_capture(model, torch.bfloat16)
+        build_pipeline(result, rank=0, world_size=1, precision="bf16")
+    cast_for_capture(model, torch.bfloat16)  # the parameters the check reads (a graph of fp32 casts still)
     with pytest.raises(InputError, match="give build_pipeline a mesh"):
-        build_pipeline(compile_for_microbatches(model, cast_inputs(batch, torch.bfloat16), plan), rank=0,
-                       world_size=1, precision="bf16")
+        build_pipeline(result, rank=0, world_size=1, precision="bf16")
 
 
 def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
@@ -105,9 +105,7 @@ def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
                            planner="uniform", device="cpu", precision="fp32").plan
     assert plan.notes["compute dtype"] == "float32"
     (tmp_path / "plan.json").write_text(plan.to_json())
-    with progress.quiet():
-        bf16 = oc.optimize(build_model(RunConfig(plan="-", model_config=model_config)), num_stages=2,
-                           planner="uniform", device="cpu", precision="bf16").plan
+    bf16 = dataclasses.replace(plan, notes={**plan.notes, "precision": "bf16"})  # as `plan --precision bf16` notes
     (tmp_path / "bf16.json").write_text(bf16.to_json())
     config = RunConfig(plan=str(tmp_path / "plan.json"), model_config=model_config, batch_size=4)
     capsys.readouterr()

@@ -63,6 +63,7 @@ def _one_rank(precision: str, steps: int = 1) -> dict:
     return {"losses": losses, **(seen or {})}
 
 
+@pytest.mark.slow
 def test_bf16_computes_with_bf16_parameters_over_fp32_masters_on_one_rank(one_rank_group):
     """dp=1: FSDP2 over the 1-rank dp mesh gathers bf16 weights for the stage (parameters and gradients in compute:
     bf16, half of fp32's bytes), the optimizer holds the fp32 masters, equal to the model's fp32 weights before the

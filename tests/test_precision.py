@@ -94,6 +94,28 @@ def test_16_bit_runs_need_a_model_captured_in_16_bits_and_a_mesh(one_rank_group)
         build_pipeline(result, rank=0, world_size=1, precision="bf16")
 
 
+def test_16_bit_refuses_two_stages_on_one_rank_sharing_a_tied_weight(one_rank_group, tiny_llama):
+    """A 1-rank interleaved pipeline of a Llama whose embedding and head are one parameter: FSDP2 wraps each stage
+    on its own, so 16 bits are refused, naming the way out."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.planning.build import uniform
+    from omnibal_compile.runtime import build_pipeline
+
+    model, batch = copy.deepcopy(tiny_llama[0]), {k: v[:1] for k, v in tiny_llama[1].items()}
+    with progress.quiet():
+        graph = oc.optimize(model, batch, num_stages=1).graph
+    plan = dataclasses.replace(uniform(graph, 2), schedule="interleaved", num_microbatches=2, virtual_stages=2)
+    masters = cast_for_capture(model, torch.bfloat16)
+    result = compile_for_microbatches(model, {k: v.repeat(2, 1) for k, v in batch.items()}, plan)
+    with pytest.raises(InputError, match=r"share a parameter \(tied weights\); --precision bf16 keeps fp32 masters"):
+        build_pipeline(result, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp")), precision="bf16",
+                       masters=masters)
+
+
 def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
     assert compute_dtype("fp16") is torch.float16
     with pytest.raises(InputError, match=r"setting precision \(--precision\)"):

@@ -1,8 +1,9 @@
 """bf16 against fp32 through the pipeline runtime: 20 steps of the same data and seed on 2 CPU ranks.
 
-Two layouts: 2 pipeline stages (dp = 1: autocast inside each stage's forward) and dp = 2 FSDP2 x 1
-stage. Prints each step's loss in fp32 and bf16, the largest relative difference and each run's median
-step time (CPU bf16 autocast is not faster here; bf16 is the GPU setting).
+Two layouts: 2 pipeline stages (dp = 1: FSDP2 on each rank's 1-rank dp mesh in bf16) and dp = 2 FSDP2 x 1
+stage; in bf16 the parameters compute in bf16 over fp32 masters (``runtime.precision``). Prints each step's
+loss in fp32 and bf16, the largest relative difference and each run's median step time (CPU bf16 is not faster
+here; bf16 is the GPU setting). ``bench/precision_memory.py`` measures the parameter and gradient bytes.
 
     python bench/precision_cpu.py              # 20 steps per run
     python bench/precision_cpu.py --steps 5
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     worst_all = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        for label, stages, dp in (("pp=2, dp=1 (autocast)", 2, 1), ("pp=1, dp=2 FSDP2 (autocast)", 1, 2)):
+        for label, stages, dp in (("pp=2, dp=1", 2, 1), ("pp=1, dp=2 FSDP2", 1, 2)):
             fp32, t32 = losses(stages, dp, "fp32", args.steps, Path(tmp))
             bf16, t16 = losses(stages, dp, "bf16", args.steps, Path(tmp))
             worst = max(abs(a - b) / abs(a) for a, b in zip(fp32, bf16))

@@ -303,8 +303,9 @@ class ModelConfig(Section):
     """Train LoRA adapters instead of the weights (needs peft): r=16,alpha=32,dropout=0.0,targets=q_proj,v_proj; the
     base weights are frozen (before freeze applies); None: off."""
     precision: str | None = setting(None, choices=PRECISIONS)
-    """Compute dtype: bf16, fp16 (with a dynamic loss scale) or fp32; weights, gradients and optimizer states stay fp32;
-    run: autocast in each stage; plan: the Precision costed; None: fp32 runs, bf16-mixed costs."""
+    """Parameter and compute dtype: bf16, fp16 (with a dynamic loss scale) or fp32; run: 16-bit parameters in compute
+    over fp32 master weights, gradients and optimizer states; plan: the Precision costed, recorded in the plan;
+    None: fp32 runs, bf16-mixed costs."""
 
     def _check(self) -> None:
         object.__setattr__(self, "freeze", freeze_patterns(self.freeze))

@@ -1,7 +1,7 @@
-"""--precision: bf16 and fp16 compute under autocast inside each stage's forward (fp32 weights, fp32 tensors
-between stages), fp16 with a dynamic loss scale agreed by every rank, and a run
-whose compute dtype differs from its plan's costs says so. The
-20-step bf16-vs-fp32 figures are bench/precision_cpu.py's."""
+"""--precision: bf16 and fp16 compute with 16-bit parameters (the model captured in 16 bits, FSDP2 / replicate
+gathering them from fp32 masters), fp16 with a dynamic loss scale agreed by every rank, and a run whose compute
+dtype differs from its plan's costs says so. The 20-step bf16-vs-fp32 losses and the parameter + gradient bytes
+are bench/precision_memory.py's."""
 
 from __future__ import annotations
 
@@ -22,24 +22,98 @@ from omnibal_compile.ir.costs import BF16_ADAM, FP32_ADAM, precision_named
 from omnibal_compile.models import TinyVLM
 from omnibal_compile.runtime.batches import build_model
 from omnibal_compile.runtime.launch import launch, precheck
-from omnibal_compile.runtime.precision import LossScaler, PrecisionStage, compute_dtype
+from omnibal_compile.runtime.precision import ComputeParams, LossScaler, cast_for_capture, cast_inputs, compute_dtype
 from omnibal_compile.runtime.settings import RunConfig
 from tests.conftest import SMALL_VLM
 
 
-def test_a_bf16_stage_computes_in_bf16_and_hands_on_fp32():
+def _one_rank(precision: str, steps: int = 1) -> dict:
+    """TinyVLM on a (dp=1, pp=1) mesh in ``precision``: losses, and what the stages computed with (step 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.models import make_example_batch
+    from omnibal_compile.runtime import build_pipeline
+
+    torch.manual_seed(0)
     model = TinyVLM(SMALL_VLM)
+    batch = make_example_batch(SMALL_VLM, batch=4, tiles_per_sample=1, text_tokens=12)
     with progress.quiet():
-        result = oc.optimize(model, num_stages=2, planner="uniform")
-    values = plain = result.captured.example_flat_inputs
-    for stage in result.stages:
-        plain = stage(*plain)
-        values = PrecisionStage(stage, "cpu", torch.bfloat16)(*values)
-        assert [v.dtype for v in values if v.is_floating_point()] == [torch.float32] * sum(
-            v.is_floating_point() for v in values)
-    loss16, loss32 = float(values[0].detach()), float(plain[0].detach())
-    assert loss16 != loss32 and abs(loss16 - loss32) / loss32 < 0.02  # computed in bf16, close to fp32
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+        plan = oc.optimize(model, num_stages=1, planner="uniform", num_microbatches=2).plan
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    low = compute_dtype(precision)
+    masters = cast_for_capture(model, low) if low is not None else None
+    result = compile_for_microbatches(model, cast_inputs(batch, low), plan)
+    pipe = build_pipeline(result, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp")),
+                          precision=precision, masters=masters)
+    state = {n: t.detach() for n, t in pipe.full_state().items() if n in before}
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    losses, seen = [], None
+    for k in range(steps):
+        recorder = ComputeParams(pipe.modules)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(pipe.step(batch))
+        recorder.close()
+        if k == 0:
+            seen = {"compute": recorder.dtypes(), "bytes": recorder.param_bytes + recorder.grad_bytes,
+                    "masters": {p.dtype for p in pipe.parameters()},
+                    "master grads": {p.grad.dtype for p in pipe.parameters() if p.grad is not None},
+                    "exact masters": all(torch.equal(state[n], before[n]) for n in state)}
+        optimizer.step()
+    return {"losses": losses, **(seen or {})}
+
+
+@pytest.mark.slow
+def test_bf16_computes_with_bf16_parameters_over_fp32_masters_on_one_rank(one_rank_group):
+    """dp=1: FSDP2 over the 1-rank dp mesh gathers bf16 weights for the stage (parameters and gradients in compute:
+    bf16, half of fp32's bytes), the optimizer holds the fp32 masters, equal to the model's fp32 weights before the
+    capture cast, with fp32 gradients; the losses stay within 2% of fp32's."""
+    fp32, bf16 = _one_rank("fp32"), _one_rank("bf16")
+    assert fp32["compute"] == fp32["masters"] == fp32["master grads"] == {torch.float32}
+    assert bf16["compute"] == {torch.bfloat16}
+    assert bf16["masters"] == bf16["master grads"] == {torch.float32} and bf16["exact masters"]
+    assert bf16["bytes"] * 2 == fp32["bytes"]
+    assert bf16["losses"] != fp32["losses"]  # computed in bf16 indeed
+    assert max(abs(a - b) / a for a, b in zip(fp32["losses"], bf16["losses"])) <= 0.02
+
+
+def test_16_bit_runs_need_a_model_captured_in_16_bits_and_a_mesh(one_rank_group):
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.models import make_example_batch
+    from omnibal_compile.runtime import build_pipeline
+
+    model = TinyVLM(SMALL_VLM)
+    batch = make_example_batch(SMALL_VLM, batch=2, tiles_per_sample=1, text_tokens=12)
+    with progress.quiet():
+        plan = oc.optimize(model, num_stages=1, planner="uniform", num_microbatches=2).plan
+    result = compile_for_microbatches(model, batch, plan)
+    with pytest.raises(InputError, match=r"captured with float32 parameters; capture it in bfloat16"):
+        build_pipeline(result, rank=0, world_size=1, precision="bf16")
+    cast_for_capture(model, torch.bfloat16)  # the parameters the check reads (a graph of fp32 casts still)
+    with pytest.raises(InputError, match="give build_pipeline a mesh"):
+        build_pipeline(result, rank=0, world_size=1, precision="bf16")
+
+
+def test_16_bit_refuses_two_stages_on_one_rank_sharing_a_tied_weight(one_rank_group, tiny_llama):
+    """A 1-rank interleaved pipeline of a Llama whose embedding and head are one parameter: FSDP2 wraps each stage
+    on its own, so 16 bits are refused, naming the way out."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.planning.build import uniform
+    from omnibal_compile.runtime import build_pipeline
+
+    model, batch = copy.deepcopy(tiny_llama[0]), {k: v[:1] for k, v in tiny_llama[1].items()}
+    with progress.quiet():
+        graph = oc.optimize(model, batch, num_stages=1).graph
+    plan = dataclasses.replace(uniform(graph, 2), schedule="interleaved", num_microbatches=2, virtual_stages=2)
+    masters = cast_for_capture(model, torch.bfloat16)
+    result = compile_for_microbatches(model, {k: v.repeat(2, 1) for k, v in batch.items()}, plan)
+    with pytest.raises(InputError, match=r"share a parameter \(tied weights\); --precision bf16 keeps fp32 masters"):
+        build_pipeline(result, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp")), precision="bf16",
+                       masters=masters)
 
 
 def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
@@ -54,12 +128,23 @@ def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
                            planner="uniform", device="cpu", precision="fp32").plan
     assert plan.notes["compute dtype"] == "float32"
     (tmp_path / "plan.json").write_text(plan.to_json())
+    bf16 = dataclasses.replace(plan, notes={**plan.notes, "precision": "bf16"})  # as `plan --precision bf16` notes
+    (tmp_path / "bf16.json").write_text(bf16.to_json())
     config = RunConfig(plan=str(tmp_path / "plan.json"), model_config=model_config, batch_size=4)
     capsys.readouterr()
     precheck(config)
     assert "measured in" not in capsys.readouterr().err  # fp32 run, fp32 costs: nothing to say
+    assert plan.notes["precision"] == "fp32"  # the setting its parameter bytes were costed in
     precheck(dataclasses.replace(config, precision="bf16"))
-    assert "costs were measured in float32, this run computes in bfloat16" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "costs were measured in float32, this run computes in bfloat16" in said
+    assert ("the plan costed the parameters of --precision fp32 (4-byte weights and gradients in compute), this run "
+            "holds those of --precision bf16 (2-byte weights and gradients in compute over a 4-byte master copy)"
+            in said)
+    precheck(dataclasses.replace(config, plan=str(tmp_path / "bf16.json")))  # a bf16 plan, an fp32 run
+    said = capsys.readouterr().err
+    assert "parameters of --precision bf16 (2-byte" in said and "those of --precision fp32 (4-byte" in said
+    assert "measured in" not in said  # profiled on CPU: activations in the model's float32, as the run's
 
 
 def _losses(tmp_path: Path, stages: int, dp: int, precision: str, steps: int) -> list[float]:
@@ -81,6 +166,81 @@ def test_bf16_losses_stay_within_2_percent_of_fp32(tmp_path: Path, stages: int, 
     bf16 = _losses(tmp_path, stages, dp, "bf16", 4)
     assert bf16 != fp32  # computed in bf16 indeed
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) <= 0.02
+
+
+def _mesh_worker(rank: int, world: int, port: int, out: str, models: dict, cases: list) -> None:
+    """One of 2 ranks: every case (name, (dp, pp), dp_shard, precision) trains TinyVLM for its steps from the same
+    weights and batches; saves the losses and what the stages computed with in the first step."""
+    from test_runtime import _rank_process
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.ir.costs import DataParallel
+    from omnibal_compile.runtime import build_pipeline
+    from omnibal_compile.runtime.batches import _dp_part
+
+    with _rank_process(rank, world, port, out):
+        found = {}
+        for name, (dp, pp), shard, precision, plan, steps in cases:
+            cls, config, weights, batch = models["vlm"]
+            model = cls(config)
+            model.load_state_dict(weights)
+            mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+            part = _dp_part(batch, dp, mesh["dp"].get_local_rank())
+            low = compute_dtype(precision)
+            masters = cast_for_capture(model, low) if low is not None else None
+            pipe = build_pipeline(compile_for_microbatches(model, cast_inputs(part, low), plan), mesh=mesh,
+                                  precision=precision, masters=masters,
+                                  data_parallel=DataParallel(size=dp, shard=shard))
+            optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+            losses, seen = [], {}
+            for k in range(steps):
+                recorder = ComputeParams(pipe.modules)
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(pipe.step(part))
+                recorder.close()
+                if k == 0:
+                    seen = {"compute": recorder.dtypes(), "bytes": recorder.param_bytes + recorder.grad_bytes,
+                            "masters": {p.dtype for p in pipe.parameters()},
+                            "master grads": {p.grad.dtype for p in pipe.parameters() if p.grad is not None}}
+                optimizer.step()
+            found[name] = {"losses": losses, **seen}
+        torch.save(found, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_pp2_and_dp2_compute_with_bf16_parameters_over_fp32_masters(tmp_path: Path):
+    """2 ranks, 10 steps each of the same data: pp=2 (FSDP2 on the 1-rank dp meshes, bf16 activations sent between
+    the stages), dp=2 FSDP2 and dp=2 DDP (replicate). In bf16 every rank computes with bf16 parameters and
+    gradients, half of fp32's bytes, while the optimizer steps fp32 masters with fp32 gradients; the losses stay
+    within 2% of fp32's."""
+    from test_runtime import _spawn, _vlm_batch
+
+    torch.manual_seed(0)
+    model = TinyVLM(SMALL_VLM)
+    batch = _vlm_batch()
+    half = {k: v[:2] for k, v in batch.items()}  # dp=2: each rank's part
+    plans = {}
+    for pp, example in ((2, batch), (1, half)):
+        with progress.quiet():
+            plans[pp] = oc.optimize(model, {k: v[:1] for k, v in example.items()}, num_stages=pp, planner="uniform",
+                                    num_microbatches=2).plan
+    layouts = {"pp2": ((1, 2), "fsdp"), "dp2-fsdp": ((2, 1), "fsdp"), "dp2-ddp": ((2, 1), "ddp")}
+    cases = [(f"{name}-{precision}", mesh, shard, precision, plans[mesh[1]], 10)
+             for name, (mesh, shard) in layouts.items() for precision in ("fp32", "bf16")
+             if (name, precision) != ("dp2-ddp", "fp32")]  # fp32 DDP computes as fp32 FSDP: its baseline
+    ranks = _spawn(2, tmp_path, {"vlm": (model, batch)}, cases, worker=_mesh_worker)
+    for name, baseline in (("pp2", "pp2"), ("dp2-fsdp", "dp2-fsdp"), ("dp2-ddp", "dp2-fsdp")):
+        for rank, found in enumerate(ranks):
+            fp32, bf16 = found[f"{baseline}-fp32"], found[f"{name}-bf16"]
+            assert fp32["compute"] == fp32["masters"] == {torch.float32}, (name, rank)
+            assert bf16["compute"] == {torch.bfloat16}, (name, rank)
+            assert bf16["masters"] == bf16["master grads"] == {torch.float32}, (name, rank)
+            assert bf16["bytes"] * 2 == fp32["bytes"] > 0, (name, rank)
+        fp32, bf16 = ranks[-1][f"{baseline}-fp32"]["losses"], ranks[-1][f"{name}-bf16"]["losses"]  # the last stage's
+        assert bf16 != fp32, name
+        assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) <= 0.02, (name, fp32, bf16)
 
 
 def test_the_loss_scaler_unscales_skips_on_inf_halves_and_grows_after_good_steps(one_rank_group):

@@ -75,6 +75,7 @@ import torch
 from omnibal_compile import progress
 from omnibal_compile._utils.files import same_file, writable_folder
 from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.ir.costs import PRECISION_NAMES, Precision, precision_named
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model, eval_source, run_steps
 from omnibal_compile.runtime.recipe import OPTIMIZERS
@@ -166,9 +167,24 @@ def precheck(config: RunConfig) -> Plan:
 
 
 def _note_plan_settings(config: RunConfig, plan: Plan) -> None:
-    """A note when the run computes in another dtype, or freezes other parameters, than the plan's
-    costs were measured with (its step times may then differ from the plan's predictions)."""
+    """A note when the run computes in another dtype, holds parameters of other bytes (a plan made with another
+    ``--precision``), or freezes other parameters, than the plan's costs were measured with (its step times and
+    memory may then differ from the plan's predictions)."""
     from omnibal_compile.runtime.precision import compute_dtype
+
+    planned_precision, run_precision = plan.notes.get("precision"), config.precision or "fp32"
+    if isinstance(planned_precision, str) and planned_precision in PRECISION_NAMES:
+        costed, held = precision_named(planned_precision), precision_named(run_precision)
+        if (costed.weight_bytes, costed.grad_bytes, costed.master_bytes) != (held.weight_bytes, held.grad_bytes,
+                                                                             held.master_bytes):
+            def described(p: Precision) -> str:
+                return (f"{p.weight_bytes}-byte weights and gradients in compute"
+                        + (f" over a {p.master_bytes}-byte master copy" if p.master_bytes else ""))
+
+            progress.info(f"note: the plan costed the parameters of --precision {planned_precision} "
+                          f"({described(costed)}), this run holds those of --precision {run_precision} "
+                          f"({described(held)}): its memory and data-parallel traffic may differ from the plan's; "
+                          f"plan with --precision {run_precision} to cost what it holds")
 
     low = compute_dtype(config.precision)
     run_dtype = str(low or torch.float32).removeprefix("torch.")

@@ -25,12 +25,18 @@ Glossary:
                    backward. Every dp rank weighs its micro-batch losses by its share of the
                    *global* step's loss terms (an all-reduce of the counts over ``dp``), so the
                    gradients are summed over ``dp`` (divide factor 1), never averaged again.
+    16 bits        ``precision`` bf16 / fp16: the stages of a model captured in that dtype get fp32
+                   masters back and are wrapped at every dp (FSDP2 on the 1-rank dp mesh at dp = 1)
+                   with a policy gathering 16-bit weights and reducing fp32 gradients
+                   (:mod:`omnibal_compile.runtime.precision`); batches' float inputs are cast to the
+                   captured dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule
 from torch.distributed.tensor import DTensor
@@ -51,7 +57,7 @@ from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recomput
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.runtime.precision import PrecisionStage, compute_dtype
+from omnibal_compile.runtime.precision import compute_dtype, mixed_precision_policy, restore_masters
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
     from omnibal_compile.api import OptimizeResult
@@ -185,7 +191,7 @@ class _WeightedLoss:
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         outs = output if isinstance(output, (tuple, list)) else (output,)
-        loss = outs[self.index]
+        loss = outs[self.index].float()  # a 16-bit model's loss: its weighting and sum in fp32
         weight = target.sum().to(loss.dtype)
         # a micro-batch of empty rows (labels all -100, weight 0) has a 0/0 mean loss: it adds nothing
         return torch.where(weight > 0, loss, torch.zeros_like(loss)) * weight
@@ -262,6 +268,11 @@ class RankPipeline:
     """Process group along ``pp`` (this replica's pipeline ranks); None: the default group (one pipeline)."""
     forward_flops: float = 0.0
     """Forward FLOPs of one micro-batch through this rank's stages (counted once, when they were built)."""
+    input_dtypes: tuple[torch.dtype, ...] = ()
+    """Dtype of every flat input as captured; :meth:`flatten` casts a batch's inputs to them (bf16 pixel values
+    for a model captured in bf16). Empty: kept as given."""
+    param_dtype: torch.dtype = torch.float32
+    """Dtype the stages' parameters compute in (``--precision``); the optimizer's parameters stay fp32."""
 
     @property
     def has_first(self) -> bool:
@@ -341,6 +352,9 @@ class RankPipeline:
                     f"({m} micro-batches of {shape}); pipelining's buffers are fixed, so pack batches to the "
                     "planned shape (a packing collator) or re-compile the stages for this shape"
                 )
+        if self.input_dtypes:
+            return tuple(x.to(self.device, d if x.is_floating_point() else x.dtype)
+                         for x, d in zip(leaves, self.input_dtypes))
         return tuple(x.to(self.device) for x in leaves)
 
     def evaluate(self, batch: Any) -> tuple[float, float] | None:
@@ -420,24 +434,50 @@ def _original_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def _check_stage_params_disjoint(modules: Sequence[nn.Module], stages: Sequence[int]) -> None:
+def _check_stage_params_disjoint(modules: Sequence[nn.Module], stages: Sequence[int], precision: str | None = None
+                                 ) -> None:
+    """No parameter in two of one rank's stages (FSDP2 and replicate wrap each stage on its own); ``precision``:
+    the 16-bit setting that wraps them at dp = 1."""
     owner: dict[int, int] = {}
     for s, mod in zip(stages, modules):
         for p in mod.parameters():
             if owner.setdefault(id(p), s) != s:
+                if precision is not None:
+                    raise InputError(
+                        f"stages {owner[id(p)]} and {s} on one rank share a parameter (tied weights); --precision "
+                        f"{precision} keeps fp32 masters under FSDP2, which wraps each stage on its own: use "
+                        "--precision fp32, or a plan that puts them on different ranks")
                 raise InputError(
                     f"stages {owner[id(p)]} and {s} on one rank share a parameter (tied weights); data parallelism "
                     "shards each stage on its own: use dp=1, or a plan that puts them on different ranks"
                 )
 
 
-def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, layout: DataParallel) -> nn.Module:
+def _check_captured_in(result: OptimizeResult, low: torch.dtype, precision: str | None, mesh: DeviceMesh | None
+                       ) -> None:
+    """A 16-bit run needs its model captured with 16-bit parameters, and a mesh for FSDP2's masters."""
+    found = {p.dtype for p in result.model.parameters() if p.is_floating_point()}
+    if found - {low}:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in found))
+        raise InputError(
+            f"precision {precision}: the model was captured with {names} parameters; capture it in "
+            f"{str(low).removeprefix('torch.')} (runtime.precision.cast_for_capture(model, {low}) and cast_inputs on "
+            "the batch, before compile_for_microbatches) so that its graph's casts are those of a 16-bit model")
+    if mesh is None:
+        raise InputError(f"precision {precision} keeps fp32 master weights under FSDP2 on the dp mesh: give "
+                         "build_pipeline a mesh (init_device_mesh(..., (dp, pp), mesh_dim_names=('dp', 'pp')))")
+
+
+def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, layout: DataParallel,
+                        mp: MixedPrecisionPolicy | None = None) -> nn.Module:
     """``module`` made data-parallel over the 1-D ``mesh`` by ``layout`` in place (module glossary); returns it.
 
     FSDP2 units: every called submodule (a recompute region) whose parameters no other part of the
     stage reads, then the stage for the rest. Gradients are summed over ``dp``, not averaged: the
-    loss weights already divide by the global step's loss terms.
+    loss weights already divide by the global step's loss terms. ``mp``: the mixed precision policy
+    (:func:`~omnibal_compile.runtime.precision.mixed_precision_policy`) of every unit.
     """
+    mp = mp if mp is not None else MixedPrecisionPolicy()
     counts: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -451,12 +491,12 @@ def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, layout: DataParalle
                 units.append((name, sub))
     if layout.shard == "fsdp":
         for _, sub in units:
-            fully_shard(sub, mesh=mesh, reshard_after_forward=layout.reshard_after_forward)
-        fully_shard(module, mesh=mesh, reshard_after_forward=layout.reshard_after_forward)
+            fully_shard(sub, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp)
+        fully_shard(module, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp)
     else:  # "ddp": DataParallel admits only DP_SHARDS
         for _, sub in units:
-            replicate(sub, mesh=mesh)
-        replicate(module, mesh=mesh)
+            replicate(sub, mesh=mesh, mp_policy=mp)
+        replicate(module, mesh=mesh, mp_policy=mp)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -475,6 +515,7 @@ def build_pipeline(
     recompute: bool = True,
     weighting: str = "tokens",
     precision: str | None = None,
+    masters: Mapping[str, torch.Tensor] | None = None,
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
@@ -486,10 +527,12 @@ def build_pipeline(
     process groups for tied parameters. ``result.plan`` sets the schedule, micro-batches and
     virtual stages; its recompute options are applied by
     :func:`omnibal_compile.compile.recompute.apply_recompute` unless ``recompute=False``.
-    ``weighting`` says how the model's loss averages (see :func:`loss_terms`). ``precision``: ``bf16`` computes
-    in bfloat16 with fp32 weights (:mod:`omnibal_compile.runtime.precision`); None or ``fp32``: float32. With
-    ``dp > 1`` this rank's stage modules of ``result`` become FSDP/replicate modules in place: build from a
-    ``result`` of its own.
+    ``weighting`` says how the model's loss averages (see :func:`loss_terms`). ``precision``: ``bf16`` / ``fp16``
+    compute with 16-bit parameters over fp32 masters (:mod:`omnibal_compile.runtime.precision`): ``result`` must be
+    captured with its parameters in that dtype (``cast_for_capture``), ``masters`` (its return) gives the fp32
+    values back (without it the 16-bit values are upcast), and a ``mesh`` is needed (dp = 1 too: its 1-rank dp
+    mesh holds the masters). None or ``fp32``: float32. With ``dp > 1`` (or 16 bits) this rank's stage modules of
+    ``result`` become FSDP/replicate modules in place: build from a ``result`` of its own.
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
@@ -516,6 +559,8 @@ def build_pipeline(
     check_pipeline(plan, world_size=world_size)
     device = torch.device(device)
     low = compute_dtype(precision)
+    if low is not None:
+        _check_captured_in(result, low, precision, mesh)
     mine = rank_stages(plan, rank)
     flops: dict[int, float] = {}
     examples = _stage_examples(result, mine, device, flops)
@@ -529,16 +574,20 @@ def build_pipeline(
             mod = _TensorOutputs(mod, keep)
             examples[i] = (ins, tuple(outs[j] for j in keep))
             loss_index = keep.index(loss_index)
-        if low is not None:
-            mod = PrecisionStage(mod, device.type, low)  # autocast inside the stage's forward
-        modules.append(mod.to(device))
+        modules.append(mod)
     original = _original_names(result.model)
     local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not
     holders = _tied_holders(result, original)
-    if dp_size > 1:
+    if low is not None:  # after the examples (run in 16 bits): the stages hold fp32 masters from here
+        for mod, names in zip(modules, local):
+            restore_masters(mod, masters or {}, names)
+    modules = [mod.to(device) for mod in modules]
+    if dp_size > 1 or low is not None:
         assert mesh is not None
-        _check_stage_params_disjoint(modules, mine)
-        modules = [_make_data_parallel(mod, mesh["dp"], layout) for mod in modules]
+        _check_stage_params_disjoint(modules, mine, precision if dp_size == 1 else None)
+        # dp = 1 in 16 bits: FSDP2 over the 1-rank dp mesh, for its gather-in-bf16 / reduce-in-fp32 policy
+        wrap = layout if dp_size > 1 else dataclasses.replace(layout, shard="fsdp")
+        modules = [_make_data_parallel(mod, mesh["dp"], wrap, mixed_precision_policy(low)) for mod in modules]
     state: dict[str, torch.Tensor] = {}
     for mod, names in zip(modules, local):
         tensors = list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False))
@@ -579,6 +628,8 @@ def build_pipeline(
         dp_shard=layout.shard if dp_size > 1 else None,
         pp_group=group,
         forward_flops=sum(flops.values()),
+        input_dtypes=tuple(x.dtype for x in result.captured.example_flat_inputs),
+        param_dtype=low or torch.float32,
     )
 
 

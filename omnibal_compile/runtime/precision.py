@@ -1,45 +1,52 @@
-"""Mixed precision of a run (``--precision``): fp32 master weights always, the compute in bf16.
+"""Mixed precision of a run (``--precision``): 16-bit parameters in compute over fp32 master weights.
 
 Glossary:
     fp32           everything in float32 (the default: this is what CPU runs and the tests compare).
-    bf16           parameters, gradients and optimizer states stay float32; the compute runs in
-                   bfloat16: each stage module's forward runs inside ``torch.autocast`` (pipelining
-                   calls the stage's forward itself, so the context is entered there, not around
-                   ``schedule.step``), under dp = 1, DDP and FSDP2 alike (FSDP2 gathers the fp32
-                   weights and reduces fp32 gradients). FSDP2's ``MixedPrecisionPolicy(param_dtype=
-                   bfloat16)`` is not used: the captured graph keeps the casts of the model's code to
-                   the dtype it was captured in (``x.to(hidden.dtype)`` became ``to(float32)``), so
-                   with bf16 weights an op meets float32 and bfloat16 operands (``masked_scatter``
-                   refuses them). Each stage hands float32 tensors on (its float outputs are cast
-                   back), so the pipeline's send and receive buffers keep the dtypes the stages were
-                   built with; the captured dtype checks (``_assert_tensor_metadata``) are removed.
-                   bf16 is the setting meant for GPUs; the default stays fp32 until it is checked on one.
-    fp16           as bf16 (autocast in float16, fp32 weights and gradients), plus a dynamic loss scale
+    bf16           the model is captured with its parameters in bfloat16 (:func:`cast_for_capture`) and its
+                   float inputs in bfloat16 (:func:`cast_inputs`), so the graph's casts are those of a bf16
+                   model (an RMSNorm upcasts to fp32 and back to bf16; buffers such as rotary tables keep
+                   their dtype, as in a bf16 Hugging Face model). Each stage module then holds fp32 master
+                   weights, the values the model had before the cast, and is wrapped by FSDP2
+                   ``fully_shard`` (``fsdp``, and dp = 1 on its 1-rank dp mesh) or composable
+                   ``replicate`` (``ddp``) with :func:`mixed_precision_policy`: the weights are gathered
+                   (cast) to bf16 for forward and backward, the stage computes and hands on bf16
+                   activations (pipelining's buffers take the dtypes of the stage examples, run in
+                   bf16), the bf16 gradients are reduced in fp32 into fp32 gradients of the fp32 masters,
+                   which the optimizer steps and checkpoints save. Across the micro-batches of a step,
+                   pipelining defers the reduction to the last one, so the unsharded gradients add up in
+                   bf16 until then. The loss is returned in fp32 (the model's own cross-entropy upcasts).
+    compute bytes  the unsharded bf16 parameters and their gradients: half of fp32's; the fp32 master
+                   (and its gradient) is held besides, sharded over dp under FSDP.
+    fp16           as bf16 (float16 parameters in compute, fp32 masters), plus a dynamic loss scale
                    (:class:`LossScaler`, ``torch.amp.GradScaler``'s rule): the step's loss is multiplied by
                    the scale, the gradients are divided by it before clipping, and when any rank's gradients
                    hold an inf or nan (a flag all-reduced over every rank of the world, pipeline and dp) every
                    rank skips the optimizer step and halves the scale; after ``growth_interval`` good steps
                    in a row the scale doubles. Its state goes into checkpoints (trainer ``loss_scale``).
-    not done       FSDP2 ``MixedPrecisionPolicy`` (16-bit parameters in compute): see bf16.
+    not done       two stages on one rank sharing a parameter (a 1-rank pipeline with tied weights) in
+                   16 bits: FSDP2 wraps each stage on its own, so such a run is refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["compute_dtype", "drop_dtype_checks", "LossScaler", "PrecisionStage"]
+__all__ = ["compute_dtype", "cast_for_capture", "cast_inputs", "mixed_precision_policy", "restore_masters",
+           "ComputeParams", "LossScaler"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 def compute_dtype(precision: str | None) -> torch.dtype | None:
-    """The low-precision dtype a run computes in (None: float32); unknown names are InputErrors."""
+    """The 16-bit dtype a run's parameters compute in (None: float32); unknown names are InputErrors."""
     if precision in (None, "fp32"):
         return None
     if precision not in _DTYPES:
@@ -47,44 +54,98 @@ def compute_dtype(precision: str | None) -> torch.dtype | None:
     return _DTYPES[precision]
 
 
-def drop_dtype_checks(module: nn.Module) -> int:
-    """Remove the captured graphs' ``_assert_tensor_metadata`` checks (torch.export records one per ``.to(dtype)``
-    of the model's code, naming the float32 dtype it was captured in) from every graph module in ``module``;
-    under autocast the checked values are bf16. Returns how many were removed."""
-    import torch.fx as fx
-
-    check = torch.ops.aten._assert_tensor_metadata.default
-    removed = 0
-    for gm in module.modules():
-        if not isinstance(gm, fx.GraphModule):
-            continue
-        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is check and not n.users]
-        for n in nodes:
-            gm.graph.erase_node(n)
-        if nodes:
-            gm.recompile()
-            removed += len(nodes)
-    return removed
+def cast_for_capture(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast ``model``'s floating parameters to ``dtype`` in place (the parameter objects stay, so stages made
+    from it share them) and return their values before the cast, by every name (``named_parameters`` with
+    duplicates): the fp32 master weights :func:`~omnibal_compile.runtime.pipeline.build_pipeline` gives the
+    stages back. Buffers keep their dtype (FSDP2's policy casts parameters only)."""
+    masters: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                if name not in masters:
+                    masters[name] = p.data
+                p.data = p.data.to(dtype)
+    return masters
 
 
-class PrecisionStage(nn.Module):
-    """A stage module whose forward runs under ``torch.autocast`` and whose float outputs are cast back to
-    float32, so that what pipelining sends and receives keeps the built dtypes."""
+def cast_inputs(batch: Any, dtype: torch.dtype | None) -> Any:
+    """``batch`` with its floating tensors (pixel values) in ``dtype`` (None: unchanged), as the model is captured."""
+    if dtype is None:
+        return batch
+    return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                           batch)
 
-    def __init__(self, stage: nn.Module, device_type: str, dtype: torch.dtype, *, autocast: bool = True) -> None:
-        super().__init__()
-        drop_dtype_checks(stage)
-        self.stage = stage
-        self.device_type = device_type
-        self.dtype = dtype
-        self.autocast = autocast
 
-    def forward(self, *args: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
-            out = self.stage(*args)
-        return pytree.tree_map(
-            lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32
-            else x, out)
+def mixed_precision_policy(dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a run computing in ``dtype``: parameters gathered in it, gradients reduced in fp32.
+    Forward inputs are not cast: the stages take the dtypes they were captured with (an fp32 skip tensor stays fp32)."""
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def restore_masters(module: nn.Module, masters: Mapping[str, torch.Tensor], names: Mapping[str, list[str]]) -> None:
+    """Give ``module``'s 16-bit parameters their fp32 master values: ``masters`` by original name
+    (:func:`cast_for_capture`), ``names`` module-local name -> original names; a parameter without one is upcast."""
+    with torch.no_grad():
+        for local, p in module.named_parameters(remove_duplicate=False):
+            if not p.is_floating_point() or p.dtype == torch.float32:
+                continue
+            found = next((masters[n] for n in names.get(local, []) if n in masters), None)
+            p.data = found if found is not None else p.data.float()
+
+
+class ComputeParams:
+    """Records the parameters a rank's stage modules compute with and the gradients accumulated into them, by
+    forward pre-hooks on every submodule (run after FSDP2's gather: the unsharded parameters then; sharded DTensors
+    are skipped) and post-accumulate-grad hooks: for checks and ``bench/precision_memory.py``. Each tensor counts
+    once, at its largest (its dtype x elements), however often it is gathered: what a step holds once every unit's
+    weights and gradients are unsharded (pipelining keeps them so until the last micro-batch's backward)."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.params: dict[int, tuple[torch.dtype, int]] = {}
+        """id -> (dtype, bytes) of every parameter the stages computed with."""
+        self.grads: dict[int, tuple[torch.dtype, int]] = {}
+        """id -> (dtype, bytes) of the gradient accumulated into it."""
+        self.storages: set[int] = set()
+        """Data pointers of their storages when recorded (a tensor sharing one is no separate copy)."""
+        self._held: list[nn.Parameter] = []  # keeps the ids unique while recording
+        self._handles = [m.register_forward_pre_hook(self._forward) for mod in modules for m in mod.modules()]
+
+    def _forward(self, module: nn.Module, args: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p in module.parameters():
+            if isinstance(p, DTensor) or id(p) in self.params:
+                continue
+            self.params[id(p)] = (p.dtype, p.numel() * p.element_size())
+            self.storages.add(p.untyped_storage().data_ptr())
+            self._held.append(p)
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad))
+
+    def _grad(self, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is not None:
+            self.grads[id(p)] = (g.dtype, max(g.numel() * g.element_size(), self.grads.get(id(p), (g.dtype, 0))[1]))
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(b for _, b in self.params.values())
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(b for _, b in self.grads.values())
+
+    def dtypes(self) -> set[torch.dtype]:
+        """Dtypes of the parameters and gradients recorded."""
+        return {d for d, _ in self.params.values()} | {d for d, _ in self.grads.values()}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._held = [], []
 
 
 class LossScaler:

@@ -209,7 +209,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from omnibal_compile.costs._measure import PeakLiveStorages
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline, loss_terms
-    from omnibal_compile.runtime.precision import LossScaler
+    from omnibal_compile.runtime.precision import LossScaler, cast_for_capture, cast_inputs, compute_dtype
 
     config = with_plan_layout(config)
     layout = run_data_parallel(config)
@@ -225,12 +225,15 @@ def train(config: RunConfig) -> list[StepLog]:
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     steps = run_steps(config, source)
     held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
-    result = compile_for_microbatches(model, source(0), plan)
+    low = compute_dtype(config.precision)
+    # 16 bits: captured as a 16-bit model (its graph's casts are then bf16's), the fp32 values kept as masters
+    masters = cast_for_capture(model, low) if low is not None else None
+    result = compile_for_microbatches(model, cast_inputs(source(0), low), plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
-        recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,
+        recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision, masters=masters,
     )
-    del model, result  # each rank keeps only its stages' parameters
+    del model, result, masters  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)
     scaler = LossScaler() if config.precision == "fp16" else None
     first = 0

@@ -159,7 +159,42 @@ def test_qwen2_vl_lengths_plan_run_on_dp2_x_pp2_trains_the_pretrained_model_on_t
 
     want = _alone(model, dataset, ids, images)
     assert abs(step["loss"] - want) <= 1e-5, (step["loss"], want)
+    for i in ids:  # the samples' tensors are what Hugging Face's own Qwen2VLProcessor makes of the records
+        sample, theirs = dataset[i], _qwen_processor_inputs(tiny_qwen, i)
+        assert torch.equal(sample["input_ids"], theirs["input_ids"][0]), i
+        for key in ("pixel_values", "image_grid_thw"):
+            assert (key in sample) == (key in theirs) and (key not in sample or torch.equal(sample[key], theirs[key]))
     _check_pixels_count(model_spec, tiny_qwen, step, tmp_path)
+
+
+def _qwen_processor_inputs(folder: Path, record: int) -> dict:
+    """Record ``record`` of ``folder``'s train.json through ``transformers.Qwen2VLProcessor.__call__`` itself: its chat
+    template's text with Qwen2-VL's image marks, the record's images. The processor is made without ``__init__``,
+    which builds a video processor that needs torchvision (not installable against this CPU torch); images need
+    only the image processor and the tokenizer it is given."""
+    from PIL import Image
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    rec = json.loads((folder / "train.json").read_text())[record]
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    turns = rec.get("messages") or [{"role": roles[t["from"]], "content": t["value"]} for t in rec["conversations"]]
+    mark = "<|vision_start|><|image_pad|><|vision_end|>"
+    messages = [{"role": t["role"], "content": t["content"].replace("<image>", mark)} for t in turns]
+    paths = rec.get("image", [])
+    images = [Image.open(folder / p).convert("RGB") for p in ([paths] if isinstance(paths, str) else paths)]
+    if images and not any("<image>" in t["content"] for t in turns):  # LLaVA's rule: images go before the first turn
+        messages[0 if messages[0]["role"] != "system" else 1]["content"] = (
+            mark * len(images) + messages[0 if messages[0]["role"] != "system" else 1]["content"])
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    processor = object.__new__(Qwen2VLProcessor)
+    processor.image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder / "model")
+    processor.tokenizer, processor.video_processor, processor.chat_template = tokenizer, None, tokenizer.chat_template
+    processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
+    processor.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    processor.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    out = processor(text=[text], images=images or None, return_tensors="pt")
+    return {k: v for k, v in out.items() if k in ("input_ids", "pixel_values", "image_grid_thw")}
 
 
 @pytest.mark.slow

@@ -126,6 +126,11 @@ class RefusedCut:
         )
 
 
+def _square(shape: tuple[int, ...]) -> bool:
+    """(B, 1, L, L): the shape of an attention mask."""
+    return len(shape) == 4 and shape[-1] == shape[-2]
+
+
 def _describe(v: CrossingValue) -> str:
     if v.shape is None:
         return "a size"
@@ -241,7 +246,7 @@ class BlockGraph:
         dtype = (v.dtype or "").removeprefix("torch.")
         kind = (
             "value" if v.shape is None else "loss" if v.shape == () and v.last_use >= self.num_blocks
-            else "scalar" if v.shape == () else "mask" if dtype == "bool"
+            else "scalar" if v.shape == () else "mask" if dtype == "bool" or (v.rebuilt and _square(v.shape))
             else "indices" if dtype.startswith(("int", "uint")) else "activations"
         )
         same = [u for u in self.values if u.producer == v.producer and u.last_use > v.producer]

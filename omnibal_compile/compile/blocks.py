@@ -199,11 +199,33 @@ class BlockGraph:
         """Values alive across cut ``cut`` (between block cut-1 and block cut), in a stable order."""
         if not 0 < cut < self.num_blocks:
             raise InputError(f"cut must lie in [1, {self.num_blocks - 1}], got {cut}")
-        return tuple(v for v in self.values if v.producer < cut <= v.last_use and not v.rebuilt)
+        alive = {v.name for v in self.values if v.producer < cut <= v.last_use}
+        # a rebuilt value is not sent; the model inputs it is made of are, while it is read
+        alive |= {r for v in self.values if v.rebuilt and v.name in alive for r in v.rebuilt_from}
+        return tuple(v for v in self.values if v.name in alive and not v.rebuilt)
 
     def cut_bytes(self, cut: int) -> int:
         """Bytes sent across cut ``cut`` per batch."""
         return sum(v.nbytes for v in self.crossing(cut))
+
+    def sending_all(self) -> BlockGraph:
+        """This graph with every rebuilt value sent instead (as ``build_blocks(rebuild=False)`` makes it)."""
+        if not self.rebuild:
+            return self
+        values = tuple(dataclasses.replace(v, rebuilt=False, rebuilt_from=()) for v in self.values)
+        edges: dict[tuple[int, int], tuple[list[str], int]] = {(e.producer, e.consumer): (list(e.values), e.nbytes)
+                                                              for e in self.edges}
+        for v in self.values:
+            if v.rebuilt:
+                users = {self.node_block[u.name] for u in self._node(v.name).users if u.name in self.node_block}
+                for u in sorted(b for b in users if b > v.producer):
+                    names, total = edges.get((v.producer, u), ([], 0))
+                    edges[(v.producer, u)] = ([*names, v.name], total + v.nbytes)
+        return dataclasses.replace(self, values=values, rebuild=False, edges=tuple(
+            BlockEdge(producer=i, consumer=j, values=tuple(n), nbytes=b) for (i, j), (n, b) in edges.items()))
+
+    def _node(self, name: str) -> fx.Node:
+        return next(n for n in self.captured.graph_module.graph.nodes if n.name == name)
 
     def rebuilt_across(self, cut: int) -> tuple[CrossingValue, ...]:
         """Rebuilt values alive across cut ``cut``: made again after it instead of being sent."""
@@ -596,12 +618,6 @@ def _chain(
             if producer >= 0 and u < n_blocks:
                 names, total = edges.get((producer, u), ([], 0))
                 edges[(producer, u)] = ([*names, node.name], total + nbytes)
-    # The inputs a rebuilt value is made from live (are sent) as long as it is read.
-    until = {v.name: v.last_use for v in values if not v.rebuilt}
-    for v in values:
-        for r in v.rebuilt_from:
-            until[r] = max(until[r], v.last_use)
-    values = [v if v.rebuilt else dataclasses.replace(v, last_use=until[v.name]) for v in values]
     return blocks, node_block, values, tuple(
         BlockEdge(producer=i, consumer=j, values=tuple(names), nbytes=total) for (i, j), (names, total) in edges.items()
     )

@@ -285,8 +285,8 @@ class BlockGraph:
         rebuilt = [v for v in self.values if v.rebuilt]
         if rebuilt:
             shown = "; ".join(
-                f"{self.describe_value(v)} ({_describe(v)}, {v.nbytes:,} bytes) from {', '.join(v.rebuilt_from) or 'nothing'}"
-                for v in rebuilt[:3]
+                f"{self.describe_value(v)} ({_describe(v)}, {v.nbytes:,} bytes) from "
+                f"{', '.join(v.rebuilt_from) or 'nothing'}" for v in rebuilt[:3]
             )
             more = f" and {len(rebuilt) - 3} more" if len(rebuilt) > 3 else ""
             table += f"\n  rebuilt by every stage that reads it, not sent: {shown}{more}"

@@ -318,8 +318,8 @@ class Plan:
                 "block the workspace of its own recompute option where it runs."
             )
         if self.stage_send_bytes:
-            lines.append("Sends: bytes each stage sends the next per micro-batch (values rebuilt by the stages that read "
-                         "them, such as attention masks, are not sent).")
+            lines.append("Sends: bytes each stage sends the next per micro-batch (values rebuilt by the stages that "
+                         "read them, such as attention masks, are not sent).")
         if self.iteration_time_s is not None:
             lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms (the schedule's closed form).")
         lines.extend(_note_sentences(self.notes))

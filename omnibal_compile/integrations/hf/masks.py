@@ -117,8 +117,12 @@ def mask_from_positions(gm: fx.GraphModule, model: nn.Module, names: Sequence[st
     for o in outs:
         env[o].meta["val"] = values[o]  # the example's mask: its shape and dtype, as capture's values give them
     position = order[first]
+
+    def after(u: fx.Node) -> bool:  # not the input checks, nor an assert placed before the recipe
+        return u.op != "call_module" and order.get(u, -1) >= position
+
     for (_, ph, _), out in zip(masks, outs):
-        ph.replace_all_uses_with(env[out], delete_user_cb=lambda u: u.op != "call_module" and order.get(u, -1) >= position)
+        ph.replace_all_uses_with(env[out], delete_user_cb=after)
     gm.graph.lint()
     gm.recompile()
     return True

@@ -26,15 +26,15 @@ class _Toy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(L, L), nn.Linear(L, L)
+        self.a, self.b = nn.Linear(4, L), nn.Linear(L, L)
         self.w = nn.Parameter(torch.randn(1, 1, L))
 
     def forward(self, x: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
         causal = torch.ones(L, L, dtype=torch.bool).tril()
         mask = (seg[:, :, None] == seg[:, None, :]) & causal  # cheap, from seg, L x larger than it: rebuilt
-        heavy = torch.matmul(x, x.transpose(1, 2))  # no parameter, but a matmul: sent
+        heavy = torch.matmul(x, x.transpose(1, 2))  # no parameter, larger than x, but a matmul: sent
         weighted = seg[:, :, None].float() * self.w  # reads a parameter: sent
-        noisy = torch.rand(1, L, L) < 2.0  # random (always true here): sent
+        noisy = torch.rand(1, L, L) < 2.0  # of no input, but random (always true here): sent
         small = seg * 2  # cheap, but no larger than seg: sent
         h = self.a(x)
         extra = heavy + weighted + noisy.float() + small[:, :, None].float()
@@ -44,7 +44,7 @@ class _Toy(nn.Module):
 def _toy_graph():
     torch.manual_seed(0)
     model = _Toy()
-    x = torch.randn(1, L, L)
+    x = torch.randn(1, L, 4)
     seg = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4])
     captured = capture(model, (x, seg))
     return model, (x, seg), captured, build_blocks(captured, model, block_prefixes=["a", "b"])

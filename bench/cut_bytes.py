@@ -10,6 +10,7 @@ decoder layers, and the largest over all cuts.
 
     python bench/cut_bytes.py
     python bench/cut_bytes.py --tokens 4096 --families gemma3
+    python bench/cut_bytes.py --families llava --plan    # and the 2-stage uniform plans' summaries (sends KiB)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from omnibal_compile.compile.capture import capture
 from omnibal_compile.data.collate import PackingCollator, synthetic_sample
 from omnibal_compile.data.packing import PackShape
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_pack_inputs
+from omnibal_compile.planning.build import uniform
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_families import build  # noqa: E402  (the tests' tiny families)
@@ -59,7 +61,7 @@ def middle_cut(graph: BlockGraph) -> int:
     return layers[len(layers) // 2]
 
 
-def measure(name: str, tokens: int) -> list[str]:
+def measure(name: str, tokens: int, *, plans: bool = False) -> list[str]:
     model, _ = build(name)
     batch = pack(model, tokens)
     mask = batch["attention_mask"]
@@ -73,6 +75,9 @@ def measure(name: str, tokens: int) -> list[str]:
     cuts = range(1, now.num_blocks)
     leaked = [v.name for k in cuts for v in now.crossing(k) if v.shape and len(v.shape) == 4 and v.shape[-1] == tokens]
     assert not leaked, f"{name}: an L x L value still crosses a cut: {leaked}"
+    if plans:
+        for label, graph in (("before", before), ("now", now)):
+            print(f"{name}, {label}: {uniform(graph, 2).summary()}\n")
     mib = 2**20
     return [
         name,
@@ -89,9 +94,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the pack (default 2048)")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--plan", action="store_true", help="print each family's 2-stage uniform plan, before and now")
     args = ap.parse_args()
     rows = [["family", "mask MiB", "mid cut before", "mid cut now", "less", "max cut before", "max cut now"]]
-    rows += [measure(name, args.tokens) for name in args.families]
+    rows += [measure(name, args.tokens, plans=args.plan) for name in args.families]
     print(f"MiB sent per micro-batch (one pack: {len(TILES)} samples, {args.tokens} tokens, fp32), mask sent (before) "
           "and rebuilt by the stages (now):")
     print(format_table(rows, "lrrrrrr"))

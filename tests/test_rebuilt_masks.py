@@ -167,6 +167,7 @@ def test_pipelined_pack_gives_each_sample_its_own_logits_without_sending_the_mas
         start += n
 
 
+@pytest.mark.slow
 def test_a_mask_that_is_not_the_pack_mask_of_its_positions_is_read_as_given():
     """The graph makes the mask of the positions only where that gives the example's mask bit for bit."""
     from omnibal_compile.integrations.hf.collate import block_causal_mask

@@ -35,24 +35,34 @@ def test_every_node_in_exactly_one_block(vlm_graph):
     assert set(compute) <= set(all_nodes)
 
 
-def test_skip_tensors_cross_many_cuts(vlm_graph):
+def _is_mask(v):
+    return v.shape is not None and len(v.shape) == 4 and v.dtype == "torch.bool"
+
+
+def test_skip_tensors_cross_many_cuts(vlm_graph, vlm):
     names = vlm_graph.names
     first, last = names.index("llm.layers.0"), names.index("llm.layers.2")
+    sent = build_blocks(vlm_graph.captured, vlm[0], rebuild=False)
     for cut in range(first + 1, last + 1):
         crossing = {v.name for v in vlm_graph.crossing(cut)}
         assert {"labels", "cos", "sin"} <= crossing, crossing  # labels, rotary tables
-        # the attention mask is built once and read by every layer
-        assert any(
-            v.shape is not None and len(v.shape) == 4 and v.dtype == "torch.bool" for v in vlm_graph.crossing(cut)
-        )
+        # the attention mask is built once and read by every layer: rebuilt there from the ids (a batch without
+        # segment_ids: the model makes them of input_ids), not sent
+        assert not any(_is_mask(v) for v in vlm_graph.crossing(cut))
+        (mask,) = [v for v in vlm_graph.rebuilt_across(cut) if _is_mask(v)]
+        assert mask.rebuilt_from == ("input_ids",) and "input_ids" in crossing
+        assert any(_is_mask(v) for v in sent.crossing(cut))
+        assert sent.cut_bytes(cut) > vlm_graph.cut_bytes(cut)
 
 
 def test_crossing_values_are_consistent(vlm_graph):
     n = vlm_graph.num_blocks
     for cut in range(1, n):
+        sources = {r for v in vlm_graph.rebuilt_across(cut) for r in v.rebuilt_from}
         for v in vlm_graph.crossing(cut):
-            assert v.producer < cut <= v.last_use <= n
-            assert v.nbytes > 0 and v.shape is not None
+            # read after the cut, or a model input that a value rebuilt after the cut is made of
+            assert v.producer < cut <= v.last_use <= n or (v.producer < 0 and v.name in sources)
+            assert v.nbytes > 0 and v.shape is not None and not v.rebuilt
     assert vlm_graph.cut_bytes(1) == sum(v.nbytes for v in vlm_graph.crossing(1))
     with pytest.raises(InputError, match="cut must lie"):
         vlm_graph.crossing(0)

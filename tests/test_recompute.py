@@ -84,7 +84,9 @@ def test_predicted_activation_bytes_are_what_the_runtime_keeps(costed, option):
     model, graph, table = costed
     n = graph.num_blocks
     plan = Plan(block_names=graph.names, boundaries=tuple(range(n + 1)), recompute=(option,) * n)
-    stages = [apply_recompute(s, graph, plan) for s in generate_stages(graph, plan, model)]
+    # Stages that receive the values stages would rebuild (masks), as the cost pass's block modules do: a stage
+    # holds one rebuilt copy per micro-batch whichever of its blocks read it, which no block is charged.
+    stages = [apply_recompute(s, graph, plan) for s in generate_stages(graph.sending_all(), plan, model)]
     inputs = block_inputs(graph, block_modules(graph, model))
     kept, predicted = {}, {}
     for k, stage in enumerate(stages):

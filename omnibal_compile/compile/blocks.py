@@ -13,10 +13,18 @@ Glossary:
     crossing value  a value produced before cut k (by a block, or a model input) and used at or
                   after it (by a block, or as a model output): it must be sent across a pipeline
                   boundary at that cut. Skip tensors (masks, rotary tables, labels) cross many cuts.
+    rebuilt value a crossing value that is cheap to make again: computed from model inputs only,
+                  by ops that read no parameter or buffer, draw no random numbers, mutate nothing
+                  and are not matmuls, convolutions or attention (:func:`is_cheap_op`), and
+                  larger than the inputs it is made from (an attention mask of L x L from L
+                  positions). It is not sent: every later stage that reads it recomputes it from
+                  those inputs, which cross the cuts instead (``rebuilt_from``). ``build_blocks(...,
+                  rebuild=False)`` sends it as any other value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Sequence
@@ -44,6 +52,7 @@ __all__ = [
     "MERGED",
     "build_blocks",
     "find_layer_stacks",
+    "is_cheap_op",
 ]
 
 BlockKind = Literal["layer", "module", "glue"]
@@ -89,6 +98,10 @@ class CrossingValue:
     """Bytes of the tensor (0 for non-tensors)."""
     data_dependent: bool = False
     """Its shape (or, for a size, its value) depends on input values, not only on input shapes."""
+    rebuilt: bool = False
+    """A rebuilt value (module glossary): never sent; a later stage reading it computes it again."""
+    rebuilt_from: tuple[str, ...] = ()
+    """The model inputs a rebuilt value is computed from (they cross the cuts in its place)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +124,11 @@ class RefusedCut:
             "the input values (image sizes, image count), not only on the input shapes; pipeline stages send "
             "fixed shapes"
         )
+
+
+def _square(shape: tuple[int, ...]) -> bool:
+    """(B, 1, L, L): the shape of an attention mask."""
+    return len(shape) == 4 and shape[-1] == shape[-2]
 
 
 def _describe(v: CrossingValue) -> str:
@@ -154,6 +172,8 @@ class BlockGraph:
     merged into one (named ``first..last``), so no plan cuts there."""
     block_prefixes: tuple[str, ...] | None = None
     """The ``block_prefixes`` the blocks were built with (None: the default grouping)."""
+    rebuild: bool = True
+    """Whether cheap values are rebuilt rather than sent (``build_blocks(rebuild=...)``; module glossary)."""
 
     @property
     def dag(self) -> nx.DiGraph:
@@ -179,11 +199,62 @@ class BlockGraph:
         """Values alive across cut ``cut`` (between block cut-1 and block cut), in a stable order."""
         if not 0 < cut < self.num_blocks:
             raise InputError(f"cut must lie in [1, {self.num_blocks - 1}], got {cut}")
-        return tuple(v for v in self.values if v.producer < cut <= v.last_use)
+        alive = {v.name for v in self.values if v.producer < cut <= v.last_use}
+        # a rebuilt value is not sent; the model inputs it is made of are, while it is read
+        alive |= {r for v in self.values if v.rebuilt and v.name in alive for r in v.rebuilt_from}
+        return tuple(v for v in self.values if v.name in alive and not v.rebuilt)
 
     def cut_bytes(self, cut: int) -> int:
         """Bytes sent across cut ``cut`` per batch."""
         return sum(v.nbytes for v in self.crossing(cut))
+
+    def sending_all(self) -> BlockGraph:
+        """This graph with every rebuilt value sent instead (as ``build_blocks(rebuild=False)`` makes it)."""
+        if not self.rebuild:
+            return self
+        values = tuple(dataclasses.replace(v, rebuilt=False, rebuilt_from=()) for v in self.values)
+        edges: dict[tuple[int, int], tuple[list[str], int]] = {(e.producer, e.consumer): (list(e.values), e.nbytes)
+                                                              for e in self.edges}
+        for v in self.values:
+            if v.rebuilt:
+                users = {self.node_block[u.name] for u in self._node(v.name).users if u.name in self.node_block}
+                for u in sorted(b for b in users if b > v.producer):
+                    names, total = edges.get((v.producer, u), ([], 0))
+                    edges[(v.producer, u)] = ([*names, v.name], total + v.nbytes)
+        return dataclasses.replace(self, values=values, rebuild=False, edges=tuple(
+            BlockEdge(producer=i, consumer=j, values=tuple(n), nbytes=b) for (i, j), (n, b) in edges.items()))
+
+    def _node(self, name: str) -> fx.Node:
+        return next(n for n in self.captured.graph_module.graph.nodes if n.name == name)
+
+    def rebuilt_across(self, cut: int) -> tuple[CrossingValue, ...]:
+        """Rebuilt values alive across cut ``cut``: made again after it instead of being sent."""
+        return tuple(v for v in self.values if v.producer < cut <= v.last_use and v.rebuilt)
+
+    def rebuild_nodes(self, names: Sequence[str]) -> tuple[str, ...]:
+        """FX names of the nodes that compute the rebuilt values ``names`` from model inputs, in graph order
+        (the inputs themselves left out): what a stage copies to make them again."""
+        by_name = {n.name: n for n in self.captured.graph_module.graph.nodes}
+        need: set[str] = set()
+        todo = [by_name[n] for n in names]
+        while todo:
+            node = todo.pop()
+            if node.op == "placeholder" or node.name in need:
+                continue
+            need.add(node.name)
+            todo.extend(node.all_input_nodes)
+        # A vmap level opened and closed around any of them: its nesting calls too (they hold no value).
+        order = list(self.captured.graph_module.graph.nodes)
+        opened: list[int] = []
+        for i, node in enumerate(order):
+            name = _op_name(node.target) if node.op == "call_function" else ""
+            if name == _VMAP_NESTING[0]:
+                opened.append(i)
+            elif name == _VMAP_NESTING[1] and opened:
+                start = opened.pop()
+                if any(n.name in need for n in order[start:i]):
+                    need.update((order[start].name, node.name))
+        return tuple(n.name for n in order if n.name in need)
 
     def value_named(self, name: str) -> CrossingValue | None:
         """The crossing value of FX name ``name`` (a stage's input or output), or None."""
@@ -197,7 +268,7 @@ class BlockGraph:
         dtype = (v.dtype or "").removeprefix("torch.")
         kind = (
             "value" if v.shape is None else "loss" if v.shape == () and v.last_use >= self.num_blocks
-            else "scalar" if v.shape == () else "mask" if dtype == "bool"
+            else "scalar" if v.shape == () else "mask" if dtype == "bool" or (v.rebuilt and _square(v.shape))
             else "indices" if dtype.startswith(("int", "uint")) else "activations"
         )
         same = [u for u in self.values if u.producer == v.producer and u.last_use > v.producer]
@@ -211,6 +282,14 @@ class BlockGraph:
             after = "-" if b.index == self.num_blocks - 1 else f"{self.cut_bytes(b.index + 1):,}"
             rows.append((str(b.index), b.name, b.kind, str(len(b.nodes)), f"{b.num_params:,}", after))
         table = format_table(rows, "lllrrr")
+        rebuilt = [v for v in self.values if v.rebuilt]
+        if rebuilt:
+            shown = "; ".join(
+                f"{self.describe_value(v)} ({_describe(v)}, {v.nbytes:,} bytes) from "
+                f"{', '.join(v.rebuilt_from) or 'nothing'}" for v in rebuilt[:3]
+            )
+            more = f" and {len(rebuilt) - 3} more" if len(rebuilt) > 3 else ""
+            table += f"\n  rebuilt by every stage that reads it, not sent: {shown}{more}"
         if not self.refused_cuts:
             return table
         return table + "\n" + "\n".join(f"  {r.reason()}" for r in self.refused_cuts)
@@ -281,18 +360,91 @@ def _value_info(node: fx.Node, example: Any = None) -> tuple[tuple[int, ...] | N
 
 _SKIP_TARGETS = {"_guards_fn"}
 
+_EXPENSIVE_OPS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "matmul", "linear", "bilinear", "einsum",
+    "tensordot", "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "flex_attention", "_scaled_mm",
+})
+"""Ops whose work grows with a weight or a contraction (matmuls, convolutions, attention): never rebuilt."""
+_RANDOM_OPS = frozenset({
+    "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "rand", "randn",
+    "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli", "normal", "uniform", "multinomial",
+    "exponential", "geometric", "cauchy", "log_normal", "poisson",
+})
+"""Ops drawing random numbers: a copy would draw others (plain Python names; ATen ops say so by a tag)."""
+_VMAP_NESTING = ("_vmap_increment_nesting", "_vmap_decrement_nesting")
+"""Value-less calls that open and close a ``vmap`` level (transformers builds masks under ``vmap``): a
+rebuilt value made inside one needs them copied too."""
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target._opname)
+    return str(target) if isinstance(target, str) else str(getattr(target, "__name__", target))
+
+
+def is_cheap_op(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` itself may be computed again in another stage: a function or method call that
+    reads no parameter, buffer or tensor constant of ``root``, is not a matmul, convolution or attention,
+    draws no random numbers, mutates nothing and has no data-dependent shape (see the glossary's rebuilt value).
+    """
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target, name = node.target, _op_name(node.target)
+    if name in _EXPENSIVE_OPS or name.rstrip("_") in _RANDOM_OPS:
+        return False
+    if name.endswith("_") and not name.startswith("_"):  # an in-place method (x.masked_fill_)
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        from torch.utils.flop_counter import flop_registry
+
+        if target.overloadpacket in flop_registry or torch.Tag.nondeterministic_seeded in target.tags:
+            return False
+        if target._schema.is_mutable:
+            return False
+    for a in node.all_input_nodes:
+        if a.op == "get_attr" and isinstance(_attr(root, str(a.target)), (torch.Tensor, nn.Module)):
+            return False
+    val = node.meta.get("val")
+    return not (isinstance(val, torch.Tensor) and any(is_data_dependent(d) for d in val.shape))
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _rebuildable(gm: fx.GraphModule) -> dict[fx.Node, frozenset[str]]:
+    """Node -> the model inputs it is computed from, for every node made from model inputs by cheap ops only."""
+    roots: dict[fx.Node, frozenset[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            roots[node] = frozenset({node.name})
+        elif node.op == "get_attr":
+            if not isinstance(_attr(gm, str(node.target)), (torch.Tensor, nn.Module)):
+                roots[node] = frozenset()
+        elif is_cheap_op(node, gm) and all(a in roots for a in node.all_input_nodes):
+            roots[node] = frozenset().union(*(roots[a] for a in node.all_input_nodes))
+    return roots
+
 
 def build_blocks(
     captured: Captured,
     model: nn.Module,
     *,
     block_prefixes: Sequence[str] | None = None,
+    rebuild: bool = True,
 ) -> BlockGraph:
     """Group ``captured``'s nodes into blocks along ``model``'s module boundaries.
 
     By default each element of every layer stack of ``model`` is a block, the outermost other
     submodules are blocks, and the glue between them forms blocks of its own. ``block_prefixes``
     overrides the grouping: a node belongs to the longest listed module path that contains it.
+    ``rebuild=False`` sends the values that would be rebuilt (module glossary) like any other.
     """
     if block_prefixes is not None:
         block_prefixes = list(block_prefixes)
@@ -347,7 +499,7 @@ def build_blocks(
 
     # 3. Crossing values. A cut that a value of data-dependent shape would cross cannot be a pipeline
     #    boundary (stages send fixed shapes): the blocks on both sides merge into one block.
-    blocks, node_block, values, edges = _chain(captured, named)
+    blocks, node_block, values, edges = _chain(captured, named, rebuild)
     refused = _refused_cuts(blocks, values)
     if refused:
         groups: list[list[int]] = []
@@ -357,7 +509,7 @@ def build_blocks(
             else:
                 groups.append([b.index])
         named = [_merged([named[i] for i in g]) for g in groups]
-        blocks, node_block, values, edges = _chain(captured, named)
+        blocks, node_block, values, edges = _chain(captured, named, rebuild)
     return BlockGraph(
         captured=captured,
         blocks=tuple(blocks),
@@ -367,6 +519,7 @@ def build_blocks(
         block_prefixes=tuple(block_prefixes) if block_prefixes is not None else None,
         edges=edges,
         refused_cuts=tuple(refused.values()),
+        rebuild=rebuild,
     )
 
 
@@ -390,7 +543,7 @@ def _refused_cuts(blocks: Sequence[Block], values: Sequence[CrossingValue]) -> d
 
 
 def _chain(
-    captured: Captured, named: Sequence[tuple[str, BlockKind, list[fx.Node]]]
+    captured: Captured, named: Sequence[tuple[str, BlockKind, list[fx.Node]]], rebuild: bool = True
 ) -> tuple[list[Block], dict[str, int], list[CrossingValue], tuple[BlockEdge, ...]]:
     """Blocks, node -> block, crossing values and block edges of a chain of named node runs."""
     gm = captured.graph_module
@@ -422,6 +575,8 @@ def _chain(
     # Crossing values: produced in block p (or input), read in a later block (or output).
     n_blocks = len(blocks)
     examples = dict(zip([n.name for n in graph.nodes if n.op == "placeholder"], captured.example_flat_inputs))
+    roots = _rebuildable(gm) if rebuild else {}
+    input_bytes = {n.name: _value_info(n, examples.get(n.name))[2] for n in graph.nodes if n.op == "placeholder"}
     values: list[CrossingValue] = []
     edges: dict[tuple[int, int], tuple[list[str], int]] = {}
     for node in graph.nodes:
@@ -441,6 +596,9 @@ def _chain(
         if not later:
             continue
         shape, dtype, nbytes, dependent = _value_info(node, examples.get(node.name))
+        # Rebuilt: a tensor made from model inputs by cheap ops, larger than those inputs.
+        sources = roots.get(node) if producer >= 0 and shape is not None and not dependent else None
+        rebuilt = sources is not None and sum(input_bytes[r] for r in sources) < nbytes
         values.append(
             CrossingValue(
                 name=node.name,
@@ -450,8 +608,12 @@ def _chain(
                 dtype=dtype,
                 nbytes=nbytes,
                 data_dependent=dependent,
+                rebuilt=rebuilt,
+                rebuilt_from=tuple(sorted(sources)) if rebuilt and sources is not None else (),
             )
         )
+        if rebuilt:
+            continue  # nothing travels between blocks: each reader makes it again
         for u in sorted(set(later)):
             if producer >= 0 and u < n_blocks:
                 names, total = edges.get((producer, u), ([], 0))

@@ -572,8 +572,13 @@ def _family_substitutions(model: nn.Module) -> contextlib.AbstractContextManager
     return grid_free_capture(model)
 
 
-def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "export") -> Captured:
-    """Trace ``model`` on ``example_inputs`` into a :class:`Captured` graph. The model is not modified."""
+def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "export",
+            masks_from_positions: bool = True) -> Captured:
+    """Trace ``model`` on ``example_inputs`` into a :class:`Captured` graph. The model is not modified.
+
+    ``masks_from_positions``: a Hugging Face pack's attention mask is made in the graph of its positions
+    (:mod:`omnibal_compile.integrations.hf.masks`); False reads the mask input, as before (for comparisons).
+    """
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if method not in ("export", "fx"):
@@ -598,6 +603,10 @@ def capture(model: nn.Module, example_inputs: Any, *, method: CaptureMethod = "e
                 f"batch flattens to {len(leaves)} leaves; pass only tensors and None in example_inputs"
             )
         _check_read(model, gm, in_spec, leaves, through_kwargs)
+        if masks_from_positions and "transformers" in sys.modules:  # a pack's mask made in the graph: not sent
+            from omnibal_compile.integrations.hf.masks import mask_from_positions
+
+            mask_from_positions(gm, model, input_names(in_spec), leaves)
         return Captured(
             graph_module=gm,
             model_name=type(model).__name__,

@@ -2,7 +2,9 @@
 
 Glossary:
     stage inputs   stage 0 takes the model's flat inputs; stage s > 0 takes exactly the values
-                   crossing its first cut, in :meth:`BlockGraph.crossing` order.
+                   crossing its first cut, in :meth:`BlockGraph.crossing` order. A rebuilt value
+                   (``compile/blocks.py``) is not among them: the stage copies the cheap ops that
+                   make it from model inputs (which it receives instead) and runs them itself.
     stage outputs  the values crossing its last cut (same order, made contiguous for sending), so
                    ``stage[s+1](*stage[s](...))`` chains; the last stage returns the model's flat
                    outputs. Values that a stage does
@@ -114,6 +116,13 @@ def generate_stages(graph: BlockGraph, plan: Plan, model: nn.Module | None = Non
         for name in inputs:
             sub.input(by_name[name], {k: v for k, v in by_name[name].meta.items() if k in ("val", "tensor_meta")})
         mine = {name for b in st.blocks for name in graph.blocks[plan.block_names.index(b)].nodes}
+        # Values rebuilt rather than sent (blocks glossary): the stage makes those it reads again, from its inputs.
+        reads = {a.name for n in nodes if n.name in mine for a in n.all_input_nodes}
+        if st.stop == plan.num_blocks:
+            reads |= {a.name for a in output_node.all_input_nodes}
+        rebuilt = sorted(name for name in reads - mine if (v := graph.value_named(name)) is not None and v.rebuilt)
+        again = set(graph.rebuild_nodes(rebuilt)) if st.start > 0 else set()
+        sub.copy(n for n in nodes if n.name in again)
         sub.copy(n for n in nodes if n.name in mine)
         g = sub.graph
         if st.stop == plan.num_blocks:

@@ -120,10 +120,12 @@ def block_modules(graph: BlockGraph, model: nn.Module | None = None) -> tuple[fx
     """One standalone module per block (codegen with a stage per block); they share the model's parameters.
 
     Runtime checks are left out (:mod:`~omnibal_compile.costs.meta`): they cost nothing and read
-    values that ``meta`` tensors do not have.
+    values that ``meta`` tensors do not have. A value that stages rebuild (attention masks) is a block input
+    here, charged to its last reader as a sent one is: a stage holds one copy of it per micro-batch, whichever
+    of its blocks read it, as it held the one it received (its rebuild costs next to nothing).
     """
     plan = Plan(block_names=graph.names, boundaries=tuple(range(graph.num_blocks + 1)))
-    modules = generate_stages(graph, plan, model)
+    modules = generate_stages(graph.sending_all(), plan, model)
     checks = check_only_nodes(graph.captured.graph_module.graph)
     for m in modules:
         drop_checks(m, checks)

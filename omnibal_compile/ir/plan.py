@@ -91,6 +91,9 @@ class Plan:
     empty when the blocks' peaks were not measured."""
     memory_budget_bytes: tuple[int, ...] = ()
     """Memory budget of each stage's device; empty when unconstrained."""
+    stage_send_bytes: tuple[int, ...] = ()
+    """Bytes each stage sends the next per micro-batch (the values crossing its last cut; 0 for the last stage);
+    empty when unknown."""
     iteration_time_s: float | None = None
     """Predicted time of one iteration under the schedule (data-parallel communication included)."""
     data_parallel: int = 1
@@ -106,7 +109,8 @@ class Plan:
         # Every field is checked with its type, so a plan file's cut of 12.5 or "3" is refused, not truncated.
         for name in ("block_names", "block_kinds", "recompute"):
             object.__setattr__(self, name, _str_list(getattr(self, name), name))
-        for name in ("boundaries", "block_params", "stage_memory_bytes", "stage_peak_bytes", "memory_budget_bytes"):
+        for name in ("boundaries", "block_params", "stage_memory_bytes", "stage_peak_bytes", "memory_budget_bytes",
+                     "stage_send_bytes"):
             values = check_int_list(getattr(self, name), f"plan field {name}", min=0, error=PlanError)
             object.__setattr__(self, name, values)
         object.__setattr__(self, "stage_time_s", _number_list(self.stage_time_s, "stage_time_s"))
@@ -160,6 +164,7 @@ class Plan:
             ("stage_memory_bytes", self.stage_memory_bytes),
             ("stage_peak_bytes", self.stage_peak_bytes),
             ("memory_budget_bytes", self.memory_budget_bytes),
+            ("stage_send_bytes", self.stage_send_bytes),
         )
         for name, entries in per_stage:
             if entries and len(entries) != self.num_stages:
@@ -263,6 +268,8 @@ class Plan:
             header.append("memory MiB" + (" / budget" if self.memory_budget_bytes else ""))
         if self.stage_peak_bytes:
             header.append("peak MiB")
+        if self.stage_send_bytes:
+            header.append("sends KiB")
         rows: list[list[str]] = [header]
         for st in self.stages:
             layers = sum(1 for k in self.block_kinds[st.start : st.stop] if k == "layer") if self.block_kinds else "-"
@@ -287,8 +294,10 @@ class Plan:
                 row.append(mem)
             if self.stage_peak_bytes:
                 row.append(f"{self.stage_peak_bytes[st.index] / 2**20:.1f}")
+            if self.stage_send_bytes:
+                row.append(f"{self.stage_send_bytes[st.index] / 2**10:,.1f}" if st.index < self.num_stages - 1 else "-")
             rows.append(row)
-        numeric = {0, 4, 5, 7, 8, 9}
+        numeric = {0, 4, 5, 7, 8, 9, 10}
         lines = [
             f"Plan by '{self.planner}': {counted(self.num_blocks, 'block')} in {counted(self.num_stages, 'stage')}, "
             f"schedule {self.schedule}, {counted(self._microbatches, 'micro-batch')}",
@@ -308,6 +317,9 @@ class Plan:
                 "Memory is the bound the plan was fitted under; peak is the predicted peak, which charges each "
                 "block the workspace of its own recompute option where it runs."
             )
+        if self.stage_send_bytes:
+            lines.append("Sends: bytes each stage sends the next per micro-batch (values rebuilt by the stages that "
+                         "read them, such as attention masks, are not sent).")
         if self.iteration_time_s is not None:
             lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms (the schedule's closed form).")
         lines.extend(_note_sentences(self.notes))

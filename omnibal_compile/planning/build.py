@@ -80,6 +80,7 @@ def _plan(graph: BlockGraph, boundaries: Sequence[int], planner: str, **notes: o
         planner=planner,
         block_params=tuple(b.num_params for b in graph.blocks),
         block_kinds=tuple(b.kind for b in graph.blocks),
+        stage_send_bytes=tuple(graph.cut_bytes(j) if j < graph.num_blocks else 0 for j in boundaries[1:]),
         notes=dict(notes),
     )
 
@@ -141,6 +142,7 @@ def plan_from_solution(
             tuple(int(problem.stage_budget(s)) for s in range(problem.num_stages)) if problem.budget else ()
         ),
         iteration_time_s=sol.iteration_time,
+        stage_send_bytes=tuple(costs.cut_bytes[j] if j < len(costs.blocks) else 0 for j in sol.boundaries[1:]),
         **_dp_fields(problem.data_parallel),
         notes=notes,
     )

@@ -31,7 +31,7 @@ from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.errors import InputError
 
 __all__ = ["HF_FAMILIES", "GRID_FAMILIES", "hf_example_batch", "hf_data_facts", "hf_family", "hf_pack_inputs",
-           "stacked_positions"]
+           "pack_mask", "stacked_positions"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -405,22 +405,29 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def _pack_mask(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The 4-D additive mask of a pack: each sample sees itself as the model would mask it alone.
+    """The 4-D additive mask of a pack: :func:`pack_mask` of its segments and tokens."""
+    return pack_mask(model, row["segment_ids"], row.get("input_ids"))
+
+
+def pack_mask(model: nn.Module, seg: torch.Tensor, input_ids: torch.Tensor | None
+              ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4-D additive mask of a pack of (B, L) segment ids ``seg``: each sample sees itself as the model would
+    mask it alone.
 
     Causal within each sample, plus the family's bidirectional blocks: Gemma 3's images (each run of image
     tokens), PaliGemma's prefix (the sample's image tokens). A language model with sliding-window layers
     (``layer_types``) gets one mask per layer type, ``{"full_attention": ..., "sliding_attention": ...}``, as its
-    forward takes them.
+    forward takes them. Captured graphs make the same mask again of the positions
+    (:mod:`omnibal_compile.integrations.hf.masks`).
     """
     from omnibal_compile.integrations.hf.collate import block_ids, segment_mask
 
     cfg = getattr(model, "config", None)
     kind = str(getattr(cfg, "model_type", ""))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    seg = row["segment_ids"]
     blocks = None
-    if kind in ("gemma3", "paligemma") and "input_ids" in row:
-        blocks = block_ids(seg, row["input_ids"] == _image_token(cfg))
+    if kind in ("gemma3", "paligemma") and input_ids is not None:
+        blocks = block_ids(seg, input_ids == _image_token(cfg))
     full = segment_mask(seg, dtype=dtype, blocks=blocks)
     text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else None
     window = getattr(text, "sliding_window", None)

@@ -133,7 +133,10 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError("--save-every needs --save DIR (where to write the checkpoints)")
     if config.eval_every and not config.eval_data:
         raise InputError("--eval-every needs --eval-data FILE (the held-out set to evaluate)")
-    model = build_model(config)
+    from omnibal_compile.runtime.weights import meta_model, on_meta
+
+    meta = meta_model(config)  # the plan is checked against the model's structure: no weights made
+    model = meta if meta is not None else build_model(config)
     source = batch_source(config, model, 0)
     steps = run_steps(config, source)
     _check_outputs(config, steps)
@@ -146,7 +149,7 @@ def precheck(config: RunConfig) -> Plan:
     if config.export_hf:
         _check_export(config, model, config.export_hf)
     try:
-        compile_for_microbatches(model, source(0), plan)  # PlanError when the plan does not fit
+        compile_for_microbatches(model, source(0) if meta is None else on_meta(source(0)), plan)  # PlanError when the plan does not fit
     except PlanError as e:
         planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"
         now = None if config.lora is None else str(config.lora)

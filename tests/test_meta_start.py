@@ -107,6 +107,14 @@ def test_stage_examples_on_meta_are_those_of_the_real_run(vlm):
     examples = _stage_examples(result, [0, 1, 2], torch.device("cpu"), flops)
     real_flops: dict[int, float] = {}
     real = _run_examples(result, result.stages, [0, 1, 2], real_flops, on_meta=False)
+    values, grads = result.captured.example_flat_inputs, []  # the real run, by hand: which outputs carry gradients
+    with torch.enable_grad():
+        for stage in result.stages:
+            values = stage(*values)
+            grads.append([isinstance(v, torch.Tensor) and v.requires_grad for v in values])
+            values = tuple(v.detach().requires_grad_(v.requires_grad) for v in values)
+    assert [[isinstance(v, torch.Tensor) and v.requires_grad for v in outs] for _, outs in examples] == grads
+    assert any(g for gs in grads[:-1] for g in gs)
     for s, (ins, outs) in enumerate(examples):
         for a, b in zip((*ins, *outs), (*real[s][0], *real[s][1])):
             if isinstance(b, torch.Tensor):

@@ -149,7 +149,8 @@ def precheck(config: RunConfig) -> Plan:
     if config.export_hf:
         _check_export(config, model, config.export_hf)
     try:
-        compile_for_microbatches(model, source(0) if meta is None else on_meta(source(0)), plan)  # PlanError when the plan does not fit
+        # PlanError when the plan does not fit
+        compile_for_microbatches(model, source(0) if meta is None else on_meta(source(0)), plan)
     except PlanError as e:
         planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"
         now = None if config.lora is None else str(config.lora)

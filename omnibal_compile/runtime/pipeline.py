@@ -644,8 +644,8 @@ def _run_examples(
     def fresh(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        x = x.detach()
-        return (torch.empty_like(x, device="meta") if on_meta else x).requires_grad_(x.requires_grad)
+        twin = torch.empty_like(x, device="meta") if on_meta else x.detach()
+        return twin.requires_grad_(x.requires_grad)
 
     values: tuple[Any, ...] = tuple(fresh(x) for x in result.captured.example_flat_inputs)
     found: dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}

@@ -207,9 +207,9 @@ def train(config: RunConfig) -> list[StepLog]:
 
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.costs._measure import PeakLiveStorages
+    from omnibal_compile.costs.meta import value_reads
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline, loss_terms
-    from omnibal_compile.costs.meta import value_reads
     from omnibal_compile.runtime.precision import LossScaler
     from omnibal_compile.runtime.weights import meta_start, on_meta
 
@@ -223,19 +223,19 @@ def train(config: RunConfig) -> list[StepLog]:
     check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
     mesh = init_device_mesh(device.type, (dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
                             backend_override=_mesh_groups(device.type, config.collective_timeout))
-    start = meta_start(config)  # an hf:DIR model: on meta, each rank reads its own stages' weights only
-    model = start.model if start is not None else build_model(config)
+    lean = meta_start(config)  # an hf:DIR model: on meta, each rank reads its own stages' weights only
+    model = lean.model if lean is not None else build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     steps = run_steps(config, source)
     held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
-    result = compile_for_microbatches(model, source(0) if start is None else on_meta(source(0)), plan)
-    if start is not None and value_reads(result.captured.graph_module.graph):  # its stage examples need real values
-        model, start = build_model(config), None
+    result = compile_for_microbatches(model, source(0) if lean is None else on_meta(source(0)), plan)
+    if lean is not None and value_reads(result.captured.graph_module.graph):  # its stage examples need real values
+        model, lean = build_model(config), None
         result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
         recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,
-        weights=start.weights if start is not None else None,
+        weights=lean.weights if lean is not None else None,
     )
     del model, result  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)

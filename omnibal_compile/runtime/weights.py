@@ -48,7 +48,7 @@ def _params_on_meta() -> Iterator[None]:
         if param is not None and not param.is_meta:
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta_register  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta_register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -84,7 +84,7 @@ def _replace(modules: Iterable[nn.Module], new: dict[int, torch.Tensor]) -> None
             for slots in (sub._parameters, sub._buffers):
                 for key, t in slots.items():
                     if t is not None and id(t) in new:
-                        slots[key] = new[id(t)]
+                        slots[key] = new[id(t)]  # type: ignore[assignment]  # a Parameter where one was
 
 
 def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -165,14 +165,15 @@ def _model_names(keys: Sequence[str], model: nn.Module) -> dict[str, str] | None
         from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError:  # a transformers without conversions saves the model's own names
         return {k: k for k in keys}
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]  # a PreTrainedModel (hf: spec)
     renames = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
     state = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
     out: dict[str, str] = {}
     for k in keys:
-        name, converted = rename_source_key(k, renames, converters, base_model_prefix=prefix, meta_state_dict=state)
+        name, converted = rename_source_key(k, renames, converters,  # type: ignore[arg-type]
+                                            base_model_prefix=prefix, meta_state_dict=state)
         if converted is not None:
             return None
         out[k] = name
@@ -321,7 +322,7 @@ def retarget_meta(gm: torch.fx.GraphModule, device: torch.device) -> int:
     for node in gm.graph.nodes:
         args, kwargs = torch.fx.node.map_aggregate(node.args, swap), torch.fx.node.map_aggregate(node.kwargs, swap)
         if args != node.args or kwargs != node.kwargs:
-            node.args, node.kwargs = args, kwargs  # type: ignore[assignment]
+            node.args, node.kwargs = args, kwargs
             changed += 1
     if changed:
         gm.recompile()

@@ -133,7 +133,7 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError("--save-every needs --save DIR (where to write the checkpoints)")
     if config.eval_every and not config.eval_data:
         raise InputError("--eval-every needs --eval-data FILE (the held-out set to evaluate)")
-    from omnibal_compile.runtime.weights import meta_model, on_meta
+    from omnibal_compile.runtime.weights import cut_on_meta, meta_model
 
     meta = meta_model(config)  # the plan is checked against the model's structure: no weights made
     model = meta if meta is not None else build_model(config)
@@ -149,8 +149,9 @@ def precheck(config: RunConfig) -> Plan:
     if config.export_hf:
         _check_export(config, model, config.export_hf)
     try:
-        # PlanError when the plan does not fit
-        compile_for_microbatches(model, source(0) if meta is None else on_meta(source(0)), plan)
+        # PlanError when the plan does not fit; a model whose capture on meta fails is built whole and checked
+        if meta is None or cut_on_meta(model, source(0), plan)[0] is None:
+            compile_for_microbatches(model if meta is None else build_model(config), source(0), plan)
     except PlanError as e:
         planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"
         now = None if config.lora is None else str(config.lora)

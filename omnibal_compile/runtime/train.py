@@ -207,11 +207,10 @@ def train(config: RunConfig) -> list[StepLog]:
 
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.costs._measure import PeakLiveStorages
-    from omnibal_compile.costs.meta import value_reads
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline, loss_terms
     from omnibal_compile.runtime.precision import LossScaler
-    from omnibal_compile.runtime.weights import meta_start, on_meta
+    from omnibal_compile.runtime.weights import compile_on_meta, meta_start
 
     config = with_plan_layout(config)
     layout = run_data_parallel(config)
@@ -228,9 +227,9 @@ def train(config: RunConfig) -> list[StepLog]:
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     steps = run_steps(config, source)
     held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
-    result = compile_for_microbatches(model, source(0) if lean is None else on_meta(source(0)), plan)
-    if lean is not None and value_reads(result.captured.graph_module.graph):  # its stage examples need real values
-        model, lean = build_model(config), None
+    result = compile_on_meta(config, lean, source(0), plan) if lean is not None else None
+    if result is None:  # a seeded spec, or one whose stages cannot start on meta (compile_on_meta says why)
+        model, lean = (build_model(config), None) if lean is not None else (model, None)
         result = compile_for_microbatches(model, source(0), plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,

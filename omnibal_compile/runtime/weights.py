@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.runtime.settings import RunConfig
 
 __all__ = ["WeightFiles", "RankWeights", "MetaStart", "meta_model", "meta_start", "on_meta", "materialise",
-           "retarget_meta"]
+           "retarget_meta", "compile_on_meta", "cut_on_meta"]
 
 
 @contextlib.contextmanager
@@ -327,3 +328,57 @@ def retarget_meta(gm: torch.fx.GraphModule, device: torch.device) -> int:
     if changed:
         gm.recompile()
     return changed
+
+
+def _meta_blocker(result: Any) -> str | None:
+    """Why stages cut on meta cannot start a rank, or None: a stage reads tensor values into shapes (its examples
+    need values), or holds a meta tensor that is no tensor of the model (a constant of the graph, whose value
+    capture on meta lost)."""
+    from omnibal_compile.costs.meta import value_reads
+
+    reads = value_reads(result.captured.graph_module.graph)
+    if reads:
+        return f"its graph reads tensor values into shapes ({reads[0].name})"
+    known = {id(t) for _, t in _named_tensors(result.model)}
+    for s, stage in enumerate(result.stages):
+        for node in stage.graph.nodes:
+            if node.op == "get_attr":
+                t = _attr(stage, str(node.target))
+                if isinstance(t, torch.Tensor) and t.is_meta and id(t) not in known:
+                    return f"stage {s} holds the graph constant {node.target!r}"
+    return None
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def cut_on_meta(model: nn.Module, batch: Any, plan: Any) -> tuple[Any, str | None]:
+    """``model`` (on meta) captured and cut under ``plan`` on a meta copy of ``batch``: (its ``OptimizeResult``,
+    None), or (None, why not) when its capture on meta fails (e.g. a value read on meta inputs: the whole model's
+    capture then says what is wrong, if anything). A plan that does not fit the model is a PlanError here."""
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.errors import OmnibalError, PlanError
+
+    try:
+        return compile_for_microbatches(model, on_meta(batch), plan), None
+    except PlanError:
+        raise
+    except (OmnibalError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        return None, f"its capture on meta fails ({type(e).__name__}: {first})"
+
+
+def compile_on_meta(config: RunConfig, start: MetaStart, batch: Any, plan: Any) -> Any | None:
+    """``start.model`` cut under ``plan`` (:func:`cut_on_meta`), or None (with a note) when a rank cannot start from
+    it: its capture on meta fails, or :func:`_meta_blocker` says why; the caller then builds the whole model."""
+    result, why = cut_on_meta(start.model, batch, plan)
+    if result is not None:
+        why = _meta_blocker(result)
+        if why is None:
+            return result
+    if os.environ.get("RANK", "0") == "0":
+        progress.info(f"note: {config.model}: every rank builds the whole model, as {why}")
+    return None

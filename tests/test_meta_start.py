@@ -168,3 +168,23 @@ def test_two_ranks_started_on_meta_train_like_the_unsplit_model(tiny, tmp_path, 
 
 def test_meta_start_is_for_weight_folders_only():
     assert meta_start(_config("tinyvlm")) is None
+
+
+
+def test_a_model_whose_capture_on_meta_fails_starts_whole_with_a_note(tiny, monkeypatch, capsys):
+    import omnibal_compile.api as api
+    from omnibal_compile.runtime.weights import compile_on_meta
+
+    config = _config(f"hf:{tiny}")
+    plan = _plan(config)
+    start = meta_start(config)
+    assert start is not None
+    batch = batch_source(config, start.model)(0)
+    assert compile_on_meta(config, start, batch, plan) is not None
+
+    def refuse(model: Any, batch: Any, plan: Any) -> None:  # as a capture that reads values on meta inputs fails
+        raise oc.InputError("a value read on meta")
+
+    monkeypatch.setattr(api, "compile_for_microbatches", refuse)
+    assert compile_on_meta(config, start, batch, plan) is None
+    assert "every rank builds the whole model, as its capture on meta fails (InputError" in capsys.readouterr().err

@@ -188,3 +188,19 @@ def test_a_model_whose_capture_on_meta_fails_starts_whole_with_a_note(tiny, monk
     monkeypatch.setattr(api, "compile_for_microbatches", refuse)
     assert compile_on_meta(config, start, batch, plan) is None
     assert "every rank builds the whole model, as its capture on meta fails (InputError" in capsys.readouterr().err
+
+
+def test_a_folder_saved_in_bf16_starts_in_float32_as_from_pretrained_loads_it(tiny, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in tiny.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    saved = json.loads((folder / "config.json").read_text())
+    saved["dtype"] = saved["text_config"]["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(saved))
+    config = _config(f"hf:{folder}")
+    start = meta_start(config)
+    assert start is not None
+    expected = {n: t.dtype for n, t in _tensors(build_model(config)).items()}
+    got = {n: t.dtype for n, t in _tensors(start.model).items()}
+    assert got == expected and torch.float32 in got.values()

@@ -273,8 +273,8 @@ def _hf_pretrained(class_name: str | None, folder: str, *, meta: bool = False, w
     cls = _hf_class(class_name)
     if meta:
         return _hf_model(class_name, str(config_path), meta=True), class_name
-    if not weights:
-        return _hf_model(class_name, str(config_path)).train(), class_name
+    if not weights:  # float32 throughout, as from_pretrained(dtype=float32) makes it, whatever the config's dtype
+        return _hf_model(class_name, str(config_path)).to(torch.float32).train(), class_name
     if not any((Path(folder) / name).is_file() for name in _WEIGHT_FILES):
         raise InputError(f"model folder {folder} holds no weights ({' or '.join(_WEIGHT_FILES)}): save the model "
                          f"with save_pretrained, or write hf:{class_name}:{config_path} for random weights")

@@ -134,12 +134,14 @@ def _import_file(path: Path, spec: str, what: str) -> ModuleType:
 
 
 def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int = 0, batch: int = 2, tiles: int = 2,
-               text: int = 32, meta: bool = False) -> LoadedModel:
+               text: int = 32, meta: bool = False, weights: bool = True) -> LoadedModel:
     """Build the model ``spec`` names (see the module glossary), seeded with ``seed``.
 
     ``config``: the reference VLM's config fields or the factory's keyword arguments. ``batch``,
     ``tiles``, ``text``: rows, tiles per row and text tokens per row of the built example batch.
     ``meta``: an ``hf:`` model and its example batch on the meta device in bf16 (no weights allocated).
+    ``weights=False``: an ``hf:DIR`` model built from its config alone (fp32, random init), its weight files left
+    unread (a rank that reads only its own tensors, :mod:`omnibal_compile.runtime.weights`).
     """
     config = dict(config or {})
     torch.manual_seed(seed)
@@ -160,7 +162,7 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     if spec.startswith("hf:"):
         class_name, path = _hf_spec(spec)
         if Path(path).is_dir():
-            model, class_name = _hf_pretrained(class_name, path, meta=meta)
+            model, class_name = _hf_pretrained(class_name, path, meta=meta, weights=weights)
         elif class_name is None:
             raise InputError(f"MODEL {spec!r}: {path} is not a folder; write hf:DIR for a folder saved by "
                              "save_pretrained, or hf:ClassName:config.json for random weights")
@@ -250,10 +252,11 @@ def _hf_class(class_name: str) -> Any:
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
-def _hf_pretrained(class_name: str | None, folder: str, *, meta: bool = False) -> tuple[nn.Module, str]:
+def _hf_pretrained(class_name: str | None, folder: str, *, meta: bool = False, weights: bool = True
+                   ) -> tuple[nn.Module, str]:
     """The model saved in ``folder`` with its weights (float32), of ``class_name`` or the class its config's
     ``architectures`` names (else the Auto classes' for its ``model_type``); on ``meta``: built from its config
-    alone, in bf16. Returns it and its class name."""
+    alone, in bf16; ``weights=False``: built from its config alone, in float32. Returns it and its class name."""
     config_path = Path(folder) / "config.json"
     read_text(str(config_path), "config file")  # says whether it is missing, a directory or unreadable
     if class_name is None:
@@ -270,6 +273,8 @@ def _hf_pretrained(class_name: str | None, folder: str, *, meta: bool = False) -
     cls = _hf_class(class_name)
     if meta:
         return _hf_model(class_name, str(config_path), meta=True), class_name
+    if not weights:  # float32 throughout, as from_pretrained(dtype=float32) makes it, whatever the config's dtype
+        return _hf_model(class_name, str(config_path)).to(torch.float32).train(), class_name
     if not any((Path(folder) / name).is_file() for name in _WEIGHT_FILES):
         raise InputError(f"model folder {folder} holds no weights ({' or '.join(_WEIGHT_FILES)}): save the model "
                          f"with save_pretrained, or write hf:{class_name}:{config_path} for random weights")

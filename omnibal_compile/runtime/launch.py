@@ -134,7 +134,10 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError("--save-every needs --save DIR (where to write the checkpoints)")
     if config.eval_every and not config.eval_data:
         raise InputError("--eval-every needs --eval-data FILE (the held-out set to evaluate)")
-    model = build_model(config)
+    from omnibal_compile.runtime.weights import cut_on_meta, meta_model
+
+    meta = meta_model(config)  # the plan is checked against the model's structure: no weights made
+    model = meta if meta is not None else build_model(config)
     source = batch_source(config, model, 0)
     steps = run_steps(config, source)
     _check_outputs(config, steps)
@@ -149,7 +152,9 @@ def precheck(config: RunConfig) -> Plan:
     planned = plan.notes.get("lora") if "compute dtype" in plan.notes else "?"  # older plans did not record it
     now = None if config.lora is None else str(config.lora)
     try:
-        compile_for_microbatches(model, source(0), plan)  # PlanError when the plan does not fit
+        # PlanError when the plan does not fit; a model whose capture on meta fails is built whole and checked
+        if meta is None or cut_on_meta(model, source(0), plan)[0] is None:
+            compile_for_microbatches(model if meta is None else build_model(config), source(0), plan)
     except PlanError as e:
         if planned in ("?", now):  # not a LoRA mismatch (or a plan that cannot tell)
             raise

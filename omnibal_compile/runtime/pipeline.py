@@ -35,6 +35,7 @@ Glossary:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -50,6 +52,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.compile.capture import normalize_example_inputs, structure_mismatch
@@ -58,6 +61,7 @@ from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.precision import compute_dtype, mixed_precision_policy, restore_masters
+from omnibal_compile.runtime.weights import RankWeights, materialise, retarget_meta
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
     from omnibal_compile.api import OptimizeResult
@@ -516,6 +520,7 @@ def build_pipeline(
     weighting: str = "tokens",
     precision: str | None = None,
     masters: Mapping[str, torch.Tensor] | None = None,
+    weights: RankWeights | None = None,
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
@@ -532,7 +537,10 @@ def build_pipeline(
     captured with its parameters in that dtype (``cast_for_capture``), ``masters`` (its return) gives the fp32
     values back (without it the 16-bit values are upcast), and a ``mesh`` is needed (dp = 1 too: its 1-rank dp
     mesh holds the masters). None or ``fp32``: float32. With ``dp > 1`` (or 16 bits) this rank's stage modules of
-    ``result`` become FSDP/replicate modules in place: build from a ``result`` of its own.
+    ``result`` become FSDP/replicate modules in place: build from a ``result`` of its own. ``weights``: ``result``
+    was cut from a model on meta (:func:`~omnibal_compile.runtime.weights.meta_start`); only this rank's stages'
+    tensors are made real, from these, on ``device`` (in 16 bits their parameters as the fp32 masters, read
+    exactly: ``masters`` is then not needed).
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
@@ -564,6 +572,12 @@ def build_pipeline(
     mine = rank_stages(plan, rank)
     flops: dict[int, float] = {}
     examples = _stage_examples(result, mine, device, flops)
+    holders = _tied_holders(result, _original_names(result.model))  # before materialise gives this rank new tensors
+    if weights is not None:
+        materialise(result.model, [result.stages[s] for s in mine], weights, device,
+                    param_dtype=torch.float32 if low is not None else None)  # 16 bits: the masters, exact
+        for s in mine:
+            retarget_meta(result.stages[s], device)
     loss_index = _loss_index(result)
     modules: list[nn.Module] = []
     for i, s in enumerate(mine):
@@ -577,7 +591,6 @@ def build_pipeline(
         modules.append(mod)
     original = _original_names(result.model)
     local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not
-    holders = _tied_holders(result, original)
     if low is not None:  # after the examples (run in 16 bits): the stages hold fp32 masters from here
         for mod, names in zip(modules, local):
             restore_masters(mod, masters or {}, names)
@@ -636,29 +649,23 @@ def build_pipeline(
 def _stage_examples(
     result: OptimizeResult, wanted: Sequence[int], device: torch.device, flops: dict[int, float] | None = None
 ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
-    """Example inputs and outputs of the ``wanted`` stages, from running every stage once on the
-    captured micro-batch: pipelining's static mode takes their shapes, dtypes and ``requires_grad``
-    (true exactly for the values that carry gradients at run time). ``flops`` gets each wanted stage's
-    forward FLOPs on that micro-batch."""
+    """Example inputs and outputs of the ``wanted`` stages, from running every stage up to the last wanted one on
+    the captured micro-batch: pipelining's static mode takes their shapes, dtypes and ``requires_grad`` (true
+    exactly for the values that carry gradients at run time). They run on ``meta`` (nothing allocated or
+    computed, weights real or not; runtime checks left out, :mod:`omnibal_compile.costs.meta`) unless a stage
+    reads values into shapes (``nonzero``, data-dependent sizes): then for real, which needs real weights in every
+    stage before. ``flops`` gets each wanted stage's forward FLOPs on that micro-batch."""
+    from omnibal_compile.costs.meta import value_reads
+
     flops = {} if flops is None else flops
-
-    def fresh(x: Any) -> Any:
-        return x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-
-    from omnibal_compile.costs._measure import count_flops
-
-    values: tuple[Any, ...] = tuple(fresh(x) for x in result.captured.example_flat_inputs)
-    found: dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
-    with torch.enable_grad():
-        for s, stage in enumerate(result.stages[: max(wanted) + 1]):
-            counter = count_flops()
-            with counter if s in wanted else contextlib.nullcontext():
-                out = stage(*values)
-            if s in wanted:
-                flops[s] = float(counter.get_total_flops())
-            outs = tuple(fresh(x) for x in (out if isinstance(out, (tuple, list)) else (out,)))
-            found[s] = (values, outs)
-            values = outs
+    stages = result.stages[: max(wanted) + 1]
+    on_meta = not any(value_reads(stage.graph) for stage in stages)
+    if not on_meta and any(t.is_meta for stage in stages for t in stage.parameters()):
+        raise InputError(
+            f"{result.captured.model_name} reads tensor values into shapes ({value_reads(stages[0].graph)[:1]}...): "
+            "its stage examples need real weights in every stage; this rank was built on meta"
+        )
+    found = _run_examples(result, stages, wanted, flops, on_meta=on_meta)
     last = result.plan.num_stages - 1
     for s in wanted:
         for kind, vals in zip(("input", "output"), found[s]):
@@ -670,9 +677,62 @@ def _stage_examples(
                     )
 
     def to_device(vals: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(fresh(v.to(device)) if isinstance(v, torch.Tensor) else v for v in vals)
+        return tuple(
+            torch.empty_like(v, device=device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+            for v in vals
+        )
 
     return [(to_device(found[s][0]), to_device(found[s][1])) for s in wanted]
+
+
+def _run_examples(
+    result: OptimizeResult, stages: Sequence[fx.GraphModule], wanted: Sequence[int], flops: dict[int, float], *,
+    on_meta: bool,
+) -> dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]]:
+    """Stage index -> (inputs, outputs) of running ``stages`` in turn on the captured micro-batch (see
+    :func:`_stage_examples`); ``on_meta``: on meta copies of the inputs and of each stage's tensors."""
+    from omnibal_compile.costs._measure import count_flops
+    from omnibal_compile.costs.meta import check_only_nodes, drop_checks
+
+    def fresh(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        twin = torch.empty_like(x, device="meta") if on_meta else x.detach()
+        return twin.requires_grad_(x.requires_grad)
+
+    values: tuple[Any, ...] = tuple(fresh(x) for x in result.captured.example_flat_inputs)
+    found: dict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
+    with torch.enable_grad():
+        for s, stage in enumerate(stages):
+            counter = count_flops()
+            with counter if s in wanted else contextlib.nullcontext():
+                if on_meta:  # a copy without the checks (they read values), every op on meta
+                    runnable = fx.GraphModule(stage, copy.deepcopy(stage.graph))
+                    drop_checks(runnable, check_only_nodes(runnable.graph))
+                    with _OnMeta():
+                        out = runnable(*values)
+                else:
+                    out = stage(*values)
+            if s in wanted:
+                flops[s] = float(counter.get_total_flops())
+            outs = tuple(fresh(x) for x in (out if isinstance(out, (tuple, list)) else (out,)))
+            found[s] = (values, outs)
+            values = outs
+    return found
+
+
+class _OnMeta(TorchDispatchMode):
+    """Runs every op on meta twins of its tensors (real weights and constants included: a twin is free) and devices
+    (a captured ``.to(device)``), so a stage runs on meta inputs whatever its weights are; autograd, above this
+    mode, still sets ``requires_grad``."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def twin(x: Any) -> Any:
+            if isinstance(x, torch.device):
+                return torch.device("meta")
+            return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
+
+        return func(*pytree.tree_map(twin, args), **pytree.tree_map(twin, kwargs or {}))
 
 
 def _tied_holders(result: OptimizeResult, names: dict[int, list[str]]) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:

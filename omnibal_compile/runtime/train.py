@@ -210,6 +210,7 @@ def train(config: RunConfig) -> list[StepLog]:
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline, loss_terms
     from omnibal_compile.runtime.precision import LossScaler, cast_for_capture, cast_inputs, compute_dtype
+    from omnibal_compile.runtime.weights import compile_on_meta, meta_start
 
     config = with_plan_layout(config)
     layout = run_data_parallel(config)
@@ -221,17 +222,26 @@ def train(config: RunConfig) -> list[StepLog]:
     check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
     mesh = init_device_mesh(device.type, (dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
                             backend_override=_mesh_groups(device.type, config.collective_timeout))
-    model = build_model(config)
+    lean = meta_start(config)  # an hf:DIR model: on meta, each rank reads its own stages' weights only
+    model = lean.model if lean is not None else build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     steps = run_steps(config, source)
     held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
     low = compute_dtype(config.precision)
+    example = cast_inputs(source(0), low)
     # 16 bits: captured as a 16-bit model (its graph's casts are then bf16's), the fp32 values kept as masters
+    # (a meta start reads them from the weight files instead)
     masters = cast_for_capture(model, low) if low is not None else None
-    result = compile_for_microbatches(model, cast_inputs(source(0), low), plan)
+    result = compile_on_meta(config, lean, example, plan) if lean is not None else None
+    if result is None and lean is not None:  # its stages cannot start on meta (compile_on_meta says why)
+        model, lean = build_model(config), None
+        masters = cast_for_capture(model, low) if low is not None else None
+    if result is None:
+        result = compile_for_microbatches(model, example, plan)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
-        recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision, masters=masters,
+        recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,
+        masters=masters if lean is None else None, weights=lean.weights if lean is not None else None,
     )
     del model, result, masters  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)

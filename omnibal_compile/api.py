@@ -516,6 +516,7 @@ def optimize(
     if plan is None and work.table is not None:  # what the run compares its own settings with
         notes = {**chosen.notes, "compute dtype": work.table.activation_dtype or work.precision.compute_dtype}
         notes |= ({"freeze": list(cfg.freeze)} if cfg.freeze else {}) | ({"lora": str(cfg.lora)} if cfg.lora else {})
+        notes |= {"kernels": cfg.kernels or "none", "compiled": "no"}  # the cost pass runs the graph eagerly
         chosen = dataclasses.replace(chosen, notes=notes)
     stages = work.run("codegen", lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(

@@ -51,6 +51,7 @@ from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recomput
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.runtime.compiled import compile_stage
 from omnibal_compile.runtime.precision import PrecisionStage, compute_dtype
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
@@ -475,6 +476,7 @@ def build_pipeline(
     recompute: bool = True,
     weighting: str = "tokens",
     precision: str | None = None,
+    compile: bool = False,
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
@@ -489,7 +491,8 @@ def build_pipeline(
     ``weighting`` says how the model's loss averages (see :func:`loss_terms`). ``precision``: ``bf16`` computes
     in bfloat16 with fp32 weights (:mod:`omnibal_compile.runtime.precision`); None or ``fp32``: float32. With
     ``dp > 1`` this rank's stage modules of ``result`` become FSDP/replicate modules in place: build from a
-    ``result`` of its own.
+    ``result`` of its own. ``compile``: each stage module's forward runs under ``torch.compile``
+    (:mod:`omnibal_compile.runtime.compiled`), recompute regions inside it.
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
@@ -523,6 +526,8 @@ def build_pipeline(
     modules: list[nn.Module] = []
     for i, s in enumerate(mine):
         mod: nn.Module = apply_recompute(result.stages[s], result.graph, plan) if recompute else result.stages[s]
+        if compile:  # before the wrappers below: their autocast and output filter stay outside the region
+            mod = compile_stage(mod)
         ins, outs = examples[i]
         keep = tuple(j for j, v in enumerate(outs) if isinstance(v, torch.Tensor))
         if len(keep) < len(outs):  # only the last stage may return non-tensors (HF outputs hold Nones)

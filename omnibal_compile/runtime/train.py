@@ -225,10 +225,11 @@ def train(config: RunConfig) -> list[StepLog]:
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     steps = run_steps(config, source)
     held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
-    result = compile_for_microbatches(model, source(0), plan)
+    result = compile_for_microbatches(model, source(0), plan, kernels=config.kernels)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
         recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,
+        compile=config.compile,
     )
     del model, result  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)

@@ -59,5 +59,5 @@ def compile_stage(module: nn.Module) -> nn.Module:
     with ``_orig_mod.``). Compilation happens on the first call.
     """
     compiled: Any = torch.compile(module.forward, backend="inductor")
-    module.forward = compiled  # type: ignore[method-assign]
+    module.forward = compiled
     return module

@@ -4,7 +4,7 @@ Each layout trains the same steps of the same data and seed twice, eager and wit
 run with its own plan of the same cuts (the kernel pass fuses the LM head into its loss, so a kernels run
 needs a plan made with kernels). Prints each run's losses, the largest absolute loss difference and each
 run's median step time after the first (the first compiles). Layouts: ``pp2`` (2 stages, 1F1B),
-``dp2-fsdp`` and ``dp2-replicate`` (1 stage, 2 data-parallel ranks), ``pp1`` (1 rank); every block
+``dp2-fsdp`` and ``dp2-ddp`` (1 stage, 2 data-parallel ranks: FSDP2, replicate), ``pp1`` (1 rank); every block
 recomputed (``full``) so the checkpoint regions run inside the compiled forward.
 
     python bench/fast_paths_cpu.py --path compile --layouts pp2 dp2-fsdp --steps 2
@@ -32,7 +32,7 @@ from tests.conftest import SMALL_VLM  # noqa: E402  (the tests' small VLM)
 
 TINIEST = dataclasses.replace(SMALL_VLM, vit_layers=1, llm_layers=1)
 LAYOUTS = {"pp1": (1, 1, "fsdp"), "pp2": (2, 1, "fsdp"), "dp2-fsdp": (1, 2, "fsdp"),
-           "dp2-replicate": (1, 2, "replicate")}
+           "dp2-ddp": (1, 2, "ddp")}
 """Layout -> (pipeline stages, dp, dp_shard)."""
 
 

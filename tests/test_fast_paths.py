@@ -27,6 +27,10 @@ from tests.conftest import SMALL_VLM
 KERNEL_TOL = 2e-5
 """fp32 (atol, rtol) of the kernels against their references (tests/test_kernels.py's TOL[float32])."""
 
+TINIEST = dataclasses.replace(SMALL_VLM, vit_layers=1, llm_layers=1)
+"""One layer each: inductor compiles every kernel with a C++ compiler and Triton's interpreter
+runs every kernel in Python, both slow on a loaded CPU."""
+
 
 def _plan(tmp_path: Path, model_config: dict, stages: int, **kw) -> Path:
     with progress.quiet():
@@ -47,14 +51,15 @@ def _run_gradients(config: RunConfig, root: Path) -> tuple[list[float], dict[str
     return losses, {n: (p - moved[n]).detach() for n, p in before.named_parameters()}
 
 
-def test_the_settings_checks_and_the_plans_note(tmp_path: Path, capsys, monkeypatch):
-    model_config = dataclasses.asdict(SMALL_VLM)
+def test_a_missing_backend_is_named_before_launch(tmp_path: Path, monkeypatch):
+    model_config = dataclasses.asdict(TINIEST)
     with pytest.raises(InputError, match=r"--kernels"):
         RunConfig(plan="-", kernels="cuda")
-    path = _plan(tmp_path, model_config, 2)
-    plan = oc.Plan.from_file(path)
-    assert (plan.notes["kernels"], plan.notes["compiled"]) == ("none", "no")  # the costs' fast paths
-    config = RunConfig(plan=str(path), model_config=model_config, batch_size=4)
+    with progress.quiet():  # not costed: the checks come before the plan is captured
+        plan = oc.optimize(build_model(RunConfig(plan="-", model_config=model_config)), num_stages=2,
+                           planner="uniform", num_microbatches=2).plan
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    config = RunConfig(plan=str(tmp_path / "plan.json"), model_config=model_config, batch_size=4)
     with monkeypatch.context() as m:  # triton not installed: the kernels' own rule, named with the flag
         m.setattr(ops, "triton_available", lambda: False)
         with pytest.raises(MissingBackendError, match=r"--kernels triton: .*triton is not installed.*--kernels eager"):
@@ -67,6 +72,15 @@ def test_the_settings_checks_and_the_plans_note(tmp_path: Path, capsys, monkeypa
         m.setattr("torch._inductor.cpp_builder.get_cpp_compiler", no_compiler)
         with pytest.raises(InputError, match=r"--compile .*on cpu needs a C\+\+ compiler"):
             precheck(dataclasses.replace(config, compile=True))
+
+
+@pytest.mark.slow
+def test_the_plan_notes_its_fast_paths_and_a_run_with_others_says_so(tmp_path: Path, capsys, monkeypatch):
+    model_config = dataclasses.asdict(SMALL_VLM)
+    path = _plan(tmp_path, model_config, 2)
+    plan = oc.Plan.from_file(path)
+    assert (plan.notes["kernels"], plan.notes["compiled"]) == ("none", "no")  # the costs' fast paths
+    config = RunConfig(plan=str(path), model_config=model_config, batch_size=4)
     with pytest.raises(PlanError, match=r"made without --kernels, this run trains --kernels eager: .*fuses the LM"):
         precheck(dataclasses.replace(config, kernels="eager"))  # its blocks are not the plan's
     fused = dataclasses.replace(config, plan=str(_plan(tmp_path, model_config, 2, kernels="eager")), kernels="eager")
@@ -97,10 +111,11 @@ def test_the_run_flags_are_the_config_fields():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_triton_kernels_in_a_pp2_run_match_eager(tmp_path: Path, monkeypatch):
-    """2 ranks, pp=2, the reference VLM: a --kernels triton step (every fused kernel interpreted) gives eager's loss
-    and gradients within the kernels' fp32 tolerance, and not bit for bit (the kernels ran). Each run has its plan:
-    the kernel pass fuses the LM head into the loss, so their blocks differ (the model's numbers do not)."""
-    model_config = dataclasses.asdict(SMALL_VLM)
+    """2 ranks, pp=2, the reference VLM (one layer per tower): a --kernels triton step (every fused kernel
+    interpreted) gives eager's loss and gradients within the kernels' fp32 tolerance, and not bit for bit (the
+    kernels ran). Each run has its plan: the kernel pass fuses the LM head into the loss, so their blocks differ
+    (the model's numbers do not)."""
+    model_config = dataclasses.asdict(TINIEST)
     config = RunConfig(plan=str(_plan(tmp_path, model_config, 2)), model_config=model_config, batch_size=4)
     loss, grads = _run_gradients(config, tmp_path / "eager")
     fused_plan = str(_plan(tmp_path, model_config, 2, kernels="triton"))  # the LM head's block fused into the loss
@@ -113,10 +128,6 @@ def test_triton_kernels_in_a_pp2_run_match_eager(tmp_path: Path, monkeypatch):
     assert any(not torch.equal(fused[n], g) for n, g in grads.items())  # the kernels computed them, not eager torch
     print(f"triton-interpret vs eager: loss {abs(fused_loss[0] - loss[0]):.2e}, gradients "
           f"{max(float((fused[n] - g).abs().max()) for n, g in grads.items()):.2e} (max abs differences)")
-
-
-TINIEST = dataclasses.replace(SMALL_VLM, vit_layers=1, llm_layers=1)
-"""One layer each: inductor compiles every stage kernel with a C++ compiler, slow on a loaded CPU."""
 
 
 @pytest.mark.slow

@@ -517,6 +517,7 @@ def optimize(
         notes = {**chosen.notes, "compute dtype": work.table.activation_dtype or work.precision.compute_dtype}
         notes |= ({"freeze": list(cfg.freeze)} if cfg.freeze else {}) | ({"lora": str(cfg.lora)} if cfg.lora else {})
         notes |= {"precision": cfg.precision} if cfg.precision else {}  # the setting its parameter bytes are of
+        notes |= {"kernels": cfg.kernels or "none", "compiled": "no"}  # the cost pass runs the graph eagerly
         chosen = dataclasses.replace(chosen, notes=notes)
     stages = work.run("codegen", lambda: generate_stages(graph, chosen, model))
     return OptimizeResult(

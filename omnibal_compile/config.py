@@ -293,6 +293,10 @@ class ModelConfig(Section):
     """TinyVLMConfig fields, or keyword arguments of the factory (JSON on the command line)."""
     seed: int = setting(0, min=0, max=MAX_SEED)
     """Seed of the weights (the same on every rank) and of the built-in batches."""
+    kernels: str | None = setting(None, choices=("triton", "eager"))
+    """Rewrite norms, SwiGLU, rotary and the LM-head loss into fused ops (omnibal_compile.kernels) before cutting:
+    triton (Triton where it runs: CUDA, or TRITON_INTERPRET=1) or eager; plan: the ops costed; run: the ops the stages
+    run; None: no rewrite."""
     device: str | DeviceSpec | None = setting(None)
     """cpu or cuda (profile the costs here; train here, gloo or NCCL), or a roofline target such as a100-80gb (costing
     only); None: optimize() does not cost, plan and run use cpu."""
@@ -456,9 +460,6 @@ class PlannerConfig(Section):
     """export (torch.export, non-strict) or fx (symbolic_trace)."""
     block_prefixes: tuple[str, ...] | None = setting(None, metavar="PREFIX")
     """Module paths that each form one block, overriding the default grouping."""
-    kernels: str | None = setting(None, choices=("triton", "eager"))
-    """Rewrite norms, SwiGLU, rotary and the LM-head loss into fused ops before cutting: triton or eager; None: no
-    rewrite."""
 
     def _check(self) -> None:
         if self.planner is not None and not isinstance(self.planner, str) and not callable(self.planner):
@@ -541,6 +542,8 @@ class RuntimeConfig(Section):
     """Seconds a rank waits in one collective (start-up included) before it fails, so a frozen rank ends the run."""
     apply_recompute: bool = setting(True)
     """run: apply the plan's recompute options (false: keep every activation)."""
+    compile: bool = setting(False)
+    """run: compile each stage module with torch.compile (inductor; on CPU it needs a C++ compiler); false: eager."""
     peak_flops: float | None = setting(None, above=0, metavar="FLOP/S")
     """Peak FLOP/s of one device, for the logged MFU; None: the datasheet bf16 figure of an A100, H100 or H200, and no
     MFU on other devices."""

@@ -74,7 +74,7 @@ import torch
 
 from omnibal_compile import progress
 from omnibal_compile._utils.files import same_file, writable_folder
-from omnibal_compile.errors import InputError, PlanError
+from omnibal_compile.errors import InputError, MissingBackendError, PlanError
 from omnibal_compile.ir.costs import PRECISION_NAMES, Precision, precision_named
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.runtime.batches import BATCHINGS, batch_source, build_model, eval_source, run_steps
@@ -115,6 +115,7 @@ def precheck(config: RunConfig) -> Plan:
         raise InputError(f"batching (--batching) must be one of {list(BATCHINGS)}, got {config.batching!r}")
     plan = read_plan(config)
     _note_plan_settings(config, plan)
+    _check_fast_paths(config)
     nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
     check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp)
     if config.device not in ("cpu", "cuda"):
@@ -153,9 +154,11 @@ def precheck(config: RunConfig) -> Plan:
     now = None if config.lora is None else str(config.lora)
     try:
         # PlanError when the plan does not fit; a model whose capture on meta fails is built whole and checked
-        if meta is None or cut_on_meta(model, source(0), plan)[0] is None:
-            compile_for_microbatches(model if meta is None else build_model(config), source(0), plan)
+        if meta is None or cut_on_meta(model, source(0), plan, kernels=config.kernels)[0] is None:
+            compile_for_microbatches(model if meta is None else build_model(config), source(0), plan,
+                                     kernels=config.kernels)
     except PlanError as e:
+        _check_plan_kernels(e, config, plan)
         if planned in ("?", now):  # not a LoRA mismatch (or a plan that cannot tell)
             raise
         said = "without --lora" if planned is None else f"with --lora {planned}"
@@ -202,6 +205,44 @@ def _note_plan_settings(config: RunConfig, plan: Plan) -> None:
         progress.info(f"note: the plan was made with --freeze {','.join(planned_freeze) or '(none)'}, this run "
                       f"freezes {','.join(config.freeze) or 'nothing'}: the plan's costs are of other trained "
                       "parameters")
+    if "kernels" in plan.notes:  # the fast paths the costs were measured (or modelled) with; older plans: unknown
+        planned_paths = (plan.notes["kernels"], plan.notes.get("compiled", "no"))
+        run_paths = (config.kernels or "none", "inductor" if config.compile else "no")
+        if planned_paths != run_paths:
+            progress.info(f"note: the plan's costs were measured with kernels {planned_paths[0]}, torch.compile "
+                          f"{planned_paths[1]}; this run uses --kernels {run_paths[0]}, torch.compile {run_paths[1]}: "
+                          "its step times may differ from the plan's")
+
+
+def _check_plan_kernels(error: PlanError, config: RunConfig, plan: Plan) -> None:
+    """A PlanError naming --kernels when the plan was made with kernels and the run without, or the other way: the
+    kernel pass merges blocks (the LM head into its fused loss), so the plan's blocks are not the run's."""
+    planned = plan.notes.get("kernels")  # plans before this note: unknown
+    if planned is None or (planned == "none") == (config.kernels is None):
+        return
+    made = "without --kernels" if planned == "none" else f"with --kernels {planned}"
+    runs = f"--kernels {config.kernels}" if config.kernels else "without --kernels"
+    raise PlanError(f"{error}. The plan was made {made}, this run trains {runs}: the kernel pass fuses the LM head "
+                    f"into its loss, so make the plan with the run's kernels (omnibal-compile plan ... "
+                    f"{runs if config.kernels else 'without --kernels'})") from None
+
+
+def _check_fast_paths(config: RunConfig) -> None:
+    """``--kernels triton`` needs Triton installed (the kernels' own rule, named with the flag here) and says when it
+    falls back to the eager implementations; ``--compile`` needs a usable inductor."""
+    from omnibal_compile.kernels.ops import check_triton_installed, triton_runs_on
+    from omnibal_compile.runtime.compiled import check_compile
+
+    if config.kernels == "triton":
+        try:
+            check_triton_installed()
+        except MissingBackendError as e:
+            raise MissingBackendError(f"--kernels triton: {e}; or run with --kernels eager") from None
+        if not triton_runs_on(str(config.device)):
+            progress.info(f"note: --kernels triton on {config.device} without TRITON_INTERPRET=1 runs the kernels' "
+                          "eager implementations")
+    if config.compile:
+        check_compile(str(config.device))
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -60,6 +60,7 @@ from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recomput
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.runtime.compiled import compile_stage
 from omnibal_compile.runtime.precision import compute_dtype, mixed_precision_policy, restore_masters
 from omnibal_compile.runtime.weights import RankWeights, materialise, retarget_meta
 
@@ -521,6 +522,7 @@ def build_pipeline(
     precision: str | None = None,
     masters: Mapping[str, torch.Tensor] | None = None,
     weights: RankWeights | None = None,
+    compile: bool = False,
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
@@ -540,7 +542,8 @@ def build_pipeline(
     ``result`` become FSDP/replicate modules in place: build from a ``result`` of its own. ``weights``: ``result``
     was cut from a model on meta (:func:`~omnibal_compile.runtime.weights.meta_start`); only this rank's stages'
     tensors are made real, from these, on ``device`` (in 16 bits their parameters as the fp32 masters, read
-    exactly: ``masters`` is then not needed).
+    exactly: ``masters`` is then not needed). ``compile``: each stage module's forward runs under ``torch.compile``
+    (:mod:`omnibal_compile.runtime.compiled`), recompute regions inside it.
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
@@ -582,6 +585,8 @@ def build_pipeline(
     modules: list[nn.Module] = []
     for i, s in enumerate(mine):
         mod: nn.Module = apply_recompute(result.stages[s], result.graph, plan) if recompute else result.stages[s]
+        if compile:  # before the output filter below, which stays outside the compiled region
+            mod = compile_stage(mod)
         ins, outs = examples[i]
         keep = tuple(j for j, v in enumerate(outs) if isinstance(v, torch.Tensor))
         if len(keep) < len(outs):  # only the last stage may return non-tensors (HF outputs hold Nones)

@@ -237,11 +237,12 @@ def train(config: RunConfig) -> list[StepLog]:
         model, lean = build_model(config), None
         masters = cast_for_capture(model, low) if low is not None else None
     if result is None:
-        result = compile_for_microbatches(model, example, plan)
+        result = compile_for_microbatches(model, example, plan, kernels=config.kernels)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
         recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,
         masters=masters if lean is None else None, weights=lean.weights if lean is not None else None,
+        compile=config.compile,
     )
     del model, result, masters  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)

@@ -359,7 +359,7 @@ def _attr(module: nn.Module, target: str) -> Any:
     return module
 
 
-def cut_on_meta(model: nn.Module, batch: Any, plan: Any) -> tuple[Any, str | None]:
+def cut_on_meta(model: nn.Module, batch: Any, plan: Any, *, kernels: str | None = None) -> tuple[Any, str | None]:
     """``model`` (on meta) captured and cut under ``plan`` on a meta copy of ``batch``: (its ``OptimizeResult``,
     None), or (None, why not) when its capture on meta fails (e.g. a value read on meta inputs: the whole model's
     capture then says what is wrong, if anything). A plan that does not fit the model is a PlanError here."""
@@ -367,7 +367,7 @@ def cut_on_meta(model: nn.Module, batch: Any, plan: Any) -> tuple[Any, str | Non
     from omnibal_compile.errors import OmnibalError, PlanError
 
     try:
-        return compile_for_microbatches(model, on_meta(batch), plan), None
+        return compile_for_microbatches(model, on_meta(batch), plan, kernels=kernels), None
     except PlanError:
         raise
     except (OmnibalError, RuntimeError) as e:
@@ -378,7 +378,7 @@ def cut_on_meta(model: nn.Module, batch: Any, plan: Any) -> tuple[Any, str | Non
 def compile_on_meta(config: RunConfig, start: MetaStart, batch: Any, plan: Any) -> Any | None:
     """``start.model`` cut under ``plan`` (:func:`cut_on_meta`), or None (with a note) when a rank cannot start from
     it: its capture on meta fails, or :func:`_meta_blocker` says why; the caller then builds the whole model."""
-    result, why = cut_on_meta(start.model, batch, plan)
+    result, why = cut_on_meta(start.model, batch, plan, kernels=config.kernels)
     if result is not None:
         why = _meta_blocker(result)
         if why is None:

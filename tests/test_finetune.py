@@ -207,3 +207,60 @@ def test_qwen2_vl_dataset_packs_refuse_cutting_images(tiny_qwen):
                        batch_size=2, oversized="truncate")
     with pytest.raises(InputError, match=r"oversized \(--oversized\) 'truncate': Qwen2VLForConditionalGeneration"):
         batch_source(config, build_model(config))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_instruction_tuning_recipe_exports_the_trained_model_with_its_tower_unchanged(tiny, tmp_path, monkeypatch):
+    """``--freeze vision_tower --lr-schedule cosine --warmup-steps 2 --max-grad-norm 1.0 --export-hf OUT`` on the real
+    dataset (pp=2): the export loads with from_pretrained; its vision tower is the pretrained one exactly and every
+    other parameter that gets a gradient moved; its logits equal the trained checkpoint's in the unsplit model
+    (<= 1e-5); the logged lr is warm-up then cosine; step 0's logged grad_norm is the unsplit model's global norm on
+    the same batch (<= 1e-5 relative, fp32)."""
+    from transformers import LlavaForConditionalGeneration
+
+    from omnibal_compile.cli import main
+    from omnibal_compile.runtime.batches import batch_source, build_model
+    from omnibal_compile.runtime.checkpoint import load_into_model
+    from omnibal_compile.runtime.recipe import lr_at
+    from omnibal_compile.runtime.settings import RunConfig
+
+    monkeypatch.chdir(tmp_path)
+    spec, data = f"hf:{tiny / 'model'}", str(tiny / "train.json")
+    layout = ["--batch-size", "2", "--samples-per-pack", "2", "--num-microbatches", "2"]
+    assert main(["lengths", data, "--model", spec, "--out", "lengths.jsonl"]) == 0
+    assert main(["plan", spec, "--lengths", "lengths.jsonl", "--num-stages", "2", "--freeze", "vision_tower",
+                 "--no-pictures", "--out", "plan"]) == 0
+    steps, lr = 4, 1e-2
+    assert main(["run", "--plan", "plan/plan.json", "--model", spec, "--dataset", data, *layout, "--steps", str(steps),
+                 "--optimizer", "adamw", "--lr", str(lr), "--freeze", "vision_tower", "--lr-schedule", "cosine",
+                 "--warmup-steps", "2", "--max-grad-norm", "1.0", "--save", "ckpt", "--export-hf", "out",
+                 "--log", "steps.jsonl", "--timeout", "400"]) == 0
+    logged = [json.loads(line) for line in Path("steps.jsonl").read_text().splitlines()]
+    assert [e["lr"] for e in logged] == pytest.approx(
+        [lr_at(k, lr=lr, schedule="cosine", warmup_steps=2, steps=steps) for k in range(steps)], rel=1e-9)
+
+    pretrained = LlavaForConditionalGeneration.from_pretrained(tiny / "model", dtype=torch.float32)
+    exported = LlavaForConditionalGeneration.from_pretrained(tmp_path / "out", local_files_only=True)
+    config = RunConfig(plan="plan/plan.json", model=spec, dataset=data, batch_size=2, samples_per_pack=2,
+                       num_microbatches=2, freeze=("vision_tower",))
+    probe = build_model(config)  # the unsplit model, its tower frozen, on the run's step-0 batch
+    batch = batch_source(config, probe)(0)
+    probe(**batch).loss.backward()
+    norm = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in probe.parameters() if p.grad is not None])))
+    assert abs(logged[0]["grad_norm"] - norm) <= 1e-5 * norm, (logged[0]["grad_norm"], norm)
+    before, after = dict(pretrained.named_parameters()), dict(exported.named_parameters())
+    grads = {n: p.grad for n, p in probe.named_parameters()}
+    tower = [n for n in before if ".vision_tower." in f".{n}"]
+    assert tower and all(torch.equal(after[n], before[n]) for n in tower)
+    moved = [n for n in before if n not in tower and grads[n] is not None]
+    assert moved and all(not torch.equal(after[n], before[n]) for n in moved), [
+        n for n in moved if torch.equal(after[n], before[n])]
+    trained = build_model(config)
+    assert load_into_model(trained, "ckpt") == steps
+    trained.eval()
+    exported.eval()
+    with torch.no_grad():
+        want, have = trained(**batch).logits, exported(**batch).logits
+    assert torch.allclose(have, want, atol=1e-5, rtol=0), float((have - want).abs().max())

@@ -58,12 +58,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     import omnibal_compile as oc
     from omnibal_compile import progress
-    from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.ir.costs import DataParallel
     from omnibal_compile.models import TinyVLM
     from omnibal_compile.runtime import build_pipeline
     from omnibal_compile.runtime.batches import _dp_part
-    from omnibal_compile.runtime.precision import ComputeParams, cast_for_capture, cast_inputs, compute_dtype
+    from omnibal_compile.runtime.precision import ComputeParams, compile_in_precision
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -80,9 +79,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 with progress.quiet():  # the same plan for both precisions
                     plan = oc.optimize(model, {k: v[:1] for k, v in part.items()}, num_stages=pp, planner="uniform",
                                        num_microbatches=2).plan
-                low = compute_dtype(precision)
-                masters = cast_for_capture(model, low) if low is not None else None
-                pipe = build_pipeline(compile_for_microbatches(model, cast_inputs(part, low), plan), mesh=mesh,
+                result, masters = compile_in_precision(model, part, plan, precision)
+                pipe = build_pipeline(result, mesh=mesh,
                                       precision=precision, masters=masters,
                                       data_parallel=DataParallel(size=dp, shard=shard))
                 optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)

@@ -182,7 +182,8 @@ def test_a_model_whose_capture_on_meta_fails_starts_whole_with_a_note(tiny, monk
     batch = batch_source(config, start.model)(0)
     assert compile_on_meta(config, start, batch, plan) is not None
 
-    def refuse(model: Any, batch: Any, plan: Any, **kw: Any) -> None:  # as a capture that reads values on meta inputs fails
+    # as a capture that reads values on meta inputs fails
+    def refuse(model: Any, batch: Any, plan: Any, **kw: Any) -> None:
         raise oc.InputError("a value read on meta")
 
     monkeypatch.setattr(api, "compile_for_microbatches", refuse)

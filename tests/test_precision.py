@@ -22,7 +22,13 @@ from omnibal_compile.ir.costs import BF16_ADAM, FP32_ADAM, precision_named
 from omnibal_compile.models import TinyVLM
 from omnibal_compile.runtime.batches import build_model
 from omnibal_compile.runtime.launch import launch, precheck
-from omnibal_compile.runtime.precision import ComputeParams, LossScaler, cast_for_capture, cast_inputs, compute_dtype
+from omnibal_compile.runtime.precision import (
+    ComputeParams,
+    LossScaler,
+    cast_for_capture,
+    compile_in_precision,
+    compute_dtype,
+)
 from omnibal_compile.runtime.settings import RunConfig
 from tests.conftest import SMALL_VLM
 
@@ -31,7 +37,6 @@ def _one_rank(precision: str, steps: int = 1) -> dict:
     """TinyVLM on a (dp=1, pp=1) mesh in ``precision``: losses, and what the stages computed with (step 0)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.models import make_example_batch
     from omnibal_compile.runtime import build_pipeline
 
@@ -41,9 +46,7 @@ def _one_rank(precision: str, steps: int = 1) -> dict:
     with progress.quiet():
         plan = oc.optimize(model, num_stages=1, planner="uniform", num_microbatches=2).plan
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    low = compute_dtype(precision)
-    masters = cast_for_capture(model, low) if low is not None else None
-    result = compile_for_microbatches(model, cast_inputs(batch, low), plan)
+    result, masters = compile_in_precision(model, batch, plan, precision)
     pipe = build_pipeline(result, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp")),
                           precision=precision, masters=masters)
     state = {n: t.detach() for n, t in pipe.full_state().items() if n in before}
@@ -174,7 +177,6 @@ def _mesh_worker(rank: int, world: int, port: int, out: str, models: dict, cases
     from test_runtime import _rank_process
     from torch.distributed.device_mesh import init_device_mesh
 
-    from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.ir.costs import DataParallel
     from omnibal_compile.runtime import build_pipeline
     from omnibal_compile.runtime.batches import _dp_part
@@ -187,9 +189,8 @@ def _mesh_worker(rank: int, world: int, port: int, out: str, models: dict, cases
             model.load_state_dict(weights)
             mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
             part = _dp_part(batch, dp, mesh["dp"].get_local_rank())
-            low = compute_dtype(precision)
-            masters = cast_for_capture(model, low) if low is not None else None
-            pipe = build_pipeline(compile_for_microbatches(model, cast_inputs(part, low), plan), mesh=mesh,
+            result, masters = compile_in_precision(model, part, plan, precision)
+            pipe = build_pipeline(result, mesh=mesh,
                                   precision=precision, masters=masters,
                                   data_parallel=DataParallel(size=dp, shard=shard))
             optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)

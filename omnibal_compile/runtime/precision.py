@@ -39,8 +39,8 @@ from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["compute_dtype", "cast_for_capture", "cast_inputs", "mixed_precision_policy", "restore_masters",
-           "ComputeParams", "LossScaler"]
+__all__ = ["compute_dtype", "cast_for_capture", "cast_inputs", "compile_in_precision", "mixed_precision_policy",
+           "restore_masters", "ComputeParams", "LossScaler"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -75,6 +75,18 @@ def cast_inputs(batch: Any, dtype: torch.dtype | None) -> Any:
         return batch
     return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
                            batch)
+
+
+def compile_in_precision(model: nn.Module, batch: Any, plan: Any, precision: str | None, *,
+                         kernels: str | None = None) -> tuple[Any, dict[str, torch.Tensor] | None]:
+    """``model`` captured and cut under ``plan`` for a run in ``precision``: in 16 bits as a 16-bit model on a 16-bit
+    ``batch`` (:func:`cast_for_capture`, :func:`cast_inputs`); returns the ``OptimizeResult`` and the fp32 masters
+    for :func:`~omnibal_compile.runtime.pipeline.build_pipeline` (None in fp32)."""
+    from omnibal_compile.api import compile_for_microbatches
+
+    low = compute_dtype(precision)
+    masters = cast_for_capture(model, low) if low is not None else None
+    return compile_for_microbatches(model, cast_inputs(batch, low), plan, kernels=kernels), masters
 
 
 def mixed_precision_policy(dtype: torch.dtype | None) -> MixedPrecisionPolicy:

@@ -205,11 +205,16 @@ def train(config: RunConfig) -> list[StepLog]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.costs._measure import PeakLiveStorages
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
     from omnibal_compile.runtime.pipeline import build_pipeline, check_pipeline, loss_terms
-    from omnibal_compile.runtime.precision import LossScaler, cast_for_capture, cast_inputs, compute_dtype
+    from omnibal_compile.runtime.precision import (
+        LossScaler,
+        cast_for_capture,
+        cast_inputs,
+        compile_in_precision,
+        compute_dtype,
+    )
     from omnibal_compile.runtime.weights import compile_on_meta, meta_start
 
     config = with_plan_layout(config)
@@ -227,17 +232,18 @@ def train(config: RunConfig) -> list[StepLog]:
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     steps = run_steps(config, source)
     held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
-    low = compute_dtype(config.precision)
-    example = cast_inputs(source(0), low)
     # 16 bits: captured as a 16-bit model (its graph's casts are then bf16's), the fp32 values kept as masters
     # (a meta start reads them from the weight files instead)
-    masters = cast_for_capture(model, low) if low is not None else None
-    result = compile_on_meta(config, lean, example, plan) if lean is not None else None
-    if result is None and lean is not None:  # its stages cannot start on meta (compile_on_meta says why)
-        model, lean = build_model(config), None
-        masters = cast_for_capture(model, low) if low is not None else None
+    low = compute_dtype(config.precision)
+    result, masters = None, None
+    if lean is not None:
+        if low is not None:
+            cast_for_capture(lean.model, low)
+        result = compile_on_meta(config, lean, cast_inputs(source(0), low), plan)
+        if result is None:  # its stages cannot start on meta (compile_on_meta says why)
+            model, lean = build_model(config), None
     if result is None:
-        result = compile_for_microbatches(model, example, plan, kernels=config.kernels)
+        result, masters = compile_in_precision(model, source(0), plan, config.precision, kernels=config.kernels)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
         recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,

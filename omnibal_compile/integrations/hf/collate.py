@@ -55,6 +55,7 @@ __all__ = [
     "mrope_positions",
     "segment_mask",
     "block_ids",
+    "sample_tokens",
 ]
 
 MASK_ATTENTION: tuple[str, ...] = ("sdpa", "eager")
@@ -184,15 +185,7 @@ class HFPackingCollator:
         return batch
 
     def _parse(self, i: int, s: Mapping[str, Any]) -> _Sample:
-        if "input_ids" not in s:
-            raise InputError(f"sample {i} of the pack has no 'input_ids'")
-        ids = torch.as_tensor(s["input_ids"]).long().reshape(-1)
-        if ids.numel() < 1:
-            raise InputError(f"sample {i}: input_ids is empty")
-        labels = s.get("labels")
-        labels = None if labels is None else torch.as_tensor(labels).long().reshape(-1)
-        if labels is not None and labels.numel() != ids.numel():
-            raise InputError(f"sample {i}: labels has {labels.numel()} entries but input_ids {ids.numel()}")
+        ids, labels = sample_tokens(i, s)
         if self.image_token_id is None:
             if s.get("pixel_values") is not None:
                 raise InputError(f"sample {i} has pixel_values but the collator is for a text-only model; build it "
@@ -301,6 +294,21 @@ def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float3
     return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(
         ~allowed, torch.finfo(dtype).min
     )[:, None]
+
+
+def sample_tokens(i: int, s: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample ``i``'s ``input_ids`` and ``labels`` (None when it has none) as 1-D long tensors; InputErrors name it
+    when the ids are missing or empty or the labels are of another length."""
+    if "input_ids" not in s:
+        raise InputError(f"sample {i} of the pack has no 'input_ids'")
+    ids = torch.as_tensor(s["input_ids"]).long().reshape(-1)
+    if ids.numel() < 1:
+        raise InputError(f"sample {i}: input_ids is empty")
+    labels = s.get("labels")
+    labels = None if labels is None else torch.as_tensor(labels).long().reshape(-1)
+    if labels is not None and labels.numel() != ids.numel():
+        raise InputError(f"sample {i}: labels has {labels.numel()} entries but input_ids {ids.numel()}")
+    return ids, labels
 
 
 def block_ids(segment_ids: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:

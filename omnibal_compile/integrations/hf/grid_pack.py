@@ -34,6 +34,7 @@ import torch
 from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.data.packing import PackShape
 from omnibal_compile.errors import InputError
+from omnibal_compile.integrations.hf.collate import sample_tokens
 
 __all__ = ["GridPackCollator"]
 
@@ -109,16 +110,8 @@ class GridPackCollator:
         }
 
     def _sample(self, i: int, s: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if "input_ids" not in s:
-            raise InputError(f"sample {i} of the pack has no 'input_ids'")
-        ids = torch.as_tensor(s["input_ids"]).long().reshape(-1)
-        if ids.numel() < 1:
-            raise InputError(f"sample {i}: input_ids is empty")
-        labels = s.get("labels")
-        labels = torch.where(ids == self.image_token_id, IGNORE_INDEX, ids) if labels is None else \
-            torch.as_tensor(labels).long().reshape(-1)
-        if labels.numel() != ids.numel():
-            raise InputError(f"sample {i}: labels has {labels.numel()} entries but input_ids {ids.numel()}")
+        ids, given = sample_tokens(i, s)
+        labels = torch.where(ids == self.image_token_id, IGNORE_INDEX, ids) if given is None else given
         pix, grid = s.get("pixel_values"), s.get("image_grid_thw")
         if (pix is None) != (grid is None):
             raise InputError(f"sample {i}: give pixel_values and image_grid_thw together")

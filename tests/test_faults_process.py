@@ -184,6 +184,20 @@ def test_a_stopped_rank_seen_exiting_is_still_named_stopped():
     assert _report([timed_out, resumed], "failed", None, 3).startswith("the run failed: rank 1 was killed by SIGKILL")
 
 
+def test_a_rank_that_left_early_is_the_cause_though_its_peer_failed_within_the_poll():
+    # CI: rank 1 called os._exit(0); rank 0 failed at once with "Connection reset by peer" and wrote its error
+    # file before the watcher's next poll saw rank 1 gone, so the first to fail by the clock was rank 0.
+    from omnibal_compile.runtime.processes import _Rank, _report
+
+    peer = _Rank(rank=0, pid=10, ended_at=19.0, exitcode=1, state="S",
+                 lines=["Traceback (most recent call last):\n", "RuntimeError: Connection reset by peer\n"])
+    left = _Rank(rank=1, pid=11, ended_at=20.0, exitcode=0, state="S", early_exit=True)
+    assert peer.failed_at is not None and left.failed_at is not None and peer.failed_at < left.failed_at
+    ranks = [peer, left]
+    assert _report(ranks, "failed", None, 3).startswith("the run failed: rank 1 left the run early"), \
+        _report(ranks, "failed", None, 3)
+
+
 def test_first_error_line_reads_torch_prefixed_tracebacks():
     out = ["[omnibal run] step 0\n", "[rank1]: Traceback (most recent call last):\n",
            '[rank1]:   File "x.py", line 3, in f\n', "[rank1]:     g()\n", "[rank1]: RuntimeError: boom\n",

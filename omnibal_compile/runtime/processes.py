@@ -545,10 +545,11 @@ def _end_leftovers(run_id: str, ranks: dict[int, _Rank], wait_s: float = 5.0) ->
 def _report(ranks: list[_Rank], outcome: str, timeout_s: float | None, grace_s: float) -> str:
     ranks = sorted(ranks, key=lambda rk: rk.rank)
     stopped = [rk for rk in ranks if rk.state_at_end in ("T", "t")]
-    # A rank that died of a signal without an error of its own (killed, out of memory, a crash) is
-    # the cause; its peers fail next with closed connections. Otherwise the first to fail.
+    # A rank that died of a signal without an error of its own (killed, out of memory, a crash) or left early
+    # (exit 0 mid-run) is the cause: its peers fail next with closed connections, often within the same poll,
+    # so their error files can predate the poll that saw it end. Otherwise the first to fail.
     failed = sorted((rk for rk in ranks if rk.failed_at is not None and rk.state_at_end is None),
-                    key=lambda rk: (not rk.died_of_signal(), rk.failed_at, rk.rank))
+                    key=lambda rk: (not (rk.died_of_signal() or rk.early_exit), rk.failed_at, rk.rank))
     causes = [f"rank {rk.rank} stopped responding (its process is stopped: SIGSTOP, a debugger or job control)"
               for rk in stopped]
     first = failed[0] if failed else None

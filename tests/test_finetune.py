@@ -1,6 +1,7 @@
-"""The documented fine-tune path end to end on 4 ranks: ``lengths --model`` -> ``plan`` -> ``run`` (dp=2 x pp=2; InternVL:
-pp=2 on 2 ranks) on a pretrained tiny Llava, Qwen2-VL or InternVL folder and a LLaVA-format dataset of real images, checked against the unsplit model
-on each sample alone; the step's packs carry the images' pixels (one image changed, the step's loss changes)."""
+"""The documented fine-tune path end to end: ``lengths --model`` -> ``plan`` -> ``run`` (dp=2 x pp=2 on 4 ranks;
+InternVL: pp=2 on 2 ranks) on a pretrained tiny Llava, Qwen2-VL or InternVL folder and a LLaVA-format dataset of
+real images, checked against the unsplit model on each sample alone; the step's packs carry the images' pixels
+(one image changed, the step's loss changes)."""
 
 from __future__ import annotations
 

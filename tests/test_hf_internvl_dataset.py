@@ -155,7 +155,8 @@ def test_lengths_with_model_are_what_the_dataset_makes_and_plan_takes_them(tiny,
     h = stats.header
     assert h is not None and (h.units, h.model_type, h.image_token_id) == ("model", "internvl", 6)
     common = dict(plan=str(tmp_path / "plan.json"), model=spec, batch_size=2, samples_per_pack=2.0, dp=2)
-    on_data, on_lengths = RunConfig(dataset=str(tiny / "train.json"), **common), RunConfig(lengths=(str(out),), **common)
+    on_data = RunConfig(dataset=str(tiny / "train.json"), **common)
+    on_lengths = RunConfig(lengths=(str(out),), **common)
     model = build_model(on_data)
     a, b = batch_source(on_data, model), batch_source(on_lengths, model)
     assert a.data_plan.stats.digest == b.data_plan.stats.digest  # taken as they are: no tokens-per-tile conversion

@@ -192,6 +192,20 @@ def test_a_tokenizer_without_internvls_named_image_tokens_is_refused(tiny, tmp_p
         load_processor(folder)
 
 
+def test_a_processor_of_other_tokens_per_tile_than_the_model_is_refused(tiny, tmp_path, capsys):
+    import shutil
+
+    from omnibal_compile.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny / "model", folder)
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "InternVLProcessor",
+                                                               "image_seq_length": 8}))
+    assert main(["lengths", str(tiny / "train.json"), "--model", f"hf:{folder}", "--out", str(tmp_path / "l.jsonl"),
+                 "--no-progress"]) == 2
+    assert "its image_seq_length is 8 image tokens per tile, but the model's config says 4" in capsys.readouterr().err
+
+
 SHAPE_TILES, SHAPE_TOKENS = 12, 100
 """A pack shape every pair of records below fits: Q_v tiles, Q_t tokens (row: Q_t + Q_v x 4)."""
 

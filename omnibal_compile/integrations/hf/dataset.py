@@ -54,7 +54,8 @@ __all__ = ["ConversationDataset", "ImageTokenProcessor", "TileTokenProcessor", "
 DATASET_IMAGE_MARK = "<image>"
 """How a LLaVA record marks an image in its text."""
 TILE_TOKEN_FAMILIES: tuple[str, ...] = ("internvl",)
-"""Model types read by :class:`TileTokenProcessor` (InternVL, the Hugging Face port)."""
+"""Model types read by :class:`TileTokenProcessor`: InternVL's Hugging Face port (the remote-code ``internvl_chat`` of
+``data_plan.INTERNVL_MODEL_TYPES`` has no InternVLProcessor and names no image tokens in its tokenizer)."""
 _ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -126,9 +127,9 @@ class TileTokenProcessor:
         missing = [n for n in names if not isinstance(getattr(tokenizer, n, None), str)]
         if missing:
             raise InputError(f"the tokenizer names no {', '.join(missing)}: InternVL's processor reads its image "
-                             "tokens from them (tokenizer_config.json's extra_special_tokens, e.g. "
-                             "{\"start_image_token\": \"<img>\", \"end_image_token\": \"</img>\", "
-                             "\"context_image_token\": \"<IMG_CONTEXT>\"}); save the tokenizer with them")
+                             "tokens from them; save the tokenizer with them (extra_special_tokens={"
+                             "\"start_image_token\": \"<img>\", \"end_image_token\": \"</img>\", "
+                             "\"context_image_token\": \"<IMG_CONTEXT>\"}, which tokenizer_config.json keeps)")
         self.image_processor, self.tokenizer = image_processor, tokenizer
         self.chat_template = getattr(tokenizer, "chat_template", None)
         self.image_seq_length = int(image_seq_length)

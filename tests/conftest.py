@@ -157,6 +157,13 @@ def make_tiny_qwen2vl(out):
     return _run_example("make_tiny_qwen2vl", out)
 
 
+def make_tiny_internvl(out):
+    """``examples/make_tiny_internvl.py`` run into ``out``: a pretrained tiny InternVL folder (tokenizer with its image
+    tokens and a chat template, GotOcr2's image processor with 16-pixel tiles) and the same dataset as
+    :func:`make_tiny_llava`."""
+    return _run_example("make_tiny_internvl", out)
+
+
 def _run_example(name, out):
     import importlib.util
     from pathlib import Path

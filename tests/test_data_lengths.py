@@ -176,6 +176,17 @@ def test_internvl_units_convert_for_internvl_and_the_reference_model_only(tmp_pa
                                          r".*a llava model's processor.*omnibal-compile lengths d.jsonl "
                                          r"--model hf:DIR"):
         model_lengths(path, DataOptions(**_facts(model_type="llava")))  # type: ignore[arg-type]
+    for tile in (16, 448):  # InternVL's tiling converts only when its tiles are the model's (16 pixels here)
+        path.write_text(json.dumps([{"units": "internvl", "tokens_per_tile": 128, "dataset": "d.jsonl",
+                                     "tile_size": tile}, {"vit_num": 2, "token_num": 2 * 128 + 64, "image_flags": 2}]))
+        options = DataOptions(**_facts(tokens_per_tile=16, model_type="internvl"))  # type: ignore[arg-type]
+        if tile == 16:
+            assert model_lengths(path, options).tokens.tolist() == [2 * 16 + 8]
+            continue
+        with pytest.raises(InputError, match=r"internvl.json: its lengths are in InternVL units \(128 tokens per "
+                                             r"tile\) of 448-pixel tiles, but the internvl model's tiles are 16 pixels"
+                                             r".*--tile-size 16.*omnibal-compile lengths d.jsonl --model hf:DIR"):
+            model_lengths(path, options)
     (tmp_path / "old.json").write_text(json.dumps([{"vit_num": 2, "token_num": 2 * 256 + 64}]))
     old = model_lengths(tmp_path / "old.json", DataOptions(**_facts(tokens_per_tile=16, model_type="llava")))  # type: ignore[arg-type]
     assert old.tokens.tolist() == [2 * 16 + 4]  # no header: today's meaning, source_tokens_per_tile (256)

@@ -1,6 +1,7 @@
-"""The documented fine-tune path end to end on 4 ranks: ``lengths --model`` -> ``plan`` -> ``run`` (dp=2 x pp=2) on a
-pretrained tiny Llava or Qwen2-VL folder and a LLaVA-format dataset of real images, checked against the unsplit model
-on each sample alone; the step's packs carry the images' pixels (one image changed, the step's loss changes)."""
+"""The documented fine-tune path end to end: ``lengths --model`` -> ``plan`` -> ``run`` (dp=2 x pp=2 on 4 ranks;
+InternVL: pp=2 on 2 ranks) on a pretrained tiny Llava, Qwen2-VL or InternVL folder and a LLaVA-format dataset of
+real images, checked against the unsplit model on each sample alone; the step's packs carry the images' pixels
+(one image changed, the step's loss changes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llava, make_tiny_qwen2vl
+from conftest import make_tiny_internvl, make_tiny_llava, make_tiny_qwen2vl
 
 pytest.importorskip("transformers")
 
@@ -28,20 +29,30 @@ def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen2vl(tmp_path_factory.mktemp("tiny_qwen"))
 
 
-def _walk(folder: Path) -> tuple[str, dict]:
+@pytest.fixture(scope="module")
+def tiny_internvl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_internvl(tmp_path_factory.mktemp("tiny_internvl"))
+
+
+def _walk(folder: Path, dp: int = 2) -> tuple[str, dict]:
     """``lengths`` -> ``plan`` -> ``run`` (one SGD step) in the current folder; the model spec and step 0's log."""
     from omnibal_compile.cli import main
 
     model_spec = f"hf:{folder / 'model'}"
     assert main(["lengths", str(folder / "train.json"), "--model", model_spec, "--out", "lengths.jsonl"]) == 0
-    assert main(["plan", model_spec, "--lengths", "lengths.jsonl", "--num-stages", "2", "--dp", "2",
+    assert main(["plan", model_spec, "--lengths", "lengths.jsonl", "--num-stages", "2", "--dp", str(dp),
                  "--no-pictures", "--out", "plan"]) == 0
     assert main(["run", "--plan", "plan/plan.json", "--model", model_spec, "--dataset", str(folder / "train.json"),
-                 *RUN, "--steps", "1", "--optimizer", "sgd", "--log", "steps.jsonl", "--timeout", "400"]) == 0
+                 *_layout(dp), "--steps", "1", "--optimizer", "sgd", "--log", "steps.jsonl", "--timeout", "400"]) == 0
     (step,) = [json.loads(line) for line in Path("steps.jsonl").read_text().splitlines()]
     ids = [i for rank in step["samples"] for i in rank]
-    assert len(step["samples"]) == 2 and len(ids) == len(set(ids)) > 2  # both dp ranks, distinct records
+    assert len(step["samples"]) == dp and len(ids) == len(set(ids)) > 2  # every dp rank, distinct records
     return model_spec, step
+
+
+def _layout(dp: int) -> list[str]:
+    """``RUN`` for ``dp`` data-parallel ranks (2 rows of 2 samples each)."""
+    return ["--dp", str(dp), "--batch-size", str(2 * dp), *RUN[4:]]
 
 
 def _alone(model, dataset, ids, extra=lambda sample: {}) -> float:
@@ -58,7 +69,7 @@ def _alone(model, dataset, ids, extra=lambda sample: {}) -> float:
     return total / count
 
 
-def _packed_step_loss(model_spec: str, data: Path) -> float:
+def _packed_step_loss(model_spec: str, data: Path, dp: int = 2) -> float:
     """Step 0 of ``run --dataset data`` as this process builds it (every rank's rows), through the unsplit model one
     row at a time (Qwen2-VL: its vision tower as captured, which takes the packs' empty images), token-weighted."""
     from torch.utils import _pytree as pytree
@@ -68,13 +79,13 @@ def _packed_step_loss(model_spec: str, data: Path) -> float:
     from omnibal_compile.runtime.batches import batch_source, build_model
     from omnibal_compile.runtime.settings import RunConfig
 
-    config = RunConfig(plan="plan/plan.json", model=model_spec, dataset=str(data), dp=2, batch_size=4,
+    config = RunConfig(plan="plan/plan.json", model=model_spec, dataset=str(data), dp=dp, batch_size=2 * dp,
                        samples_per_pack=2, num_microbatches=2)
     model = build_model(config)
     leaves, spec = pytree.tree_flatten(batch_source(config, model)(0))
     total = count = 0.0
     with torch.no_grad(), grid_free_capture(model):
-        for part in split_batch(leaves, 4):
+        for part in split_batch(leaves, 2 * dp):
             row = pytree.tree_unflatten(list(part), spec)
             n = int((row["labels"][:, 1:] != -100).sum())
             total += float(model(**row).loss) * n
@@ -94,11 +105,11 @@ def _changed_image(folder: Path, out: Path) -> Path:
     return out / "train.json"
 
 
-def _check_pixels_count(model_spec: str, folder: Path, step: dict, tmp_path: Path) -> None:
+def _check_pixels_count(model_spec: str, folder: Path, step: dict, tmp_path: Path, dp: int = 2) -> None:
     """The step's packs as built here give the run's loss; with one image's pixels changed, another loss."""
-    same = _packed_step_loss(model_spec, folder / "train.json")
+    same = _packed_step_loss(model_spec, folder / "train.json", dp)
     assert abs(same - step["loss"]) <= 1e-5, (same, step["loss"])
-    changed = _packed_step_loss(model_spec, _changed_image(folder, tmp_path / "changed"))
+    changed = _packed_step_loss(model_spec, _changed_image(folder, tmp_path / "changed"), dp)
     assert abs(changed - same) > 1e-4, (changed, same)
 
 
@@ -195,6 +206,30 @@ def _qwen_processor_inputs(folder: Path, record: int) -> dict:
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     out = processor(text=[text], images=images or None, return_tensors="pt")
     return {k: v for k, v in out.items() if k in ("input_ids", "pixel_values", "image_grid_thw")}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_internvl_lengths_plan_run_on_pp2_trains_the_pretrained_model_on_the_real_tiles(tiny_internvl, tmp_path,
+                                                                                        monkeypatch):
+    """InternVL's dynamic tiles through the pipeline (2 ranks, pp=2): step 0's loss is the unsplit pretrained model's on
+    each trained sample alone (its tiles as ``pixel_values``), token-weighted; another image's pixels, another loss.
+    The samples themselves (tokens, labels, tiles == transformers' InternVLProcessor) are checked in
+    tests/test_hf_internvl_dataset.py."""
+    from transformers import InternVLForConditionalGeneration
+
+    from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
+
+    monkeypatch.chdir(tmp_path)
+    model_spec, step = _walk(tiny_internvl, dp=1)
+    ids = [i for rank in step["samples"] for i in rank]
+    dataset = ConversationDataset(tiny_internvl / "train.json", load_processor(tiny_internvl / "model"))
+    assert any("pixel_values" in dataset[i] for i in ids) and len({dataset[i].get("pixel_values", torch.zeros(0)
+                                                                              ).shape[0] for i in ids}) > 1
+    model = InternVLForConditionalGeneration.from_pretrained(tiny_internvl / "model", dtype=torch.float32)
+    want = _alone(model, dataset, ids, lambda s: {"pixel_values": s["pixel_values"]} if "pixel_values" in s else {})
+    assert abs(step["loss"] - want) <= 1e-5, (step["loss"], want)
+    _check_pixels_count(model_spec, tiny_internvl, step, tmp_path, dp=1)
 
 
 @pytest.mark.slow

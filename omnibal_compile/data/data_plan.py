@@ -8,7 +8,8 @@ Glossary:
                   statistics) is scaled (:func:`~omnibal_compile.data.lengths.scale_lengths`) to the
                   model's own tokens per tile, except that a file measured with InternVL's tiling
                   is refused for a Hugging Face model of another family, whose processor sees
-                  other images and tokens.
+                  other images and tokens, and for an InternVL model whose tiles are not the file's
+                  ``tile_size``.
     DataPlan      what the pass decides: the fixed pack shape, the balance it reached, and
                   factories for the per-rank sampler and the collator.
 """
@@ -232,6 +233,14 @@ def _model_type(options: DataOptions, model: Any) -> str | None:
     return kind if isinstance(kind, str) and kind else None
 
 
+def _tile_side(options: DataOptions, model: Any) -> int | None:
+    """The model's tile side in pixels, None when neither the options nor its config say."""
+    try:
+        return int(tuple(_model_fact(options, model, "image_shape"))[-1])
+    except InputError:
+        return None
+
+
 def model_lengths(lengths: Any, options: DataOptions | None = None, *, model: Any = None,
                   model_spec: str | None = None) -> LengthStats:
     """``lengths`` in the model's units (module glossary: model units); a file in another model's units, or in
@@ -261,6 +270,14 @@ def model_lengths(lengths: Any, options: DataOptions | None = None, *, model: An
         raise InputError(
             f"{stats.source}: its lengths are in {h.describe()}, InternVL's tiling, which does not convert to what a "
             f"{kind} model's processor makes of the images; measure them with this model's processor: {measure}"
+        )
+    tile, side = h.info.get("tile_size") if h is not None else None, _tile_side(o, model)
+    if h is not None and kind in INTERNVL_MODEL_TYPES and isinstance(tile, int) and side is not None and tile != side:
+        raise InputError(
+            f"{stats.source}: its lengths are in {h.describe()} of {tile}-pixel tiles, but the {kind} model's tiles "
+            f"are {side} pixels, which tile its images otherwise; measure them again with --tile-size {side} (with "
+            f"its processor's --max-tiles, and --image-marker-tokens 2 for <img> and </img>), or in the model's own "
+            f"units: {measure}"
         )
     source = h.tokens_per_tile if h is not None else o.source_tokens_per_tile
     if source is not None and source != tpt:

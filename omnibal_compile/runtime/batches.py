@@ -340,7 +340,7 @@ def conversation_dataset(data: str | os.PathLike[str], *, model: str, processor:
     (``processor``, else the folder of an ``hf:`` model spec ``model``: DIR, or its config's folder), checked against
     the model's image token (``facts["image_token_id"]``, :func:`~omnibal_compile.models.load.hf_data_facts`); the
     processor's folder)."""
-    from omnibal_compile.integrations.hf.dataset import ConversationDataset, load_processor
+    from omnibal_compile.integrations.hf.dataset import ConversationDataset, TileTokenProcessor, load_processor
     from omnibal_compile.models.load import model_folder
 
     folder = processor
@@ -356,6 +356,11 @@ def conversation_dataset(data: str | os.PathLike[str], *, model: str, processor:
         if got != int(facts["image_token_id"]):
             raise InputError(f"processor {folder}: its image token {dataset.image_token!r} has id {got}, but the "
                              f"model's is {facts['image_token_id']}: use the processor saved with this model")
+    per_tile = dataset.processor.image_seq_length if isinstance(dataset.processor, TileTokenProcessor) else None
+    if per_tile is not None and "tokens_per_tile" in facts and per_tile != int(facts["tokens_per_tile"]):
+        raise InputError(f"processor {folder}: its image_seq_length is {per_tile} image tokens per tile, but the "
+                         f"model's config says {facts['tokens_per_tile']} (image_seq_length): use the processor saved "
+                         "with this model, or make the two agree")
     return dataset, folder
 
 

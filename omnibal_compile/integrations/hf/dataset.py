@@ -8,7 +8,8 @@ Glossary:
     rendering     the conversation rendered by the chat template (the processor's, else its
                   tokenizer's) as text; the dataset's ``<image>`` marks become the family's image mark
                   (the processor's image token; Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``,
-                  whose ``<|image_pad|>`` the processor expands to t*h*w / merge^2), and a record whose
+                  whose ``<|image_pad|>`` the processor expands to t*h*w / merge^2; InternVL's
+                  ``<IMG_CONTEXT>``, expanded to ``<img>``, its tiles' tokens and ``</img>``), and a record whose
                   text has fewer marks than images gets the rest at the start of its first user turn
                   (LLaVA's convention).
     assistant     each assistant turn's span of the rendering: from the end of the conversation up to
@@ -20,12 +21,13 @@ Glossary:
                   pieces concatenated: a label boundary never falls inside a token.
     labels        the token ids on assistant spans; ``-100`` on system and user turns, template text,
                   and image tokens.
-    lengths       per sample: images (tiles, one ``pixel_values`` row each; Qwen2-VL: merged patches, one
-                  placeholder each) and tokens, as the balancer counts them (the model's own units: no
-                  tokens-per-tile conversion).
-    processor     the folder's ``AutoProcessor``; for Qwen2-VL, whose full processor needs torchvision (for
-                  videos, which datasets here do not have), the folder's image processor and tokenizer
-                  (:class:`ImageTokenProcessor`), the same in every environment.
+    lengths       per sample: images (tiles, one ``pixel_values`` row each: InternVL's dynamic tiles and
+                  thumbnail; Qwen2-VL: merged patches, one placeholder each) and tokens, as the balancer
+                  counts them (the model's own units: no tokens-per-tile conversion).
+    processor     the folder's ``AutoProcessor``; for Qwen2-VL and InternVL, whose full processors need
+                  torchvision (for videos, which datasets here do not have), the folder's image processor
+                  and tokenizer (:class:`ImageTokenProcessor`, :class:`TileTokenProcessor`), the same in
+                  every environment.
 """
 
 from __future__ import annotations
@@ -47,23 +49,31 @@ from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import GRID_FAMILIES
 from omnibal_compile.progress import track
 
-__all__ = ["ConversationDataset", "ImageTokenProcessor", "load_processor"]
+__all__ = ["ConversationDataset", "ImageTokenProcessor", "TileTokenProcessor", "TILE_TOKEN_FAMILIES", "load_processor"]
 
 DATASET_IMAGE_MARK = "<image>"
 """How a LLaVA record marks an image in its text."""
+TILE_TOKEN_FAMILIES: tuple[str, ...] = ("internvl",)
+"""Model types read by :class:`TileTokenProcessor`: InternVL's Hugging Face port (the remote-code ``internvl_chat`` of
+``data_plan.INTERNVL_MODEL_TYPES`` has no InternVLProcessor and names no image tokens in its tokenizer)."""
 _ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
 def load_processor(path: str | os.PathLike[str]) -> Any:
-    """The processor saved in a local folder (``AutoProcessor``), without downloading anything; for a grid family
-    (Qwen2-VL: the folder's ``config.json`` says so), its image processor and tokenizer
-    (:class:`ImageTokenProcessor`), whatever torchvision the full processor's video part needs."""
-    config = Path(path) / "config.json"
+    """The processor saved in a local folder (``AutoProcessor``), without downloading anything. For a grid family
+    (Qwen2-VL) or InternVL (the folder's ``config.json`` says which), whose full processors need torchvision for
+    their video parts, its image processor and tokenizer (:class:`ImageTokenProcessor`,
+    :class:`TileTokenProcessor`), the same in every environment."""
+    folder = Path(path)
+    config = folder / "config.json"
     kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    if kind not in GRID_FAMILIES:
+    if kind not in GRID_FAMILIES and kind not in TILE_TOKEN_FAMILIES:
         return load_local_pretrained(path, "processor", "AutoProcessor")
-    return ImageTokenProcessor(image_processor=load_local_pretrained(path, "image processor", "AutoImageProcessor"),
-                               tokenizer=load_local_pretrained(path, "tokenizer", "AutoTokenizer"))
+    images = load_local_pretrained(path, "image processor", "AutoImageProcessor")
+    tokenizer = load_local_pretrained(path, "tokenizer", "AutoTokenizer")
+    if kind in GRID_FAMILIES:
+        return ImageTokenProcessor(image_processor=images, tokenizer=tokenizer)
+    return TileTokenProcessor.from_folder(folder, image_processor=images, tokenizer=tokenizer)
 
 
 class ImageTokenProcessor:
@@ -98,6 +108,66 @@ class ImageTokenProcessor:
         ids = torch.as_tensor(self.tokenizer(text, return_tensors="pt", **kwargs)["input_ids"])
         token = self.tokenizer.convert_tokens_to_ids(self.image_token)
         return {"input_ids": ids, **out, "mm_token_type_ids": (ids == token).int()}
+
+
+class TileTokenProcessor:
+    """InternVL's processor for images and text, from its image processor and tokenizer: what
+    ``InternVLProcessor.__call__`` does for images, without its video processor.
+
+    Each image is cut into tiles by the image processor's dynamic tiling (``crop_to_patches``, which
+    InternVLProcessor always asks for: a grid of ``min_patches..max_patches`` tiles of the processor's ``size``
+    closest to the image's aspect ratio, plus a thumbnail when the grid has more than one tile), one
+    ``pixel_values`` row per tile; each ``<IMG_CONTEXT>`` of the text (the next image's mark) becomes
+    ``<img>`` + ``<IMG_CONTEXT>`` x ``image_seq_length`` x its tiles + ``</img>``. Every image gets up to
+    ``max_patches`` tiles, however many a record has (InternVLProcessor does not share them out as
+    InternVL's own training code does). Returns ``input_ids`` and ``pixel_values`` (tiles, C, H, W)."""
+
+    def __init__(self, *, image_processor: Any, tokenizer: Any, image_seq_length: int) -> None:
+        names = ("start_image_token", "end_image_token", "context_image_token")
+        missing = [n for n in names if not isinstance(getattr(tokenizer, n, None), str)]
+        if missing:
+            raise InputError(f"the tokenizer names no {', '.join(missing)}: InternVL's processor reads its image "
+                             "tokens from them; save the tokenizer with them (extra_special_tokens={"
+                             "\"start_image_token\": \"<img>\", \"end_image_token\": \"</img>\", "
+                             "\"context_image_token\": \"<IMG_CONTEXT>\"}, which tokenizer_config.json keeps)")
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+        self.image_seq_length = int(image_seq_length)
+        self.start_image_token, self.end_image_token = tokenizer.start_image_token, tokenizer.end_image_token
+        self.image_token: str = tokenizer.context_image_token
+        self.image_mark = self.image_token
+        """What the dataset's ``<image>`` becomes, as InternVL's chat template writes an image."""
+
+    @classmethod
+    def from_folder(cls, folder: Path, *, image_processor: Any, tokenizer: Any) -> TileTokenProcessor:
+        """With the folder's ``image_seq_length``: its ``processor_config.json``'s (what InternVLProcessor loads),
+        else its ``config.json``'s."""
+        length = None
+        for name in ("processor_config.json", "config.json"):
+            if length is None and (folder / name).is_file():
+                length = json.loads((folder / name).read_text()).get("image_seq_length")
+        if not isinstance(length, int) or length < 1:
+            raise InputError(f"processor folder {folder}: neither processor_config.json nor config.json gives "
+                             f"InternVL's image_seq_length (image tokens per tile) as a positive int, got {length!r}")
+        return cls(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=length)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __call__(self, *, text: str, images: Sequence[Any] = (), **kwargs: Any) -> dict[str, torch.Tensor]:
+        kwargs.pop("return_tensors", None)
+        out: dict[str, torch.Tensor] = {}
+        if images:
+            pix = self.image_processor(images=list(images), crop_to_patches=True, return_tensors="pt")
+            out = {"pixel_values": pix["pixel_values"]}
+            pieces = text.split(self.image_token)
+            if len(pieces) - 1 != len(images):
+                raise ValueError(f"the text holds {len(pieces) - 1} image tokens for {len(images)} images")
+            text = pieces[0] + "".join(
+                self.start_image_token + self.image_token * (self.image_seq_length * int(n)) + self.end_image_token + p
+                for n, p in zip(pix["num_patches"], pieces[1:]))
+        ids = torch.as_tensor(self.tokenizer(text, return_tensors="pt", **kwargs)["input_ids"])
+        return {"input_ids": ids, **out}
 
 
 class ConversationDataset(torch.utils.data.Dataset):

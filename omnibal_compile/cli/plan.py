@@ -96,6 +96,26 @@ def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int, meta:
     return loaded.model, loaded.example_batch, loaded.name
 
 
+def in_run_precision(cfg: Config, model: Any, batch: Any) -> tuple[Any, Any]:
+    """The model and batch as the run computes them, for costs profiled here (``--device cpu`` / ``cuda``): in a
+    16-bit precision (``--precision``, or auto's bf16 on cuda) its parameters and float inputs cast to that dtype, as
+    the runtime captures them (``runtime.precision.compile_in_precision``), so activations, the bytes sent across cuts
+    and step times are measured in it. Roofline targets cost on a meta copy in the precision already; ``--costs``
+    keeps its table's."""
+    from omnibal_compile.config import precision_for
+    from omnibal_compile.costs.devices import PROFILED_DEVICES
+
+    if cfg.costs or not isinstance(cfg.device, str) or cfg.device.strip().lower() not in PROFILED_DEVICES:
+        return model, batch
+    from omnibal_compile.runtime.precision import cast_for_capture, cast_inputs, compute_dtype
+
+    low = compute_dtype(precision_for(cfg.precision, cfg.device))
+    if low is None:
+        return model, batch
+    cast_for_capture(model, low)  # the CLI's own model: cast in place, the values before it are not needed
+    return model, cast_inputs(batch, low)
+
+
 # -- planning -------------------------------------------------------------------------------------
 PlanMaker = Callable[[int, "int | None"], Any]
 """(number of stages, memory budget per device or None) -> a Plan with predictions."""
@@ -166,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         step("building the model")
         model, batch, name = load_model(cfg.model, batch=cfg.microbatch_size, tiles=cfg.tiles_per_sample,
                                         text=cfg.text_tokens, seed=cfg.seed, meta=cfg.meta, config=cfg.model_config)
+        model, batch = in_run_precision(cfg, model, batch)
         stats = _plan_lengths(cfg, model) if cfg.lengths else None  # a file in other units fails before any work
         step(f"capture, blocks, costs, planning ({planner})")
         with progress_info.quiet():  # the command prints the layout search itself, on stdout

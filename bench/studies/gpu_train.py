@@ -7,7 +7,8 @@ bf16, no kernel run). On a CUDA GPU: the reference VLM with one real-size layer 
 width 1024, MLP 4096, and two LLM decoder layers of width 4096, 32 heads, 8 KV heads, SwiGLU 11008, vocabulary
 32000) is trained for a few steps by ``omnibal-compile run --device cuda`` in the default precision (auto: bf16 on cuda, with TF32 matmuls), once with ``--kernels triton`` and once with
 ``--kernels eager`` from the same weights and batches. Checked: the run says it trained in bf16, and every step's
-loss of the Triton run is within :data:`LOSS_RTOL` of the eager run's. Figures: per-step losses, step times,
+loss and gradient norm of the Triton run are within :data:`LOSS_RTOL` and :data:`GRAD_NORM_RTOL` of the eager
+run's. Figures: per-step losses, step times,
 tokens/s, peak memory, and the MFU the run logs (model FLOPs over the datasheet peak of the GPU, H200: 989.5 TFLOP/s
 dense bf16), the median over the steps after the first. One rank, one stage (pp=1): NCCL allows no two ranks on
 one GPU.
@@ -30,11 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "REAL", "TINY", "LOSS_RTOL"]
+__all__ = ["main", "REAL", "TINY", "LOSS_RTOL", "GRAD_NORM_RTOL"]
 
-LOSS_RTOL = 1e-2
+LOSS_RTOL = 2e-3
 """Largest relative difference of a step's loss, Triton kernels vs their eager twins, both in bf16: the kernels
-round differently (fp32 accumulation in other orders), and bf16 keeps 8 bits of mantissa (0.4% per rounding)."""
+round differently (fp32 accumulation in other orders; bf16 keeps 8 bits of mantissa), but the loss of a random
+model sits near log(vocabulary) whatever the kernels do, so it is the weaker check (dry run: 1.7e-4 seen)."""
+GRAD_NORM_RTOL = 2e-2
+"""Largest relative difference of a step's gradient norm, Triton vs eager: what a wrong kernel moves (dry run:
+0.6% seen; an RMSNorm 5% off moves the loss by 0.45% only)."""
 
 REAL = {"image_size": 224, "patch_size": 14, "vit_hidden": 1024, "vit_layers": 1, "vit_heads": 16, "vit_mlp": 4096,
         "llm_hidden": 4096, "llm_layers": 2, "llm_heads": 32, "llm_kv_heads": 8, "llm_mlp": 11008,
@@ -81,7 +86,7 @@ def train_check(*, dry_run: bool, out: Path, steps: int) -> dict[str, Any]:
     _cli(["plan", *model, "--num-stages", "1", "--num-microbatches", str(microbatches),
           "--microbatch-size", str(shape["microbatch_size"]), "--planner", "uniform", "--kernels", "triton",
           "--no-pictures", "--out", str(plan_dir), "--device", "h200"],
-         env=env, timeout=120, log=log)
+         env=env, timeout=60, log=log)
     plan_s = time.perf_counter() - t0
     runs: dict[str, Any] = {}
     for kernels in ("triton", "eager"):
@@ -92,12 +97,13 @@ def train_check(*, dry_run: bool, out: Path, steps: int) -> dict[str, Any]:
               "--steps", str(steps), "--batch-size", str(shape["microbatch_size"] * microbatches), "--lr", "1e-4",
               "--log", str(steps_log), "--collective-timeout", "300",
               *(["--precision", "bf16", "--peak-flops", "1e11"] if dry_run else [])],
-             env=run_env, timeout=150 if dry_run else 240, log=log)
+             env=run_env, timeout=110, log=log)  # both runs and the plan: inside gpu_check.sh's 240 s
         rows = _steps(steps_log)
         later = rows[1:] or rows
         mfu = [r["mfu"] for r in later if r.get("mfu") is not None]
         runs[kernels] = {
             "losses": [r["loss"] for r in rows],
+            "grad_norms": [r["grad_norm"] for r in rows],
             "step_time_s": [r["step_time_s"] for r in rows],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
             "peak_memory_bytes": max((max(r.get("rank_memory_bytes") or [0]) for r in rows), default=0),
@@ -110,12 +116,13 @@ def train_check(*, dry_run: bool, out: Path, steps: int) -> dict[str, Any]:
     if len(triton) != steps or len(eager) != steps:
         raise RuntimeError(f"expected {steps} logged steps, got {len(triton)} (triton) and {len(eager)} (eager)")
     rel = [abs(a - b) / abs(b) for a, b in zip(triton, eager)]
+    grad_rel = [abs(a - b) / abs(b) for a, b in zip(runs["triton"]["grad_norms"], runs["eager"]["grad_norms"])]
     bf16 = "bf16" in _run_precisions(said)
     return {
         "device": device, "config": fields, "shape": shape, "microbatches": microbatches, "steps": steps,
         "precision": sorted(_run_precisions(said)), "plan_seconds": plan_s, "runs": runs,
-        "loss_rel_diff": rel, "loss_rtol": LOSS_RTOL,
-        "ok": bool(bf16 and max(rel) <= LOSS_RTOL and all(x == x for x in triton)),
+        "loss_rel_diff": rel, "loss_rtol": LOSS_RTOL, "grad_norm_rel_diff": grad_rel, "grad_norm_rtol": GRAD_NORM_RTOL,
+        "ok": bool(bf16 and max(rel) <= LOSS_RTOL and max(grad_rel) <= GRAD_NORM_RTOL and all(x == x for x in triton)),
     }
 
 
@@ -134,11 +141,13 @@ def report(results: dict[str, Any]) -> str:
              f"{results['steps']} steps of {results['microbatches']} micro-batches x {results['shape']}:"]
     for k in ("triton", "eager"):
         mfu = f"{r[k]['mfu']:.1%}" if r[k]["mfu"] is not None else "-"
-        lines.append(f"  --kernels {k:6s} losses {', '.join(f'{x:.4f}' for x in r[k]['losses'])}; step "
+        lines.append(f"  --kernels {k:6s} losses {', '.join(f'{x:.4f}' for x in r[k]['losses'])}; grad norms "
+                     f"{', '.join(f'{x:.4f}' for x in r[k]['grad_norms'])}; step "
                      f"{statistics.median(r[k]['step_time_s']) * 1e3:.1f} ms (median), {r[k]['tokens_per_s']:.0f} "
                      f"tokens/s, peak {r[k]['peak_memory_bytes'] / 2**30:.2f} GiB, MFU {mfu}, {r[k]['seconds']:.0f} s")
-    worst = max(results["loss_rel_diff"])
-    lines.append(f"  triton vs eager: worst relative loss difference {worst:.2e} (tolerance {results['loss_rtol']:g}): "
+    worst, grad = max(results["loss_rel_diff"]), max(results["grad_norm_rel_diff"])
+    lines.append(f"  triton vs eager: worst relative loss difference {worst:.2e} (tolerance {results['loss_rtol']:g}), "
+                 f"gradient norm {grad:.2e} (tolerance {results['grad_norm_rtol']:g}): "
                  + ("OK" if results["ok"] else "FAILED"))
     return "\n".join(lines)
 

@@ -68,4 +68,17 @@ timeout 240 "$PY" -m bench.studies.gpu_train --out "$DEST" $([ $DRY -eq 1 ] && e
 train_rc=${PIPESTATUS[0]}
 
 echo "kernels exit $kernels_rc, model checks exit $model_rc, training exit $train_rc; $(( $(date +%s) - start )) s; results in $DEST" | tee -a "$LOG"
+# The results page's section (bench/RESULTS.md, "GPU check"): paste it over the one there after a GPU run.
+{
+  echo "## GPU check (bench/gpu_check.sh)"
+  echo
+  echo "- command: \`bash bench/gpu_check.sh$([ $DRY -eq 1 ] && echo ' --dry-run')\`"
+  echo "- figures: $([ $DRY -eq 1 ] && echo 'DRY RUN on the CPU at tiny sizes: no GPU figure' || echo 'measured on a GPU')"
+  echo "- exit: kernels $kernels_rc, model checks $model_rc, training $train_rc; $(( $(date +%s) - start )) s"
+  echo
+  echo '```text'
+  cat "$LOG"
+  echo '```'
+} > "$DEST/RESULTS_section.md"
+echo "wrote $DEST/RESULTS_section.md: paste it over the \"GPU check\" section of bench/RESULTS.md" | tee -a "$LOG"
 [ "$kernels_rc" -eq 0 ] && [ "$model_rc" -eq 0 ] && [ "$train_rc" -eq 0 ]

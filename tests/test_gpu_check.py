@@ -32,6 +32,22 @@ def test_gpu_check_dry_run_passes_and_writes_its_results(tmp_path):
     log = (tmp_path / "gpu_check.txt").read_text()
     assert "kernels exit 0, model checks exit 0, training exit 0" in log and "Parity OK" in log
     assert "triton vs eager: worst relative loss difference" in log
+    section = (tmp_path / "RESULTS_section.md").read_text()
+    assert section.startswith("## GPU check (bench/gpu_check.sh)\n") and "DRY RUN on the CPU" in section
+    assert "exit: kernels 0, model checks 0, training 0" in section
+
+
+def test_the_results_page_keeps_the_gpu_section_when_generated_again(tmp_path):
+    import datetime as dt
+
+    from bench.studies.bench_all import GPU_SECTION_TEMPLATE, kept_gpu_section, write_results
+
+    page = tmp_path / "RESULTS.md"
+    assert kept_gpu_section(page) == GPU_SECTION_TEMPLATE and "Not yet run on a GPU" in GPU_SECTION_TEMPLATE
+    measured = "## GPU check (bench/gpu_check.sh)\n\n- figures: measured on a GPU\n\nMFU 41.0%"
+    page.write_text(f"# Benchmark results\n\n## a.py\n\nold\n\n{measured}\n\n## later.py\n\nx\n")
+    write_results([], page, command="bench all", commit="abc", started=dt.datetime.now(dt.timezone.utc))
+    assert page.read_text().rstrip().endswith(measured) and "old" not in page.read_text()
 
 
 @pytest.mark.slow

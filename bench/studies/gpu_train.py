@@ -5,12 +5,12 @@
 Both: the plan is made for the h200 roofline (``omnibal-compile plan --device h200``: costed on a meta copy in
 bf16, no kernel run). On a CUDA GPU: the reference VLM with one real-size layer per stage type (a ViT layer of
 width 1024, MLP 4096, and two LLM decoder layers of width 4096, 32 heads, 8 KV heads, SwiGLU 11008, vocabulary
-32000) is trained for a few steps by ``omnibal-compile run --device cuda`` in the default precision (auto: bf16 on cuda, with TF32 matmuls), once with ``--kernels triton`` and once with
-``--kernels eager`` from the same weights and batches. Checked: the run says it trained in bf16, and every step's
-loss and gradient norm of the Triton run are within :data:`LOSS_RTOL` and :data:`GRAD_NORM_RTOL` of the eager
-run's. Figures: per-step losses, step times,
-tokens/s, peak memory, and the MFU the run logs (model FLOPs over the datasheet peak of the GPU, H200: 989.5 TFLOP/s
-dense bf16), the median over the steps after the first. One rank, one stage (pp=1): NCCL allows no two ranks on
+32000) is trained for a few steps by ``omnibal-compile run --device cuda`` in the default precision (auto: bf16
+on cuda, with TF32 matmuls), once with ``--kernels triton`` and once with ``--kernels eager`` from the same
+weights and batches. Checked: the run says it trained in bf16, and every step's loss and gradient norm of the
+Triton run are within :data:`LOSS_RTOL` and :data:`GRAD_NORM_RTOL` of the eager run's. Figures: per-step losses
+and gradient norms, step times, tokens/s, peak memory, and the MFU the run logs (model FLOPs over the datasheet
+peak of the GPU, H200: 989.5 TFLOP/s dense bf16), the median over the steps after the first. One rank, one stage (pp=1): NCCL allows no two ranks on
 one GPU.
 
 ``--dry-run``: the same steps on the CPU (``--device cpu``, gloo) at tiny sizes, in ``--precision bf16`` (what auto
@@ -21,7 +21,6 @@ cpu: the MFU figure is only the path being exercised). Writes ``gpu_train.json``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -58,7 +57,8 @@ def _cli(args: list[str], *, env: dict[str, str], timeout: float, log: Path) -> 
                           text=True, timeout=timeout)
     text = proc.stdout + proc.stderr
     with log.open("a") as f:
-        f.write(f"$ omnibal-compile {' '.join(args)}\n{text}\n[{time.perf_counter() - t0:.1f} s, exit {proc.returncode}]\n")
+        f.write(f"$ omnibal-compile {' '.join(args)}\n{text}\n"
+                f"[{time.perf_counter() - t0:.1f} s, exit {proc.returncode}]\n")
     if proc.returncode != 0:
         raise RuntimeError(f"omnibal-compile {args[0]} exited {proc.returncode}:\n{text[-3000:]}")
 
@@ -71,7 +71,8 @@ def _steps(path: Path) -> list[dict[str, Any]]:
 def train_check(*, dry_run: bool, out: Path, steps: int) -> dict[str, Any]:
     """Plan once, train with ``--kernels triton`` and ``--kernels eager``, compare; every figure in a dict."""
     fields, device = (TINY, "cpu") if dry_run else (REAL, "cuda")
-    shape = {"microbatch_size": 1, "tiles": 1, "text": 12} if dry_run else {"microbatch_size": 2, "tiles": 2, "text": 960}
+    shape = ({"microbatch_size": 1, "tiles": 1, "text": 12} if dry_run
+             else {"microbatch_size": 2, "tiles": 2, "text": 960})
     microbatches = 2
     env = dict(os.environ)
     env.pop("OUT", None)

@@ -2,7 +2,8 @@
 
 Glossary:
     fp32           everything in float32 (auto's choice on cpu, ``config.precision_for``: what the tests compare).
-    bf16           (auto's choice on cuda) the model is captured with its parameters in bfloat16 (:func:`cast_for_capture`) and its
+    bf16           (auto's choice on cuda) the model is captured with its parameters in bfloat16
+                   (:func:`cast_for_capture`) and its
                    float inputs in bfloat16 (:func:`cast_inputs`), so the graph's casts are those of a bf16
                    model (an RMSNorm upcasts to fp32 and back to bf16; buffers such as rotary tables keep
                    their dtype, as in a bf16 Hugging Face model). Each stage module then holds fp32 master
@@ -42,7 +43,8 @@ from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["compute_dtype", "enable_tf32", "cast_for_capture", "cast_inputs", "compile_in_precision", "mixed_precision_policy",
+__all__ = ["compute_dtype", "enable_tf32", "cast_for_capture", "cast_inputs", "compile_in_precision",
+           "mixed_precision_policy",
            "restore_masters", "ComputeParams", "LossScaler"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}

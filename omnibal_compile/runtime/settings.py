@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 from omnibal_compile.config import (
-    precision_for,
     CheckpointConfig,
     DataConfig,
     ModelConfig,
@@ -18,6 +17,7 @@ from omnibal_compile.config import (
     RuntimeConfig,
     ScheduleConfig,
     Section,
+    precision_for,
 )
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, DataParallel

@@ -10,8 +10,8 @@ on cuda, with TF32 matmuls), once with ``--kernels triton`` and once with ``--ke
 weights and batches. Checked: the run says it trained in bf16, and every step's loss and gradient norm of the
 Triton run are within :data:`LOSS_RTOL` and :data:`GRAD_NORM_RTOL` of the eager run's. Figures: per-step losses
 and gradient norms, step times, tokens/s, peak memory, and the MFU the run logs (model FLOPs over the datasheet
-peak of the GPU, H200: 989.5 TFLOP/s dense bf16), the median over the steps after the first. One rank, one stage (pp=1): NCCL allows no two ranks on
-one GPU.
+peak of the GPU, H200: 989.5 TFLOP/s dense bf16), the median over the steps after the first. One rank, one stage
+(pp=1): NCCL allows no two ranks on one GPU.
 
 ``--dry-run``: the same steps on the CPU (``--device cpu``, gloo) at tiny sizes, in ``--precision bf16`` (what auto
 picks on cuda), the Triton kernels under ``TRITON_INTERPRET=1``, against ``--peak-flops`` of 1e11 (no datasheet on

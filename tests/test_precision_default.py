@@ -84,3 +84,21 @@ def test_plan_costs_parameters_and_activations_in_the_runs_precision(tmp_path: P
     precheck(dataclasses.replace(config, precision="bf16"))
     said = capsys.readouterr().err
     assert "measured in" not in said and "costed the parameters" not in said  # the plan's precision: nothing to say
+
+
+@pytest.mark.slow
+def test_optimize_costs_auto_precision_for_the_device_it_costs_on():
+    """A roofline GPU target: bf16; a layout search that profiles here (no device given, on cpu): fp32, as the cpu
+    run; a Precision given as the input is costed as given."""
+    import omnibal_compile as oc
+    from omnibal_compile import progress
+    from omnibal_compile.ir.costs import FP32_ADAM
+    from omnibal_compile.models import TinyVLM
+
+    with progress.quiet():
+        target = oc.optimize(TinyVLM(SMALL_VLM), num_stages=2, device="h200", planner="uniform")
+        searched = oc.optimize(TinyVLM(SMALL_VLM), devices=2, planner="dp")
+        given = oc.optimize(TinyVLM(SMALL_VLM), num_stages=2, device="cpu", planner="uniform", precision=FP32_ADAM)
+    assert target.plan.notes["precision"] == "bf16" and target.costs.precision.compute_dtype == "bfloat16"
+    assert searched.plan.notes["precision"] == "fp32" and searched.costs.precision == FP32_ADAM
+    assert given.costs.precision == FP32_ADAM and "precision" not in given.plan.notes

@@ -100,7 +100,7 @@ def in_run_precision(cfg: Config, model: Any, batch: Any) -> tuple[Any, Any]:
     """The model and batch as the run computes them, for costs profiled here (``--device cpu`` / ``cuda``): in a
     16-bit precision (``--precision``, or auto's bf16 on cuda) its parameters and float inputs cast to that dtype, as
     the runtime captures them (``runtime.precision.compile_in_precision``), so activations, the bytes sent across cuts
-    and step times are measured in it; on cuda, moved there (the cost pass profiles where they live). Roofline
+    and step times are measured in it; on cuda, moved there (the cost pass profiles where they live), TF32 on. Roofline
     targets cost on a meta copy in the precision already; ``--costs`` keeps its table's."""
     from omnibal_compile.config import precision_for
     from omnibal_compile.costs.devices import PROFILED_DEVICES
@@ -117,6 +117,9 @@ def in_run_precision(cfg: Config, model: Any, batch: Any) -> tuple[Any, Any]:
         cast_for_capture(model, low)  # the CLI's own model: cast in place, the values before it are not needed
         batch = cast_inputs(batch, low)
     if cfg.device.strip().lower() == "cuda":  # the cost pass profiles where the model and its inputs live
+        from omnibal_compile.runtime.precision import enable_tf32
+
+        enable_tf32("cuda")  # its fp32 matmuls timed as the run's ranks run them
         model = model.to("cuda")
         batch = pytree.tree_map(lambda x: x.to("cuda") if isinstance(x, torch.Tensor) else x, batch)
     return model, batch

@@ -30,7 +30,7 @@ from omnibal_compile.compile.capture import (
     training_config,
 )
 from omnibal_compile.compile.codegen import StageInfo, generate_stages, run_stages, stage_info
-from omnibal_compile.config import Config, find_field
+from omnibal_compile.config import Config, find_field, precision_for
 from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.data.data_plan import DataOptions, DataPlan, plan_data
 from omnibal_compile.errors import InputError, OmnibalError, PassError, PlanError
@@ -241,6 +241,10 @@ class _Work:
     data: DataOptions | None
     precision: Precision
     layout: DataParallel
+    precision_name: str | None = None
+    """The precision setting costed (after auto, ``config.precision_for``); None: a Precision given, or no costs."""
+    precision_given: bool = False
+    """``precision=`` was a Precision object (it is costed as given)."""
     timings: dict[str, float] = field(default_factory=dict)
     done: list[str] = field(default_factory=list)
     budget: float | list[float] | None = None
@@ -369,6 +373,9 @@ def _cost_pass(work: _Work) -> None:
     assert graph is not None
     if work.search_layout and cfg.device is None and work.costs is None:  # the search needs costs: profile here
         work.config = cfg = cfg.replace(device="cuda" if torch.cuda.is_available() else "cpu")
+        if not work.precision_given:  # auto's choice follows the device it now costs on
+            work.precision_name = precision_for(cfg.precision, cfg.device)
+            work.precision = precision_named(work.precision_name)
     if work.plan is None and not work.search_layout:
         assert cfg.num_stages is not None  # no layout search: num_stages was given
         check_num_stages(graph, cfg.num_stages)
@@ -493,9 +500,12 @@ def optimize(
         shard=cfg.dp_shard or DEFAULT_DP_SHARD,
         reshard_after_forward=True if cfg.reshard_after_forward is None else cfg.reshard_after_forward,
     )
-    precision = inputs.get("precision", precision_named(cfg.precision) if cfg.precision else BF16_ADAM)
+    # costed: in the precision the run will use (auto: bf16 on a GPU, fp32 on cpu); not costed: nothing to cost
+    named = precision_for(cfg.precision, cfg.device) if cfg.device is not None else cfg.precision
+    precision = inputs.get("precision", precision_named(named) if named else BF16_ADAM)
     work = _Work(model=model, config=cfg, example_inputs=example_inputs, plan=plan, costs=inputs["costs"],
-                 lengths=inputs["lengths"], data=inputs.get("data"), precision=precision, layout=layout)
+                 lengths=inputs["lengths"], data=inputs.get("data"), precision=precision, layout=layout,
+                 precision_name=None if "precision" in inputs else named, precision_given="precision" in inputs)
     if cfg.lora is not None:  # on a copy: the user's model keeps its modules; the result's model is the adapted copy
         from omnibal_compile.models.lora import apply_lora, lora_names
 
@@ -516,7 +526,7 @@ def optimize(
     if plan is None and work.table is not None:  # what the run compares its own settings with
         notes = {**chosen.notes, "compute dtype": work.table.activation_dtype or work.precision.compute_dtype}
         notes |= ({"freeze": list(cfg.freeze)} if cfg.freeze else {}) | ({"lora": str(cfg.lora)} if cfg.lora else {})
-        notes |= {"precision": cfg.precision} if cfg.precision else {}  # the setting its parameter bytes are of
+        notes |= {"precision": work.precision_name} if work.precision_name else {}  # its parameter bytes' setting
         notes |= {"kernels": cfg.kernels or "none", "compiled": "no"}  # the cost pass runs the graph eagerly
         chosen = dataclasses.replace(chosen, notes=notes)
     stages = work.run("codegen", lambda: generate_stages(graph, chosen, model))

@@ -41,7 +41,7 @@ __all__ = [
     "Section", "ModelConfig", "DataConfig", "LayoutConfig", "ParallelConfig", "ScheduleConfig", "MemoryConfig",
     "PlannerConfig", "OptimizerConfig", "CheckpointConfig", "RuntimeConfig", "OutputConfig", "Config", "SECTIONS",
     "flag_name", "field_help", "find_field", "load_config_file", "DEFAULT_SAMPLES_PER_PACK", "TINY_VLM_NAMES",
-    "LR_SCHEDULES", "PRECISIONS", "DEFAULT_STEPS", "LoraSpec", "lora_spec",
+    "LR_SCHEDULES", "PRECISIONS", "precision_for", "DEFAULT_STEPS", "LoraSpec", "lora_spec",
 ]
 
 S = TypeVar("S", bound="Section")
@@ -54,6 +54,18 @@ TINY_VLM_NAMES = ("tinyvlm", "tiny-vlm")
 """Names of the built-in reference VLM (``tinyvlm`` is the canonical one)."""
 PRECISIONS = ("bf16", "fp16", "fp32")
 """Compute dtypes of ``--precision`` (``omnibal_compile.runtime.precision`` runs them)."""
+
+
+def precision_for(precision: str | None, device: Any) -> str:
+    """The precision a run trains in, and a plan costs: the ``precision`` setting when given; None (auto): ``bf16``
+    on a GPU (``cuda``, ``cuda:N``, or a roofline target such as ``h200``), ``fp32`` on ``cpu`` and with no device
+    (a run then trains on cpu). The one rule: ``RunConfig`` and ``optimize()`` both resolve through it."""
+    if precision is not None:
+        return precision
+    if device is None:
+        return "fp32"
+    name = str(getattr(device, "name", device)).strip().lower()  # a DeviceSpec: its name
+    return "fp32" if name == "cpu" else "bf16"
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate schedules after warm-up (``omnibal_compile.runtime.recipe.lr_at`` computes them)."""
 
@@ -308,8 +320,9 @@ class ModelConfig(Section):
     base weights are frozen (before freeze applies); None: off."""
     precision: str | None = setting(None, choices=PRECISIONS)
     """Parameter and compute dtype: bf16, fp16 (with a dynamic loss scale) or fp32; run: 16-bit parameters in compute
-    over fp32 master weights, gradients and optimizer states; plan: the Precision costed, recorded in the plan;
-    None: fp32 runs, bf16-mixed costs."""
+    over fp32 master weights, gradients and optimizer states (TF32 matmuls on CUDA in every precision); plan: the
+    precision costed (parameter bytes, and activations measured in its dtype), recorded in the plan; None (auto):
+    bf16 on cuda and GPU targets, fp32 on cpu."""
 
     def _check(self) -> None:
         object.__setattr__(self, "freeze", freeze_patterns(self.freeze))

@@ -305,6 +305,30 @@ def test_bench_rows_and_cli_registration():
     assert args.target == "kernels" and args.dtype == "float32"
 
 
+def test_bench_times_liger_as_a_backend_of_the_ops_it_has(monkeypatch):
+    """The Liger-Kernel rows (a GPU run with it installed) come from its functions, called as the references are;
+    here the references stand in for them, and one that fails is said and left out."""
+    from omnibal_compile.kernels import bench
+    from omnibal_compile.kernels import reference as R
+
+    cpu = torch.device("cpu")
+    case_list = bench.cases(cpu, torch.float32, small=True)[:3]
+    monkeypatch.setattr(bench, "liger_functions", lambda: None)
+    with pytest.raises(ImportError, match="pip install liger-kernel"):
+        bench.run_bench(case_list, cpu, ["liger"])
+
+    def broken(g, u):
+        raise RuntimeError("an API that changed")
+
+    monkeypatch.setattr(bench, "liger_functions", lambda: {"rms_norm": lambda x, w: R.rms_norm(x, w, 1e-6),
+                                                           "swiglu": broken})
+    rows = bench.run_bench(case_list, cpu, ["eager", "liger"])
+    liger = [(r.kernel, r.direction) for r in rows if r.backend == "liger"]
+    assert liger == [("rms_norm", "fwd"), ("rms_norm", "bwd")]  # no layer_norm given, swiglu failed
+    assert all(r.max_error == 0 for r in rows if r.backend == "liger")  # the reference itself: exact
+    assert len([r for r in rows if r.backend == "eager"]) == 6
+
+
 @pytest.mark.skipif(IN_INTERPRETER, reason="needs a process whose triton was imported without the interpreter")
 def test_interpreter_chosen_too_late_falls_back_to_eager(monkeypatch):
     # conftest imported triton before this variable was set: Triton's library is compiled-mode

@@ -215,10 +215,35 @@ def _commit(cwd: Path) -> str:
     return f"commit {rev.stdout.strip()}" + (" with uncommitted changes" if dirty.returncode == 1 else "")
 
 
+GPU_SECTION = "## GPU check (bench/gpu_check.sh)"
+"""Heading of the results page's section of the GPU check's figures: written by hand from a GPU run (the script
+writes it as ``RESULTS_section.md`` in its output folder), kept as it is when the page is generated again."""
+GPU_SECTION_TEMPLATE = f"""{GPU_SECTION}
+
+Not yet run on a GPU. `bash bench/gpu_check.sh` (one CUDA GPU, <= 8 min; `--dry-run` checks the same steps on
+the CPU at tiny sizes, in the test suite) writes `RESULTS_section.md` to its output folder: replace this section
+with it. It holds the Triton kernels' forward+backward speed and memory vs eager torch (and vs Liger-Kernel when
+installed), the cost pass on CUDA vs the h200 roofline with fitted calibration factors, optimize() parity on CUDA,
+and a 1-rank `omnibal-compile run --device cuda` of a real-width VLM in bf16: --kernels triton vs eager losses
+and gradient norms, step time, tokens/s, peak memory and MFU."""
+
+
+def kept_gpu_section(path: Path) -> str:
+    """The GPU check's section of the page at ``path`` (from its heading to the next ``## ``), else the template."""
+    text = Path(path).read_text() if Path(path).is_file() else ""
+    start = text.find(GPU_SECTION + "\n")
+    if start < 0:
+        return GPU_SECTION_TEMPLATE
+    end = text.find("\n## ", start + len(GPU_SECTION))
+    return text[start:end if end >= 0 else len(text)].rstrip()
+
+
 def write_results(
     results: Sequence[BenchResult], path: Path, *, command: str, commit: str, started: dt.datetime
 ) -> None:
-    """The results page: machine, date, a summary table, then each script's command, kind and output."""
+    """The results page: machine, date, a summary table, then each script's command, kind and output; the GPU
+    check's section (:func:`kept_gpu_section`) as it was."""
+    gpu = kept_gpu_section(path)
     quick = [r.script.name for r in results if r.script.quick]
     lines = [
         "# Benchmark results",
@@ -245,6 +270,7 @@ def write_results(
             if len(out) > _MAX_LINES:
                 out = [f"... ({len(out) - _MAX_LINES} earlier lines left out)", *out[-_MAX_LINES:]]
             lines += ["", "```text", *out, "```"]
+    lines += ["", gpu]
     Path(path).write_text("\n".join(lines) + "\n")
 
 

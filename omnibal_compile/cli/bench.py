@@ -75,8 +75,11 @@ def _kernels(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     if cuda:
         ops.check_triton_installed()
-        backends = ["triton"]
+        liger = bench.liger_functions() is not None
+        backends = ["triton", "liger"] if liger else ["triton"]
         print(f"speed run on {torch.cuda.get_device_name(device)}: triton.testing.do_bench medians, {dtype}")
+        print("Liger-Kernel installed: its functions timed as backend liger, against the same reference" if liger
+              else "Liger-Kernel not installed: no comparison with it (pip install liger-kernel to add one)")
     else:
         backends = ["eager", "triton"] if ops.triton_runs_on("cpu") else ["eager"]
         print(

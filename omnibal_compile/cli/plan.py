@@ -96,6 +96,35 @@ def load_model(spec: str, *, batch: int, tiles: int, text: int, seed: int, meta:
     return loaded.model, loaded.example_batch, loaded.name
 
 
+def in_run_precision(cfg: Config, model: Any, batch: Any) -> tuple[Any, Any]:
+    """The model and batch as the run computes them, for costs profiled here (``--device cpu`` / ``cuda``): in a
+    16-bit precision (``--precision``, or auto's bf16 on cuda) its parameters and float inputs cast to that dtype, as
+    the runtime captures them (``runtime.precision.compile_in_precision``), so activations, the bytes sent across cuts
+    and step times are measured in it; on cuda, moved there (the cost pass profiles where they live), TF32 on. Roofline
+    targets cost on a meta copy in the precision already; ``--costs`` keeps its table's."""
+    from omnibal_compile.config import precision_for
+    from omnibal_compile.costs.devices import PROFILED_DEVICES
+
+    if cfg.costs or not isinstance(cfg.device, str) or cfg.device.strip().lower() not in PROFILED_DEVICES:
+        return model, batch
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from omnibal_compile.runtime.precision import cast_for_capture, cast_inputs, compute_dtype
+
+    low = compute_dtype(precision_for(cfg.precision, cfg.device))
+    if low is not None:
+        cast_for_capture(model, low)  # the CLI's own model: cast in place, the values before it are not needed
+        batch = cast_inputs(batch, low)
+    if cfg.device.strip().lower() == "cuda":  # the cost pass profiles where the model and its inputs live
+        from omnibal_compile.runtime.precision import enable_tf32
+
+        enable_tf32("cuda")  # its fp32 matmuls timed as the run's ranks run them
+        model = model.to("cuda")
+        batch = pytree.tree_map(lambda x: x.to("cuda") if isinstance(x, torch.Tensor) else x, batch)
+    return model, batch
+
+
 # -- planning -------------------------------------------------------------------------------------
 PlanMaker = Callable[[int, "int | None"], Any]
 """(number of stages, memory budget per device or None) -> a Plan with predictions."""
@@ -166,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         step("building the model")
         model, batch, name = load_model(cfg.model, batch=cfg.microbatch_size, tiles=cfg.tiles_per_sample,
                                         text=cfg.text_tokens, seed=cfg.seed, meta=cfg.meta, config=cfg.model_config)
+        model, batch = in_run_precision(cfg, model, batch)
         stats = _plan_lengths(cfg, model) if cfg.lengths else None  # a file in other units fails before any work
         step(f"capture, blocks, costs, planning ({planner})")
         with progress_info.quiet():  # the command prints the layout search itself, on stdout

@@ -11,10 +11,13 @@ Glossary:
                      (:class:`LiveBytes`), looking inside the ``omnibal`` ops too.
     throughput       minimal bytes each kernel must move / time (GB/s) for the memory-bound
                      kernels; matmul FLOPs / time (TFLOP/s) for the fused loss.
+    liger            backend ``liger``: Liger-Kernel's functions for the same ops (``liger_kernel.transformers.
+                     functional``, when installed: :func:`liger_functions`), timed against the same reference.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 import weakref
@@ -32,7 +35,7 @@ from omnibal_compile.kernels import reference as R
 
 __all__ = [
     "LiveBytes", "Case", "BenchRow", "LossMemory", "cases", "run_bench", "loss_memory", "format_rows",
-    "format_loss_memory",
+    "format_loss_memory", "liger_functions",
 ]
 
 
@@ -247,19 +250,50 @@ def _throughput(case: Case, direction: str, ms: float) -> str:
     return f"{nbytes / ms / 1e6:.0f} GB/s"
 
 
+def liger_functions() -> dict[str, Callable[..., Any]] | None:
+    """Liger-Kernel's function for each benchmarked op, called as the case's reference is; None when it is not
+    installed. Its RMSNorm out of place (in place it writes the input gradient over the output gradient, which the
+    repeated backward reuses); its rotary takes ``cos``/``sin`` as ``[1, t, d]``."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from liger_kernel.transformers import functional as L
+
+    return {
+        "rms_norm": lambda x, w: L.liger_rms_norm(x, w, 1e-6, in_place=False),
+        "layer_norm": lambda x, w, b: L.liger_layer_norm(x, w, b, 1e-5),
+        "swiglu": L.liger_swiglu,
+        "rope": lambda q, k, c, s: L.liger_rope(q, k, c[:, 0], s[:, 0]),
+        "fused_linear_cross_entropy": lambda x, w, y: L.liger_fused_linear_cross_entropy(x, w, y),
+    }
+
+
 def run_bench(case_list: Sequence[Case], device: torch.device, backends: Sequence[str]) -> list[BenchRow]:
-    """Time and measure every case in every direction for every backend."""
+    """Time and measure every case in every direction for every backend; ``liger`` (:func:`liger_functions`, which
+    must be installed) for the ops it has, a failure of one of its functions printed and its rows left out."""
     rows: list[BenchRow] = []
+    liger = liger_functions() if "liger" in backends else None
+    if "liger" in backends and liger is None:
+        raise ImportError("backend liger needs Liger-Kernel (pip install liger-kernel)")
     for case in case_list:
         inputs = case.make()
         for backend in backends:
-            rows += _bench_one(case, inputs, backend, device)
+            if backend != "liger":
+                rows += _bench_one(case, inputs, backend, device)
+                continue
+            assert liger is not None
+            if case.kernel not in liger:
+                continue
+            try:
+                rows += _bench_one(case, inputs, backend, device, fn=liger[case.kernel])
+            except Exception as e:  # noqa: BLE001 - another library's API: said, and the others still run
+                print(f"liger {case.kernel} {case.shape}: {type(e).__name__}: {e}", flush=True)
     return rows
 
 
-def _bench_one(case: Case, inputs: list[torch.Tensor], backend: str, device: torch.device) -> list[BenchRow]:
+def _bench_one(case: Case, inputs: list[torch.Tensor], backend: str, device: torch.device,
+               fn: Callable[..., Any] | None = None) -> list[BenchRow]:
     def fused(*xs: Any) -> Any:
-        return case.fused(*xs, backend=backend)
+        return fn(*xs) if fn is not None else case.fused(*xs, backend=backend)
 
     def row(
         direction: str, ref: Callable[[], Any], mine: Callable[[], Any], err: float, peaks: tuple[int, int]

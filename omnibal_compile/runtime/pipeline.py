@@ -581,6 +581,9 @@ def build_pipeline(
                     param_dtype=torch.float32 if low is not None else None)  # 16 bits: the masters, exact
         for s in mine:
             retarget_meta(result.stages[s], device)
+    elif device.type != "cpu":  # captured on cpu (the model was built there): the devices its ops name, moved
+        for s in mine:
+            retarget_meta(result.stages[s], device, source="cpu")
     loss_index = _loss_index(result)
     modules: list[nn.Module] = []
     for i, s in enumerate(mine):

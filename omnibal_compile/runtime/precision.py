@@ -1,8 +1,9 @@
 """Mixed precision of a run (``--precision``): 16-bit parameters in compute over fp32 master weights.
 
 Glossary:
-    fp32           everything in float32 (the default: this is what CPU runs and the tests compare).
-    bf16           the model is captured with its parameters in bfloat16 (:func:`cast_for_capture`) and its
+    fp32           everything in float32 (auto's choice on cpu, ``config.precision_for``: what the tests compare).
+    bf16           (auto's choice on cuda) the model is captured with its parameters in bfloat16
+                   (:func:`cast_for_capture`) and its
                    float inputs in bfloat16 (:func:`cast_inputs`), so the graph's casts are those of a bf16
                    model (an RMSNorm upcasts to fp32 and back to bf16; buffers such as rotary tables keep
                    their dtype, as in a bf16 Hugging Face model). Each stage module then holds fp32 master
@@ -23,6 +24,9 @@ Glossary:
                    hold an inf or nan (a flag all-reduced over every rank of the world, pipeline and dp) every
                    rank skips the optimizer step and halves the scale; after ``growth_interval`` good steps
                    in a row the scale doubles. Its state goes into checkpoints (trainer ``loss_scale``).
+    TF32           on CUDA, every precision's fp32 matmuls and convolutions (an fp32 run's, and the fp32 parts of
+                   mixed precision: norms upcast to fp32, the loss) run as TF32 on tensor cores
+                   (:func:`enable_tf32`, set by each rank at start); CPU runs are left as they are.
     not done       two stages on one rank sharing a parameter (a 1-rank pipeline with tied weights) in
                    16 bits: FSDP2 wraps each stage on its own, so such a run is refused.
 """
@@ -39,7 +43,8 @@ from torch.utils import _pytree as pytree
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["compute_dtype", "cast_for_capture", "cast_inputs", "compile_in_precision", "mixed_precision_policy",
+__all__ = ["compute_dtype", "enable_tf32", "cast_for_capture", "cast_inputs", "compile_in_precision",
+           "mixed_precision_policy",
            "restore_masters", "ComputeParams", "LossScaler"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -52,6 +57,17 @@ def compute_dtype(precision: str | None) -> torch.dtype | None:
     if precision not in _DTYPES:
         raise InputError(f"precision (--precision) must be one of bf16, fp16, fp32, got {precision!r}")
     return _DTYPES[precision]
+
+
+def enable_tf32(device: str | torch.device) -> bool:
+    """TF32 matmuls and cuDNN convolutions on for a run on ``device`` when it is a CUDA device (``cuda``, ``cuda:N``);
+    whether they were set. Through the legacy switches only (``set_float32_matmul_precision("high")``,
+    ``cudnn.allow_tf32``): torch 2.13 refuses to read a precision set through a mix of those and ``fp32_precision``."""
+    if torch.device(device).type != "cuda":
+        return False
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    return True
 
 
 def cast_for_capture(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from omnibal_compile.config import (
     RuntimeConfig,
     ScheduleConfig,
     Section,
+    precision_for,
 )
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, DataParallel
@@ -44,6 +45,8 @@ class RunConfig(RuntimeConfig, CheckpointConfig, OptimizerConfig, ScheduleConfig
             raise InputError(f"plan (--plan) must be a file path, got {self.plan!r}")
         if self.device is None:  # a run without a device trains where the plan command costs by default
             object.__setattr__(self, "device", "cpu")
+        # auto precision resolved once here: every rank, the launcher and run.json see the precision that runs
+        object.__setattr__(self, "precision", precision_for(self.precision, self.device))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

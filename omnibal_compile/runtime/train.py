@@ -214,15 +214,21 @@ def train(config: RunConfig) -> list[StepLog]:
         cast_inputs,
         compile_in_precision,
         compute_dtype,
+        enable_tf32,
     )
     from omnibal_compile.runtime.weights import compile_on_meta, meta_start
+    from omnibal_compile.runtime.worker import local_device
 
     config = with_plan_layout(config)
     layout = run_data_parallel(config)
     dp = layout.size
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(config.threads)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if config.device == "cuda" else "cpu")
+    device = torch.device(f"cuda:{local_device(os.environ)}" if config.device == "cuda" else "cpu")
+    tf32 = enable_tf32(device)  # before any matmul: capture, examples and steps alike
+    if rank == 0:  # what runs, said once (the precision after auto: bf16 on cuda, fp32 on cpu)
+        print(f"[omnibal run] {world} rank(s) on {config.device} ({dist.get_backend()}), precision {config.precision}"
+              f"{', TF32 matmuls' if tf32 else ''}, kernels {config.kernels or 'none'}", flush=True)
     plan = read_plan(config)
     check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
     mesh = init_device_mesh(device.type, (dp, plan.num_devices), mesh_dim_names=("dp", "pp"),

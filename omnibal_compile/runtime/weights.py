@@ -315,13 +315,14 @@ def materialise(model: nn.Module, stages: Sequence[nn.Module], weights: RankWeig
     return made
 
 
-def retarget_meta(gm: torch.fx.GraphModule, device: torch.device) -> int:
-    """Point every ``meta`` device a graph captured on meta bakes into its ops (``arange(device=...)``, ``.to(...)``,
-    metadata asserts) at ``device``, in place; returns how many nodes changed."""
-    meta = torch.device("meta")
+def retarget_meta(gm: torch.fx.GraphModule, device: torch.device, *, source: str = "meta") -> int:
+    """Point every ``source`` device a graph captured there bakes into its ops (``arange(device=...)``, ``.to(...)``,
+    metadata asserts) at ``device``, in place; returns how many nodes changed. ``source="cpu"``: stages captured on
+    cpu that run on a GPU (their causal masks and position ids are made where the graph says)."""
+    meta = torch.device(source)
 
     def swap(x: Any) -> Any:
-        return device if isinstance(x, torch.device) and x == meta else x
+        return device if isinstance(x, torch.device) and x.type == meta.type else x
 
     changed = 0
     for node in gm.graph.nodes:

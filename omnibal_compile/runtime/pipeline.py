@@ -1,8 +1,9 @@
 """Build one rank's share of a pipeline on ``torch.distributed.pipelining`` and train with it.
 
 Glossary:
-    rank stages    the stages a rank runs: ``r, r + W, r + 2W, ...`` for ``W`` ranks (one stage per
-                   rank unless the plan is interleaved with ``virtual_stages > 1``).
+    rank stages    the stages a rank runs, as its schedule places them
+                   (:meth:`omnibal_compile.ir.schedule.ScheduleRule.stages_of`): ``r, r + W, r + 2W, ...``
+                   for ``W`` ranks (one stage per rank unless ``virtual_stages > 1``).
     micro-batch    one of ``num_microbatches`` equal slices (along dim 0 of every input) of a
                    batch. Stages are captured at the micro-batch shape; every batch must split
                    into micro-batches of exactly that shape (pipelining's buffers are fixed).
@@ -43,12 +44,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 import torch.fx as fx
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
@@ -60,6 +62,7 @@ from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recomput
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, schedule_rule
 from omnibal_compile.runtime.compiled import compile_stage
 from omnibal_compile.runtime.precision import compute_dtype, mixed_precision_policy, restore_masters
 from omnibal_compile.runtime.weights import RankWeights, materialise, retarget_meta
@@ -78,12 +81,8 @@ __all__ = [
     "rank_stages",
 ]
 
-_SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved": ScheduleInterleaved1F1B,
-}
-"""Schedule kind (:data:`omnibal_compile.ir.schedule.SCHEDULE_KINDS`) -> the torch class that runs it."""
+RUNTIME_SCHEDULES: frozenset[str] = CLASSIC_SCHEDULES
+"""Schedules this runtime builds stages for; the zero-bubble ones (a split backward, V placement) are refused."""
 
 
 
@@ -95,6 +94,7 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
     ``batch_size`` is the whole step's rows over all ``dp`` pipelines.
     """
     plan.pipeline_schedule.check(plan.num_stages)
+    plan.pipeline_schedule.rule.require(RUNTIME_SCHEDULES, "the pipeline runtime (run)")
     s, v, m = plan.num_stages, plan.virtual_stages, cast(int, plan.num_microbatches)  # Plan.__post_init__ fills it in
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise PlanError(f"dp (data-parallel pipelines, --dp) must be an integer >= 1, got {dp!r}")
@@ -123,17 +123,15 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
 
 
 def get_schedule_class(kind: str) -> type[_PipelineSchedule]:
-    """The ``torch.distributed.pipelining`` schedule class that runs schedule ``kind``."""
-    if kind not in _SCHEDULE_CLASSES:
-        raise PlanError(f"schedule {kind!r} is unknown; use one of {list(_SCHEDULE_CLASSES)}")
-    return _SCHEDULE_CLASSES[kind]
+    """The ``torch.distributed.pipelining`` schedule class that runs schedule ``kind`` (its rule's ``torch_class``)."""
+    return cast(type[_PipelineSchedule], getattr(pipelining, schedule_rule(kind).torch_class))
 
 
 def rank_stages(plan: Plan, rank: int) -> tuple[int, ...]:
-    """Stage indices that ``rank`` runs (``rank, rank + W, ...``)."""
+    """Stage indices that ``rank`` runs, as the plan's schedule places them."""
     if not 0 <= rank < plan.num_devices:
         raise InputError(f"rank {rank} is out of range for a plan on {plan.num_devices} ranks")
-    return tuple(range(rank, plan.num_stages, plan.num_devices))
+    return plan.pipeline_schedule.stages_of(rank, plan.num_stages)
 
 
 def loss_terms(flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens") -> torch.Tensor:
@@ -623,7 +621,7 @@ def build_pipeline(
     schedule: _PipelineSchedule
     if issubclass(cls, PipelineScheduleMulti):
         schedule = cls(list(stages), m, loss_fn=loss_fn, scale_grads=False)
-    else:  # one stage per rank: every class in _SCHEDULE_CLASSES is a PipelineScheduleMulti or a Single
+    else:  # one stage per rank: every schedule's torch class is a PipelineScheduleMulti or a Single
         schedule = cast(type[PipelineScheduleSingle], cls)(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     return RankPipeline(
         rank=rank,
@@ -744,11 +742,11 @@ def _tied_holders(result: OptimizeResult, names: dict[int, list[str]]) -> list[t
     """(original names, pipeline ranks holding it) of every parameter used on several ranks.
 
     Read before data parallelism replaces this rank's parameter objects."""
-    w = result.plan.num_devices
+    plan = result.plan
     holders: dict[int, set[int]] = {}
     for s, stage in enumerate(result.stages):
         for p in stage.parameters():
-            holders.setdefault(id(p), set()).add(s % w)
+            holders.setdefault(id(p), set()).add(plan.pipeline_schedule.device_of(s, plan.num_stages))
     found = [(tuple(names.get(k, [])), tuple(sorted(ranks))) for k, ranks in holders.items() if len(ranks) > 1]
     return sorted(found)
 

@@ -75,7 +75,7 @@ from omnibal_compile._utils.tables import counted
 from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.ir.costs import CostTable, held_once, running_peak
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, Schedule
 
 __all__ = [
     "Event",
@@ -263,6 +263,7 @@ def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_mi
     D, v, M = num_devices, virtual_stages, num_microbatches
     sched = Schedule(kind=schedule, num_microbatches=M, virtual_stages=v)
     sched.check(D * v)
+    sched.rule.require(CLASSIC_SCHEDULES, "the simulator")
     S = D * v
     orders: list[list[Op]] = []
     for d in range(D):

@@ -22,7 +22,7 @@ from omnibal_compile.runtime import check_pipeline, get_schedule_class
 from omnibal_compile.runtime.pipeline import RUNTIME_SCHEDULES
 from omnibal_compile.sim import simulate
 
-SIMULATED_SCHEDULES = CLASSIC_SCHEDULES
+SIMULATED_SCHEDULES = frozenset(SCHEDULE_KINDS)
 
 STAGES = range(1, 7)
 VIRTUAL = range(1, 4)
@@ -89,6 +89,7 @@ def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
 def _costs(S: int) -> CostTable:
     blocks = [
         BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=10, static_bytes=100, forward_s=1.0, backward_s=2.0,
+                  weight_grad_s=1.0,
                   activation_bytes={"none": 1000, "selective": 500, "full": 100},
                   recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0})
         for i in range(S)

@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 COLOURS = {
-    "forward": "#4C72B0", "recompute": "#DD8452", "backward": "#55A868", "idle": "#E5E5E5",
+    "forward": "#4C72B0", "recompute": "#DD8452", "backward": "#55A868", "backward_weight": "#8DCB9B",
+    "idle": "#E5E5E5",
     "send_forward": "#8172B3", "send_backward": "#937860", "dp_gather": "#DA8BC3", "dp_reduce": "#C44E52",
 }
 STAGE_COLOURS = ("#1F77B4", "#FF7F0E", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22", "#17BECF")
@@ -78,8 +79,8 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
         events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": "compute"}})
         events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 1, "args": {"name": "send"}})
     for e in result.events:
-        short = {"forward": "F", "recompute": "R", "backward": "B", "send_forward": "send F", "send_backward": "send B",
-                 "dp_gather": "gather", "dp_reduce": "reduce"}
+        short = {"forward": "F", "recompute": "R", "backward": "B", "backward_weight": "W", "send_forward": "send F",
+                 "send_backward": "send B", "dp_gather": "gather", "dp_reduce": "reduce"}
         events.append({
             "name": f"{short[e.kind]}{e.microbatch} s{e.stage}",
             "cat": e.kind,
@@ -137,7 +138,7 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     ), fontsize=9)
     from matplotlib.patches import Patch
 
-    kinds = [k for k in ("forward", "recompute", "backward", "dp_gather", "dp_reduce", "idle")
+    kinds = [k for k in ("forward", "recompute", "backward", "backward_weight", "dp_gather", "dp_reduce", "idle")
              if k == "idle" or any(e.kind == k for e in result.events)]
     ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="upper center",
               bbox_to_anchor=(0.5, -0.25 if D < 4 else -0.12), ncol=len(kinds), fontsize=7, frameon=False)

@@ -397,8 +397,9 @@ class ScheduleConfig(Section):
     """The pipeline schedule."""
 
     schedule: str | None = setting(None, choices=SCHEDULE_KINDS, check=False)
-    """Pipeline schedule (gpipe, 1f1b, interleaved, interleaved-zb, zbv, dualpipev; the last three are not
-    planned or run yet); None: the plan's when one is given, else 1f1b."""
+    """Pipeline schedule (gpipe, 1f1b, interleaved, interleaved-zb, zbv, dualpipev; the last three split the
+    backward, are simulated and run (dp 1, no recomputation) but not planned yet); None: the plan's when one is
+    given, else 1f1b."""
     num_microbatches: int | None = setting(None, min=1, check=False)
     """Micro-batches per iteration; None: the plan's when one is given, else one per stage."""
     virtual_stages: int | None = setting(None, min=1, check=False)

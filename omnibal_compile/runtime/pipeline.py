@@ -217,16 +217,60 @@ class _WeightedLoss:
 
 
 class _TensorOutputs(nn.Module):
-    """The last stage with only its tensor outputs (pipelining handles stage outputs as tensors)."""
+    """A stage with only its outputs at ``keep`` (pipelining handles stage outputs as tensors: the last stage drops
+    its others); ``copy_views``: an output that is a view is returned as a copy, because torch's split backward
+    (``stage_backward_input``) detaches the stage outputs in place, which a view refuses."""
 
-    def __init__(self, stage: nn.Module, keep: tuple[int, ...]) -> None:
+    def __init__(self, stage: nn.Module, keep: tuple[int, ...], *, copy_views: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self.keep = keep
+        self.copy_views = copy_views
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
         out = self.stage(*args)
-        return tuple(out[j] for j in self.keep)
+        picked = tuple(out[j] for j in self.keep)
+        if self.copy_views:
+            picked = tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in picked)
+        return picked
+
+
+def _check_split_backward(stage: nn.Module, inputs: Sequence[Any], index: int, schedule: str) -> None:
+    """Raise a :class:`PlanError` when stage ``index`` returns a tensor needing a gradient whose autograd graph
+    reaches none of its inputs needing one (an embedding of token ids at the start of the LLM): torch 2.13's split
+    backward finds a stage's weight gradients from its input-gradient pass, which never walks such a branch, so
+    their gradients would be lost (its own TODO in ``PipelineStage.backward_weight_one_chunk``; the first stage is
+    run whole instead)."""
+    # zeros of the examples' shapes: valid token ids and labels, and the graph does not depend on the values
+    ins = [torch.zeros_like(x).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+    wanted = {id(x) for x in ins if isinstance(x, torch.Tensor) and x.requires_grad}
+    with torch.enable_grad():
+        outs = stage(*ins)
+
+    def reaches(t: torch.Tensor) -> bool:
+        if id(t) in wanted:
+            return True
+        seen: set[Any] = set()
+        stack = [t.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            if id(getattr(fn, "variable", None)) in wanted:  # an input's AccumulateGrad
+                return True
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return False
+
+    lost = [i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad and not reaches(t)]
+    if lost:
+        raise PlanError(
+            f"stage {index} returns output(s) {lost} that need a gradient but do not depend on any stage input that "
+            f"needs one (e.g. the LLM's token embedding after a vision stage): schedule {schedule!r} splits the "
+            "backward, and torch's input-gradient pass never reaches that branch, so its weight gradients would be "
+            "lost; cut the model so that such a branch starts its stage's computation from a differentiable input "
+            "or sits in the first stage, or use a schedule with a whole backward"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -603,10 +647,15 @@ def build_pipeline(
             mod = compile_stage(mod)
         ins, outs = examples[i]
         keep = tuple(j for j, v in enumerate(outs) if isinstance(v, torch.Tensor))
+        split = plan.pipeline_schedule.rule.split_backward
         if len(keep) < len(outs):  # only the last stage may return non-tensors (HF outputs hold Nones)
-            mod = _TensorOutputs(mod, keep)
+            mod = _TensorOutputs(mod, keep, copy_views=split)
             examples[i] = (ins, tuple(outs[j] for j in keep))
             loss_index = keep.index(loss_index)
+        elif split:
+            mod = _TensorOutputs(mod, keep, copy_views=True)
+        if split and s > 0:
+            _check_split_backward(mod, ins, s, plan.schedule)
         modules.append(mod)
     original = _original_names(result.model)
     local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not

@@ -193,7 +193,8 @@ def draw_block_graph(plan: Plan, path: str | Path, *, dag: nx.DiGraph | None = N
             ax.text(x, y - 0.3, label, ha="center", va="top", fontsize=6, zorder=4)
     for st in plan.stages:
         x, y = pos[st.start]
-        where = f" (device {st.index % plan.num_devices})" if plan.virtual_stages > 1 else ""
+        device = plan.pipeline_schedule.device_of(st.index, plan.num_stages)
+        where = f" (device {device})" if plan.virtual_stages > 1 else ""
         ax.text(
             -0.8,
             y,
@@ -248,22 +249,23 @@ def draw_stage_bars(
     ax.legend(fontsize=7)
 
     D = plan.num_devices
+    on = [plan.pipeline_schedule.stages_of(d, S) for d in range(D)]  # each device's stages, as the schedule places
     top = max([sum(plan.memory_budget_bytes), *(result.peak_memory_bytes if result else [0]),
                *(sc[s].static_bytes + sc[s].activation_bytes for s in range(S))])
     unit, gib = ("GiB", 1 / 2**30) if top >= 2**30 else ("MiB", 1 / 2**20)
-    static = [sum(sc[s].static_bytes for s in range(d, S, D)) * gib for d in range(D)]
+    static = [sum(sc[s].static_bytes for s in on[d]) * gib for d in range(D)]
     if result is not None:
         act = [a * gib for a in result.peak_activation_bytes]
         act_label = "peak activations (simulated)"
     else:
-        act = [sum(sc[s].activation_bytes for s in range(d, S, D)) * gib for d in range(D)]
+        act = [sum(sc[s].activation_bytes for s in on[d]) * gib for d in range(D)]
         act_label = "activations of one micro-batch"
     dx = list(range(D))
     mx.bar(dx, static, color="#8C8C8C", label="static (weights, grads, optimizer)")
     mx.bar(dx, act, bottom=static, color=COLOURS["forward"], label=act_label)
     if plan.memory_budget_bytes:
         # A device's budget: the sum of its stages' shares.
-        budget = [sum(plan.memory_budget_bytes[s] for s in range(d, S, D)) * gib for d in range(D)]
+        budget = [sum(plan.memory_budget_bytes[s] for s in on[d]) * gib for d in range(D)]
         mx.hlines(
             budget, [d - 0.45 for d in dx], [d + 0.45 for d in dx], colors="#D62728", linestyles="--", label="budget"
         )

@@ -410,11 +410,14 @@ class ScheduleConfig(Section):
     """The pipeline schedule."""
 
     schedule: str | None = setting(None, choices=SCHEDULE_KINDS, check=False)
-    """Pipeline schedule (gpipe, 1f1b, interleaved); None: the plan's when one is given, else 1f1b."""
+    """Pipeline schedule (gpipe, 1f1b, interleaved, interleaved-zb, zbv, dualpipev; the last three split the
+    backward, are simulated and run (dp 1, no recomputation) but not planned yet); None: the plan's when one is
+    given, else 1f1b."""
     num_microbatches: int | None = setting(None, min=1, check=False)
     """Micro-batches per iteration; None: the plan's when one is given, else one per stage."""
     virtual_stages: int | None = setting(None, min=1, check=False)
-    """Stage chunks per device (interleaved); None: the plan's when one is given, else 1."""
+    """Stage chunks per device (interleaved, interleaved-zb; 2 for zbv and dualpipev); None: the plan's when one is
+    given, else 1."""
 
     def _check(
         self,

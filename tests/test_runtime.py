@@ -260,6 +260,16 @@ def base_plans(parity_models):
 def test_one_step_matches_unsplit_model(world, parity_models, base_plans, tmp_path):
     cases = _cases(base_plans, world)
     ranks = _spawn(world, tmp_path, parity_models, cases)
+    check_parity(ranks, cases, parity_models, world)
+    if world == 2:
+        msg = ranks[0]["shape-error"]
+        assert msg is not None and "'pixel_values' has shape (2, 3, 16, 16)" in msg and "(4, 3, 16, 16)" in msg
+
+
+def check_parity(ranks: list[dict[str, Any]], cases: list[tuple[str, str, Plan]], parity_models: dict[str, Any],
+                 world: int) -> None:
+    """Each case's loss and gradients, gathered from ``ranks``, equal the unsplit model's; each rank ran the stages
+    and recomputation its plan gives it."""
     references = {key: _reference(model, batch) for key, (model, batch) in parity_models.items()}
     for name, key, plan in cases:
         ref_loss, ref_grads = references[key]
@@ -292,9 +302,6 @@ def test_one_step_matches_unsplit_model(world, parity_models, base_plans, tmp_pa
                 assert backward in ((plan.num_microbatches,) if ".layers." in block else (0, plan.num_microbatches))
         if any(o != "none" for o in plan.block_recompute):
             assert any(backward for r in ranks for *_, (_, backward) in r[name]["regions"]), name
-    if world == 2:
-        msg = ranks[0]["shape-error"]
-        assert msg is not None and "'pixel_values' has shape (2, 3, 16, 16)" in msg and "(4, 3, 16, 16)" in msg
 
 
 # -- launcher: training, checkpoints ---------------------------------------------------------------

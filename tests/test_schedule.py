@@ -14,11 +14,15 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from omnibal_compile import Plan, PlanError
 from omnibal_compile.ir.costs import BlockCost, CostTable
-from omnibal_compile.ir.schedule import SCHEDULE_KINDS, Schedule
+from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, SCHEDULE_KINDS, SCHEDULES, Schedule
 from omnibal_compile.planning import problem_from_costs, solve
 from omnibal_compile.planning.build import plan_with_costs
+from omnibal_compile.planning.problem import PLANNED_SCHEDULES
 from omnibal_compile.runtime import check_pipeline, get_schedule_class
+from omnibal_compile.runtime.pipeline import RUNTIME_SCHEDULES
 from omnibal_compile.sim import simulate
+
+SIMULATED_SCHEDULES = frozenset(SCHEDULE_KINDS)
 
 STAGES = range(1, 7)
 VIRTUAL = range(1, 4)
@@ -28,11 +32,24 @@ MICROBATCHES = range(1, 10)
 class _FakeStage:
     """What torch's schedule constructors read from a PipelineStage (no process group needed)."""
 
-    def __init__(self, index: int, num_stages: int, num_ranks: int) -> None:
+    def __init__(self, index: int, num_stages: int, num_ranks: int, rank: int | None = None) -> None:
         self.stage_index, self.num_stages = index, num_stages
-        self.group_size, self.group_rank = num_ranks, index % num_ranks
+        self.group_size, self.group_rank = num_ranks, index % num_ranks if rank is None else rank
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.stage_index_to_group_rank: dict[int, int] = {}
+        self.submod = None  # the zero-bubble schedules look for a compiled module here
+
+
+def torch_pipeline_order(kind: str, M: int, v: int, D: int) -> dict[int, list]:
+    """Torch's own ``pipeline_order`` of schedule ``kind`` (multi-stage classes), built from fake stages."""
+    cls = get_schedule_class(kind)
+    sched = Schedule(kind=kind, num_microbatches=M, virtual_stages=v)
+    S = D * v
+    order = {}
+    for rank in range(D):
+        stages = [_FakeStage(s, S, D, rank) for s in sched.stages_of(rank, S)]
+        order = cls(stages, M, loss_fn=lambda out, target: out).pipeline_order
+    return order
 
 
 def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
@@ -50,6 +67,9 @@ def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
             if not multi:
                 cls(_FakeStage(0, S, D), M, loss_fn=loss)
                 return True
+            if Schedule(kind=kind, num_microbatches=M, virtual_stages=v).rule.split_backward:
+                torch_pipeline_order(kind, M, v, D)  # builds on every rank (its own checks raise)
+                return True
             order = None
             for rank in range(D):
                 order = cls(
@@ -61,7 +81,7 @@ def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
                 r: [a for a in acts if a is not None and a.computation_type in keep] for r, acts in order.items()
             }
             torch_schedules._simulate_comms_compute(compute, lambda s: s % D, S)  # raises on a deadlock
-    except (ValueError, RuntimeError, AssertionError):
+    except (ValueError, RuntimeError, AssertionError, PlanError):
         return False
     return True
 
@@ -69,6 +89,7 @@ def torch_runs(kind: str, M: int, v: int, S: int) -> bool:
 def _costs(S: int) -> CostTable:
     blocks = [
         BlockCost(name=f"b{i}", kind="layer", flops=1.0, num_params=10, static_bytes=100, forward_s=1.0, backward_s=2.0,
+                  weight_grad_s=1.0,
                   activation_bytes={"none": 1000, "selective": 500, "full": 100},
                   recompute_s={"none": 0.0, "selective": 0.25, "full": 1.0})
         for i in range(S)
@@ -99,8 +120,8 @@ def planner_accepts(kind: str, M: int, v: int, S: int) -> bool:
 
 
 def simulator_accepts(kind: str, M: int, v: int, S: int) -> bool:
-    # The simulator's own check: a plan valid for interleaved, simulated under the asked kind and M.
-    base = lambda: _plan("interleaved", S, v, S)  # noqa: E731
+    # The simulator's own check: a plan valid for the asked kind's placement, simulated under the kind and M.
+    base = lambda: _plan("zbv" if v == 2 and SCHEDULES[kind].placement == "v" else "interleaved", S, v, S)  # noqa: E731
     return _accepts(lambda: simulate(base(), _costs(S), schedule=kind, num_microbatches=M))
 
 
@@ -125,6 +146,11 @@ def test_planner_simulator_runtime_and_torch_accept_the_same_schedules(kind):
                 "runtime": runtime_accepts(kind, M, v, S),
             }
             accepted += verdicts["torch"]
+            for part, handled in (("planner", PLANNED_SCHEDULES), ("runtime", RUNTIME_SCHEDULES)):
+                if kind not in handled:  # refused whatever torch says (test_unhandled_schedules_are_refused)
+                    assert not verdicts.pop(part), (part, kind, M, v, S)
+            if kind not in SIMULATED_SCHEDULES:
+                assert not verdicts.pop("simulator"), ("simulator", kind, M, v, S)
             if len(set(verdicts.values())) > 1:
                 mismatches.append((f"M={M} v={v} S={S}", verdicts))
     finally:
@@ -200,3 +226,42 @@ def test_schedule_value_contract_and_limits():
         with pytest.raises(PlanError, match="num_stages must be an integer >= 1"):
             Schedule(kind="gpipe", num_microbatches=4).check(bad)
     Schedule(kind="gpipe", num_microbatches=4).check(1)
+
+
+ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+
+
+def test_each_schedule_names_its_torch_class_and_rules():
+    for kind in ZERO_BUBBLE:
+        rule = SCHEDULES[kind]
+        assert rule.split_backward and get_schedule_class(kind).__name__ == rule.torch_class
+    assert get_schedule_class("zbv") is torch_schedules.ScheduleZBVZeroBubble
+    assert get_schedule_class("dualpipev") is torch_schedules.ScheduleDualPipeV
+    assert get_schedule_class("interleaved-zb") is torch_schedules.ScheduleInterleavedZeroBubble
+    assert not any(SCHEDULES[k].split_backward for k in CLASSIC_SCHEDULES)
+    # V placement: stages s and 2D-1-s on device s, as torch's generate_stage_to_rank_mapping(style="v")
+    for D in (1, 2, 3, 4):
+        want = torch_schedules.generate_stage_to_rank_mapping(D, 2 * D, style="v")
+        zbv = Schedule(kind="zbv", num_microbatches=4, virtual_stages=2)
+        assert {s: zbv.device_of(s, 2 * D) for s in range(2 * D)} == want
+        assert all(zbv.device_of(s, 2 * D) == d for d in range(D) for s in zbv.stages_of(d, 2 * D))
+        loop = Schedule(kind="interleaved", num_microbatches=4, virtual_stages=2)
+        assert {s: loop.device_of(s, 2 * D) for s in range(2 * D)} == torch_schedules.generate_stage_to_rank_mapping(
+            D, 2 * D)
+    with pytest.raises(PlanError, match="exactly 2 stages per device .* set virtual_stages=2"):
+        Schedule(kind="zbv", num_microbatches=4)
+    with pytest.raises(PlanError, match="schedule 'dualpipev' needs at least one micro-batch per stage"):
+        Schedule.for_stages(4, kind="dualpipev", num_microbatches=3, virtual_stages=2)
+
+
+@pytest.mark.parametrize("kind", ZERO_BUBBLE)
+def test_unplanned_schedules_are_refused_by_name(kind):
+    v = 2
+    with pytest.raises(PlanError, match=f"the planner does not handle schedule '{kind}' yet; it handles"):
+        plan_with_costs(_costs(4), planner="parameters", num_stages=4, num_microbatches=4, schedule=kind,
+                        virtual_stages=v)
+    check_pipeline(_plan(kind, 4, v, 4), world_size=2)  # the runtime runs them (tests/test_runtime_zero_bubble.py)
+    from omnibal_compile.planning.layout import choose_layout
+
+    with pytest.raises(PlanError, match=f"the layout search .* does not handle schedule '{kind}'"):
+        choose_layout(_costs(4), devices=2, schedule=kind)

@@ -29,9 +29,9 @@ __all__ = ["CACHE_FORMAT", "CACHE_KIND", "read_cache", "store_in_cache"]
 
 CACHE_KIND = "omnibal-compile cost cache"
 """Marker in every cache file this library writes."""
-CACHE_FORMAT = 2
-"""Version of the cache file layout (2: blocks carry signature, profiled_as, time_spread). A cache of
-ours in an older layout is read as empty and replaced on the next store; a newer one is an error."""
+CACHE_FORMAT = 3
+"""Version of the cache file layout (2: blocks carry signature, profiled_as, time_spread; 3: and weight_grad_s).
+A cache of ours in an older layout is read as empty and replaced on the next store; a newer one is an error."""
 
 _FIX = "pass another path as the cost cache (a new file is made there)"
 

@@ -242,6 +242,9 @@ class TypeCosts:
     """Bytes kept for backward, per recompute option."""
     out_bytes: dict[str, np.ndarray]
     """Bytes the block sends on (its output, 16-bit)."""
+    weight_s: dict[str, np.ndarray] | None = None
+    """W, the weight-gradient part of ``backward_s``: the forward time of the block's weight matmuls (a matmul's
+    backward FLOPs split 1:1 between the input's and the weight's gradient); None when not modelled."""
 
     def time(self, block_type: str, option: str) -> np.ndarray:
         """Forward + backward + recompute seconds of one block of ``block_type`` under ``option``."""
@@ -300,6 +303,7 @@ class _Ops:
         self.flops: np.ndarray | float = 0.0
         self.forward: np.ndarray | float = 0.0
         self.memory: np.ndarray | float = 0.0
+        self.weight: np.ndarray | float = 0.0  # forward time of the matmuls with weights: their W
 
     def _time(self, op_class: str, flops: np.ndarray | float, nbytes: np.ndarray | float) -> np.ndarray:
         # The roofline of DeviceSpec.op_time, on arrays.
@@ -309,7 +313,9 @@ class _Ops:
     def linear(self, t: np.ndarray, n_in: int, n_out: int) -> None:
         f = 2.0 * t * n_in * n_out
         self.flops = self.flops + f
-        self.forward = self.forward + self._time("matmul", f, 2.0 * (t * n_in + n_in * n_out + t * n_out))
+        dt = self._time("matmul", f, 2.0 * (t * n_in + n_in * n_out + t * n_out))
+        self.forward = self.forward + dt
+        self.weight = self.weight + dt
 
     def attention(self, t: np.ndarray, pairs: np.ndarray, width: int, kv_width: int) -> None:
         f = 4.0 * width * pairs
@@ -354,6 +360,7 @@ def type_costs(
     fwd: dict[str, np.ndarray] = {}
     bwd: dict[str, np.ndarray] = {}
     sel: dict[str, np.ndarray] = {}
+    wgt: dict[str, np.ndarray] = {}
     act: dict[str, dict[str, np.ndarray]] = {}
     out: dict[str, np.ndarray] = {}
 
@@ -362,6 +369,7 @@ def type_costs(
         fwd[name] = ops.forward + _zeros(tiles)
         bwd[name] = 2 * ops.forward + _zeros(tiles)
         sel[name] = ops.memory + _zeros(tiles)
+        wgt[name] = ops.weight + _zeros(tiles)
         act[name] = {o: np.maximum(activation[o], 0.0) + _zeros(tiles) for o in RECOMPUTE_OPTIONS}
         out[name] = out_bytes + _zeros(tiles)
 
@@ -440,7 +448,8 @@ def type_costs(
         _zeros(tiles),
     )
     one_gpu = TypeCosts(
-        flops=flops, forward_s=fwd, backward_s=bwd, selective_s=sel, activation_bytes=act, out_bytes=out
+        flops=flops, forward_s=fwd, backward_s=bwd, selective_s=sel, activation_bytes=act, out_bytes=out,
+        weight_s=wgt,
     )
     return tensor_parallel_costs(one_gpu, model, tiles, tokens, tensor_parallel=tensor_parallel, device=device)
 
@@ -475,6 +484,7 @@ def tensor_parallel_costs(
         flops={t: f / tp for t, f in costs.flops.items()},
         forward_s={t: f / tp + comm[t] for t, f in costs.forward_s.items()},
         backward_s={t: b / tp + comm[t] for t, b in costs.backward_s.items()},
+        weight_s=None if costs.weight_s is None else {t: w / tp for t, w in costs.weight_s.items()},
         selective_s={t: s / tp for t, s in costs.selective_s.items()},
         activation_bytes={t: {o: a / tp for o, a in per.items()} for t, per in costs.activation_bytes.items()},
         out_bytes={t: o / tp for t, o in costs.out_bytes.items()},
@@ -522,6 +532,7 @@ def table_from_type_costs(
             static_bytes=round(params[kind] * precision.bytes_per_param),
             forward_s=f,
             backward_s=float(costs.backward_s[kind][0]),
+            weight_grad_s=None if costs.weight_s is None else float(costs.weight_s[kind][0]),
             activation_bytes={o: int(costs.activation_bytes[kind][o][0]) for o in RECOMPUTE_OPTIONS},
             recompute_s={"none": 0.0, "selective": float(costs.selective_s[kind][0]), "full": f},
         ))

@@ -168,6 +168,8 @@ class _Timing:
     forward_s: float
     backward_s: float
     selective_s: float
+    weight_s: float = 0.0
+    """W, the weight-gradient part of ``backward_s``."""
     spread: float = 0.0
 
 
@@ -183,11 +185,13 @@ class _Profile:
         self, m: fx.GraphModule, inputs: Sequence[Any], records: Sequence[Any], *, cuda: bool, clock: str
     ) -> None:
         self.m, self.inputs, self.records, self.cuda, self.clock = m, inputs, records, cuda, clock
-        self.wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        self.wrt += [p for p in m.parameters() if p.requires_grad]
+        self.inputs_wrt: list[torch.Tensor] = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        self.params_wrt: list[torch.Tensor] = [p for p in m.parameters() if p.requires_grad]
+        self.wrt = self.inputs_wrt + self.params_wrt
         self.has_backward = _backward_args(self._forward(None), self.wrt) is not None
         self.fwd: list[float] = []
         self.bwd: list[float] = []
+        self.bin: list[float] = []  # the input-gradient part alone (B)
         self.rerun: list[float] = [_rerun_share(records)]
 
     def _forward(self, _: Any) -> Any:
@@ -208,12 +212,27 @@ class _Profile:
                 setup=lambda: _backward_args(self._forward(None), self.wrt),
                 **kw,
             )
+            if self.inputs_wrt and self.params_wrt:  # B alone; autograd skips the weight-gradient branches
+                self.bin += timed_runs(
+                    lambda st: torch.autograd.grad(st[0], self.inputs_wrt, st[1], allow_unused=True),
+                    setup=lambda: _backward_args(self._forward(None), self.inputs_wrt),
+                    **kw,
+                )
 
     def timing(self) -> _Timing:
         fwd = statistics.median(self.fwd)
         bwd = statistics.median(self.bwd) if self.bwd else 0.0
+        # W = the whole backward less B, so that B + W is the backward timed; no trained parameter: W = 0; no input
+        # needing a gradient: the backward is all W
+        if not self.params_wrt:
+            weight = 0.0
+        elif not self.inputs_wrt:
+            weight = bwd
+        else:
+            weight = max(0.0, bwd - statistics.median(self.bin))
         spread = max(relative_spread(self.fwd), relative_spread(self.bwd))
-        return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * statistics.median(self.rerun), spread=spread)
+        return _Timing(forward_s=fwd, backward_s=bwd, selective_s=fwd * statistics.median(self.rerun),
+                       weight_s=weight if self.has_backward else 0.0, spread=spread)
 
 
 def _rerun_share(records: Sequence[OpRecord]) -> float:
@@ -235,7 +254,10 @@ def _roofline_times(records: Sequence[OpRecord], spec: DeviceSpec, *, frozen: fl
     matmul = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "matmul")
     rerun = sum(spec.op_time(r.op_class, r.flops, r.nbytes) for r in records if r.op_class == "memory")
     bwd = 2 * fwd + (ATTENTION_BACKWARD - 2) * attention - frozen * matmul if backward else 0.0
-    return _Timing(forward_s=fwd, backward_s=max(0.0, bwd), selective_s=rerun)
+    # a matmul's backward is two matmuls of its forward's size, one for the input's gradient (B), one for the
+    # weight's (W): W is the trained share of the matmul time
+    weight = min(max(0.0, bwd), (1 - frozen) * matmul) if backward else 0.0
+    return _Timing(forward_s=fwd, backward_s=max(0.0, bwd), selective_s=rerun, weight_s=weight)
 
 
 def _frozen_share(m: nn.Module) -> float:
@@ -354,6 +376,7 @@ def _block_cost(
         frozen_params=frozen,
         forward_s=timing.forward_s,
         backward_s=timing.backward_s,
+        weight_grad_s=timing.weight_s,
         activation_bytes=activation,
         recompute_s={"none": 0.0, "selective": timing.selective_s, "full": timing.forward_s},
         workspace_bytes=workspace,

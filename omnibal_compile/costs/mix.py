@@ -37,6 +37,7 @@ def _scale_block(b: BlockCost, k: float) -> BlockCost:
         flops=b.flops * k,
         forward_s=b.forward_s * k,
         backward_s=b.backward_s * k,
+        weight_grad_s=None if b.weight_grad_s is None else b.weight_grad_s * k,
         activation_bytes={o: int(round(v * k)) for o, v in b.activation_bytes.items()},
         recompute_s={o: v * k for o, v in b.recompute_s.items()},
         workspace_bytes=int(round(b.workspace_bytes * k)),

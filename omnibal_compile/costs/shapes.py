@@ -123,6 +123,9 @@ class ShapeCostModel:
                 static_bytes=b.static_bytes,
                 forward_s=p["forward_s"][i],
                 backward_s=p["backward_s"][i],
+                # W keeps its measured share of the backward
+                weight_grad_s=None if b.weight_grad_s is None else p["backward_s"][i] * (
+                    b.weight_grad_s / b.backward_s if b.backward_s > 0 else 0.0),
                 activation_bytes={o: round(p[f"activation:{o}"][i]) for o in RECOMPUTE_OPTIONS},
                 recompute_s={o: p[f"recompute:{o}"][i] for o in RECOMPUTE_OPTIONS},
                 signature=b.signature,

@@ -80,6 +80,11 @@ class BlockCost:
     """Forward time per micro-batch, seconds."""
     backward_s: float
     """Backward time per micro-batch without recomputation, seconds."""
+    weight_grad_s: float | None = None
+    """W: the part of ``backward_s`` that computes the weight gradients (the rest, :attr:`backward_input_s`, is the
+    input-gradient part B that the previous stage waits for); zero-bubble schedules run it apart. The same under
+    every recompute option (recomputation adds its ``recompute_s`` before B). 0 for a frozen block; None when not
+    known (tables costed before it was measured)."""
     activation_bytes: Mapping[str, int]
     """Bytes kept alive from forward to backward, per recompute option (keys: RECOMPUTE_OPTIONS)."""
     recompute_s: Mapping[str, float]
@@ -119,9 +124,17 @@ class BlockCost:
                 raise InputError(f"block '{self.name}': {what} has a negative entry {d}")
         if self.forward_s < 0 or self.backward_s < 0 or self.static_bytes < 0 or self.workspace_bytes < 0:
             raise InputError(f"block '{self.name}': times and bytes must be non-negative")
+        if self.weight_grad_s is not None and not 0 <= self.weight_grad_s <= self.backward_s * (1 + 1e-9):
+            raise InputError(f"block '{self.name}': weight_grad_s {self.weight_grad_s} must lie within 0..backward_s "
+                             f"({self.backward_s}): it is a part of the backward")
         if not 0 <= self.frozen_params <= max(self.num_params, 0):
             raise InputError(f"block '{self.name}': frozen_params {self.frozen_params} must be within 0..num_params "
                              f"({self.num_params})")
+
+    @property
+    def backward_input_s(self) -> float:
+        """B: the input-gradient part of the backward, ``backward_s - weight_grad_s`` (all of it when W is unknown)."""
+        return max(0.0, self.backward_s - (self.weight_grad_s or 0.0))
 
     def trained_params(self, precision: Precision) -> float:
         """Parameter elements that train (get gradients and optimizer states), read from ``static_bytes`` as costed
@@ -371,10 +384,15 @@ def with_frozen(table: CostTable, frozen_params: Sequence[int]) -> CostTable:
             none = dict.fromkeys(RECOMPUTE_OPTIONS, 0)
             blocks.append(dataclasses.replace(
                 b, frozen_params=f, static_bytes=static, backward_s=0.0, activation_bytes=none,
+                weight_grad_s=None if b.weight_grad_s is None else 0.0,
                 recompute_s=dict.fromkeys(RECOMPUTE_OPTIONS, 0.0)))  # peak_bytes kept: the forward's, at most
         else:
-            blocks.append(dataclasses.replace(b, frozen_params=f, static_bytes=static,
-                                              backward_s=max(0.0, b.backward_s - fraction * b.forward_s)))
+            backward = max(0.0, b.backward_s - fraction * b.forward_s)
+            # the weight-gradient matmuls dropped are W's; a wholly frozen block has no W left
+            weight = None if b.weight_grad_s is None else 0.0 if f >= b.num_params else min(
+                backward, max(0.0, b.weight_grad_s - fraction * b.forward_s))
+            blocks.append(dataclasses.replace(b, frozen_params=f, static_bytes=static, backward_s=backward,
+                                              weight_grad_s=weight))
     return dataclasses.replace(table, blocks=tuple(blocks))
 
 

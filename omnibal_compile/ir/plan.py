@@ -75,12 +75,12 @@ class Plan:
     recompute: tuple[str, ...] = ()
     """Recompute option per block (``none``/``selective``/``full``); empty means none anywhere."""
     schedule: str = "1f1b"
-    """Pipeline schedule the plan was made for: ``gpipe``, ``1f1b`` or ``interleaved`` (see
+    """Pipeline schedule the plan was made for, a name in :data:`omnibal_compile.ir.schedule.SCHEDULES` (see
     :attr:`pipeline_schedule`)."""
     num_microbatches: int | None = None
     """Micro-batches per iteration; None (the default) becomes one per stage."""
     virtual_stages: int = 1
-    """Stage chunks per device (interleaved schedules); stage s runs on rank ``s % (S / v)``."""
+    """Stage chunks per device; the schedule's placement says which rank runs stage s (``s % (S / v)``, or a V)."""
     stage_time_s: tuple[float, ...] = ()
     """Predicted time per micro-batch of each stage (forward + backward + recompute + send)."""
     stage_memory_bytes: tuple[int, ...] = ()

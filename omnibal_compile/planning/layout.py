@@ -47,7 +47,7 @@ from omnibal_compile.costs.mix import scale_costs
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import DATA_PARALLEL_LAYOUTS, NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.ir.schedule import Schedule, schedule_rule
 from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
 from omnibal_compile.planning.build import plan_from_solution
 from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
@@ -57,6 +57,9 @@ from omnibal_compile.sim.simulate import simulate
 __all__ = ["Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_depths"]
 
 
+
+SEARCHED_SCHEDULES: frozenset[str] = frozenset({"1f1b", "interleaved"})
+"""Schedules the layout search chooses among (a :class:`Layout` with v = 1 runs 1f1b, else interleaved)."""
 
 PRUNE_MARGIN = 0.10
 """A layout whose estimate exceeds the best predicted time by more than this fraction is not planned: the
@@ -548,8 +551,8 @@ def choose_layout(
     Without ``global_batch`` or ``num_microbatches``, a step holds two micro-batches per device (said in the notes).
     """
     dp = data_parallel.size
-    if schedule == "gpipe":
-        raise InputError("the layout search plans 1F1B and interleaved schedules; for gpipe give num_stages=")
+    if schedule is not None:
+        schedule_rule(schedule).require(SEARCHED_SCHEDULES, "the layout search (for gpipe give num_stages=)")
     if dp > 1 and devices % dp:
         raise InputError(f"dp={dp} does not divide devices={devices}")
     pipeline = None

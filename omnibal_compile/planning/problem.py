@@ -66,7 +66,7 @@ from omnibal_compile.ir.costs import (
     held_once,
     running_peak,
 )
-from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, SCHEDULES, Schedule
 
 __all__ = [
     "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
@@ -74,6 +74,9 @@ __all__ = [
 ]
 
 OPTIONS = RECOMPUTE_OPTIONS
+
+PLANNED_SCHEDULES: frozenset[str] = CLASSIC_SCHEDULES
+"""Schedules the planners' closed forms cover; the zero-bubble ones (split backward) are refused for now."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +145,7 @@ class PartitionProblem:
         if not 1 <= self.num_stages <= n:
             raise PlanError(f"num_stages={self.num_stages} must lie in [1, {n}] (the number of blocks)")
         self.pipeline_schedule.check(self.num_stages)
+        self.pipeline_schedule.rule.require(PLANNED_SCHEDULES, "the planner")
         if self.budget and len(self.budget) != self.num_devices:
             raise InputError(f"budget needs one entry per device ({self.num_devices}), got {len(self.budget)}")
         if not self.allowed or any(o not in OPTIONS for o in self.allowed):
@@ -166,7 +170,7 @@ class PartitionProblem:
         return self.num_stages // self.virtual_stages
 
     def device_of(self, s: int) -> int:
-        return s % self.num_devices
+        return SCHEDULES[self.schedule].device_of(s, self.num_devices)
 
     def stage_budget(self, s: int) -> float:
         """Memory a stage may use (its device's budget, split evenly among the device's chunks)."""

@@ -1,8 +1,9 @@
 """Build one rank's share of a pipeline on ``torch.distributed.pipelining`` and train with it.
 
 Glossary:
-    rank stages    the stages a rank runs: ``r, r + W, r + 2W, ...`` for ``W`` ranks (one stage per
-                   rank unless the plan is interleaved with ``virtual_stages > 1``).
+    rank stages    the stages a rank runs, as its schedule places them
+                   (:meth:`omnibal_compile.ir.schedule.ScheduleRule.stages_of`): ``r, r + W, r + 2W, ...``
+                   for ``W`` ranks (one stage per rank unless ``virtual_stages > 1``).
     micro-batch    one of ``num_microbatches`` equal slices (along dim 0 of every input) of a
                    batch. Stages are captured at the micro-batch shape; every batch must split
                    into micro-batches of exactly that shape (pipelining's buffers are fixed).
@@ -43,12 +44,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 import torch.fx as fx
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
@@ -60,6 +62,7 @@ from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recomput
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, SCHEDULE_KINDS, schedule_rule
 from omnibal_compile.runtime.compiled import compile_stage
 from omnibal_compile.runtime.precision import compute_dtype, mixed_precision_policy, restore_masters
 from omnibal_compile.runtime.weights import RankWeights, materialise, retarget_meta
@@ -78,12 +81,11 @@ __all__ = [
     "rank_stages",
 ]
 
-_SCHEDULE_CLASSES: dict[str, type[_PipelineSchedule]] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved": ScheduleInterleaved1F1B,
-}
-"""Schedule kind (:data:`omnibal_compile.ir.schedule.SCHEDULE_KINDS`) -> the torch class that runs it."""
+RUNTIME_SCHEDULES: frozenset[str] = frozenset(SCHEDULE_KINDS)
+"""Schedules this runtime builds stages for (each rank's stages as the schedule places them)."""
+SPLIT_BACKWARD_DP = 1
+"""Most data-parallel pipelines a split-backward schedule runs with: FSDP2/DDP under the weight-gradient split are not
+tested yet, so dp > 1 is refused for them."""
 
 
 
@@ -95,9 +97,23 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
     ``batch_size`` is the whole step's rows over all ``dp`` pipelines.
     """
     plan.pipeline_schedule.check(plan.num_stages)
+    plan.pipeline_schedule.rule.require(RUNTIME_SCHEDULES, "the pipeline runtime (run)")
     s, v, m = plan.num_stages, plan.virtual_stages, cast(int, plan.num_microbatches)  # Plan.__post_init__ fills it in
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise PlanError(f"dp (data-parallel pipelines, --dp) must be an integer >= 1, got {dp!r}")
+    recomputed = [b for b, o in zip(plan.block_names, plan.block_recompute) if o != "none"]
+    if plan.pipeline_schedule.rule.split_backward and recomputed:
+        # measured: 10 reruns per micro-batch on the reference VLM's stages instead of 1, while the costs count 1
+        raise PlanError(
+            f"schedule {plan.schedule!r} splits each backward, and torch's weight-gradient pass reruns a recomputed "
+            f"block once per parameter group (not once per backward); the plan recomputes {len(recomputed)} blocks "
+            f"(e.g. {recomputed[:2]}): plan with recompute 'none' for this schedule, or use one among "
+            f"{sorted(CLASSIC_SCHEDULES)}"
+        )
+    if plan.pipeline_schedule.rule.split_backward and dp > SPLIT_BACKWARD_DP:
+        raise PlanError(f"schedule {plan.schedule!r} splits each backward into input and weight gradients, which this "
+                        f"runtime does not run under data parallelism yet; use --dp 1, or a schedule among "
+                        f"{sorted(CLASSIC_SCHEDULES)}")
     if world_size != dp * plan.num_devices:
         extra = f" ({s} stages / {v} virtual stages per rank)" if v > 1 else ""
         if dp == 1:
@@ -123,17 +139,15 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
 
 
 def get_schedule_class(kind: str) -> type[_PipelineSchedule]:
-    """The ``torch.distributed.pipelining`` schedule class that runs schedule ``kind``."""
-    if kind not in _SCHEDULE_CLASSES:
-        raise PlanError(f"schedule {kind!r} is unknown; use one of {list(_SCHEDULE_CLASSES)}")
-    return _SCHEDULE_CLASSES[kind]
+    """The ``torch.distributed.pipelining`` schedule class that runs schedule ``kind`` (its rule's ``torch_class``)."""
+    return cast(type[_PipelineSchedule], getattr(pipelining, schedule_rule(kind).torch_class))
 
 
 def rank_stages(plan: Plan, rank: int) -> tuple[int, ...]:
-    """Stage indices that ``rank`` runs (``rank, rank + W, ...``)."""
+    """Stage indices that ``rank`` runs, as the plan's schedule places them."""
     if not 0 <= rank < plan.num_devices:
         raise InputError(f"rank {rank} is out of range for a plan on {plan.num_devices} ranks")
-    return tuple(range(rank, plan.num_stages, plan.num_devices))
+    return plan.pipeline_schedule.stages_of(rank, plan.num_stages)
 
 
 def loss_terms(flat_inputs: Sequence[Any], input_names: Sequence[str], weighting: str = "tokens") -> torch.Tensor:
@@ -203,16 +217,60 @@ class _WeightedLoss:
 
 
 class _TensorOutputs(nn.Module):
-    """The last stage with only its tensor outputs (pipelining handles stage outputs as tensors)."""
+    """A stage with only its outputs at ``keep`` (pipelining handles stage outputs as tensors: the last stage drops
+    its others); ``copy_views``: an output that is a view is returned as a copy, because torch's split backward
+    (``stage_backward_input``) detaches the stage outputs in place, which a view refuses."""
 
-    def __init__(self, stage: nn.Module, keep: tuple[int, ...]) -> None:
+    def __init__(self, stage: nn.Module, keep: tuple[int, ...], *, copy_views: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self.keep = keep
+        self.copy_views = copy_views
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
         out = self.stage(*args)
-        return tuple(out[j] for j in self.keep)
+        picked = tuple(out[j] for j in self.keep)
+        if self.copy_views:
+            picked = tuple(t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t for t in picked)
+        return picked
+
+
+def _check_split_backward(stage: nn.Module, inputs: Sequence[Any], index: int, schedule: str) -> None:
+    """Raise a :class:`PlanError` when stage ``index`` returns a tensor needing a gradient whose autograd graph
+    reaches none of its inputs needing one (an embedding of token ids at the start of the LLM): torch 2.13's split
+    backward finds a stage's weight gradients from its input-gradient pass, which never walks such a branch, so
+    their gradients would be lost (its own TODO in ``PipelineStage.backward_weight_one_chunk``; the first stage is
+    run whole instead)."""
+    # zeros of the examples' shapes: valid token ids and labels, and the graph does not depend on the values
+    ins = [torch.zeros_like(x).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+    wanted = {id(x) for x in ins if isinstance(x, torch.Tensor) and x.requires_grad}
+    with torch.enable_grad():
+        outs = stage(*ins)
+
+    def reaches(t: torch.Tensor) -> bool:
+        if id(t) in wanted:
+            return True
+        seen: set[Any] = set()
+        stack = [t.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            if id(getattr(fn, "variable", None)) in wanted:  # an input's AccumulateGrad
+                return True
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return False
+
+    lost = [i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad and not reaches(t)]
+    if lost:
+        raise PlanError(
+            f"stage {index} returns output(s) {lost} that need a gradient but do not depend on any stage input that "
+            f"needs one (e.g. the LLM's token embedding after a vision stage): schedule {schedule!r} splits the "
+            "backward, and torch's input-gradient pass never reaches that branch, so its weight gradients would be "
+            "lost; cut the model so that such a branch starts its stage's computation from a differentiable input "
+            "or sits in the first stage, or use a schedule with a whole backward"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -567,7 +625,7 @@ def build_pipeline(
     if layout.size != dp_size:
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     plan = result.plan
-    check_pipeline(plan, world_size=world_size)
+    check_pipeline(plan, world_size=world_size * dp_size, dp=dp_size)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:
@@ -592,10 +650,15 @@ def build_pipeline(
             mod = compile_stage(mod)
         ins, outs = examples[i]
         keep = tuple(j for j, v in enumerate(outs) if isinstance(v, torch.Tensor))
+        split = plan.pipeline_schedule.rule.split_backward
         if len(keep) < len(outs):  # only the last stage may return non-tensors (HF outputs hold Nones)
-            mod = _TensorOutputs(mod, keep)
+            mod = _TensorOutputs(mod, keep, copy_views=split)
             examples[i] = (ins, tuple(outs[j] for j in keep))
             loss_index = keep.index(loss_index)
+        elif split:
+            mod = _TensorOutputs(mod, keep, copy_views=True)
+        if split and s > 0:
+            _check_split_backward(mod, ins, s, plan.schedule)
         modules.append(mod)
     original = _original_names(result.model)
     local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not
@@ -626,7 +689,7 @@ def build_pipeline(
     schedule: _PipelineSchedule
     if issubclass(cls, PipelineScheduleMulti):
         schedule = cls(list(stages), m, loss_fn=loss_fn, scale_grads=False)
-    else:  # one stage per rank: every class in _SCHEDULE_CLASSES is a PipelineScheduleMulti or a Single
+    else:  # one stage per rank: every schedule's torch class is a PipelineScheduleMulti or a Single
         schedule = cast(type[PipelineScheduleSingle], cls)(stages[0], m, loss_fn=loss_fn, scale_grads=False)
     return RankPipeline(
         rank=rank,
@@ -747,11 +810,11 @@ def _tied_holders(result: OptimizeResult, names: dict[int, list[str]]) -> list[t
     """(original names, pipeline ranks holding it) of every parameter used on several ranks.
 
     Read before data parallelism replaces this rank's parameter objects."""
-    w = result.plan.num_devices
+    plan = result.plan
     holders: dict[int, set[int]] = {}
     for s, stage in enumerate(result.stages):
         for p in stage.parameters():
-            holders.setdefault(id(p), set()).add(s % w)
+            holders.setdefault(id(p), set()).add(plan.pipeline_schedule.device_of(s, plan.num_stages))
     found = [(tuple(names.get(k, [])), tuple(sorted(ranks))) for k, ranks in holders.items() if len(ranks) > 1]
     return sorted(found)
 

@@ -285,7 +285,8 @@ def train(config: RunConfig) -> list[StepLog]:
 
                 print(f"[omnibal run] exported: {export_hf(path, config.export_hf)}", flush=True)
 
-    last_rank = (plan.num_stages - 1) % plan.num_devices  # of dp replica 0: global rank = pipeline rank
+    # of dp replica 0: global rank = pipeline rank; the schedule places the last stage (rank 0 for the V ones)
+    last_rank = plan.pipeline_schedule.device_of(plan.num_stages - 1, plan.num_stages)
     flops = torch.tensor([pipeline.forward_flops], dtype=torch.float64, device=device)
     dist.all_reduce(flops)  # every stage of every replica: one micro-batch each
     step_flops = 3 * float(flops) * cast(int, plan.num_microbatches)

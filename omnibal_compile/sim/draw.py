@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 COLOURS = {
-    "forward": "#4C72B0", "recompute": "#DD8452", "backward": "#55A868", "idle": "#E5E5E5",
+    "forward": "#4C72B0", "recompute": "#DD8452", "backward": "#55A868", "backward_weight": "#8DCB9B",
+    "idle": "#E5E5E5",
     "send_forward": "#8172B3", "send_backward": "#937860", "dp_gather": "#DA8BC3", "dp_reduce": "#C44E52",
 }
 STAGE_COLOURS = ("#1F77B4", "#FF7F0E", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22", "#17BECF")
@@ -78,8 +79,8 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
         events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": "compute"}})
         events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 1, "args": {"name": "send"}})
     for e in result.events:
-        short = {"forward": "F", "recompute": "R", "backward": "B", "send_forward": "send F", "send_backward": "send B",
-                 "dp_gather": "gather", "dp_reduce": "reduce"}
+        short = {"forward": "F", "recompute": "R", "backward": "B", "backward_weight": "W", "send_forward": "send F",
+                 "send_backward": "send B", "dp_gather": "gather", "dp_reduce": "reduce"}
         events.append({
             "name": f"{short[e.kind]}{e.microbatch} s{e.stage}",
             "cat": e.kind,
@@ -137,7 +138,7 @@ def draw_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     ), fontsize=9)
     from matplotlib.patches import Patch
 
-    kinds = [k for k in ("forward", "recompute", "backward", "dp_gather", "dp_reduce", "idle")
+    kinds = [k for k in ("forward", "recompute", "backward", "backward_weight", "dp_gather", "dp_reduce", "idle")
              if k == "idle" or any(e.kind == k for e in result.events)]
     ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="upper center",
               bbox_to_anchor=(0.5, -0.25 if D < 4 else -0.12), ncol=len(kinds), fontsize=7, frameon=False)
@@ -192,7 +193,8 @@ def draw_block_graph(plan: Plan, path: str | Path, *, dag: nx.DiGraph | None = N
             ax.text(x, y - 0.3, label, ha="center", va="top", fontsize=6, zorder=4)
     for st in plan.stages:
         x, y = pos[st.start]
-        where = f" (device {st.index % plan.num_devices})" if plan.virtual_stages > 1 else ""
+        device = plan.pipeline_schedule.device_of(st.index, plan.num_stages)
+        where = f" (device {device})" if plan.virtual_stages > 1 else ""
         ax.text(
             -0.8,
             y,
@@ -247,22 +249,23 @@ def draw_stage_bars(
     ax.legend(fontsize=7)
 
     D = plan.num_devices
+    on = [plan.pipeline_schedule.stages_of(d, S) for d in range(D)]  # each device's stages, as the schedule places
     top = max([sum(plan.memory_budget_bytes), *(result.peak_memory_bytes if result else [0]),
                *(sc[s].static_bytes + sc[s].activation_bytes for s in range(S))])
     unit, gib = ("GiB", 1 / 2**30) if top >= 2**30 else ("MiB", 1 / 2**20)
-    static = [sum(sc[s].static_bytes for s in range(d, S, D)) * gib for d in range(D)]
+    static = [sum(sc[s].static_bytes for s in on[d]) * gib for d in range(D)]
     if result is not None:
         act = [a * gib for a in result.peak_activation_bytes]
         act_label = "peak activations (simulated)"
     else:
-        act = [sum(sc[s].activation_bytes for s in range(d, S, D)) * gib for d in range(D)]
+        act = [sum(sc[s].activation_bytes for s in on[d]) * gib for d in range(D)]
         act_label = "activations of one micro-batch"
     dx = list(range(D))
     mx.bar(dx, static, color="#8C8C8C", label="static (weights, grads, optimizer)")
     mx.bar(dx, act, bottom=static, color=COLOURS["forward"], label=act_label)
     if plan.memory_budget_bytes:
         # A device's budget: the sum of its stages' shares.
-        budget = [sum(plan.memory_budget_bytes[s] for s in range(d, S, D)) * gib for d in range(D)]
+        budget = [sum(plan.memory_budget_bytes[s] for s in on[d]) * gib for d in range(D)]
         mx.hlines(
             budget, [d - 0.45 for d in dx], [d + 0.45 for d in dx], colors="#D62728", linestyles="--", label="budget"
         )

@@ -33,6 +33,7 @@ import numpy as np
 from omnibal_compile.errors import InputError, SimulationError
 from omnibal_compile.ir.costs import CostTable
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, schedule_rule
 from omnibal_compile.sim.simulate import _bandwidth_scale, _microbatch_stage_costs, operation_order
 
 __all__ = ["pipeline_times", "plan_arrays", "replay"]
@@ -84,6 +85,7 @@ def pipeline_times(
     g, r, g0 = (
         _per_stage(x, S, name) for x, name in ((gather, "gather"), (reduce, "reduce"), (step_gather, "step_gather"))
     )
+    schedule_rule(schedule).require(CLASSIC_SCHEDULES, "the vectorised replay (sim.replay.pipeline_times)")
     orders = operation_order(schedule, D, v, M)
     # FSDP keeping weights gathered: each device gathers its stages' weights in turn from the start.
     gathered_at = np.zeros(S)

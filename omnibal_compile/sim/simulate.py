@@ -39,7 +39,14 @@ Schedules (the operation order per device; the same orders as torch.distributed.
                  In flight per stage: M.
     1f1b         ``min(M, S - s)`` warm-up forwards, then alternate one backward and one forward,
                  then the remaining backwards (``Schedule1F1B``). In flight per stage: ``min(S - s, M)``.
-    Which (schedule, M, v, S) torch can run is checked by :class:`omnibal_compile.ir.schedule.Schedule`.
+    interleaved-zb, zbv, dualpipev  the orders of torch's ``ScheduleInterleavedZeroBubble``,
+                 ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (:mod:`omnibal_compile.sim.zero_bubble`),
+                 with each backward split into its input-gradient part ``I`` (the previous stage waits for
+                 it; ``backward`` events) and its weight-gradient part ``W`` (``backward_weight`` events, timed
+                 by ``BlockCost.weight_grad_s``). A micro-batch's activations on a stage stay alive until its
+                 W has run. Under the V placement stages D - 1 and D share a device, so that hop sends nothing.
+    Which (schedule, M, v, S) torch can run is checked by :class:`omnibal_compile.ir.schedule.Schedule`,
+    and which device runs a stage by its placement (:meth:`omnibal_compile.ir.schedule.Schedule.device_of`).
     interleaved  Megatron's interleaved 1F1B as in ``ScheduleInterleaved1F1B``: rounds of
                  ``R = M // max(1, M // D)`` micro-batches; the k-th forward of device d runs chunk
                  ``(k // R) % v``, the j-th backward chunk ``v - 1 - (j // R) % v``; warm-up forwards
@@ -63,6 +70,9 @@ Closed forms with equal stages, no sends and F, B per stage (tested in tests/tes
                       reproduces it exactly for b = f, 2f, 3f and v = 1..3). With v = 1 this is 1F1B's
                       formula with S = D; v chunks cut the bubble v-fold because each op is v times
                       shorter.
+    interleaved-zb    at v = 1 (ZB-H1, Qi et al. 2024) with F, B (input gradient) and W per stage:
+                      T = M (F + B + W) + (S - 1)(F + B - W); with W = 0 it is 1F1B's
+                      (tests/test_sim_zero_bubble.py).
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ from omnibal_compile.errors import InputError, PlanError, SimulationError
 from omnibal_compile.ir.costs import CostTable, held_once, running_peak
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.sim.zero_bubble import Op, dualpipev_order, interleaved_zero_bubble_order, zbv_order
 
 __all__ = [
     "Event",
@@ -88,7 +99,11 @@ __all__ = [
     "SimulationError",
 ]
 
-EventKind = Literal["forward", "recompute", "backward", "send_forward", "send_backward", "dp_gather", "dp_reduce"]
+EventKind = Literal[
+    "forward", "recompute", "backward", "backward_weight", "send_forward", "send_backward", "dp_gather", "dp_reduce"
+]
+COMPUTE_EVENTS: tuple[EventKind, ...] = ("forward", "recompute", "backward", "backward_weight")
+"""Event kinds that are compute (busy time)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +138,8 @@ class StageCost:
     """FSDP all-gather once before the stage's first forward (weights kept gathered), else 0."""
     reduce_s: float = 0.0
     """Gradient reduction after the stage's last backward (data parallelism), else 0."""
+    weight_s: float = 0.0
+    """W, the weight-gradient part of ``backward_s`` (a zero-bubble schedule runs it apart; 0 when unknown)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +147,9 @@ class Event:
     """One interval of the simulated timeline."""
 
     kind: EventKind
-    """``forward``, ``recompute``, ``backward``, ``send_forward``, ``send_backward``, ``dp_gather`` or ``dp_reduce``."""
+    """``forward``, ``recompute``, ``backward`` (under a split backward: its input-gradient part),
+    ``backward_weight`` (the weight-gradient part), ``send_forward``, ``send_backward``, ``dp_gather`` or
+    ``dp_reduce``."""
     stage: int
     """Stage computing (for sends: the stage sending)."""
     device: int
@@ -177,6 +196,8 @@ class SimResult:
     """``static_bytes + peak_activation_bytes`` per device."""
     events: tuple[Event, ...] = field(repr=False)
     """Every compute and send interval, sorted by start time (left out of the repr: there are many)."""
+    device_stages: tuple[tuple[int, ...], ...] = ()
+    """The stages of each device, as the schedule places them (empty: looped, ``d, d + D, ...``)."""
 
     def __str__(self) -> str:
         return self.summary()
@@ -191,7 +212,7 @@ class SimResult:
             f"{'device':>6}  {'busy ms':>10}  {'util':>6}  {'in flight':>9}  {'peak MiB':>10}",
         ]
         for d in range(self.num_devices):
-            stages = range(d, self.num_stages, self.num_devices)
+            stages = self.device_stages[d] if self.device_stages else range(d, self.num_stages, self.num_devices)
             inflight = "+".join(str(self.peak_inflight[s]) for s in stages)
             util = self.busy_s[d] / self.iteration_time_s if self.iteration_time_s else 0.0
             lines.append(
@@ -230,6 +251,7 @@ def stage_costs(plan: Plan, costs: CostTable, *, scale: float = 1.0) -> tuple[St
             StageCost(
                 forward_s=scale * sum(b.forward_s for b in blocks),
                 backward_s=scale * sum(b.backward_s for b in blocks),
+                weight_s=scale * sum(b.weight_grad_s or 0.0 for b in blocks),
                 recompute_s=scale * sum(b.recompute_s[o] for b, o in zip(blocks, opts)),
                 send_s=scale * send,
                 activation_bytes=int(round(scale * (sum(b.activation_bytes[o] for b, o in zip(blocks, opts)) + held))),
@@ -254,15 +276,18 @@ def _running_excess(c: StageCost) -> int:
     return c.workspace_bytes if c.running_bytes is None else c.running_bytes - c.activation_bytes
 
 
-Op = tuple[str, int, int]
-"""(``F`` or ``B``, stage, micro-batch)."""
-
-
 def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_microbatches: int) -> list[list[Op]]:
-    """The order in which each device runs its forwards (``F``) and backwards (``B``)."""
+    """The order in which each device runs its forwards (``F``) and backwards: whole (``B``), or split into the
+    input-gradient part (``I``) and the weight-gradient part (``W``) under the zero-bubble schedules."""
     D, v, M = num_devices, virtual_stages, num_microbatches
     sched = Schedule(kind=schedule, num_microbatches=M, virtual_stages=v)
     sched.check(D * v)
+    if schedule == "interleaved-zb":
+        return interleaved_zero_bubble_order(D, v, M)
+    if schedule == "zbv":
+        return zbv_order(D, M)
+    if schedule == "dualpipev":
+        return dualpipev_order(D, M)
     S = D * v
     orders: list[list[Op]] = []
     for d in range(D):
@@ -303,7 +328,7 @@ def operation_order(schedule: str, num_devices: int, virtual_stages: int, num_mi
     return orders
 
 
-def _held_across_stages(plan: Plan, costs: CostTable, stages: range) -> int:
+def _held_across_stages(plan: Plan, costs: CostTable, stages: Sequence[int]) -> int:
     """Bytes of tied weights that a device running ``stages`` holds once but its stages' static bytes count once
     each (stages of one device that share a parameter)."""
     if not costs.shared:
@@ -353,7 +378,10 @@ def _ready_at(
     kind: str, s: int, m: int, S: int, f_end: dict[tuple[int, int], float], b_end: dict[tuple[int, int], float], send
 ) -> float | None:
     """When operation (kind, s, m)'s input has arrived (``send(s, m)``: time from stage s to s + 1 and
-    back), or None while its producer has not finished."""
+    back), or None while its producer has not finished. ``b_end`` holds when each input gradient is done (its
+    ``B`` or ``I``); a ``W`` waits for its own stage's ``I``."""
+    if kind == "W":
+        return b_end.get((s, m))
     if kind == "F":
         if s == 0:
             return 0.0
@@ -374,8 +402,10 @@ def _timeline(
     f_start: dict[tuple[int, int], float],
     f_end: dict[tuple[int, int], float],
     b_end: dict[tuple[int, int], float],
+    w_end: dict[tuple[int, int], float],
 ) -> list[Event]:
-    """Run every device's operations in order; fill the start/end maps and return the compute events.
+    """Run every device's operations in order; fill the start/end maps (``b_end``: a ``B`` or ``I``, ``w_end``: a
+    ``W``) and return the compute events.
 
     An operation starts when its device is free and ``ready_at`` gives its input's arrival. Devices
     that compute at the same moment share ``processors`` (None: one each) equally: each progresses
@@ -426,7 +456,7 @@ def _timeline(
                 running[d] = [segs, i + 1, virtual + segs[i + 1][1], now, (kind, s, m)]
                 continue
             del running[d]
-            (f_end if kind == "F" else b_end)[(s, m)] = now
+            (f_end if kind == "F" else w_end if kind == "W" else b_end)[(s, m)] = now
             pos[d] += 1
             remaining -= 1
     return events
@@ -439,26 +469,34 @@ def schedule_time(
     *,
     forward_s: float = 1.0,
     backward_s: float = 1.0,
+    weight_s: float = 0.0,
     virtual_stages: int = 1,
     processors: int | None = None,
 ) -> float:
     """Iteration time of equal stages with free sends: ``forward_s``/``backward_s`` per stage and
-    micro-batch (per chunk when interleaved). Without shared processors this is the closed form,
-    e.g. (M + S - 1)(F + B) for 1F1B; ``processors`` as in :func:`simulate`."""
+    micro-batch (per chunk when interleaved), ``weight_s`` of the backward its weight-gradient part (run apart by
+    the zero-bubble schedules). Without shared processors this is the closed form, e.g. (M + S - 1)(F + B) for
+    1F1B; ``processors`` as in :func:`simulate`."""
+    if not 0 <= weight_s <= backward_s:
+        raise InputError(f"weight_s must lie within 0..backward_s ({backward_s}), got {weight_s}")
     orders = operation_order(schedule, num_devices, virtual_stages, num_microbatches)
     S = num_devices * virtual_stages
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
+    w_end: dict[tuple[int, int], float] = {}
+    work = {"F": ("forward", forward_s), "B": ("backward", backward_s), "I": ("backward", backward_s - weight_s),
+            "W": ("backward_weight", weight_s)}
     _timeline(
         orders,
-        lambda kind, s, m: [("forward", forward_s)] if kind == "F" else [("backward", backward_s)],
+        lambda kind, s, m: [work[kind]],
         lambda kind, s, m: _ready_at(kind, s, m, S, f_end, b_end, lambda s, m: 0.0),
         processors,
         f_start={},
         f_end=f_end,
         b_end=b_end,
+        w_end=w_end,
     )
-    return max(b_end.values())
+    return max([*b_end.values(), *w_end.values()])
 
 
 def simulate(
@@ -505,12 +543,23 @@ def simulate(
     S, v = plan.num_stages, plan.virtual_stages
     D = plan.num_devices
     orders = operation_order(sched, D, v, M)
+    placed = Schedule(kind=sched, num_microbatches=M, virtual_stages=v)
+    if placed.rule.split_backward:
+        unknown = [b.name for b in costs.blocks if b.weight_grad_s is None]
+        if unknown:
+            raise InputError(
+                f"schedule {sched!r} runs each backward's weight-gradient part apart, but the cost table does not "
+                f"split the backward of {len(unknown)} blocks (e.g. {unknown[:3]}): cost the model again (cost "
+                "cache format 3 measures it), or set their weight_grad_s"
+            )
+    device_of = [placed.device_of(s, S) for s in range(S)]
+    stages_of = [placed.stages_of(d, S) for d in range(D)]
     per_mb = _microbatch_stage_costs(plan, costs, microbatch_costs, M)
     bw_scale = _bandwidth_scale(costs, link_bandwidth)
 
     def send(s: int, m: int) -> float:
-        """Send time from stage s to s+1 (or the gradient back), 0 on one device."""
-        if D == 1 or s + 1 >= S:
+        """Send time from stage s to s+1 (or the gradient back), 0 when both are on one device."""
+        if s + 1 >= S or device_of[s] == device_of[s + 1]:
             return 0.0
         return per_mb[m][s].send_s * bw_scale
 
@@ -520,10 +569,12 @@ def simulate(
         gather: list[tuple[EventKind, float]] = [("dp_gather", c.op_gather_s * bw_scale)] if c.op_gather_s > 0 else []
         if kind == "F":
             return gather + [("forward", c.forward_s + op_overhead_s)]
+        if kind == "W":  # the weights gathered for its I are still there
+            return [("backward_weight", c.weight_s + op_overhead_s)]
         return (
             gather
             + ([("recompute", c.recompute_s)] if c.recompute_s > 0 else [])
-            + [("backward", c.backward_s + op_overhead_s)]
+            + [("backward", (c.backward_s if kind == "B" else c.backward_s - c.weight_s) + op_overhead_s)]
         )
 
     # FSDP keeping weights gathered: each device gathers its stages' weights in turn from the start.
@@ -531,7 +582,7 @@ def simulate(
     gathered_at = [0.0] * S
     for d in range(D):
         clock = 0.0
-        for s in range(d, S, D):
+        for s in stages_of[d]:
             if per_mb[0][s].step_gather_s > 0:
                 events.append(Event(kind="dp_gather", stage=s, device=d, microbatch=0, start_s=clock,
                                     end_s=clock + per_mb[0][s].step_gather_s * bw_scale))
@@ -543,13 +594,16 @@ def simulate(
 
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
+    w_end: dict[tuple[int, int], float] = {}
     f_start: dict[tuple[int, int], float] = {}
-    events += _timeline(orders, segments, ready, processors, f_start=f_start, f_end=f_end, b_end=b_end)
+    events += _timeline(orders, segments, ready, processors, f_start=f_start, f_end=f_end, b_end=b_end, w_end=w_end)
+    # when micro-batch m's backward on stage s is wholly done (its W, when split): its activations free then
+    done = {key: w_end.get(key, end) for key, end in b_end.items()}
     # Gradient reduction after each stage's last backward, one at a time per device.
-    finish = max(b_end.values())
+    finish = max(done.values())
     for d in range(D):
         clock = 0.0
-        for last, s in sorted((max(b_end[(s, m)] for m in range(M)), s) for s in range(d, S, D)):
+        for last, s in sorted((max(done[(s, m)] for m in range(M)), s) for s in stages_of[d]):
             if per_mb[0][s].reduce_s > 0:
                 start = max(clock, last)
                 events.append(Event(kind="dp_reduce", stage=s, device=d, microbatch=M - 1, start_s=start,
@@ -558,37 +612,39 @@ def simulate(
                 finish = max(finish, clock)
     for (s, m), end in f_end.items():
         if s + 1 < S and send(s, m) > 0:
-            d = s % D
+            d = device_of[s]
             events.append(
                 Event(kind="send_forward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s, m))
             )
     for (s, m), end in b_end.items():
         if s > 0 and send(s - 1, m) > 0:
-            d = s % D
+            d = device_of[s]
             events.append(
                 Event(kind="send_backward", stage=s, device=d, microbatch=m, start_s=end, end_s=end + send(s - 1, m))
             )
 
     T = finish + step_overhead_s
-    compute = [e for e in events if e.kind in ("forward", "recompute", "backward")]
+    compute = [e for e in events if e.kind in COMPUTE_EVENTS]
     stage_busy = [0.0] * S
     for e in compute:
         stage_busy[e.stage] += e.duration_s
-    busy = [sum(stage_busy[s] for s in range(d, S, D)) for d in range(D)]
+    busy = [sum(stage_busy[s] for s in stages_of[d]) for d in range(D)]
     bubble = 1.0 - sum(busy) / (D * T) if T > 0 else 0.0
 
-    # Memory: sweep activation lifetimes [forward start, backward end); frees before allocations at equal times.
+    # Memory: sweep activation lifetimes [forward start, backward done); frees before allocations at equal times.
+    # A deferred W keeps all the micro-batch's activations of the stage alive until it runs (an upper bound: its
+    # I has freed what only the input gradient needed).
     peak_inflight = [0] * S
     peak_act = [0] * D
     for d in range(D):
         changes: list[tuple[float, int, int, int]] = []  # (time, +1/-1 order key, stage, bytes signed)
-        for s in range(d, S, D):
+        for s in stages_of[d]:
             for m in range(M):
                 a = per_mb[m][s].activation_bytes
                 changes.append((f_start[(s, m)], 1, s, a))
-                changes.append((b_end[(s, m)], 0, s, -a))
+                changes.append((done[(s, m)], 0, s, -a))
         changes.sort(key=lambda c: (c[0], c[1]))
-        count = {s: 0 for s in range(d, S, D)}
+        count = {s: 0 for s in stages_of[d]}
         live = 0
         for _, is_alloc, s, nbytes in changes:
             count[s] += 1 if is_alloc else -1
@@ -597,12 +653,12 @@ def simulate(
             peak_act[d] = max(peak_act[d], live)
         # what one running micro-batch holds beyond all it keeps (negative when the blocks after the
         # running one free more than it needs), or the largest workspace on top
-        excess = max((_running_excess(per_mb[m][s]) for s in range(d, S, D) for m in range(M)), default=0)
+        excess = max((_running_excess(per_mb[m][s]) for s in stages_of[d] for m in range(M)), default=0)
         peak_act[d] += excess
     static = [
-        sum(per_mb[0][s].static_bytes for s in range(d, S, D))
-        + max(per_mb[0][s].gathered_bytes for s in range(d, S, D))
-        - _held_across_stages(plan, costs, range(d, S, D))
+        sum(per_mb[0][s].static_bytes for s in stages_of[d])
+        + max(per_mb[0][s].gathered_bytes for s in stages_of[d])
+        - _held_across_stages(plan, costs, stages_of[d])
         for d in range(D)
     ]
     events.sort(key=lambda e: (e.start_s, e.device, e.kind))
@@ -620,4 +676,5 @@ def simulate(
         static_bytes=tuple(static),
         peak_memory_bytes=tuple(st + a for st, a in zip(static, peak_act)),
         events=tuple(events),
+        device_stages=tuple(stages_of),
     )

@@ -5,6 +5,7 @@
     python tests/readme_check.py --list          # each block: its file, line, language and how it is checked
     python tests/readme_check.py README.md --only 131 163  # the blocks holding these lines (one file)
     python tests/readme_check.py --setup-commands  # the README's set-up commands, one a line (for .ci/readme_clone)
+    python tests/readme_check.py --jobs 2        # two pages at a time (each page's report printed when it ends)
 
 How each fenced block is checked, by its language tag:
 
@@ -29,6 +30,7 @@ Exit status: 0 when every block that runs passes, 1 otherwise, 2 for a file that
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,8 +187,10 @@ def _name(path: Path) -> str:
         return str(path)
 
 
-def check_file(path: Path, blocks: list[Block], args: argparse.Namespace) -> tuple[int, list[int], int]:
-    """Run one file's blocks in its own scratch folder: (blocks run, lines of failures, blocks not run)."""
+def check_file(path: Path, blocks: list[Block], args: argparse.Namespace,
+               say: Callable[[str], None] = lambda text: print(text, flush=True)) -> tuple[int, list[int], int]:
+    """Run one file's blocks in its own scratch folder: (blocks run, lines of failures, blocks not run); its report
+    goes to ``say``, a line (or a failure's output) at a time."""
     runnable = [b for b in blocks if not b.setup and not b.not_run and (b.lang in RUN_LANGS or b.lang == "json")]
     failed: list[int] = []
     ran = 0
@@ -196,19 +201,19 @@ def check_file(path: Path, blocks: list[Block], args: argparse.Namespace) -> tup
         if args.workdir is None:
             work.mkdir()
             scratch_copy(work)
-        print(f"examples of {_name(path)}, run in {work}", flush=True)
+        say(f"examples of {_name(path)}, run in {work}")
         for b in runnable:
             if args.only and not b.save_as and not any(b.line <= n <= b.end for n in args.only):
                 continue
             t0 = time.perf_counter()
             ok, out = run_block(b, work, scripts, args.timeout)
             ran += 1
-            print(f"line {b.line:>5}  {b.lang:<6} {'pass' if ok else 'FAIL'}  {time.perf_counter() - t0:6.1f} s"
-                  f"  {b.how()}", flush=True)
+            say(f"line {b.line:>5}  {b.lang:<6} {'pass' if ok else 'FAIL'}  {time.perf_counter() - t0:6.1f} s"
+                f"  {b.how()}")
             if not ok:
                 failed.append(b.line)
             if out.strip() and (not ok or args.verbose):
-                print(tail(out, TAIL_LINES if not args.verbose else 10**6), flush=True)
+                say(tail(out, TAIL_LINES if not args.verbose else 10**6))
     return ran, failed, len(blocks) - len(runnable)
 
 
@@ -228,7 +233,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="run in this folder (default: a scratch copy of the repository per file)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one block may take (default 600)")
     ap.add_argument("--verbose", action="store_true", help="print every block's output, not only failures'")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="pages checked at a time (default 1); pages do not depend on each other, and with more than "
+                         "one each page's report is printed whole when the page ends")
     args = ap.parse_args(argv)
+    if args.jobs < 1 or (args.jobs > 1 and args.workdir is not None):
+        print("readme_check: --jobs must be >= 1, and 1 with --workdir (pages would share the folder)", file=sys.stderr)
+        return 2
     files: list[Path] = []
     for f in args.files or ([ROOT / "README.md"] if args.setup_commands else default_files()):
         files.extend(sorted(f.rglob("*.md")) if f.is_dir() else [f])
@@ -263,10 +274,24 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     ran = skipped = total = 0
     failed: list[str] = []
-    for f, blocks in parsed:
-        if not blocks:
-            continue
-        n, bad, not_run = check_file(f, blocks, args)
+    pages = [(f, blocks) for f, blocks in parsed if blocks]
+    if args.jobs == 1:
+        results = [check_file(f, blocks, args) for f, blocks in pages]
+    else:
+        def check_whole(f: Path, blocks: list[Block]) -> tuple[int, list[int], int]:
+            lines: list[str] = []  # one page's report together, not interleaved with another's
+            try:
+                return check_file(f, blocks, args, say=lines.append)
+            finally:
+                print("\n".join(lines), flush=True)
+
+        # the pages with the most blocks to run start first, so that a long one does not start last
+        order = sorted(range(len(pages)), key=lambda i: -sum(b.lang in RUN_LANGS and not b.not_run and not b.setup
+                                                             for b in pages[i][1]))
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # each block runs in a process of its own
+            futures = {i: pool.submit(check_whole, *pages[i]) for i in order}
+            results = [futures[i].result() for i in range(len(pages))]
+    for (f, blocks), (n, bad, not_run) in zip(pages, results):
         ran, skipped, total = ran + n, skipped + not_run, total + len(blocks)
         failed += [f"{_name(f)}:{line}" for line in bad]
     print(f"{ran} blocks checked in {time.perf_counter() - t_all:.0f} s, {len(failed)} failed"

@@ -94,7 +94,8 @@ def test_the_readme_opens_with_its_two_setup_commands() -> None:
     blocks = R.parse_blocks(text)
     assert blocks[0].lang == "bash" and blocks[0].setup
     cmds = R.setup_commands(blocks)
-    assert len(cmds) == 2 and cmds[0].endswith("omnibal-compile demo") and cmds[1].endswith("python -m pytest tests")
+    assert len(cmds) == 2 and cmds[0].endswith("omnibal-compile demo")
+    assert cmds[1].endswith("python -m pytest tests -n 2")  # the fast suite, two processes (pytest-xdist)
     assert len(blocks[0].code.strip().splitlines()) == 2  # exactly two lines, as CI reads them
     assert len(text.splitlines()) <= 300
     reasons = [b.not_run for b in blocks if b.not_run]
@@ -125,6 +126,28 @@ def test_several_files_each_in_its_own_folder(tmp_path: Path, capsys: pytest.Cap
     assert R.main([str(docs / "a.md"), "--list"]) == 0
     assert "a.md:3      bash    run (bash)" in capsys.readouterr().out
     assert R.main([str(docs / "a.md"), str(docs / "b.md"), "--only", "3"]) == 2  # --only takes one file
+
+
+def test_jobs_check_pages_at_the_same_time_each_report_whole(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--jobs 2: two pages run at once (each page's block waits for the other's to start, which one at a time
+    never sees), each page's report printed together; --jobs 1 runs them one after another."""
+    docs, marks = tmp_path / "docs", tmp_path / "marks"
+    docs.mkdir()
+    marks.mkdir()
+    wait = "touch {m}/{me}\nfor i in $(seq 100); do test -e {m}/{other} && exit 0; sleep 0.1; done; exit 1\n"
+    for me, other in (("a", "b"), ("b", "a")):
+        (docs / f"{me}.md").write_text(f"# {me}\n\n```bash\n{wait.format(m=marks, me=me, other=other)}```\n")
+    assert R.main([str(docs), "--jobs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for page in ("a.md", "b.md"):
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(f"examples of {docs / page}"))
+        assert " pass " in lines[at + 1]  # its block's line right under its page, not another page's
+    assert "2 blocks checked" in lines[-1] and "0 failed" in lines[-1]
+    for f in marks.iterdir():
+        f.unlink()
+    assert R.main([str(docs), "--jobs", "1"]) == 1  # one at a time: a waits for b in vain
+    assert R.main([str(docs), "--jobs", "2", "--workdir", str(tmp_path)]) == 2  # pages would share one folder
 
 
 @pytest.mark.slow

@@ -103,11 +103,15 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(
     from omnibal_compile.models.load import load_model
 
     monkeypatch.chdir(tmp_path)
+    # two samples a pack on average (the default is 4): a pack still holds several samples and multi-tile ones, and
+    # the vision towers whose capture grows with the pack's images (Qwen2.5-VL's windows, Mistral 3's per-image
+    # patches: ~1 minute at 4 samples a pack) capture in seconds, four times in this test (here, launcher, 2 ranks)
+    spp = 2
     config_file = tmp_path / f"{family}.json"
     hf_model = tiny_llava[0] if family == "llava" else build(family)[0]
     hf_model.config.to_json_file(config_file)
     spec = f"hf:{type(hf_model).__name__}:{config_file.name}"
-    probe = RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1)
+    probe = RunConfig(plan="-", model=spec, lengths=(lengths_file,), batch_size=1, samples_per_pack=spp)
     model = load_model(spec).model
     micro = batch_source(probe, model)(0)
     want_keys = {"pixel_values", "input_ids", "labels", "position_ids", "attention_mask"} | FAMILY_KEYS.get(
@@ -132,9 +136,10 @@ def test_run_command_trains_a_hugging_face_vlm_on_balanced_packs(
     (tmp_path / "plan.json").write_text(result.plan.to_json())
     assert main(["run", "--plan", "plan.json", "--model", spec, "--lengths", lengths_file, "--batch-size", "2",
                  "--num-microbatches", "2", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--log", "steps.jsonl",
-                 "--timeout", "300"]) == 0
+                 "--samples-per-pack", str(spp), "--timeout", "300"]) == 0
     logged = [json.loads(line)["loss"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    config = RunConfig(plan="plan.json", model=spec, lengths=(lengths_file,), batch_size=2, num_microbatches=2)
+    config = RunConfig(plan="plan.json", model=spec, lengths=(lengths_file,), batch_size=2, num_microbatches=2,
+                       samples_per_pack=spp)
     model = build_model(config)
     source = batch_source(config, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -296,12 +296,11 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
         kept = (size // patch) ** 2 - (1 if getattr(cfg, "vision_feature_select_strategy", "full") == "default" else 0)
         tokens = (math.isqrt(kept) // int(cfg.downsample_factor)) ** 2
     elif tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
-        # the tower's tokens: its patches, and a class token (CLIP's; SigLIP's towers have none), less the first
-        # under the "default" strategy
+        # a Llava's: the tower's patches and its class token (CLIP's; SigLIP's towers have none), less the first
+        # under the "default" strategy; a config without a strategy: the patches
+        strategy = getattr(cfg, "vision_feature_select_strategy", None)
         cls = 0 if "siglip" in str(getattr(vision, "model_type", "")) else 1
-        tokens = (size // patch) ** 2 + cls - (
-            1 if getattr(cfg, "vision_feature_select_strategy", "default") == "default" else 0
-        )
+        tokens = (size // patch) ** 2 + (0 if strategy is None else cls - (1 if strategy == "default" else 0))
     return {"tokens_per_tile": int(tokens), "image_token_id": int(image_token), "image_shape": (channels, size, size),
             "vocab_size": vocab}
 

@@ -90,3 +90,26 @@ def test_block_ids_do_not_cross_segments():
     assert block_ids(seg, adjacent).tolist() == [[-1, 0, 0, 1, 1, -1]]
     mask = segment_mask(seg, blocks=block_ids(seg, inside))[0, 0] == 0
     assert bool(mask[0, 1]) and not bool(mask[2, 3])
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("strategy", ["full", "default"])
+def test_a_llava_tile_is_its_towers_tokens_with_or_without_a_class_token(tower, strategy):
+    """A Llava's image placeholders: the tower's patches, CLIP's class token (SigLIP has none), less the first token
+    under "default"; the example batch runs (a miscount is the model's "Image features and image tokens do not
+    match")."""
+    import transformers as tf
+
+    from omnibal_compile.integrations.hf.inputs import hf_example_batch
+
+    size = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "image_size": 32, "patch_size": 8}
+    vision = tf.CLIPVisionConfig(**size, projection_dim=32) if tower == "clip" else tf.SiglipVisionConfig(**size)
+    text = tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2)
+    model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=127, vision_feature_layer=-1,
+        vision_feature_select_strategy=strategy))
+    assert hf_data_facts(model)["tokens_per_tile"] == 16 + (tower == "clip") - (strategy == "default")
+    with torch.no_grad():
+        assert torch.isfinite(model(**hf_example_batch(model, batch=1, text=4, seed=0)).loss)

@@ -166,8 +166,85 @@ def test_two_ranks_started_on_meta_train_like_the_unsplit_model(tiny, tmp_path, 
     assert [e["step"] for e in logged] == [0, 1]
 
 
-def test_meta_start_is_for_weight_folders_only():
-    assert meta_start(_config("tinyvlm")) is None
+SMALL = {"image_size": 16, "patch_size": 4, "vit_hidden": 32, "vit_layers": 2, "vit_heads": 2, "vit_mlp": 64,
+         "llm_hidden": 32, "llm_layers": 3, "llm_heads": 4, "llm_kv_heads": 2, "llm_mlp": 64, "vocab_size": 64,
+         "image_token_id": 63}
+
+
+@pytest.fixture(scope="module")
+def llava_config(tiny: Path) -> Path:
+    return tiny / "config.json"
+
+
+@pytest.mark.parametrize("spec", ["tinyvlm", "hf-config"])
+def test_a_seeded_spec_starts_on_meta_each_rank_making_only_its_stages_with_the_unsplit_models_values(
+        spec, llava_config, tmp_path):
+    """Seeded specs (no weights on disk): each stage's parameters, made alone by the per-name init, are the unsplit
+    model's, no other stage's parameter is allocated, and all stages made one by one give its loss."""
+    config = _config("tinyvlm", model_config=SMALL) if spec == "tinyvlm" else \
+        _config(f"hf:LlavaForConditionalGeneration:{llava_config}", lora="r=2,alpha=4,targets=q_proj,v_proj")
+    whole = build_model(config)
+    batch = batch_source(config, whole)(0)
+    plan = _plan(config)
+    expected = _tensors(whole)
+    params = dict(whole.named_parameters(remove_duplicate=False))
+    result = None
+    for s in range(plan.num_stages):
+        start = meta_start(config)
+        assert start is not None and start.weights.files is None and start.weights.seed == config.seed
+        assert all(p.is_meta for p in start.model.parameters())  # nothing allocated before the cut
+        result = compile_for_microbatches(start.model, on_meta(batch), plan)
+        made = materialise(result.model, [result.stages[s]], start.weights, torch.device("cpu"))
+        mine = {n for names in result.stage_info(s).param_map.values() for n in names}
+        real = {n for n, p in result.model.named_parameters(remove_duplicate=False) if not p.is_meta}
+        assert real == mine & set(params)  # the other stages' parameters stay on meta
+        held = {id(t): t for n, t in _tensors(result.model).items() if n in mine}
+        assert made == sum(t.numel() * t.element_size() for t in held.values())  # its own tensors' bytes only
+        for n, t in _tensors(result.model).items():
+            if not t.is_meta:
+                assert torch.equal(t, expected[n]) and t.requires_grad == expected[n].requires_grad, n
+        assert 0 < made < sum(p.numel() * p.element_size() for p in {id(p): p for p in params.values()}.values())
+    # every stage, each made by its own rank, computes the unsplit model's loss
+    stages = []
+    for s in range(plan.num_stages):
+        start = meta_start(config)
+        assert start is not None
+        result = compile_for_microbatches(start.model, on_meta(batch), plan)
+        materialise(result.model, [result.stages[s]], start.weights, torch.device("cpu"))
+        retarget_meta(result.stages[s], torch.device("cpu"))
+        stages.append(result.stages[s])
+    assert result is not None
+    micro = {k: v[:2] for k, v in batch.items()}
+    with torch.no_grad():
+        got = float(run_stages(stages, result.flatten_inputs(**micro))[0])
+        out = whole(**micro)
+        assert abs(got - float(out if isinstance(out, torch.Tensor) else out.loss)) <= TOL
+
+
+def test_seeded_weights_are_those_of_the_seed_and_a_module_without_its_own_init_is_named():
+    from omnibal_compile.models.load import load_model
+    from omnibal_compile.models.seeded import seeded_model
+
+    a, b = (dict(load_model("tinyvlm", config=SMALL, seed=s).model.named_parameters()) for s in (0, 1))
+    assert torch.equal(a["lm_head.weight"], dict(load_model("tinyvlm", config=SMALL).model.named_parameters())[
+        "lm_head.weight"])
+    assert not torch.equal(a["lm_head.weight"], b["lm_head.weight"])
+    # each parameter of its own init: not the same values under two names, the init's distribution
+    assert not torch.equal(a["llm.layers.0.attn.q_proj.weight"], a["llm.layers.1.attn.q_proj.weight"])
+    assert torch.equal(a["llm.norm.weight"], torch.ones(32))
+    assert 0.015 < float(a["vision.patch_embed.pos"].detach().std()) < 0.025
+
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+    with pytest.raises(oc.InputError, match=r"module 1 \(Scale\) holds parameters but has no reset_parameters"):
+        seeded_model(lambda: torch.nn.Sequential(torch.nn.Linear(2, 3), Scale()), 0)
+
+
+def test_a_factory_is_built_as_the_factory_builds_it():
+    assert meta_start(_config("my_package.models:build")) is None  # its own values: a meta build would lose them
 
 
 

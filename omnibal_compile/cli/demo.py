@@ -50,12 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     import omnibal_compile as oc
     from omnibal_compile._utils.tables import counted, format_table
     from omnibal_compile._utils.units import parse_size
-    from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
+    from omnibal_compile.models import TinyVLMConfig
+    from omnibal_compile.models.load import load_model
     from omnibal_compile.planning.build import plan_stages
 
     cfg = settings_from_args(args, Config)
@@ -72,11 +72,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, **given)
     stages, planner_name = cfg.num_stages, cfg.planner
     assert stages is not None and isinstance(planner_name, str)
-    torch.manual_seed(cfg.seed)
     tiny = TinyVLMConfig()
-    model = TinyVLM(tiny)
-    batch = make_example_batch(tiny, batch=cfg.microbatch_size, tiles_per_sample=cfg.tiles_per_sample,
-                               text_tokens=cfg.text_tokens, seed=cfg.seed)
+    # the seeded weights `run --model tinyvlm --seed S` starts from (models.seeded: the same on every rank)
+    loaded = load_model("tinyvlm", seed=cfg.seed, batch=cfg.microbatch_size, tiles=cfg.tiles_per_sample,
+                        text=cfg.text_tokens)
+    model, batch = loaded.model, loaded.example_batch
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"TinyVLM: {tiny.vit_layers} ViT layers (width {tiny.vit_hidden}) + {tiny.llm_layers} LLM layers "

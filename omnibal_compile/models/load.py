@@ -39,6 +39,7 @@ from omnibal_compile._utils.validate import read_text
 from omnibal_compile.config import TINY_VLM_NAMES
 from omnibal_compile.errors import InputError
 from omnibal_compile.integrations.hf.inputs import hf_data_facts, hf_example_batch
+from omnibal_compile.models.seeded import seeded_model
 
 __all__ = ["LoadedModel", "load_model", "load_hf_config", "model_folder", "hf_data_facts", "hf_example_batch",
            "import_from_spec"]
@@ -141,7 +142,12 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
     ``tiles``, ``text``: rows, tiles per row and text tokens per row of the built example batch.
     ``meta``: an ``hf:`` model and its example batch on the meta device in bf16 (no weights allocated).
     ``weights=False``: an ``hf:DIR`` model built from its config alone (fp32, random init), its weight files left
-    unread (a rank that reads only its own tensors, :mod:`omnibal_compile.runtime.weights`).
+    unread (a rank that reads only its own tensors, :mod:`omnibal_compile.runtime.weights`); a seeded spec's model
+    with its parameters on meta (a rank makes its own by :func:`~omnibal_compile.models.seeded.seeded_init`).
+
+    The weights of seeded specs (``tiny-vlm``, ``hf:ClassName:config.json``) are the per-name init of
+    :mod:`omnibal_compile.models.seeded`: the same values whether a process builds the whole model or one stage.
+    A factory's model is what the factory returns (built whole, under the global seed ``seed``).
     """
     config = dict(config or {})
     torch.manual_seed(seed)
@@ -158,7 +164,8 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
         except TypeError as e:
             raise InputError(f"model config does not fit TinyVLMConfig: {e}") from None
         example = make_example_batch(cfg, batch=batch, tiles_per_sample=tiles, text_tokens=text, seed=seed)
-        return LoadedModel(model=TinyVLM(cfg), example_batch=example, name="tiny-vlm")
+        return LoadedModel(model=seeded_model(lambda: TinyVLM(cfg), seed, weights=weights), example_batch=example,
+                           name="tiny-vlm")
     if spec.startswith("hf:"):
         class_name, path = _hf_spec(spec)
         if Path(path).is_dir():
@@ -166,8 +173,10 @@ def load_model(spec: str, *, config: Mapping[str, Any] | None = None, seed: int 
         elif class_name is None:
             raise InputError(f"MODEL {spec!r}: {path} is not a folder; write hf:DIR for a folder saved by "
                              "save_pretrained, or hf:ClassName:config.json for random weights")
+        elif meta:
+            model = _hf_model(class_name, path, meta=True)
         else:
-            model = _hf_model(class_name, path, meta=meta)
+            model = seeded_model(lambda: _hf_model(class_name, path), seed, weights=weights)
         example = _hf_example(model, batch=batch, text=text, seed=seed)
         return LoadedModel(model=model, example_batch=_on_meta(example) if meta and example else example,
                            name=class_name)

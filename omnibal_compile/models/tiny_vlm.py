@@ -124,6 +124,10 @@ class PatchEmbed(nn.Module):
         self.conv = nn.Conv2d(cfg.channels, cfg.vit_hidden, cfg.patch_size, stride=cfg.patch_size)
         self.pos = nn.Parameter(torch.randn(1, cfg.patches_per_tile, cfg.vit_hidden) * 0.02)
 
+    def reset_parameters(self) -> None:
+        """Its own parameter's init (the convolution has its own): what a seeded start fills it with."""
+        nn.init.normal_(self.pos, std=0.02)
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.conv(pixel_values).flatten(2).transpose(1, 2) + self.pos
 
@@ -164,6 +168,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         var = x.float().pow(2).mean(-1, keepdim=True)

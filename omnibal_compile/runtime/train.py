@@ -233,7 +233,7 @@ def train(config: RunConfig) -> list[StepLog]:
     check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
     mesh = init_device_mesh(device.type, (dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
                             backend_override=_mesh_groups(device.type, config.collective_timeout))
-    lean = meta_start(config)  # an hf:DIR model: on meta, each rank reads its own stages' weights only
+    lean = meta_start(config)  # on meta: each rank makes its own stages (read from the weight files, or seeded)
     model = lean.model if lean is not None else build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
     steps = run_steps(config, source)

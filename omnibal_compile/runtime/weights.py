@@ -12,10 +12,13 @@ Glossary:
     materialise    replace the meta parameters and buffers of a rank's stages by real ones on its device, by
                    their names in the original model: from the kept real tensors, else from the weight files. A
                    tensor under several names (a tied embedding and head) becomes one tensor, read once.
-    seeded specs   ``tiny-vlm``, ``hf:ClassName:config.json`` and factories have no weights on disk: their
-                   weights are the seeded init of the whole model, whose random stream depends on every
-                   parameter before a rank's own, so a run builds them whole, as before (:func:`meta_start`
-                   returns None), and only its examples are made on meta.
+    seeded specs   ``tiny-vlm`` and ``hf:ClassName:config.json`` have no weights on disk: their weights are the
+                   per-name init of :mod:`omnibal_compile.models.seeded` (each parameter's random init seeded by the
+                   run's seed and its name), so a rank makes its own stages' parameters, and only those, with the
+                   values the unsplit model (``build_model``) has.
+    factories      ``module:factory`` specs are built whole on every rank, as the factory builds them (its own
+                   values, which a meta build would lose: :func:`meta_start` returns None); only their examples are
+                   made on meta.
 """
 
 from __future__ import annotations
@@ -33,27 +36,11 @@ from torch import nn
 
 from omnibal_compile import progress
 from omnibal_compile.errors import InputError
+from omnibal_compile.models.seeded import materialise_seeded, params_on_meta
 from omnibal_compile.runtime.settings import RunConfig
 
 __all__ = ["WeightFiles", "RankWeights", "MetaStart", "meta_model", "meta_start", "on_meta", "materialise",
            "retarget_meta", "compile_on_meta", "cut_on_meta"]
-
-
-@contextlib.contextmanager
-def _params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside is put on meta (as ``accelerate.init_empty_weights`` does); buffers stay."""
-    register = nn.Module.register_parameter
-
-    def on_meta_register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta_register  # type: ignore[method-assign, assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -188,7 +175,10 @@ class RankWeights:
     values: dict[str, torch.Tensor] = field(repr=False)
     """Real tensors the skeleton made (buffers, LoRA adapters), by every original name."""
     files: WeightFiles | None
-    """The weight files (None: every tensor is in ``values``)."""
+    """The weight files (None: every tensor is in ``values`` or seeded)."""
+    seed: int | None = None
+    """A seeded spec's seed: parameters in neither ``values`` nor ``files`` are made by the per-name init
+    (:func:`~omnibal_compile.models.seeded.seeded_init`); None: every one is in ``values`` or ``files``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +197,7 @@ def _skeleton(config: RunConfig) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from omnibal_compile.models.freeze import freeze_parameters
     from omnibal_compile.models.load import load_model
 
-    with _params_on_meta():
+    with params_on_meta():
         model = load_model(config.model, config=config.model_config, seed=config.seed, batch=config.batch_size,
                            tiles=config.tiles_per_sample, text=config.text_tokens, weights=False).model
     model.train()  # as _hf_pretrained leaves a loaded model
@@ -240,10 +230,23 @@ def meta_model(config: RunConfig) -> nn.Module | None:
     return _skeleton(config)[0]
 
 
+def _is_seeded(spec: str) -> bool:
+    """Whether ``spec`` is a seeded spec (module glossary): ``tiny-vlm`` or ``hf:ClassName:config.json``."""
+    from omnibal_compile.models.load import TINY_VLM, _hf_spec
+
+    if spec in TINY_VLM:
+        return True
+    return spec.startswith("hf:") and not Path(_hf_spec(spec)[1]).is_dir()
+
+
 def meta_start(config: RunConfig) -> MetaStart | None:
-    """``config``'s model on meta and its weight files, for a rank that makes only its own stages real; None for
-    a spec without weights on disk (module glossary: seeded specs) or whose files lack some of the model's
-    tensors under their names (then it is loaded whole, by ``from_pretrained``, which may rename them)."""
+    """``config``'s model on meta and where its real tensors come from (its weight files, or the per-name init of a
+    seeded spec), for a rank that makes only its own stages real; None for a factory (module glossary) or a folder
+    whose files lack some of the model's tensors under their names (then it is loaded whole, by
+    ``from_pretrained``, which may rename them)."""
+    if _is_seeded(config.model):
+        model, values = _skeleton(config)
+        return MetaStart(model=model, weights=RankWeights(values=values, files=None, seed=config.seed))
     folder = _is_weights_folder(config.model)
     if folder is None:
         return None
@@ -290,17 +293,25 @@ def materialise(model: nn.Module, stages: Sequence[nn.Module], weights: RankWeig
         raise InputError(f"internal error: {len(missing)} stage tensors are not tensors of the model they were cut "
                          "from")
     on_disk: dict[int, str] = {}
-    for k in wanted:
+    seeded: list[nn.Parameter] = []
+    for k, t in wanted.items():
         if not any(n in weights.values for n in names[k]):
             found = next((n for n in names[k] if weights.files is not None and n in weights.files.keys), None)
-            if found is None:
+            if found is not None:
+                on_disk[k] = found
+            elif weights.seed is not None and isinstance(t, nn.Parameter):
+                seeded.append(t)
+            else:
                 raise InputError(f"{names[k][0]} is neither in the model's weight files nor made by its constructor")
-            on_disk[k] = found
     read = weights.files.read(list(on_disk.values())) if weights.files is not None and on_disk else {}
+    # seeded: made on CPU (the same values on every device), in the masters' dtype when one is given
+    init = materialise_seeded(model, seeded, weights.seed, dtype=param_dtype) if seeded and weights.seed is not None \
+        else {}
     new: dict[int, torch.Tensor] = {}
     made = 0
     for k, old in wanted.items():
-        src = read[on_disk[k]] if k in on_disk else next(weights.values[n] for n in names[k] if n in weights.values)
+        src = init[k] if k in init else read[on_disk[k]] if k in on_disk else next(
+            weights.values[n] for n in names[k] if n in weights.values)
         if tuple(src.shape) != tuple(old.shape):
             where = f"{weights.files.folder}: " if k in on_disk and weights.files is not None else ""
             raise InputError(f"{where}tensor {names[k][0]} has shape {list(src.shape)}, the model's is "
@@ -311,7 +322,7 @@ def materialise(model: nn.Module, stages: Sequence[nn.Module], weights: RankWeig
         real = src.detach().to(device=device, dtype=dtype)
         new[k] = nn.Parameter(real, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else real
         made += real.numel() * real.element_size()
-    _replace([*stages, model], new)
+    _replace([*stages, model], {**new, **{id(init[k]): new[k] for k in init}})  # the model holds the seeded ones
     return made
 
 

@@ -255,7 +255,9 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
     tile, the image placeholder id, the tile's (channels, height, width) and the vocabulary. Empty for a text-only
     model or a vision model whose layout is unknown.
 
-    Tiled families (Llava, InternVL, PaliGemma, Gemma 3) take their tile from the vision config; the others
+    Tiled families (Llava, InternVL, PaliGemma, Gemma 3) take their tile from the vision config (a Llava tile: the
+    tower's patches, plus CLIP's class token, less the first token under ``vision_feature_select_strategy``
+    "default"); the others
     count a tile as the family's images are counted (see :func:`hf_pack_inputs`, which lays a pack out):
 
     - Qwen2-VL, Qwen2.5-VL: one merged patch (merge x merge patches, ``merge * patch`` pixels a side) and its
@@ -294,9 +296,11 @@ def hf_data_facts(model: nn.Module) -> dict[str, Any]:
         kept = (size // patch) ** 2 - (1 if getattr(cfg, "vision_feature_select_strategy", "full") == "default" else 0)
         tokens = (math.isqrt(kept) // int(cfg.downsample_factor)) ** 2
     elif tokens is None or type(model).__name__.startswith("Llava"):  # Llava's image_seq_length is informational
-        tokens = (size // patch) ** 2 + (
-            1 if getattr(cfg, "vision_feature_select_strategy", "default") == "full" else 0
-        )
+        # a Llava's: the tower's patches and its class token (CLIP's; SigLIP's towers have none), less the first
+        # under the "default" strategy; a config without a strategy: the patches
+        strategy = getattr(cfg, "vision_feature_select_strategy", None)
+        cls = 0 if "siglip" in str(getattr(vision, "model_type", "")) else 1
+        tokens = (size // patch) ** 2 + (0 if strategy is None else cls - (1 if strategy == "default" else 0))
     return {"tokens_per_tile": int(tokens), "image_token_id": int(image_token), "image_shape": (channels, size, size),
             "vocab_size": vocab}
 

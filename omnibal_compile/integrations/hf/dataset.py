@@ -76,7 +76,24 @@ def load_processor(path: str | os.PathLike[str]) -> Any:
     return TileTokenProcessor.from_folder(folder, image_processor=images, tokenizer=tokenizer)
 
 
-class ImageTokenProcessor:
+class _ImageTextProcessor:
+    """What the image-and-text processors below share: the tokenizer's chat template, and the text's image tokens
+    replaced, one per image in order, by each image's expansion."""
+
+    image_token: str
+    tokenizer: Any
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def _expand(self, text: str, expansions: Sequence[str]) -> str:
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(expansions):
+            raise ValueError(f"the text holds {len(pieces) - 1} image tokens for {len(expansions)} images")
+        return pieces[0] + "".join(e + p for e, p in zip(expansions, pieces[1:]))
+
+
+class ImageTokenProcessor(_ImageTextProcessor):
     """A grid family's processor for images and text, from its image processor and tokenizer (what
     ``Qwen2VLProcessor`` does for images, without its video processor): each image token of the text becomes
     ``t*h*w / merge^2`` of them for the next image's grid; returns ``input_ids``, ``pixel_values``,
@@ -91,26 +108,20 @@ class ImageTokenProcessor:
         self.chat_template = getattr(tokenizer, "chat_template", None)
         self.merge = int(image_processor.merge_size)
 
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tokenizer.apply_chat_template(*args, **kwargs)
-
     def __call__(self, *, text: str, images: Sequence[Any] = (), **kwargs: Any) -> dict[str, torch.Tensor]:
         kwargs.pop("return_tensors", None)
         out: dict[str, torch.Tensor] = {}
         if images:
             pix = self.image_processor(images=list(images), return_tensors="pt")
             out = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"]}
-            pieces = text.split(self.image_token)
-            if len(pieces) - 1 != len(images):
-                raise ValueError(f"the text holds {len(pieces) - 1} image tokens for {len(images)} images")
             counts = (out["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
-            text = pieces[0] + "".join(self.image_token * int(n) + p for n, p in zip(counts, pieces[1:]))
+            text = self._expand(text, [self.image_token * int(n) for n in counts])
         ids = torch.as_tensor(self.tokenizer(text, return_tensors="pt", **kwargs)["input_ids"])
         token = self.tokenizer.convert_tokens_to_ids(self.image_token)
         return {"input_ids": ids, **out, "mm_token_type_ids": (ids == token).int()}
 
 
-class TileTokenProcessor:
+class TileTokenProcessor(_ImageTextProcessor):
     """InternVL's processor for images and text, from its image processor and tokenizer: what
     ``InternVLProcessor.__call__`` does for images, without its video processor.
 
@@ -151,21 +162,15 @@ class TileTokenProcessor:
                              f"InternVL's image_seq_length (image tokens per tile) as a positive int, got {length!r}")
         return cls(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=length)
 
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tokenizer.apply_chat_template(*args, **kwargs)
-
     def __call__(self, *, text: str, images: Sequence[Any] = (), **kwargs: Any) -> dict[str, torch.Tensor]:
         kwargs.pop("return_tensors", None)
         out: dict[str, torch.Tensor] = {}
         if images:
             pix = self.image_processor(images=list(images), crop_to_patches=True, return_tensors="pt")
             out = {"pixel_values": pix["pixel_values"]}
-            pieces = text.split(self.image_token)
-            if len(pieces) - 1 != len(images):
-                raise ValueError(f"the text holds {len(pieces) - 1} image tokens for {len(images)} images")
-            text = pieces[0] + "".join(
-                self.start_image_token + self.image_token * (self.image_seq_length * int(n)) + self.end_image_token + p
-                for n, p in zip(pix["num_patches"], pieces[1:]))
+            text = self._expand(text, [
+                self.start_image_token + self.image_token * (self.image_seq_length * int(n)) + self.end_image_token
+                for n in pix["num_patches"]])
         ids = torch.as_tensor(self.tokenizer(text, return_tensors="pt", **kwargs)["input_ids"])
         return {"input_ids": ids, **out}
 

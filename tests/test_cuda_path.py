@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from omnibal_compile.runtime.settings import local_device
 from omnibal_compile.runtime.weights import retarget_meta
-from omnibal_compile.runtime.worker import local_device
 
 
 class _Positions(nn.Module):

@@ -146,3 +146,9 @@ def _resume_record(config: RunConfig, steps: int) -> dict[str, Any]:
             "settings": {**{k: getattr(config, k) for k in _RESUMABLE_SETTINGS}, "steps": steps},
             "lengths_sha256": [_file_sha256(p) for p in config.lengths],
             "dataset_sha256": _file_sha256(config.dataset) if config.dataset else None}
+
+
+def local_device(env: Any) -> int:
+    """The CUDA device index of this rank, where ``train`` places it too: torchrun's ``LOCAL_RANK`` (without it, the
+    global ``RANK``: one node)."""
+    return int(env.get("LOCAL_RANK", env.get("RANK", 0)))

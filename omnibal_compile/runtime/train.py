@@ -216,8 +216,8 @@ def train(config: RunConfig) -> list[StepLog]:
         compute_dtype,
         enable_tf32,
     )
+    from omnibal_compile.runtime.settings import local_device
     from omnibal_compile.runtime.weights import compile_on_meta, meta_start
-    from omnibal_compile.runtime.worker import local_device
 
     config = with_plan_layout(config)
     layout = run_data_parallel(config)

@@ -30,14 +30,10 @@ def init_process_group(config: Any) -> None:
     if backend == "nccl":  # one GPU per rank, by its rank on the node (not the global rank: several nodes)
         import torch
 
+        from omnibal_compile.runtime.settings import local_device
+
         torch.cuda.set_device(local_device(os.environ))
     dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout))
-
-
-def local_device(env: Any) -> int:
-    """The CUDA device index of this rank, where ``train`` places it too: torchrun's ``LOCAL_RANK`` (without it, the
-    global ``RANK``: one node)."""
-    return int(env.get("LOCAL_RANK", env.get("RANK", 0)))
 
 
 def run(config_path: str) -> None:

@@ -75,8 +75,9 @@ __all__ = [
 
 OPTIONS = RECOMPUTE_OPTIONS
 
-PLANNED_SCHEDULES: frozenset[str] = CLASSIC_SCHEDULES
-"""Schedules the planners' closed forms cover; the zero-bubble ones (split backward) are refused for now."""
+PLANNED_SCHEDULES: frozenset[str] = CLASSIC_SCHEDULES | {"zbv"}
+"""Schedules the planners cover: the classic ones by their closed forms, ``zbv`` by the simulator's model
+(:mod:`omnibal_compile.planning.zero_bubble`); interleaved-zb and dualpipev are refused for now."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +131,11 @@ class PartitionProblem:
     shared: tuple[tuple[tuple[int, ...], float], ...] = ()
     """(blocks, static bytes of one copy) of each parameter several blocks read (tied weights): w_i of each of
     those blocks counts it, a stage holding several of them one copy (h_s). Empty = none."""
+    forward: tuple[float, ...] = ()
+    """f_i: the forward part of t_io (seconds per micro-batch); needed by the zero-bubble schedules. Empty = not given."""
+    weight: tuple[float, ...] = ()
+    """w_i: the weight-gradient part of block i's backward (0 for a frozen block), which a zero-bubble schedule
+    runs apart; needed by them. Empty = not given."""
     tie_tolerance: float = 0.0
     """Plans predicted within this fraction of the least iteration time count as equal, and
     :func:`omnibal_compile.planning.ties.break_ties` picks among them by figures that do not depend on
@@ -152,9 +158,16 @@ class PartitionProblem:
             raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
         if not (isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1):
             raise InputError(f"tie_tolerance must be a fraction in [0, 1), got {self.tie_tolerance!r}")
-        for name in ("gathered", "workspace", "sync", "peak"):
+        for name in ("gathered", "workspace", "sync", "peak", "forward", "weight"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
+        if self.pipeline_schedule.rule.split_backward:
+            if not (self.forward and self.weight):
+                raise InputError(f"schedule {self.schedule!r} splits each backward: the problem needs forward and "
+                                 "weight (each block's forward and weight-gradient seconds)")
+            if self.sync:
+                raise PlanError(f"the planner plans schedule {self.schedule!r} without data parallelism only; "
+                                "plan it at data_parallel size 1")
 
     @property
     def pipeline_schedule(self) -> Schedule:
@@ -212,6 +225,11 @@ def in_flight(problem: PartitionProblem, s: int) -> float:
         return float(M)
     if problem.schedule == "1f1b":
         return float(min(S - s, M))
+    if problem.schedule == "zbv":  # the most alive on the stage alone (planning.zero_bubble counts its device)
+        from omnibal_compile.planning.zero_bubble import live_pairs
+
+        d = problem.device_of(s)
+        return float(max(pair[0 if s == d else 1] for pair in live_pairs(problem.num_devices, M)[d]))
     p, v = problem.num_devices, problem.virtual_stages
     d = problem.device_of(s)
     chunks = min(2 * (p - d - 1) + (v - 1) * p + 1, v * M)
@@ -335,6 +353,11 @@ def evaluate(
         )
     if len(recompute) != problem.n:
         raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
+    if problem.schedule == "zbv":  # the V placement's own accounting and the simulator's time
+        from omnibal_compile.planning.zero_bubble import evaluate_zbv
+
+        return evaluate_zbv(problem, b, recompute, planner=planner, status=status, solve_seconds=solve_seconds,
+                            gap=gap, extra=dict(extra or {}))
     opts = [OPTIONS.index(r) for r in recompute]
     times, mems, peaks = [], [], []
     for s in range(problem.num_stages):
@@ -414,6 +437,21 @@ def tie_tolerance_for(costs: CostTable) -> float:
     return PROFILED_TIE_TOLERANCE if any(b.time_spread > 0 for b in costs.blocks) else 0.0
 
 
+def _split_backward(costs: CostTable, schedule: str) -> dict[str, tuple[float, ...]]:
+    """The problem's ``forward`` and ``weight`` for a schedule that splits the backward (none for the others)."""
+    if schedule not in SCHEDULES or not SCHEDULES[schedule].split_backward:
+        return {}
+    unknown = [b.name for b in costs.blocks if b.weight_grad_s is None]
+    if unknown:
+        raise InputError(
+            f"schedule {schedule!r} runs each backward's weight-gradient part apart, but the cost table does not split "
+            f"the backward of {len(unknown)} blocks (e.g. {unknown[:3]}): cost the model again (cost cache format 3 "
+            "measures it), or set their weight_grad_s"
+        )
+    return {"forward": tuple(b.forward_s for b in costs.blocks),
+            "weight": tuple(float(b.weight_grad_s or 0.0) for b in costs.blocks)}
+
+
 def problem_from_costs(
     costs: CostTable,
     *,
@@ -473,6 +511,7 @@ def problem_from_costs(
         cut_bytes=tuple(c if 0 < k < len(blocks) else 0 for k, c in enumerate(costs.cut_bytes)),
         num_params=tuple(b.num_params for b in blocks),
         flops=tuple(b.flops for b in blocks),
+        **_split_backward(costs, schedule),
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         schedule=schedule,

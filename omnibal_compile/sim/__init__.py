@@ -13,6 +13,7 @@ from omnibal_compile.sim.simulate import (
     StageCost,
     operation_order,
     schedule_time,
+    stage_schedule_time,
     simulate,
     stage_costs,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "stage_costs",
     "operation_order",
     "schedule_time",
+    "stage_schedule_time",
     "pipeline_times",
     "replay",
     "SimulationError",

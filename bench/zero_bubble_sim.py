@@ -66,7 +66,8 @@ def main() -> int:
             r = simulate(plan, costs)
             peaks = ", ".join(f"{b / 2**20:.1f}" for b in r.peak_memory_bytes)
             print(f"{M:>3}  {kind:<15} {plan.num_stages:>6}  {r.iteration_time_s * 1e3:>12.2f}  "
-                  f"{r.bubble_fraction:>7.1%}  {base / r.iteration_time_s:>6.2f}x  {peaks:<24}  cuts {list(plan.boundaries)}")
+                  f"{r.bubble_fraction:>7.1%}  {base / r.iteration_time_s:>6.2f}x  {peaks:<24}  "
+                  f"{list(plan.boundaries)}")
     return 0
 
 

@@ -13,10 +13,10 @@ import pytest
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.planning import evaluate, problem_from_costs, solve
+from omnibal_compile.planning import evaluate, in_flight, problem_from_costs, solve
 from omnibal_compile.planning.build import plan_with_costs
-from omnibal_compile.planning.zero_bubble import live_pairs, solve_zbv
-from omnibal_compile.sim import operation_order, simulate, stage_schedule_time
+from omnibal_compile.planning.zero_bubble import live_counts, solve_zero_bubble
+from omnibal_compile.sim import simulate, stage_schedule_time
 
 
 def _block(i: int, f: float, b: float, w: float, act: int = 1000) -> BlockCost:
@@ -129,16 +129,57 @@ def test_frozen_tower_moves_the_cuts_where_brute_force_does():
     assert b.iteration_time_s < kept * (1 - 1e-3)  # keeping the unfrozen cuts would be slower
 
 
-def test_w_keeps_activations_alive_in_the_memory_count():
-    # ZB-V's last device runs its second stage's W right after I, but its first stage holds W back to the end:
-    # counted from F to W the first device holds more micro-batches than counted from F to I.
-    pairs = live_pairs(2, 4)
-    for d, ops in enumerate(operation_order("zbv", 2, 2, 4)):
-        n, seen = {d: 0, 3 - d: 0}, []
-        for kind, s, _ in ops:
-            n[s] += {"F": 1, "W": -1}.get(kind, 0)
-            seen.append((n[d], n[3 - d]))
-        assert max(p[0] * 7 + p[1] * 3 for p in seen) == max(p[0] * 7 + p[1] * 3 for p in pairs[d])
+@pytest.mark.parametrize(("kind", "D", "v", "M"), [("zbv", 2, 2, 4), ("zbv", 3, 2, 7), ("interleaved-zb", 4, 1, 8),
+                                                ("interleaved-zb", 2, 2, 4), ("dualpipev", 2, 2, 6)])
+def test_live_counts_are_the_simulators_in_flight(kind, D, v, M):
+    # alive from F until W: the planner's count per stage is the simulator's peak in flight
+    S = D * v
+    costs = _vlm(vit=2, llm=S)
+    P = problem_from_costs(costs, num_stages=S, num_microbatches=M, schedule=kind, virtual_stages=v)
+    b = list(range(S)) + [len(costs.blocks)]
+    sim = simulate(Plan(block_names=costs.names, boundaries=b, schedule=kind, num_microbatches=M, virtual_stages=v),
+                   costs)
+    assert [in_flight(P, s) for s in range(S)] == list(sim.peak_inflight)
+
+
+def test_deferred_w_memory_counts_under_zb_h1():
+    # ZB-H1: device d holds d weight gradients back while its forwards go on, so their activations stay alive:
+    # the last device holds S micro-batches at its peak (1F1B's holds 1), and the plan's memory says so.
+    S, M = 4, 8
+    assert [max(c[0] for c in live_counts("interleaved-zb", S, 1, M)[d]) for d in range(S)] == [S] * S
+    costs = _vlm(vit=1, llm=3)
+    zb = evaluate(problem_from_costs(costs, num_stages=S, num_microbatches=M, schedule="interleaved-zb"),
+                  range(S + 1), ["none"] * S)
+    one = evaluate(problem_from_costs(costs, num_stages=S, num_microbatches=M, schedule="1f1b"), range(S + 1),
+                   ["none"] * S)
+    assert zb.stage_memory[S - 1] == pytest.approx(100 + S * 1000)
+    assert one.stage_memory[S - 1] == pytest.approx(100 + 1 * 1000)
+
+
+@pytest.mark.parametrize(("kind", "D", "v", "M", "budget"), [("interleaved-zb", 3, 1, 6, None),
+                                                           ("interleaved-zb", 3, 1, 6, 3.5e3),
+                                                           ("dualpipev", 2, 2, 4, None),
+                                                           ("dualpipev", 2, 2, 4, 5e3)])
+def test_other_split_schedules_equal_brute_force(kind, D, v, M, budget):
+    costs = _vlm(vit=2, llm=3)
+    S = D * v
+    P = problem_from_costs(costs, num_stages=S, num_microbatches=M, schedule=kind, virtual_stages=v, budget=budget)
+    sol = solve(P, "dp")
+    n, best = len(costs.blocks), None
+    for c in itertools.combinations(range(1, n), S - 1):
+        b = (0, *c, n)
+        for rec in itertools.product(P.allowed if budget else ("none",), repeat=n):
+            if not evaluate(P, b, rec).feasible:
+                continue
+            plan = Plan(block_names=costs.names, boundaries=b, recompute=rec, schedule=kind, num_microbatches=M,
+                        virtual_stages=v)
+            t = simulate(plan, costs).iteration_time_s
+            best = t if best is None else min(best, t)
+    assert sol.feasible and sol.iteration_time == pytest.approx(best, rel=1e-12)
+    sim = simulate(Plan(block_names=costs.names, boundaries=sol.boundaries, recompute=sol.recompute, schedule=kind,
+                        num_microbatches=M, virtual_stages=v), costs)
+    for d in range(D):
+        assert sim.peak_memory_bytes[d] <= (budget or float("inf"))
 
 
 def test_budget_binds_the_device_not_the_stage():
@@ -146,12 +187,12 @@ def test_budget_binds_the_device_not_the_stage():
     costs = _vlm(vit=2, llm=4)
     P = problem_from_costs(costs, num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2,
                            budget=6e3)
-    sol = solve_zbv(P)
+    sol = solve_zero_bubble(P)
     for d in range(2):
         assert sol.stage_memory[d] + sol.stage_memory[3 - d] <= 6e3
     assert max(sol.stage_memory) > 3e3  # a stage may hold more than half of its device's budget
     with pytest.raises(PlanError, match="no zbv plan .* fits the memory budget"):
-        solve_zbv(problem_from_costs(costs, num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2,
+        solve_zero_bubble(problem_from_costs(costs, num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2,
                                      budget=500))
 
 
@@ -161,5 +202,6 @@ def test_refusals_name_the_fix():
                      cut_bytes=costs.cut_bytes, link_bandwidth=costs.link_bandwidth, device="test", source="modelled")
     with pytest.raises(InputError, match="does not split the backward"):
         plan_with_costs(no_w, num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2)
-    with pytest.raises(PlanError, match="does not handle schedule 'dualpipev'"):
-        plan_with_costs(costs, num_stages=4, num_microbatches=4, schedule="dualpipev", virtual_stages=2)
+    with pytest.raises(PlanError, match="plans .* without data parallelism only"):
+        P = problem_from_costs(costs, num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2)
+        type(P)(**{**P.__dict__, "sync": (0.1,) * len(costs.blocks)})

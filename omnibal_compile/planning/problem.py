@@ -66,7 +66,7 @@ from omnibal_compile.ir.costs import (
     held_once,
     running_peak,
 )
-from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, SCHEDULES, Schedule
+from omnibal_compile.ir.schedule import SCHEDULES, Schedule
 
 __all__ = [
     "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
@@ -75,9 +75,9 @@ __all__ = [
 
 OPTIONS = RECOMPUTE_OPTIONS
 
-PLANNED_SCHEDULES: frozenset[str] = CLASSIC_SCHEDULES | {"zbv"}
-"""Schedules the planners cover: the classic ones by their closed forms, ``zbv`` by the simulator's model
-(:mod:`omnibal_compile.planning.zero_bubble`); interleaved-zb and dualpipev are refused for now."""
+PLANNED_SCHEDULES: frozenset[str] = frozenset(SCHEDULES)
+"""Schedules the planners cover: the classic ones by their closed forms, the split-backward ones (interleaved-zb,
+zbv, dualpipev) by the simulator's model (:mod:`omnibal_compile.planning.zero_bubble`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +132,7 @@ class PartitionProblem:
     """(blocks, static bytes of one copy) of each parameter several blocks read (tied weights): w_i of each of
     those blocks counts it, a stage holding several of them one copy (h_s). Empty = none."""
     forward: tuple[float, ...] = ()
-    """f_i: the forward part of t_io (seconds per micro-batch); needed by the zero-bubble schedules. Empty = not given."""
+    """f_i: the forward part of t_io (seconds per micro-batch); needed by the zero-bubble schedules. Empty = none."""
     weight: tuple[float, ...] = ()
     """w_i: the weight-gradient part of block i's backward (0 for a frozen block), which a zero-bubble schedule
     runs apart; needed by them. Empty = not given."""
@@ -225,11 +225,13 @@ def in_flight(problem: PartitionProblem, s: int) -> float:
         return float(M)
     if problem.schedule == "1f1b":
         return float(min(S - s, M))
-    if problem.schedule == "zbv":  # the most alive on the stage alone (planning.zero_bubble counts its device)
-        from omnibal_compile.planning.zero_bubble import live_pairs
+    if problem.pipeline_schedule.rule.split_backward:  # the most alive on the stage (zero_bubble counts its device)
+        from omnibal_compile.planning.zero_bubble import live_counts
 
         d = problem.device_of(s)
-        return float(max(pair[0 if s == d else 1] for pair in live_pairs(problem.num_devices, M)[d]))
+        k = problem.pipeline_schedule.stages_of(d, S).index(s)
+        counts = live_counts(problem.schedule, problem.num_devices, problem.virtual_stages, M)[d]
+        return float(max(c[k] for c in counts))
     p, v = problem.num_devices, problem.virtual_stages
     d = problem.device_of(s)
     chunks = min(2 * (p - d - 1) + (v - 1) * p + 1, v * M)
@@ -353,10 +355,10 @@ def evaluate(
         )
     if len(recompute) != problem.n:
         raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
-    if problem.schedule == "zbv":  # the V placement's own accounting and the simulator's time
-        from omnibal_compile.planning.zero_bubble import evaluate_zbv
+    if problem.pipeline_schedule.rule.split_backward:  # their own accounting, and the simulator's time
+        from omnibal_compile.planning.zero_bubble import evaluate_zero_bubble
 
-        return evaluate_zbv(problem, b, recompute, planner=planner, status=status, solve_seconds=solve_seconds,
+        return evaluate_zero_bubble(problem, b, recompute, planner=planner, status=status, solve_seconds=solve_seconds,
                             gap=gap, extra=dict(extra or {}))
     opts = [OPTIONS.index(r) for r in recompute]
     times, mems, peaks = [], [], []

@@ -13,9 +13,9 @@ from omnibal_compile.sim.simulate import (
     StageCost,
     operation_order,
     schedule_time,
-    stage_schedule_time,
     simulate,
     stage_costs,
+    stage_schedule_time,
 )
 from omnibal_compile.sim.whatif import SweepPoint, sweep, sweep_table
 

@@ -180,6 +180,9 @@ def test_other_split_schedules_equal_brute_force(kind, D, v, M, budget):
                         num_microbatches=M, virtual_stages=v), costs)
     for d in range(D):
         assert sim.peak_memory_bytes[d] <= (budget or float("inf"))
+    if budget:  # it binds: the plan is slower than the unconstrained one
+        free = solve(problem_from_costs(costs, num_stages=S, num_microbatches=M, schedule=kind, virtual_stages=v))
+        assert sol.iteration_time > free.iteration_time
 
 
 def test_budget_binds_the_device_not_the_stage():

@@ -90,6 +90,7 @@ def test_choice_equals_brute_force_without_budget(frozen, M):
                            recompute="none")
     t, _, _ = _brute(costs, 4, M, recompute="none")
     assert plan.schedule == "zbv" and plan.virtual_stages == 2 and plan.num_devices == 2
+    assert "the simulator's, in the schedule's operation order" in plan.summary()
     assert plan.iteration_time_s == pytest.approx(t, rel=1e-12)
     assert simulate(plan, costs).iteration_time_s == pytest.approx(t, rel=1e-12)
 

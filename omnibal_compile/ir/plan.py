@@ -16,12 +16,15 @@ from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile._utils.validate import check_int_list, check_number, read_text
 from omnibal_compile.errors import PlanError
 from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, RECOMPUTE_OPTIONS, DataParallel
-from omnibal_compile.ir.schedule import Schedule
+from omnibal_compile.ir.schedule import SCHEDULES, Schedule
 
 __all__ = ["Plan", "StagePlan", "PLAN_FORMAT"]
 
 PLAN_FORMAT = 1
 """Version of the JSON layout written by :meth:`Plan.to_json`."""
+
+_SPLIT_BACKWARD = frozenset(k for k, r in SCHEDULES.items() if r.split_backward)
+"""Schedules whose planned iteration time is the simulator's (planning.zero_bubble), not a closed form."""
 
 
 def _str_list(value: Any, name: str) -> tuple[str, ...]:
@@ -321,7 +324,9 @@ class Plan:
             lines.append("Sends: bytes each stage sends the next per micro-batch (values rebuilt by the stages that "
                          "read them, such as attention masks, are not sent).")
         if self.iteration_time_s is not None:
-            lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms (the schedule's closed form).")
+            how = ("the simulator's, in the schedule's operation order" if self.schedule in _SPLIT_BACKWARD
+                   else "the schedule's closed form")
+            lines.append(f"Planned iteration time: {self.iteration_time_s * 1e3:.3f} ms ({how}).")
         lines.extend(_note_sentences(self.notes))
         return "\n".join(lines)
 

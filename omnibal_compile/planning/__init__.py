@@ -31,6 +31,7 @@ from omnibal_compile.planning.problem import (
     problem_from_costs,
 )
 from omnibal_compile.planning.ties import break_ties
+from omnibal_compile.planning.zero_bubble import solve_zero_bubble
 
 __all__ = [
     "PartitionProblem",
@@ -167,12 +168,19 @@ def solve(
 ) -> Solution:
     """Plan ``problem`` with ``planner``; raise an explained ``PlanError`` when nothing fits.
 
+    The split-backward schedules (interleaved-zb, zbv, dualpipev): the exact planners run
+    :func:`~omnibal_compile.planning.zero_bubble.solve_zero_bubble`.
     The exact planners' plan goes through :func:`~omnibal_compile.planning.ties.break_ties`: with
     ``problem.tie_tolerance`` > 0 it is the deterministic choice among the plans within that
     tolerance of the fastest (the fastest itself when the tolerance is 0).
     """
     info = planner_info(planner)
-    if problem.budget:
+    split = problem.pipeline_schedule.rule.split_backward
+    if split and planner in EXACT_PLANNERS:
+        # the split-backward schedules' own exact search (it explains an infeasible budget itself); its objective
+        # is the simulator's, which the closed-form tie-break does not know
+        return dataclasses.replace(solve_zero_bubble(problem, time_limit=time_limit), planner=planner)
+    if problem.budget and not split:
         _, _, needed = least_memory_split(problem)
         if any(needed / problem.virtual_stages > problem.memory_limit(s) for s in range(problem.num_stages)):
             raise PlanError(explain_infeasible(problem))

@@ -66,7 +66,7 @@ from omnibal_compile.ir.costs import (
     held_once,
     running_peak,
 )
-from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, SCHEDULES, Schedule
+from omnibal_compile.ir.schedule import SCHEDULES, Schedule
 
 __all__ = [
     "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
@@ -75,8 +75,9 @@ __all__ = [
 
 OPTIONS = RECOMPUTE_OPTIONS
 
-PLANNED_SCHEDULES: frozenset[str] = CLASSIC_SCHEDULES
-"""Schedules the planners' closed forms cover; the zero-bubble ones (split backward) are refused for now."""
+PLANNED_SCHEDULES: frozenset[str] = frozenset(SCHEDULES)
+"""Schedules the planners cover: the classic ones by their closed forms, the split-backward ones (interleaved-zb,
+zbv, dualpipev) by the simulator's model (:mod:`omnibal_compile.planning.zero_bubble`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +131,11 @@ class PartitionProblem:
     shared: tuple[tuple[tuple[int, ...], float], ...] = ()
     """(blocks, static bytes of one copy) of each parameter several blocks read (tied weights): w_i of each of
     those blocks counts it, a stage holding several of them one copy (h_s). Empty = none."""
+    forward: tuple[float, ...] = ()
+    """f_i: the forward part of t_io (seconds per micro-batch); needed by the zero-bubble schedules. Empty = none."""
+    weight: tuple[float, ...] = ()
+    """w_i: the weight-gradient part of block i's backward (0 for a frozen block), which a zero-bubble schedule
+    runs apart; needed by them. Empty = not given."""
     tie_tolerance: float = 0.0
     """Plans predicted within this fraction of the least iteration time count as equal, and
     :func:`omnibal_compile.planning.ties.break_ties` picks among them by figures that do not depend on
@@ -152,9 +158,16 @@ class PartitionProblem:
             raise InputError(f"allowed recompute options must be a non-empty subset of {list(OPTIONS)}")
         if not (isinstance(self.tie_tolerance, (int, float)) and 0 <= self.tie_tolerance < 1):
             raise InputError(f"tie_tolerance must be a fraction in [0, 1), got {self.tie_tolerance!r}")
-        for name in ("gathered", "workspace", "sync", "peak"):
+        for name in ("gathered", "workspace", "sync", "peak", "forward", "weight"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
+        if self.pipeline_schedule.rule.split_backward:
+            if not (self.forward and self.weight):
+                raise InputError(f"schedule {self.schedule!r} splits each backward: the problem needs forward and "
+                                 "weight (each block's forward and weight-gradient seconds)")
+            if self.sync:
+                raise PlanError(f"the planner plans schedule {self.schedule!r} without data parallelism only; "
+                                "plan it at data_parallel size 1")
 
     @property
     def pipeline_schedule(self) -> Schedule:
@@ -212,6 +225,13 @@ def in_flight(problem: PartitionProblem, s: int) -> float:
         return float(M)
     if problem.schedule == "1f1b":
         return float(min(S - s, M))
+    if problem.pipeline_schedule.rule.split_backward:  # the most alive on the stage (zero_bubble counts its device)
+        from omnibal_compile.planning.zero_bubble import live_counts
+
+        d = problem.device_of(s)
+        k = problem.pipeline_schedule.stages_of(d, S).index(s)
+        counts = live_counts(problem.schedule, problem.num_devices, problem.virtual_stages, M)[d]
+        return float(max(c[k] for c in counts))
     p, v = problem.num_devices, problem.virtual_stages
     d = problem.device_of(s)
     chunks = min(2 * (p - d - 1) + (v - 1) * p + 1, v * M)
@@ -335,6 +355,11 @@ def evaluate(
         )
     if len(recompute) != problem.n:
         raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
+    if problem.pipeline_schedule.rule.split_backward:  # their own accounting, and the simulator's time
+        from omnibal_compile.planning.zero_bubble import evaluate_zero_bubble
+
+        return evaluate_zero_bubble(problem, b, recompute, planner=planner, status=status, solve_seconds=solve_seconds,
+                            gap=gap, extra=dict(extra or {}))
     opts = [OPTIONS.index(r) for r in recompute]
     times, mems, peaks = [], [], []
     for s in range(problem.num_stages):
@@ -414,6 +439,21 @@ def tie_tolerance_for(costs: CostTable) -> float:
     return PROFILED_TIE_TOLERANCE if any(b.time_spread > 0 for b in costs.blocks) else 0.0
 
 
+def _split_backward(costs: CostTable, schedule: str) -> dict[str, tuple[float, ...]]:
+    """The problem's ``forward`` and ``weight`` for a schedule that splits the backward (none for the others)."""
+    if schedule not in SCHEDULES or not SCHEDULES[schedule].split_backward:
+        return {}
+    unknown = [b.name for b in costs.blocks if b.weight_grad_s is None]
+    if unknown:
+        raise InputError(
+            f"schedule {schedule!r} runs each backward's weight-gradient part apart, but the cost table does not split "
+            f"the backward of {len(unknown)} blocks (e.g. {unknown[:3]}): cost the model again (cost cache format 3 "
+            "measures it), or set their weight_grad_s"
+        )
+    return {"forward": tuple(b.forward_s for b in costs.blocks),
+            "weight": tuple(float(b.weight_grad_s or 0.0) for b in costs.blocks)}
+
+
 def problem_from_costs(
     costs: CostTable,
     *,
@@ -473,6 +513,7 @@ def problem_from_costs(
         cut_bytes=tuple(c if 0 < k < len(blocks) else 0 for k, c in enumerate(costs.cut_bytes)),
         num_params=tuple(b.num_params for b in blocks),
         flops=tuple(b.flops for b in blocks),
+        **_split_backward(costs, schedule),
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         schedule=schedule,

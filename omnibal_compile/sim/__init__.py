@@ -15,6 +15,7 @@ from omnibal_compile.sim.simulate import (
     schedule_time,
     simulate,
     stage_costs,
+    stage_schedule_time,
 )
 from omnibal_compile.sim.whatif import SweepPoint, sweep, sweep_table
 
@@ -26,6 +27,7 @@ __all__ = [
     "stage_costs",
     "operation_order",
     "schedule_time",
+    "stage_schedule_time",
     "pipeline_times",
     "replay",
     "SimulationError",

@@ -94,6 +94,7 @@ __all__ = [
     "SimResult",
     "simulate",
     "schedule_time",
+    "stage_schedule_time",
     "stage_costs",
     "operation_order",
     "SimulationError",
@@ -497,6 +498,52 @@ def schedule_time(
         w_end=w_end,
     )
     return max([*b_end.values(), *w_end.values()])
+
+
+def stage_schedule_time(
+    schedule: str,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    weight_s: Sequence[float],
+    send_s: Sequence[float],
+    virtual_stages: int = 1,
+) -> float:
+    """Iteration time of stages with their own costs per micro-batch, one processor per device, no data
+    parallelism: what :func:`simulate` finds for such a plan (the planner's objective for the zero-bubble
+    schedules). Per stage s: ``forward_s[s]``, ``backward_s[s]`` (the whole backward, recomputation included),
+    ``weight_s[s]`` (its weight-gradient part, run apart when the schedule splits the backward) and
+    ``send_s[s]`` (to stage s + 1 and the gradient back; free when both stages share a device)."""
+    D, v, M = num_devices, virtual_stages, num_microbatches
+    S = D * v
+    if not len(forward_s) == len(backward_s) == len(weight_s) == len(send_s) == S:
+        raise InputError(f"stage costs need {S} entries each (num_devices x virtual_stages)")
+    orders = operation_order(schedule, D, v, M)
+    placed = Schedule(kind=schedule, num_microbatches=M, virtual_stages=v)
+    device_of = [placed.device_of(s, S) for s in range(S)]
+    work = {"F": forward_s, "B": backward_s, "W": weight_s,
+            "I": [b - w for b, w in zip(backward_s, weight_s)]}
+    kinds: dict[str, EventKind] = {"F": "forward", "B": "backward", "I": "backward", "W": "backward_weight"}
+
+    def send(s: int, m: int) -> float:
+        return 0.0 if s + 1 >= S or device_of[s] == device_of[s + 1] else send_s[s]
+
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+    w_end: dict[tuple[int, int], float] = {}
+    _timeline(
+        orders,
+        lambda kind, s, m: [(kinds[kind], work[kind][s])],
+        lambda kind, s, m: _ready_at(kind, s, m, S, f_end, b_end, send),
+        None,
+        f_start={},
+        f_end=f_end,
+        b_end=b_end,
+        w_end=w_end,
+    )
+    return max({**b_end, **w_end}.values())
 
 
 def simulate(

@@ -15,8 +15,9 @@ from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.planning import evaluate, in_flight, problem_from_costs, solve
 from omnibal_compile.planning.build import plan_with_costs
-from omnibal_compile.planning.zero_bubble import live_counts, solve_zero_bubble
+from omnibal_compile.planning.zero_bubble import solve_zero_bubble
 from omnibal_compile.sim import simulate, stage_schedule_time
+from omnibal_compile.sim.simulate import live_counts
 
 
 def _block(i: int, f: float, b: float, w: float, act: int = 1000) -> BlockCost:

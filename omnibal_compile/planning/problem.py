@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from omnibal_compile._utils.units import format_size
 from omnibal_compile.errors import InputError, PlanError
@@ -67,10 +68,13 @@ from omnibal_compile.ir.costs import (
     running_peak,
 )
 from omnibal_compile.ir.schedule import SCHEDULES, Schedule
+from omnibal_compile.sim.simulate import live_counts, stage_schedule_time
 
 __all__ = [
     "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
-    "stage_static", "stage_shared", "sync_time", "stage_peak", "stage_io",
+    "stage_static", "stage_shared", "sync_time", "stage_peak", "stage_io", "PlanFigures", "plan_figures",
+    "device_limit", "evaluate_zero_bubble", "zero_bubble_block_parts", "zero_bubble_devices", "zero_bubble_peak",
+    "zero_bubble_stage_act", "zero_bubble_stage_fixed",
 ]
 
 OPTIONS = RECOMPUTE_OPTIONS
@@ -226,8 +230,6 @@ def in_flight(problem: PartitionProblem, s: int) -> float:
     if problem.schedule == "1f1b":
         return float(min(S - s, M))
     if problem.pipeline_schedule.rule.split_backward:  # the most alive on the stage (zero_bubble counts its device)
-        from omnibal_compile.planning.zero_bubble import live_counts
-
         d = problem.device_of(s)
         k = problem.pipeline_schedule.stages_of(d, S).index(s)
         counts = live_counts(problem.schedule, problem.num_devices, problem.virtual_stages, M)[d]
@@ -356,8 +358,6 @@ def evaluate(
     if len(recompute) != problem.n:
         raise PlanError(f"recompute has {len(recompute)} entries for {problem.n} blocks")
     if problem.pipeline_schedule.rule.split_backward:  # their own accounting, and the simulator's time
-        from omnibal_compile.planning.zero_bubble import evaluate_zero_bubble
-
         return evaluate_zero_bubble(problem, b, recompute, planner=planner, status=status, solve_seconds=solve_seconds,
                             gap=gap, extra=dict(extra or {}))
     opts = [OPTIONS.index(r) for r in recompute]
@@ -521,4 +521,106 @@ def problem_from_costs(
         budget=budgets,
         allowed=allowed,
         tie_tolerance=tie_tolerance_for(costs) if tie_tolerance is None else tie_tolerance,
+    )
+
+
+# The split-backward schedules' accounting (module docstring of omnibal_compile.planning.zero_bubble).
+
+
+def zero_bubble_block_parts(P: PartitionProblem, b: int, o: int) -> tuple[float, float, float]:
+    """(forward, backward with recomputation, weight-gradient part) seconds of block ``b`` under option ``o``."""
+    f, w = P.forward[b], P.weight[b]
+    return f, P.time[b][o] - f, w
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanFigures:
+    """A zbv plan's figures by this module's accounting."""
+
+    stage_time: tuple[float, ...]
+    """F + I + W per stage and micro-batch."""
+    stage_memory: tuple[float, ...]
+    """Each stage's share of its device's memory at the device's peak (the two of a device sum to it)."""
+    device_memory: tuple[float, ...]
+    """Per device: the memory bound fitted under its budget."""
+    iteration_time: float
+    """The simulator's iteration time."""
+
+
+def zero_bubble_stage_fixed(P: PartitionProblem, i: int, j: int) -> float:
+    """Bytes stage [i, j) holds whatever is alive: static - shared + transient + its receive buffer."""
+    return (sum(P.static[i:j]) - stage_shared(P, i, j) + stage_transient(P, i, j)
+            + (P.cut_bytes[i] if i > 0 else 0))
+
+
+def zero_bubble_stage_act(P: PartitionProblem, i: int, j: int, acts: float) -> float:
+    """Bytes one micro-batch keeps alive on stage [i, j): its activations and its outputs."""
+    return acts + (P.cut_bytes[j] if j < P.n else 0)
+
+
+def zero_bubble_peak(counts: Sequence[tuple[int, ...]], acts: Sequence[float]) -> tuple[float, tuple[int, ...]]:
+    """The largest sum_k n_k A_k over the count tuples, and the tuple."""
+    return max(((sum(n * a for n, a in zip(c, acts)), c) for c in counts), key=lambda x: x[0])
+
+
+def zero_bubble_devices(P: PartitionProblem, d: int) -> tuple[int, ...]:
+    return P.pipeline_schedule.stages_of(d, P.num_stages)
+
+
+def plan_figures(P: PartitionProblem, boundaries: Sequence[int], options: Sequence[int]) -> PlanFigures:
+    """Stage times, memory and iteration time of the plan with these cut points and option indices."""
+    b = boundaries
+    D, S = P.num_devices, P.num_stages
+    F, B, W, A = [], [], [], []
+    for s in range(S):
+        parts = [zero_bubble_block_parts(P, k, options[k]) for k in range(b[s], b[s + 1])]
+        F.append(sum(x[0] for x in parts))
+        B.append(sum(x[1] for x in parts))
+        W.append(sum(x[2] for x in parts))
+        A.append(zero_bubble_stage_act(P, b[s], b[s + 1], sum(P.act[k][options[k]] for k in range(b[s], b[s + 1]))))
+    send = [P.cut_time[b[s + 1]] for s in range(S)]
+    it = stage_schedule_time(P.schedule, D, P.num_microbatches, forward_s=F, backward_s=B, weight_s=W, send_s=send,
+                             virtual_stages=P.virtual_stages)
+    counts = live_counts(P.schedule, D, P.virtual_stages, P.num_microbatches)
+    mem = [0.0] * S
+    device = []
+    for d in range(D):
+        stages = zero_bubble_devices(P, d)
+        _, peak = zero_bubble_peak(counts[d], [A[s] for s in stages])
+        for s, k in zip(stages, peak):
+            mem[s] = zero_bubble_stage_fixed(P, b[s], b[s + 1]) + k * A[s]
+        device.append(sum(mem[s] for s in stages))
+    return PlanFigures(
+        stage_time=tuple(f + x for f, x in zip(F, B)),
+        stage_memory=tuple(mem),
+        device_memory=tuple(device),
+        iteration_time=it,
+    )
+
+
+def device_limit(P: PartitionProblem, d: int) -> float:
+    """The most memory device ``d`` may be predicted to use (its budget and the rounding allowance)."""
+    return P.budget[d] * (1 + 1e-9) + 1e-6 if P.budget else math.inf
+
+
+def evaluate_zero_bubble(
+    P: PartitionProblem, boundaries: Sequence[int], recompute: Sequence[str], **fields: Any
+) -> Solution:
+    """:func:`evaluate` for the split-backward schedules (interleaved-zb, zbv, dualpipev)."""
+    opts = [OPTIONS.index(r) for r in recompute]
+    fig = plan_figures(P, boundaries, opts)
+    over = [d for d in range(P.num_devices) if fig.device_memory[d] > device_limit(P, d)]
+    busiest = max(range(P.num_devices), key=lambda d: sum(fig.stage_time[s] for s in zero_bubble_devices(P, d)))
+    binding = (f"memory of device {over[0]}" if over else
+               f"time of device {busiest} (stages {', '.join(map(str, zero_bubble_devices(P, busiest)))})")
+    return Solution(
+        boundaries=tuple(int(x) for x in boundaries),
+        recompute=tuple(recompute),
+        stage_time=fig.stage_time,
+        stage_memory=fig.stage_memory,
+        iteration_time=fig.iteration_time,
+        feasible=not over,
+        binding=binding,
+        stage_peak=fig.stage_memory,
+        **fields,
     )

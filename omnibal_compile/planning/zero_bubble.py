@@ -34,144 +34,28 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
 
 from omnibal_compile._utils.units import format_size
 from omnibal_compile.errors import PlanError
-from omnibal_compile.ir.schedule import Schedule
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, Solution, stage_shared, stage_transient
-from omnibal_compile.sim.simulate import operation_order, stage_schedule_time
+from omnibal_compile.planning.problem import (
+    OPTIONS,
+    PartitionProblem,
+    PlanFigures,
+    Solution,
+    device_limit,
+    evaluate_zero_bubble,
+    plan_figures,
+    zero_bubble_devices,
+    zero_bubble_peak,
+    zero_bubble_stage_act,
+    zero_bubble_stage_fixed,
+)
+from omnibal_compile.sim.simulate import live_counts
 
-__all__ = ["MAX_CUT_VECTORS", "PlanFigures", "live_counts", "plan_figures", "evaluate_zero_bubble", "solve_zero_bubble"]
+__all__ = ["MAX_CUT_VECTORS", "PlanFigures", "live_counts", "plan_figures", "solve_zero_bubble"]
 
 MAX_CUT_VECTORS = 2_000_000
 """Most cut vectors :func:`solve_zbv` enumerates (C(n - 1, S - 1)); beyond it the problem is refused."""
-
-
-@lru_cache(maxsize=64)
-def live_counts(schedule: str, num_devices: int, virtual_stages: int,
-                num_microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Per device, the micro-batches alive on each of its stages (in :meth:`Schedule.stages_of` order; alive from
-    the F until the W, or the whole backward B) after each forward of its operation order, keeping only the count
-    tuples no other dominates: the peak of sum_k n_k A_k is attained at one of them for any A_k >= 0."""
-    D, v = num_devices, virtual_stages
-    placed = Schedule(kind=schedule, num_microbatches=num_microbatches, virtual_stages=v)
-    out = []
-    for d, ops in enumerate(operation_order(schedule, D, v, num_microbatches)):
-        index = {s: k for k, s in enumerate(placed.stages_of(d, D * v))}
-        n = [0] * v
-        seen: set[tuple[int, ...]] = set()
-        for kind, s, _ in ops:
-            if kind == "F":
-                n[index[s]] += 1
-                seen.add(tuple(n))
-            elif kind in ("W", "B"):
-                n[index[s]] -= 1
-        kept = [p for p in seen if not any(q != p and all(a >= b for a, b in zip(q, p)) for q in seen)]
-        out.append(tuple(sorted(kept)))
-    return tuple(out)
-
-
-def _block_parts(P: PartitionProblem, b: int, o: int) -> tuple[float, float, float]:
-    """(forward, backward with recomputation, weight-gradient part) seconds of block ``b`` under option ``o``."""
-    f, w = P.forward[b], P.weight[b]
-    return f, P.time[b][o] - f, w
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanFigures:
-    """A zbv plan's figures by this module's accounting."""
-
-    stage_time: tuple[float, ...]
-    """F + I + W per stage and micro-batch."""
-    stage_memory: tuple[float, ...]
-    """Each stage's share of its device's memory at the device's peak (the two of a device sum to it)."""
-    device_memory: tuple[float, ...]
-    """Per device: the memory bound fitted under its budget."""
-    iteration_time: float
-    """The simulator's iteration time."""
-
-
-def _stage_fixed(P: PartitionProblem, i: int, j: int) -> float:
-    """Bytes stage [i, j) holds whatever is alive: static - shared + transient + its receive buffer."""
-    return (sum(P.static[i:j]) - stage_shared(P, i, j) + stage_transient(P, i, j)
-            + (P.cut_bytes[i] if i > 0 else 0))
-
-
-def _stage_act(P: PartitionProblem, i: int, j: int, acts: float) -> float:
-    """Bytes one micro-batch keeps alive on stage [i, j): its activations and its outputs."""
-    return acts + (P.cut_bytes[j] if j < P.n else 0)
-
-
-def _peak(counts: Sequence[tuple[int, ...]], acts: Sequence[float]) -> tuple[float, tuple[int, ...]]:
-    """The largest sum_k n_k A_k over the count tuples, and the tuple."""
-    return max(((sum(n * a for n, a in zip(c, acts)), c) for c in counts), key=lambda x: x[0])
-
-
-def _stages(P: PartitionProblem, d: int) -> tuple[int, ...]:
-    return P.pipeline_schedule.stages_of(d, P.num_stages)
-
-
-def plan_figures(P: PartitionProblem, boundaries: Sequence[int], options: Sequence[int]) -> PlanFigures:
-    """Stage times, memory and iteration time of the plan with these cut points and option indices."""
-    b = boundaries
-    D, S = P.num_devices, P.num_stages
-    F, B, W, A = [], [], [], []
-    for s in range(S):
-        parts = [_block_parts(P, k, options[k]) for k in range(b[s], b[s + 1])]
-        F.append(sum(x[0] for x in parts))
-        B.append(sum(x[1] for x in parts))
-        W.append(sum(x[2] for x in parts))
-        A.append(_stage_act(P, b[s], b[s + 1], sum(P.act[k][options[k]] for k in range(b[s], b[s + 1]))))
-    send = [P.cut_time[b[s + 1]] for s in range(S)]
-    it = stage_schedule_time(P.schedule, D, P.num_microbatches, forward_s=F, backward_s=B, weight_s=W, send_s=send,
-                             virtual_stages=P.virtual_stages)
-    counts = live_counts(P.schedule, D, P.virtual_stages, P.num_microbatches)
-    mem = [0.0] * S
-    device = []
-    for d in range(D):
-        stages = _stages(P, d)
-        _, peak = _peak(counts[d], [A[s] for s in stages])
-        for s, k in zip(stages, peak):
-            mem[s] = _stage_fixed(P, b[s], b[s + 1]) + k * A[s]
-        device.append(sum(mem[s] for s in stages))
-    return PlanFigures(
-        stage_time=tuple(f + x for f, x in zip(F, B)),
-        stage_memory=tuple(mem),
-        device_memory=tuple(device),
-        iteration_time=it,
-    )
-
-
-def device_limit(P: PartitionProblem, d: int) -> float:
-    """The most memory device ``d`` may be predicted to use (its budget and the rounding allowance)."""
-    return P.budget[d] * (1 + 1e-9) + 1e-6 if P.budget else math.inf
-
-
-def evaluate_zero_bubble(
-    P: PartitionProblem, boundaries: Sequence[int], recompute: Sequence[str], **fields: Any
-) -> Solution:
-    """:func:`omnibal_compile.planning.problem.evaluate` for the split-backward schedules (it calls this)."""
-    opts = [OPTIONS.index(r) for r in recompute]
-    fig = plan_figures(P, boundaries, opts)
-    over = [d for d in range(P.num_devices) if fig.device_memory[d] > device_limit(P, d)]
-    busiest = max(range(P.num_devices), key=lambda d: sum(fig.stage_time[s] for s in _stages(P, d)))
-    binding = (f"memory of device {over[0]}" if over else
-               f"time of device {busiest} (stages {', '.join(map(str, _stages(P, busiest)))})")
-    return Solution(
-        boundaries=tuple(int(x) for x in boundaries),
-        recompute=tuple(recompute),
-        stage_time=fig.stage_time,
-        stage_memory=fig.stage_memory,
-        iteration_time=fig.iteration_time,
-        feasible=not over,
-        binding=binding,
-        stage_peak=fig.stage_memory,
-        **fields,
-    )
 
 
 def _frontier(P: PartitionProblem, i: int, j: int) -> list[tuple[float, float, tuple[int, ...]]]:
@@ -204,7 +88,7 @@ def solve_zero_bubble(P: PartitionProblem, *, time_limit: float | None = None) -
             f"{P.schedule} planning searches every cut vector and {n} blocks into {S} stages have {count:,} "
             f"(more than {MAX_CUT_VECTORS:,}): use fewer stages or coarser blocks"
         )
-    stages = [_stages(P, d) for d in range(D)]
+    stages = [zero_bubble_devices(P, d) for d in range(D)]
     crossing = [s for s in range(1, S) if P.device_of(s - 1) != P.device_of(s)]  # cuts whose sends cost
     fast = [min(P.time[k][o] for o in P.useful_options(k)) for k in range(n)]
     pre_t = list(itertools.accumulate(fast, initial=0.0))
@@ -231,9 +115,10 @@ def solve_zero_bubble(P: PartitionProblem, *, time_limit: float | None = None) -
         per_device: list[list[tuple[tuple[int, ...], ...]]] = []
         for d in range(D):
             fronts = [frontiers.setdefault((b[s], b[s + 1]), _frontier(P, b[s], b[s + 1])) for s in stages[d]]
-            fixed = sum(_stage_fixed(P, b[s], b[s + 1]) for s in stages[d])
+            fixed = sum(zero_bubble_stage_fixed(P, b[s], b[s + 1]) for s in stages[d])
             fit = [c for c in itertools.product(*fronts)
-                   if fixed + _peak(counts[d], [_stage_act(P, b[s], b[s + 1], p[1]) for s, p in zip(stages[d], c)])[0]
+                   if fixed + zero_bubble_peak(counts[d], [zero_bubble_stage_act(P, b[s], b[s + 1], p[1])
+                                                           for s, p in zip(stages[d], c)])[0]
                    <= device_limit(P, d)]
             # the iteration time is monotone in each operation's duration: a choice slower on every stage than
             # another that fits never helps

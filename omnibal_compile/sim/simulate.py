@@ -79,6 +79,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal, cast
 
 from omnibal_compile._utils.tables import counted
@@ -89,6 +90,7 @@ from omnibal_compile.ir.schedule import Schedule
 from omnibal_compile.sim.zero_bubble import Op, dualpipev_order, interleaved_zero_bubble_order, zbv_order
 
 __all__ = [
+    "live_counts",
     "Event",
     "StageCost",
     "SimResult",
@@ -725,3 +727,27 @@ def simulate(
         events=tuple(events),
         device_stages=tuple(stages_of),
     )
+
+
+@lru_cache(maxsize=64)
+def live_counts(schedule: str, num_devices: int, virtual_stages: int,
+                num_microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per device, the micro-batches alive on each of its stages (in :meth:`Schedule.stages_of` order; alive from
+    the F until the W, or the whole backward B) after each forward of its operation order, keeping only the count
+    tuples no other dominates: the peak of sum_k n_k A_k is attained at one of them for any A_k >= 0."""
+    D, v = num_devices, virtual_stages
+    placed = Schedule(kind=schedule, num_microbatches=num_microbatches, virtual_stages=v)
+    out = []
+    for d, ops in enumerate(operation_order(schedule, D, v, num_microbatches)):
+        index = {s: k for k, s in enumerate(placed.stages_of(d, D * v))}
+        n = [0] * v
+        seen: set[tuple[int, ...]] = set()
+        for kind, s, _ in ops:
+            if kind == "F":
+                n[index[s]] += 1
+                seen.add(tuple(n))
+            elif kind in ("W", "B"):
+                n[index[s]] -= 1
+        kept = [p for p in seen if not any(q != p and all(a >= b for a, b in zip(q, p)) for q in seen)]
+        out.append(tuple(sorted(kept)))
+    return tuple(out)

@@ -136,6 +136,12 @@ def test_megatron_layout():
     assert megatron_layout(even) == "E|t|t*2|tL"
     with pytest.raises(InputError, match="block_kinds"):
         megatron_layout(Plan(block_names=NAMES, boundaries=(0, 14)))
+    looped = Plan(block_names=NAMES, boundaries=(0, 6, 8, 10, 14), block_kinds=KINDS, schedule="interleaved",
+                  virtual_stages=2, num_microbatches=4)
+    assert megatron_layout(looped) == "E|t|t*2|tL"  # the loop Megatron places virtual stages in
+    with pytest.raises(InputError, match="a V.*Megatron"):  # zbv's placement is not Megatron's loop
+        megatron_layout(Plan(block_names=NAMES, boundaries=(0, 6, 8, 10, 14), block_kinds=KINDS, schedule="zbv",
+                             virtual_stages=2, num_microbatches=4))
 
 
 def test_shape_costs_scale_linearly():

@@ -15,7 +15,9 @@ Glossary:
                        symbol is written ``t*N``. Example: ``Et*3|t*4|t*3L``. Megatron's grammar has no symbol for a
                        vision encoder or projector (its multimodal models place the encoder by other
                        options), so those blocks, and glue, are left out of the string; a stage that
-                       holds only such blocks is an empty segment between two ``|``.
+                       holds only such blocks is an empty segment between two ``|``. Megatron places
+                       virtual stages in a loop (segment i on pipeline rank i mod P): a plan for a V
+                       schedule (``zbv``, ``dualpipev``: stages s and 2D - 1 - s on one device) has no layout.
     decoder stack      the layer stack of the last ``layer`` block in the chain (the LLM's layers).
 """
 
@@ -25,6 +27,7 @@ import re
 
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import schedule_rule
 
 __all__ = ["torchtitan_module_names", "megatron_layout"]
 
@@ -62,6 +65,11 @@ def megatron_layout(plan: Plan) -> str:
     if not plan.block_kinds:
         raise InputError(
             "megatron_layout needs the plan's block_kinds (plans from optimize() and the planners have them)"
+        )
+    if schedule_rule(plan.schedule).placement != "loop":
+        raise InputError(
+            f"schedule {plan.schedule!r} puts stages s and 2D-1-s on one device (a V), which Megatron-LM's "
+            "layout cannot express (it places virtual stages in a loop); plan with 1f1b or interleaved for Megatron"
         )
     layers = [i for i, k in enumerate(plan.block_kinds) if k == "layer"]
     if not layers:

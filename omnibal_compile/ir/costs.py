@@ -474,6 +474,17 @@ class CostTable:
         """Each block's :meth:`DataParallel.block_cost` under ``dp`` over this table's data-parallel link."""
         return [dp.block_cost(b, self.precision, self.dp_bandwidth, self.dp_link_latency_s) for b in self.blocks]
 
+    def require_backward_split(self, schedule: str) -> None:
+        """Raise an :class:`InputError` unless every block's backward is split into B and W (``weight_grad_s``), as
+        ``schedule``, one that runs the weight-gradient part apart, needs."""
+        unknown = [b.name for b in self.blocks if b.weight_grad_s is None]
+        if unknown:
+            raise InputError(
+                f"schedule {schedule!r} runs each backward's weight-gradient part apart, but the cost table does not "
+                f"split the backward of {len(unknown)} blocks (e.g. {unknown[:3]}): cost the model again (cost "
+                "cache format 3 measures it), or set their weight_grad_s"
+            )
+
     def send_s(self, cut: int) -> float:
         """Seconds to send what crosses ``cut`` to the next stage."""
         return self.cut_bytes[cut] / self.link_bandwidth

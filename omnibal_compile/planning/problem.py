@@ -443,13 +443,7 @@ def _split_backward(costs: CostTable, schedule: str) -> dict[str, tuple[float, .
     """The problem's ``forward`` and ``weight`` for a schedule that splits the backward (none for the others)."""
     if schedule not in SCHEDULES or not SCHEDULES[schedule].split_backward:
         return {}
-    unknown = [b.name for b in costs.blocks if b.weight_grad_s is None]
-    if unknown:
-        raise InputError(
-            f"schedule {schedule!r} runs each backward's weight-gradient part apart, but the cost table does not split "
-            f"the backward of {len(unknown)} blocks (e.g. {unknown[:3]}): cost the model again (cost cache format 3 "
-            "measures it), or set their weight_grad_s"
-        )
+    costs.require_backward_split(schedule)
     return {"forward": tuple(b.forward_s for b in costs.blocks),
             "weight": tuple(float(b.weight_grad_s or 0.0) for b in costs.blocks)}
 

@@ -594,13 +594,7 @@ def simulate(
     orders = operation_order(sched, D, v, M)
     placed = Schedule(kind=sched, num_microbatches=M, virtual_stages=v)
     if placed.rule.split_backward:
-        unknown = [b.name for b in costs.blocks if b.weight_grad_s is None]
-        if unknown:
-            raise InputError(
-                f"schedule {sched!r} runs each backward's weight-gradient part apart, but the cost table does not "
-                f"split the backward of {len(unknown)} blocks (e.g. {unknown[:3]}): cost the model again (cost "
-                "cache format 3 measures it), or set their weight_grad_s"
-            )
+        costs.require_backward_split(sched)
     device_of = [placed.device_of(s, S) for s in range(S)]
     stages_of = [placed.stages_of(d, S) for d in range(D)]
     per_mb = _microbatch_stage_costs(plan, costs, microbatch_costs, M)

@@ -71,9 +71,6 @@ def test_every_flag_default_is_the_field_default() -> None:
             if action.dest == "device" and name == "run":
                 assert got == "cpu" and want is None  # a run without a device trains on cpu, as documented
                 continue
-            if action.dest == "precision" and name == "run":
-                assert got == "fp32" and want is None  # auto, resolved for that cpu run (config.precision_for)
-                continue
             assert got == want, (name, action.dest, got, want)
 
 

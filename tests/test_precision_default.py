@@ -27,11 +27,15 @@ def test_auto_precision_is_bf16_on_a_gpu_and_fp32_on_cpu_and_a_given_one_wins():
     assert precision_for(None, "cpu") == precision_for(None, None) == "fp32"
     assert precision_for("fp32", "cuda") == "fp32" and precision_for("bf16", "cpu") == "bf16"
     assert precision_for("fp16", "cuda") == "fp16"
-    # a run resolves it once, at its config: every rank and run.json see the precision that runs
-    assert RunConfig(plan="p.json").precision == "fp32"
-    assert RunConfig(plan="p.json", device="cuda").precision == "bf16"
-    assert RunConfig(plan="p.json", device="cuda", precision="fp32").precision == "fp32"
-    assert RunConfig.from_json(RunConfig(plan="p.json", device="cuda").to_json()).precision == "bf16"
+    # a run resolves it where it is read (RunConfig.run_precision): the setting itself stays auto
+    assert RunConfig(plan="p.json").run_precision == "fp32"
+    assert RunConfig(plan="p.json", device="cuda").run_precision == "bf16"
+    assert RunConfig(plan="p.json", device="cuda", precision="fp32").run_precision == "fp32"
+    assert RunConfig.from_json(RunConfig(plan="p.json", device="cuda").to_json()).run_precision == "bf16"
+    # a copy with another device resolves auto for that device (a stored resolution would keep cpu's fp32)
+    cpu = RunConfig(plan="p.json")
+    assert cpu.precision is None and dataclasses.replace(cpu, device="cuda").run_precision == "bf16"
+    assert dataclasses.replace(RunConfig(plan="p.json", precision="fp16"), device="cuda").run_precision == "fp16"
     assert Config().precision is None  # the setting stays auto; what costs it is resolved by optimize()
 
 

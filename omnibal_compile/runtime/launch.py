@@ -180,7 +180,7 @@ def _note_plan_settings(config: RunConfig, plan: Plan) -> None:
     memory may then differ from the plan's predictions)."""
     from omnibal_compile.runtime.precision import compute_dtype
 
-    planned_precision, run_precision = plan.notes.get("precision"), config.precision or "fp32"
+    planned_precision, run_precision = plan.notes.get("precision"), config.run_precision
     if isinstance(planned_precision, str) and planned_precision in PRECISION_NAMES:
         costed, held = precision_named(planned_precision), precision_named(run_precision)
         if (costed.weight_bytes, costed.grad_bytes, costed.master_bytes) != (held.weight_bytes, held.grad_bytes,
@@ -194,12 +194,12 @@ def _note_plan_settings(config: RunConfig, plan: Plan) -> None:
                           f"({described(held)}): its memory and data-parallel traffic may differ from the plan's; "
                           f"plan with --precision {run_precision} to cost what it holds")
 
-    low = compute_dtype(config.precision)
+    low = compute_dtype(config.run_precision)
     run_dtype = str(low or torch.float32).removeprefix("torch.")
     planned = plan.notes.get("compute dtype")
     if isinstance(planned, str) and planned and planned != run_dtype:
         progress.info(f"note: the plan's costs were measured in {planned}, this run computes in {run_dtype} "
-                      f"(--precision {config.precision or 'fp32'}): its step times may differ from the plan's")
+                      f"(--precision {config.run_precision}): its step times may differ from the plan's")
     planned_freeze = plan.notes.get("freeze", [])
     if "compute dtype" in plan.notes and list(planned_freeze) != list(config.freeze):
         progress.info(f"note: the plan was made with --freeze {','.join(planned_freeze) or '(none)'}, this run "

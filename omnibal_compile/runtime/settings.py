@@ -45,8 +45,13 @@ class RunConfig(RuntimeConfig, CheckpointConfig, OptimizerConfig, ScheduleConfig
             raise InputError(f"plan (--plan) must be a file path, got {self.plan!r}")
         if self.device is None:  # a run without a device trains where the plan command costs by default
             object.__setattr__(self, "device", "cpu")
-        # auto precision resolved once here: every rank, the launcher and run.json see the precision that runs
-        object.__setattr__(self, "precision", precision_for(self.precision, self.device))
+
+    @property
+    def run_precision(self) -> str:
+        """The precision this run trains in: ``precision``, or auto's choice for ``device``
+        (:func:`~omnibal_compile.config.precision_for`). Resolved where read, not stored, so that a config copied
+        with another device (``dataclasses.replace(config, device="cuda")``) resolves auto for that device."""
+        return precision_for(self.precision, self.device)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -227,7 +227,8 @@ def train(config: RunConfig) -> list[StepLog]:
     device = torch.device(f"cuda:{local_device(os.environ)}" if config.device == "cuda" else "cpu")
     tf32 = enable_tf32(device)  # before any matmul: capture, examples and steps alike
     if rank == 0:  # what runs, said once (the precision after auto: bf16 on cuda, fp32 on cpu)
-        print(f"[omnibal run] {world} rank(s) on {config.device} ({dist.get_backend()}), precision {config.precision}"
+        print(f"[omnibal run] {world} rank(s) on {config.device} ({dist.get_backend()}), "
+              f"precision {config.run_precision}"
               f"{', TF32 matmuls' if tf32 else ''}, kernels {config.kernels or 'none'}", flush=True)
     plan = read_plan(config)
     check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
@@ -240,7 +241,7 @@ def train(config: RunConfig) -> list[StepLog]:
     held_out = eval_source(config, model, source, mesh["dp"].get_local_rank()) if config.eval_data else None
     # 16 bits: captured as a 16-bit model (its graph's casts are then bf16's), the fp32 values kept as masters
     # (a meta start reads them from the weight files instead)
-    low = compute_dtype(config.precision)
+    low = compute_dtype(config.run_precision)
     result, masters = None, None
     if lean is not None:
         if low is not None:
@@ -249,16 +250,16 @@ def train(config: RunConfig) -> list[StepLog]:
         if result is None:  # its stages cannot start on meta (compile_on_meta says why)
             model, lean = build_model(config), None
     if result is None:
-        result, masters = compile_in_precision(model, source(0), plan, config.precision, kernels=config.kernels)
+        result, masters = compile_in_precision(model, source(0), plan, config.run_precision, kernels=config.kernels)
     pipeline = build_pipeline(
         result, mesh=mesh, device=device, data_parallel=layout,
-        recompute=config.apply_recompute, weighting=config.weighting, precision=config.precision,
+        recompute=config.apply_recompute, weighting=config.weighting, precision=config.run_precision,
         masters=masters if lean is None else None, weights=lean.weights if lean is not None else None,
         compile=config.compile,
     )
     del model, result, masters  # each rank keeps only its stages' parameters
     optimizer = build_optimizer(config, pipeline)
-    scaler = LossScaler() if config.precision == "fp16" else None
+    scaler = LossScaler() if config.run_precision == "fp16" else None
     first = 0
     if config.resume:
         folder, meta = load_training_state(config.resume, state=pipeline.state, optimizer=optimizer)

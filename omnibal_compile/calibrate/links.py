@@ -93,8 +93,9 @@ def measure_links(
         big_s = (gather_s[k] + scatter_s[k]) / 2
         return r * collective_bytes / (big_s - tiny_s[0] if big_s > 2 * tiny_s[0] else big_s)
 
-    return LinkSpeed(send_bytes_per_s=send_bytes / send_s[0], send_bytes=send_bytes, collective_bytes_per_s=collective(0),
-                     collective_bytes=collective_bytes, ranks=ranks, collective_latency_s=latency_s, repeats=repeats,
+    return LinkSpeed(send_bytes_per_s=send_bytes / send_s[0], send_bytes=send_bytes,
+                     collective_bytes_per_s=collective(0), collective_bytes=collective_bytes, ranks=ranks,
+                     collective_latency_s=latency_s, repeats=repeats,
                      send_spread=(send_bytes / send_s[2], send_bytes / send_s[1]),
                      collective_spread=(collective(2), collective(1)))
 

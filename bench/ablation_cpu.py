@@ -59,17 +59,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_cpu import CONFIG
 
 import omnibal_compile as oc
-from omnibal_compile.calibrate.links import effective_sizes, measure_links
+from omnibal_compile.calibrate.links import LinkSpeed, effective_sizes, measure_links
 from omnibal_compile.costs.annotate import annotate_costs
 from omnibal_compile.data import bundled_length_files
 from omnibal_compile.ir.costs import CostTable, DataParallel, Precision
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.models import TinyVLM
 from omnibal_compile.planning.build import plan_with_costs
+from omnibal_compile.planning.problem import tie_tolerance_for
 from omnibal_compile.runtime import measure_overhead
 from omnibal_compile.runtime.batches import packed_source
 from omnibal_compile.runtime.launch import launch
 from omnibal_compile.runtime.settings import RunConfig
+from omnibal_compile.sim.simulate import pipeline_processors
 
 LAYOUTS = ((2, 1), (1, 2), (2, 2))
 """(dp, pp) rows of the table."""
@@ -147,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     base_costs = profiles["balanced"]
     sizes = effective_sizes(base_costs.cut_bytes, [b.num_params * FP32_ADAMW.weight_bytes for b in base_costs.blocks])
     links = measure_links(send_bytes=sizes[0], collective_bytes=sizes[1])
-    print(f"links: sends {links.send_bytes_per_s / 1e9:.2f} GB/s at {sizes[0] / 2**20:.1f} MiB, all-gather and "
-          f"reduce-scatter {links.collective_bytes_per_s / 1e9:.2f} GB/s at {sizes[1] / 2**20:.1f} MiB plus "
-          f"{links.collective_latency_s * 1e3:.2f} ms per call", flush=True)
+    print(f"links: {links.summary()}", flush=True)
+    # The cores every rank shares are a device fact of the tables: the planner and the simulator split them
+    # among a layout's pipeline replicas alike (sim.simulate.pipeline_processors).
     profiles = {k: dataclasses.replace(c, link_bandwidth=links.send_bytes_per_s,
                                        dp_link_bandwidth=links.collective_bytes_per_s,
-                                       dp_link_latency_s=links.collective_latency_s) for k, c in profiles.items()}
+                                       dp_link_latency_s=links.collective_latency_s, processors=cores)
+                for k, c in profiles.items()}
 
     # Plans: (dp, pp, step) -> (plan, costs, batching).
     configs: dict[tuple[int, int, str], tuple[oc.Plan, object, str]] = {}
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "budgets": {f"{d}x{q}": b for (d, q), b in budgets.items()},
         "costs": {b: json.loads(c.to_json()) for b, c in profiles.items()},
         "overheads": {str(q): {"op_s": o.op_s, "step_s": o.step_s} for q, o in overheads.items()},
+        "links": dataclasses.asdict(links),
         "tokens": {f"{d} {b}": t for (d, b), t in tokens.items()},
         "configs": [{"dp": dp, "pp": pp, "step": step, "plan": json.loads(plan.to_json()), "batching": batching,
                      "timed": timed[dp, pp, step], "cpu": cpu[dp, pp, step], "peaks": peaks[dp, pp, step]}
@@ -243,11 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     return report(record)
 
 
+def record_profiles(record: dict) -> dict[str, CostTable]:
+    """The cost tables of a run's record, with the run's cores as their processors (records saved before the
+    tables carried them lack it)."""
+    return {b: dataclasses.replace(CostTable.from_dict(c), processors=record["cores"])
+            for b, c in record["costs"].items()}
+
+
 def table_rows(record: dict) -> list[tuple]:
     """Per configuration of a run's record: ((dp, pp, step), measured tokens/s, simulated tokens/s,
     measured peak bytes per rank, predicted peak bytes per rank, fraction of the cores kept busy)."""
     cores = record["cores"]
-    profiles = {b: CostTable.from_dict(c) for b, c in record["costs"].items()}
+    profiles = record_profiles(record)
     overheads = {int(q): o for q, o in record["overheads"].items()}
     tokens = {_key(k): v for k, v in record["tokens"].items()}
     configs = {(c["dp"], c["pp"], c["step"]): (Plan.from_dict(c["plan"]), profiles[c["batching"]], c["batching"])
@@ -256,13 +267,13 @@ def table_rows(record: dict) -> list[tuple]:
     peaks = {(c["dp"], c["pp"], c["step"]): c["peaks"] for c in record["configs"]}
     cpu = {(c["dp"], c["pp"], c["step"]): c["cpu"] for c in record["configs"]}
 
-    # Simulated: per configuration, tokens of a mean step over the simulated iteration time.
+    # Simulated: per configuration, tokens of a mean step over the simulated iteration time; the tables'
+    # processors (the cores) split among the layout's replicas, as the planner takes them.
     def simulated_tps(k: tuple) -> float:
         dp, pp, _ = k
         plan, costs, batching = configs[k]
-        procs = max(1, cores * pp // (dp * pp)) if dp * pp > cores else None
         over = overheads[pp]
-        res = oc.simulate(plan, costs, op_overhead_s=over["op_s"], step_overhead_s=over["step_s"], processors=procs)
+        res = oc.simulate(plan, costs, op_overhead_s=over["op_s"], step_overhead_s=over["step_s"])
         return float(np.mean(tokens[dp, batching][2:])) / res.iteration_time_s
 
     rows = []
@@ -300,6 +311,7 @@ def report(record: dict) -> int:
     print(head)
     print("-" * len(head))
     verdicts: list[tuple[str, bool]] = []
+    sim_verdicts: list[tuple[str, bool]] = []
     by = {r[0]: r for r in rows}
     worst_sim = worst_mem = 0.0
     for (dp, pp, step), measured, sim, peak, predicted, busy in rows:
@@ -318,6 +330,9 @@ def report(record: dict) -> int:
             verdicts.append(
                 (f"dp={dp} pp={pp} {step} >= 1.0x the step before ({measured / prev:.2f}x)", measured >= prev)
             )
+            sim_prev = by[dp, pp, prev_step][2]
+            sim_verdicts.append((f"dp={dp} pp={pp} {step} >= 1.0x the step before, simulated ({sim / sim_prev:.3f}x)",
+                                 sim >= sim_prev))
     if (2, 2, "+ recompute") in by:
         full = by[2, 2, "+ recompute"][1] / by[2, 2, "baseline"][1]
         verdicts.append((f"dp=2 x pp=2 full method >= 1.8x baseline ({full:.2f}x)", full >= 1.8))
@@ -331,10 +346,40 @@ def report(record: dict) -> int:
           "peak live tensor bytes in one step vs its stage's predicted peak (the plan's stage_peak_bytes; the bound "
           "it was fitted under, stage_memory_bytes, is printed with the plans above); mem err: the rank furthest off; "
           f"budget per layout: {budget_text})")
-    for text, ok in verdicts:
+    if "links" in record:
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in record["links"].items()}
+        print(f"links: {LinkSpeed(**saved).summary()}")
+    for text, ok in verdicts + sim_verdicts:
         print(f"target {text}: {'met' if ok else 'NOT met'}")
+    replanned(record)
     print(f"total {record['seconds']:.0f} s")
     return 0
+
+
+def replanned(record: dict) -> None:
+    """Print what this planner chooses for the "+ ILP" step of each pipelined layout from the record's costs,
+    and its predicted and simulated iteration time against the uniform cuts it replaces (tie band: the
+    planner's tolerance for measured costs)."""
+    profiles = record_profiles(record)
+    costs = profiles["balanced"]
+    for c in record["configs"]:
+        if c["step"] != "+ packs" or c["pp"] == 1:
+            continue
+        uniform = Plan.from_dict(c["plan"])
+        over = record["overheads"][str(c["pp"])]
+        kw = {"num_stages": c["pp"], "num_microbatches": record["micro"], "schedule": "1f1b",
+              "data_parallel": uniform.dp, "recompute": "full"}
+        ilp = plan_with_costs(costs, planner="ilp", **kw)
+        again = plan_with_costs(costs, planner="uniform", **kw)
+        sim = [oc.simulate(p, costs, op_overhead_s=over["op_s"], step_overhead_s=over["step_s"]).iteration_time_s
+               for p in (again, ilp)]
+        share = pipeline_processors(costs.processors, uniform.dp.size)
+        print(f"replanned from the saved costs (processors per replica {share:g} for {c['pp']} stages; tie band "
+              f"{tie_tolerance_for(costs):.0%}): dp={c['dp']} pp={c['pp']} + ILP cuts {list(ilp.boundaries)} vs "
+              f"uniform {list(again.boundaries)}: predicted {ilp.iteration_time_s:.3f} vs "
+              f"{again.iteration_time_s:.3f} s "
+              f"({again.iteration_time_s / ilp.iteration_time_s:.3f}x), simulated {sim[1]:.3f} vs {sim[0]:.3f} s "
+              f"({sim[0] / sim[1]:.3f}x)")
 
 
 def _key(text: str) -> tuple[int, str]:

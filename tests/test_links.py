@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from omnibal_compile.calibrate.links import effective_sizes, measure_links
+from omnibal_compile.calibrate.links import LinkSpeed, effective_sizes, measure_links
 from omnibal_compile.errors import InputError
 
 
@@ -16,8 +16,22 @@ def test_measure_links_on_two_ranks():
     assert speed.ranks == 2 and speed.send_bytes == 1 << 16 and speed.collective_bytes == 1 << 18
     for bw in (speed.send_bytes_per_s, speed.collective_bytes_per_s):
         assert math.isfinite(bw) and 1e5 < bw < 1e12, speed  # loopback: far above 100 kB/s, below 1 TB/s
+    # the median lies within the range of the repeats, which the summary prints with it
+    assert speed.repeats == 3
+    for (low, high), bw in ((speed.send_spread, speed.send_bytes_per_s),
+                            (speed.collective_spread, speed.collective_bytes_per_s)):
+        assert low <= bw <= high, speed
+        assert f"(range {low / 1e9:.2f}-{high / 1e9:.2f})" in speed.summary()
     # FSDP2's fixed cost per collective on local gloo: tens of microseconds to tens of milliseconds
     assert 1e-5 < speed.collective_latency_s < 0.05, speed
+
+
+def test_link_summary_is_one_line_with_each_median_and_its_range():
+    speed = LinkSpeed(send_bytes_per_s=2.41e9, send_bytes=1 << 20, collective_bytes_per_s=0.43e9,
+                      collective_bytes=3 << 20, ranks=2, collective_latency_s=0.00146, repeats=7,
+                      send_spread=(2.1e9, 2.6e9), collective_spread=(0.37e9, 0.62e9))
+    assert speed.summary() == ("sends 2.41 GB/s (range 2.10-2.60) at 1.0 MiB, all-gather and reduce-scatter 0.43 GB/s "
+                               "(range 0.37-0.62) at 3.0 MiB plus 1.46 ms per call; medians of 7 repeats")
 
 
 def test_effective_sizes_take_the_median_cut_and_the_block_with_the_median_weight_byte():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from contracts import assert_frozen_keyword_only
 
@@ -162,3 +164,52 @@ def test_problem_from_costs_by_hand():
             problem_from_costs(_costs(), num_stages=2, num_microbatches=2, budget=budget)
     with pytest.raises(InputError, match="recompute must be"):
         problem_from_costs(_costs(), num_stages=2, num_microbatches=2, recompute="half")
+
+
+def _shared_core_costs(processors: float | None) -> CostTable:
+    """Three blocks (3, 3 and 6 s per micro-batch) and a budget under which the even cut [0, 2, 3] must
+    recompute a block on stage 0 (two micro-batches in flight) while the uneven [0, 1, 3] fits as is."""
+    blocks = tuple(
+        BlockCost(name=f"b{i}", kind="layer", flops=f, num_params=10, static_bytes=1000, forward_s=f,
+                  backward_s=2 * f, activation_bytes={"none": 100, "selective": 100, "full": 10},
+                  recompute_s={"none": 0.0, "selective": f / 2, "full": f})
+        for i, f in enumerate((1.0, 1.0, 2.0))
+    )
+    return CostTable(blocks=blocks, cut_bytes=(0, 0, 0, 0), link_bandwidth=1e12, device="x", source="roofline",
+                     precision=BF16_ADAM, processors=processors)
+
+
+@pytest.mark.parametrize("planner", ["dp", "ilp", "tie-break"])
+def test_ranks_sharing_processors_plan_for_the_shared_work(planner):
+    # Two ranks on one core: the simulator runs the stages' work one after the other, so the even cut, which
+    # recomputes a block, is slower than the uneven one that recomputes nothing, although 1F1B's closed form
+    # prefers it (7 + 6 + 7 = 20 s against 3 + 9 + 9 = 21 s).
+    from omnibal_compile import simulate
+    from omnibal_compile.planning.build import plan_with_costs
+
+    kw = dict(num_stages=2, num_microbatches=2, memory_budget=2250, planner="ilp" if planner == "ilp" else "dp",
+              tie_tolerance=0.01 if planner == "tie-break" else 0.0)
+    own, shared = _shared_core_costs(None), _shared_core_costs(1)
+    even, uneven = plan_with_costs(own, **kw), plan_with_costs(shared, **kw)
+    assert even.boundaries == (0, 2, 3) and even.block_recompute.count("full") == 1
+    assert uneven.boundaries == (0, 1, 3) and set(uneven.block_recompute) == {"none"}
+    assert simulate(uneven, shared).iteration_time_s < simulate(even, shared).iteration_time_s
+    assert uneven.iteration_time_s == pytest.approx(2 * 12.0)  # M sum_s T_s / P: the shared work binds
+    assert simulate(uneven, shared).iteration_time_s == pytest.approx(24.0)
+
+
+def test_processors_reach_the_problem_per_replica_and_bound_gpipe_and_1f1b_only():
+    P = problem_from_costs(_costs(), num_stages=2, num_microbatches=2, data_parallel=DataParallel(size=2))
+    assert P.processors is None and not P.shares_processors
+    costs = dataclasses.replace(_costs(), processors=2)
+    P = problem_from_costs(costs, num_stages=2, num_microbatches=2, data_parallel=DataParallel(size=2))
+    assert P.processors == 1 and P.shares_processors  # two replicas of two stages on two cores: one each
+    assert not problem_from_costs(costs, num_stages=2, num_microbatches=2).shares_processors  # one replica, two
+    sol = evaluate(P, (0, 2, 4), ("none",) * 4)
+    closed = sum(sol.stage_time) + max(sol.stage_time)
+    assert sol.iteration_time == pytest.approx(max(closed, 2 * sum(sol.stage_time)) + sol.sync_time)
+    with pytest.raises(PlanError, match="share processors"):
+        problem_from_costs(costs, num_stages=4, num_microbatches=2, schedule="interleaved", virtual_stages=2,
+                           data_parallel=DataParallel(size=2))
+    with pytest.raises(InputError, match="processors"):
+        dataclasses.replace(_costs(), processors=0)

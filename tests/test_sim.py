@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import BlockCost, CostTable
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.sim import operation_order, schedule_time, simulate, stage_costs, sweep, sweep_table
+from omnibal_compile.sim.simulate import pipeline_processors, shared_work_time
 
 
 def block(i: int, f: float = 1.0, b: float = 2.0, act: int = 1000, static: int = 50, workspace: int = 0) -> BlockCost:
@@ -305,6 +307,16 @@ def test_shared_processors(schedule, S):
     assert schedule_time(schedule, S, M, forward_s=F, backward_s=B) == pytest.approx((M + S - 1) * (F + B))
     with pytest.raises(InputError, match="processors"):
         simulate(plan, costs, processors=0)
+    # The cost table's processors are the default, split among the data-parallel replicas (one definition
+    # with the planner: pipeline_processors); a replica may get part of one.
+    for run, dp in ((1, 1), (2, 2), (1, 2)):
+        shared_plan = dataclasses.replace(plan, data_parallel=dp)
+        share = pipeline_processors(run, dp)
+        assert share == run / dp
+        assert simulate(shared_plan, dataclasses.replace(costs, processors=run)).iteration_time_s == pytest.approx(
+            simulate(shared_plan, costs, processors=share).iteration_time_s)
+    assert simulate(plan, costs, processors=0.5).iteration_time_s == pytest.approx(2 * S * M * (F + B))
+    assert shared_work_time(12.0, 1, 2) == 12.0 and shared_work_time(12.0, 2, 2) == 0.0
 
 
 def test_shared_processors_by_hand():

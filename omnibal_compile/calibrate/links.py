@@ -47,12 +47,30 @@ class LinkSpeed:
     """Ranks of the collectives."""
     collective_latency_s: float = 0.0
     """Seconds of one FSDP2 collective call beyond its bytes (the call latency of the glossary)."""
+    repeats: int = 1
+    """Timed repeats of each transfer; the speeds are their medians."""
+    send_spread: tuple[float, float] = (0.0, 0.0)
+    """(slowest, fastest) send bytes/s over the repeats."""
+    collective_spread: tuple[float, float] = (0.0, 0.0)
+    """(slowest, fastest) collective bytes/s over the repeats, by the same rule as the median."""
+
+    def summary(self) -> str:
+        """The speeds in one line, each median with the range of its repeats (the one format every report uses)."""
+        def gbs(x: float) -> str:
+            return f"{x / 1e9:.2f}"
+
+        return (f"sends {gbs(self.send_bytes_per_s)} GB/s (range {gbs(self.send_spread[0])}-"
+                f"{gbs(self.send_spread[1])}) at {self.send_bytes / 2**20:.1f} MiB, all-gather and reduce-scatter "
+                f"{gbs(self.collective_bytes_per_s)} GB/s (range {gbs(self.collective_spread[0])}-"
+                f"{gbs(self.collective_spread[1])}) at {self.collective_bytes / 2**20:.1f} MiB plus "
+                f"{self.collective_latency_s * 1e3:.2f} ms per call; medians of {self.repeats} repeats")
 
 
 def measure_links(
     *, send_bytes: int, collective_bytes: int, ranks: int = 2, repeats: int = 7, timeout_s: float = 120.0
 ) -> LinkSpeed:
-    """Time sends between two local gloo ranks and FSDP's collectives over ``ranks`` (median of ``repeats``)."""
+    """Time sends between two local gloo ranks and FSDP's collectives over ``ranks``: the median of ``repeats``,
+    with the range of the repeats (:attr:`LinkSpeed.send_spread`, :attr:`LinkSpeed.collective_spread`)."""
     import torch.multiprocessing as mp
 
     for name, value in (("send_bytes", send_bytes), ("collective_bytes", collective_bytes)):
@@ -64,13 +82,22 @@ def measure_links(
         out = os.path.join(tmp, "result.txt")
         mp.start_processes(_rank, args=(ranks, tmp, out, send_bytes, collective_bytes, repeats, timeout_s),
                            nprocs=ranks, join=True, start_method="spawn")
-        send_s, gather_s, scatter_s, tiny_s, latency_s = (float(x) for x in Path(out).read_text().split())
+        # per transfer: median, fastest and slowest repeat
+        (send_s, gather_s, scatter_s, tiny_s), latency_s = (
+            [tuple(float(x) for x in line.split()) for line in Path(out).read_text().splitlines()[:4]],
+            float(Path(out).read_text().splitlines()[4]))
     r = (ranks - 1) / ranks
-    # Alpha-beta: the big collectives' time less a tiny one's is their bytes' time (if noise leaves any).
-    big_s = (gather_s + scatter_s) / 2
-    collective = r * collective_bytes / (big_s - tiny_s if big_s > 2 * tiny_s else big_s)
-    return LinkSpeed(send_bytes_per_s=send_bytes / send_s, send_bytes=send_bytes, collective_bytes_per_s=collective,
-                     collective_bytes=collective_bytes, ranks=ranks, collective_latency_s=latency_s)
+
+    def collective(k: int) -> float:
+        # Alpha-beta: the big collectives' time less a tiny one's is their bytes' time (if noise leaves any).
+        big_s = (gather_s[k] + scatter_s[k]) / 2
+        return r * collective_bytes / (big_s - tiny_s[0] if big_s > 2 * tiny_s[0] else big_s)
+
+    return LinkSpeed(send_bytes_per_s=send_bytes / send_s[0], send_bytes=send_bytes,
+                     collective_bytes_per_s=collective(0), collective_bytes=collective_bytes, ranks=ranks,
+                     collective_latency_s=latency_s, repeats=repeats,
+                     send_spread=(send_bytes / send_s[2], send_bytes / send_s[1]),
+                     collective_spread=(collective(2), collective(1)))
 
 
 def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective_bytes: int, repeats: int,
@@ -89,7 +116,8 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
         shard = torch.ones(collective_bytes // 4 // world)
         whole = torch.empty(shard.numel() * world)
 
-        def timed(op) -> float:
+        def timed_all(op) -> tuple[float, float, float]:
+            """(median, fastest, slowest) seconds of ``op`` over the repeats."""
             op()  # warm-up: connections and buffers
             times = []
             for _ in range(repeats):
@@ -97,7 +125,10 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
                 t = time.perf_counter()
                 op()
                 times.append(time.perf_counter() - t)
-            return statistics.median(times)
+            return statistics.median(times), min(times), max(times)
+
+        def timed(op) -> float:
+            return timed_all(op)[0]
 
         def ping() -> None:  # rank 0 -> 1 and back: two sends, so half the round trip is one
             if rank == 0:
@@ -107,9 +138,9 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
                 dist.recv(msg, 0)
                 dist.send(msg, 0)
 
-        send = timed(ping) / 2
-        gather = timed(lambda: dist.all_gather_into_tensor(whole, shard))
-        scatter = timed(lambda: dist.reduce_scatter_tensor(shard, whole))
+        send = [t / 2 for t in timed_all(ping)]
+        gather = timed_all(lambda: dist.all_gather_into_tensor(whole, shard))
+        scatter = timed_all(lambda: dist.reduce_scatter_tensor(shard, whole))
         dot, dots = torch.ones(1), torch.ones(world)
         tiny = (
             timed(lambda: dist.all_gather_into_tensor(dots, dot)) + timed(lambda: dist.reduce_scatter_tensor(dot, dots))
@@ -117,7 +148,8 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
         few, many = _fsdp_stack(world, 2), _fsdp_stack(world, 10)
         latency = max(0.0, (timed(many) - timed(few)) / (8 * 3))  # 8 more layers, 3 collectives each
         if rank == 0:
-            Path(out).write_text(f"{send} {gather} {scatter} {tiny} {latency}")
+            lines = [" ".join(map(str, t)) for t in (send, gather, scatter, (tiny, tiny, tiny))]
+            Path(out).write_text("\n".join([*lines, str(latency)]))
     finally:
         dist.destroy_process_group()
 

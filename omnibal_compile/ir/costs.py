@@ -432,6 +432,10 @@ class CostTable:
     on local gloo ranks; 0 = bytes only)."""
     shared: tuple[SharedParameter, ...] = ()
     """Parameters several blocks read (tied weights), each counted in every one of those blocks' static bytes."""
+    processors: float | None = None
+    """Processors all the run's ranks share, e.g. the CPU cores under local CPU ranks; None = one per rank (one GPU
+    each). A device fact the planner and the simulator both read through
+    :func:`omnibal_compile.sim.simulate.pipeline_processors`: ranks that compute at once beyond it slow each other."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -448,6 +452,8 @@ class CostTable:
             raise InputError(f"dp_link_bandwidth must be positive (or None), got {self.dp_link_bandwidth}")
         if not self.dp_link_latency_s >= 0:
             raise InputError(f"dp_link_latency_s must be >= 0 seconds, got {self.dp_link_latency_s}")
+        if self.processors is not None and not self.processors > 0:
+            raise InputError(f"processors must be positive (or None for one per rank), got {self.processors}")
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ from omnibal_compile.planning.problem import (
     Solution,
     evaluate,
     in_flight,
+    pipeline_time,
     stage_io,
     stage_shared,
     stage_time_bound,
@@ -140,12 +141,12 @@ def solve_dp(problem: PartitionProblem, *, frontiers: Frontiers | None = None) -
     if problem.schedule == "interleaved":
         raise PlanError("the dynamic program handles gpipe and 1f1b; use the ILP for interleaved schedules")
     start = time.perf_counter()
-    P, M = problem, problem.num_microbatches
+    P = problem
     if frontiers is None:
         frontiers = Frontiers(P, max_time=_max_stage_time(P))
     states = _pareto_states(P, frontiers)
     final = states[-1][P.n]
-    best = min(range(len(final)), key=lambda q: final[q][0] + (M - 1) * final[q][1] + final[q][2])
+    best = min(range(len(final)), key=lambda q: pipeline_time(P, final[q][0], final[q][1]) + final[q][2])
     boundaries, opts = _plan_of(P, frontiers, states, best)
     return evaluate(
         P, boundaries, [OPTIONS[o] for o in opts], planner="dp", status="optimal",

@@ -9,6 +9,8 @@ Variables (n blocks i, S stages s, options o):
     T[s] >= 0 stage time;  Tmax >= T[s]
     D >= 0 data-parallel time: D >= sum_i x[i, s] d_i per stage; only with data parallelism, where
            the objective adds D once (see solver.problem)
+    shared_work >= sum_s T[s] + (M - 1) Tmax and >= M sum_s T[s] / P: only when the devices share
+           P < S processors (problem.pipeline_time); it replaces the closed form in the objective
 Constraints:
     assignment   sum_{s, o} w[i, s, o] = 1
     stages       with a budget: the z form a path (one interval starts stage 0 at block 0; the
@@ -370,6 +372,11 @@ def _joint_model(
     for s in range(S):
         prob += Tmax >= T[s], f"max_{s}"
     objective = pulp.lpSum(T) + (M - 1) * Tmax
+    if P.shares_processors:  # problem.pipeline_time: the shared work's bound when it is larger
+        shared = pulp.LpVariable("shared_work", lowBound=0)
+        prob += shared >= objective, "closed_form"
+        prob += shared >= (M / P.processors) * pulp.lpSum(T), "shared_processors"  # type: ignore[operator]
+        objective = shared
     D = pulp.LpVariable("D", lowBound=0)
     if P.sync:
         for s in range(S):  # one stage per device
@@ -381,7 +388,7 @@ def _joint_model(
             T[s].upBound = tau
     prob += Tmax >= max(sum(fastest) / S, max(fastest)), "bottleneck_lower_bound"
     prob += pulp.lpSum(T) >= sum(fastest), "total_work_lower_bound"
-    if upper_bound is not None:
+    if upper_bound is not None and not P.shares_processors:  # with it, HiGHS stopped unsolved at an exact bound
         prob += objective <= upper_bound * (1 + BOUND_MARGIN), "dp_bound"
     # Phase 2 folded in lexicographically: a tie-break weight far below any time difference that
     # matters makes the solver prefer less recomputation among plans of equal iteration time.

@@ -31,6 +31,9 @@ device budget (an approximation that keeps stages independent).
 Iteration time: GPipe and 1F1B  sum_s T_s + (M - 1) max_s T_s;
     interleaved  M max_d T_d + (p - 1) / (p v) sum_s T_s, with T_d the sum over device d's chunks
     For equal stages of time T these give (M + S - 1) T, and (v M + p - 1) T for interleaved.
+    Devices sharing P < S processors (``processors``, e.g. local CPU ranks on fewer cores; GPipe and
+    1F1B only): max(that, M sum_s T_s / P), since P processors do at most P seconds of work a second;
+    balancing the stages then buys nothing once the shared work binds (:func:`pipeline_time`).
     This is a surrogate of the simulator (:mod:`omnibal_compile.sim`, the reference iteration-time
     model), checked against it in tests/test_iteration_model.py. With every micro-batch alike and
     free sends it is exact for equal stages (data parallelism included), for GPipe whenever one stage
@@ -68,13 +71,13 @@ from omnibal_compile.ir.costs import (
     running_peak,
 )
 from omnibal_compile.ir.schedule import SCHEDULES, Schedule
-from omnibal_compile.sim.simulate import live_counts, stage_schedule_time
+from omnibal_compile.sim.simulate import live_counts, pipeline_processors, shared_work_time, stage_schedule_time
 
 __all__ = [
     "PartitionProblem", "Solution", "evaluate", "in_flight", "problem_from_costs", "lower_bound", "stage_time_bound",
     "stage_static", "stage_shared", "sync_time", "stage_peak", "stage_io", "PlanFigures", "plan_figures",
     "device_limit", "evaluate_zero_bubble", "zero_bubble_block_parts", "zero_bubble_devices", "zero_bubble_peak",
-    "zero_bubble_stage_act", "zero_bubble_stage_fixed",
+    "zero_bubble_stage_act", "zero_bubble_stage_fixed", "pipeline_time",
 ]
 
 OPTIONS = RECOMPUTE_OPTIONS
@@ -140,6 +143,10 @@ class PartitionProblem:
     weight: tuple[float, ...] = ()
     """w_i: the weight-gradient part of block i's backward (0 for a frozen block), which a zero-bubble schedule
     runs apart; needed by them. Empty = not given."""
+    processors: float | None = None
+    """Processors the pipeline's devices share (:func:`omnibal_compile.sim.simulate.pipeline_processors` of the
+    cost table's, as the simulator takes them); None = one per device. Fewer than the devices bound the
+    iteration time by the work they share (:func:`pipeline_time`); GPipe and 1F1B only."""
     tie_tolerance: float = 0.0
     """Plans predicted within this fraction of the least iteration time count as equal, and
     :func:`omnibal_compile.planning.ties.break_ties` picks among them by figures that do not depend on
@@ -165,6 +172,12 @@ class PartitionProblem:
         for name in ("gathered", "workspace", "sync", "peak", "forward", "weight"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise InputError(f"{name} has {len(getattr(self, name))} entries for {n} blocks (or give none)")
+        if self.processors is not None and not self.processors > 0:
+            raise InputError(f"processors must be positive (or None for one per device), got {self.processors}")
+        if self.shares_processors and self.schedule not in ("gpipe", "1f1b"):
+            raise PlanError(f"the planner models devices that share processors ({self.processors:g} for "
+                            f"{self.num_devices} devices) under gpipe and 1f1b only, not {self.schedule!r}: plan "
+                            "it with processors=None in the cost table (one per device), or with gpipe or 1f1b")
         if self.pipeline_schedule.rule.split_backward:
             if not (self.forward and self.weight):
                 raise InputError(f"schedule {self.schedule!r} splits each backward: the problem needs forward and "
@@ -181,6 +194,11 @@ class PartitionProblem:
     @property
     def n(self) -> int:
         return len(self.names)
+
+    @property
+    def shares_processors(self) -> bool:
+        """The devices share fewer processors than there are devices."""
+        return shared_work_time(1.0, self.processors, self.num_devices) > 0
 
     @property
     def num_devices(self) -> int:
@@ -274,10 +292,20 @@ class Solution:
     """Peak_s: the predicted peak memory of each stage (<= Mem_s; see the module docstring)."""
 
 
+def pipeline_time(problem: PartitionProblem, total: float, largest: float) -> float:
+    """GPipe's and 1F1B's iteration time before D from the stages' summed and largest time per micro-batch:
+    the closed form sum_s T_s + (M - 1) max_s T_s, or, when the devices share fewer processors than there are
+    devices, the shared work's bound M sum_s T_s / processors if larger (the simulator's processor sharing:
+    :func:`omnibal_compile.sim.simulate.shared_work_time`). The one objective every GPipe/1F1B planner uses."""
+    M = problem.num_microbatches
+    closed = total + (M - 1) * largest
+    return max(closed, shared_work_time(M * total, problem.processors, problem.num_devices))
+
+
 def _iteration_time(problem: PartitionProblem, stage_time: Sequence[float]) -> float:
     M = problem.num_microbatches
     if problem.schedule in ("gpipe", "1f1b"):
-        return sum(stage_time) + (M - 1) * max(stage_time)
+        return pipeline_time(problem, sum(stage_time), max(stage_time))
     p, v = problem.num_devices, problem.virtual_stages
     per_device = [sum(stage_time[s] for s in range(problem.num_stages) if problem.device_of(s) == d) for d in range(p)]
     return M * max(per_device) + (p - 1) / (p * v) * sum(stage_time)
@@ -514,6 +542,7 @@ def problem_from_costs(
         virtual_stages=virtual_stages,
         budget=budgets,
         allowed=allowed,
+        processors=pipeline_processors(costs.processors, dp.size),
         tie_tolerance=tie_tolerance_for(costs) if tie_tolerance is None else tie_tolerance,
     )
 

@@ -37,7 +37,14 @@ import time
 import numpy as np
 
 from omnibal_compile.planning.dp import Frontiers
-from omnibal_compile.planning.problem import OPTIONS, PartitionProblem, Solution, evaluate, stage_time_bound
+from omnibal_compile.planning.problem import (
+    OPTIONS,
+    PartitionProblem,
+    Solution,
+    evaluate,
+    pipeline_time,
+    stage_time_bound,
+)
 
 __all__ = ["MAX_STATES", "break_ties", "StageRule", "tie_key"]
 
@@ -134,7 +141,7 @@ def _search(P: PartitionProblem, rule: StageRule, bound: float) -> tuple[int, ..
     def objective(t: tuple[float, ...], extra_work: float = 0.0) -> float:
         if interleaved:
             return M * max(t[1 : 1 + p]) + c * (t[0] + extra_work) + max(t[1 + p :])
-        return t[0] + extra_work + (M - 1) * t[1] + t[2]
+        return pipeline_time(P, t[0] + extra_work, t[1]) + t[2]
 
     def extend(t: tuple[float, ...], s: int, T: float, D: float) -> tuple[float, ...]:
         if interleaved:

@@ -100,6 +100,9 @@ __all__ = [
     "stage_costs",
     "operation_order",
     "SimulationError",
+    "pipeline_processors",
+    "processor_rate",
+    "shared_work_time",
 ]
 
 EventKind = Literal[
@@ -377,6 +380,33 @@ def _bandwidth_scale(costs: CostTable, link_bandwidth: float | None) -> float:
     return costs.link_bandwidth / link_bandwidth
 
 
+def pipeline_processors(processors: float | None, data_parallel: int) -> float | None:
+    """Processors one pipeline replica's devices share: the run's ``processors`` (:attr:`CostTable.processors`)
+    split evenly among its ``data_parallel`` replicas, which run alike; None = one per device. The planner
+    (``planning.problem.problem_from_costs``) and :func:`simulate` both take the share from here."""
+    if processors is None:
+        return None
+    if not processors > 0 or data_parallel < 1:
+        raise InputError(f"processors must be positive and data_parallel >= 1, got {processors} and {data_parallel}")
+    return processors / data_parallel
+
+
+def processor_rate(processors: float | None, computing: int) -> float:
+    """Seconds of work per second of each of ``computing`` devices that share ``processors`` equally (None: one
+    each): ``min(1, processors / computing)``. The simulator's rule of shared processors."""
+    return 1.0 if processors is None else min(1.0, processors / max(1, computing))
+
+
+def shared_work_time(work_s: float, processors: float | None, num_devices: int) -> float:
+    """The least time ``num_devices`` sharing ``processors`` take for ``work_s`` seconds of compute (seconds of
+    one processor each), whatever the schedule: by :func:`processor_rate` no more than ``processors`` seconds
+    of work get done per second. 0 when every device has a processor of its own (no bound beyond the
+    schedule's)."""
+    if processors is None or processors >= num_devices:
+        return 0.0
+    return work_s / processors
+
+
 def _ready_at(
     kind: str, s: int, m: int, S: int, f_end: dict[tuple[int, int], float], b_end: dict[tuple[int, int], float], send
 ) -> float | None:
@@ -400,7 +430,7 @@ def _timeline(
     orders: list[list[Op]],
     segments,
     ready_at,
-    processors: int | None,
+    processors: float | None,
     *,
     f_start: dict[tuple[int, int], float],
     f_end: dict[tuple[int, int], float],
@@ -443,7 +473,7 @@ def _timeline(
         if not running and not upcoming:
             stuck = {d: orders[d][pos[d]] for d in range(D) if pos[d] < len(orders[d])}
             raise SimulationError(f"the operation orders deadlock; devices wait on {stuck}")
-        rate = 1.0 if processors is None else min(1.0, processors / max(1, len(running)))
+        rate = processor_rate(processors, len(running))
         finish = min((r[2] for r in running.values()), default=float("inf"))
         t_finish = now + (finish - virtual) / rate if running else float("inf")
         t_next = min(t_finish, min(upcoming, default=float("inf")))
@@ -474,7 +504,7 @@ def schedule_time(
     backward_s: float = 1.0,
     weight_s: float = 0.0,
     virtual_stages: int = 1,
-    processors: int | None = None,
+    processors: float | None = None,
 ) -> float:
     """Iteration time of equal stages with free sends: ``forward_s``/``backward_s`` per stage and
     micro-batch (per chunk when interleaved), ``weight_s`` of the backward its weight-gradient part (run apart by
@@ -558,7 +588,7 @@ def simulate(
     link_bandwidth: float | None = None,
     op_overhead_s: float = 0.0,
     step_overhead_s: float = 0.0,
-    processors: int | None = None,
+    processors: float | None = None,
 ) -> SimResult:
     """Simulate one training iteration of ``plan`` with per-block ``costs``.
 
@@ -576,14 +606,18 @@ def simulate(
             schedule's Python, send/receive posting, autograd bookkeeping); measure it on the target
             with :func:`omnibal_compile.runtime.measure_overhead`. Counted as busy time.
         step_overhead_s: fixed cost per iteration (optimizer step, barrier), added at the end.
-        processors: processors the devices share, e.g. the CPU cores under local CPU ranks (None:
-            one per device, as with one GPU per rank). When more devices compute at once than there
-            are processors, each computes at ``processors / computing`` speed (processor sharing).
+        processors: processors the devices of this pipeline share (None: the cost table's
+            :attr:`~omnibal_compile.ir.costs.CostTable.processors`, split among the plan's data-parallel
+            replicas by :func:`pipeline_processors`; None there too: one per device, as with one GPU per
+            rank). When more devices compute at once than there are processors, each computes at
+            ``processors / computing`` speed (processor sharing, :func:`processor_rate`).
     """
     if op_overhead_s < 0 or step_overhead_s < 0:
         raise InputError("op_overhead_s and step_overhead_s must be >= 0")
-    if processors is not None and processors < 1:
-        raise InputError(f"processors must be >= 1 (or None for one per device), got {processors}")
+    if processors is not None and not processors > 0:
+        raise InputError(f"processors must be positive (or None for the cost table's), got {processors}")
+    if processors is None:
+        processors = pipeline_processors(costs.processors, plan.dp.size)
     sched = schedule or plan.schedule
     if microbatch_costs is not None and num_microbatches is None:
         M = len(microbatch_costs)

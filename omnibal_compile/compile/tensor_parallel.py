@@ -160,65 +160,66 @@ def _propagate(region: Sequence[fx.Node], starts: dict[fx.Node, int], tp: int
     for n in region:
         if n in sd:
             continue
+        args: Any = n.args
         t, where = n.target, f"{n.name} ({getattr(n.target, '__name__', n.target)})"
         ins = [a for a in n.all_input_nodes if a in sd]
         out = _shape(n)
         if t is operator.getitem:
-            sd[n] = sd[n.args[0]]  # type: ignore[index]
+            sd[n] = sd[args[0]]
             continue
-        x = n.args[0] if n.args else None
+        x = args[0] if args else None
         src = _shape(x)
         d = sd.get(x) if isinstance(x, fx.Node) else None
         if t is aten._assert_tensor_metadata.default:  # a check of global sizes: keep the dtype/device checks
-            rewrites.append((n, n.args[:1], {k: v for k, v in n.kwargs.items() if k not in ("size", "stride")}))
+            rewrites.append((n, args[:1], {k: v for k, v in n.kwargs.items() if k not in ("size", "stride")}))
             sd[n] = 0
             continue
         if t is aten.scaled_dot_product_attention.default:
-            q, k, v = n.args[:3]
+            q, k, v = args[:3]
             heads = len(_shape(q) or ()) - 3
-            if any(sd.get(a) != heads for a in (q, k, v)):  # type: ignore[call-overload]
+            if any(sd.get(a) != heads for a in (q, k, v)):
                 raise _Refused(f"{where}: q, k and v are not all sharded on their heads dim")
-            mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+            mask = args[3] if len(args) > 3 else n.kwargs.get("attn_mask")
             ms = _shape(mask)
             if isinstance(mask, fx.Node) and ms is not None and len(ms) > 2 and ms[heads - 4 + len(ms)] != 1:
                 raise _Refused(f"{where}: the attention mask has a size per head")
             sd[n] = heads
             continue
         if t is aten.cat.default:
-            parts, dim = n.args[0], n.args[1] if len(n.args) > 1 else 0
-            first = _shape(parts[0])  # type: ignore[index]
-            dims = {sd.get(p) for p in parts}  # type: ignore[union-attr, attr-defined]
-            if len(dims) != 1 or None in dims or first is None or _norm_dim(int(dim), len(first)) in dims:  # type: ignore
+            parts, dim = args[0], args[1] if len(args) > 1 else 0
+            first = _shape(parts[0])
+            dims = {sd.get(p, -1) for p in parts}
+            if len(dims) != 1 or -1 in dims or first is None or _norm_dim(int(dim), len(first)) in dims:
                 raise _Refused(f"{where} joins values that are not all sharded alike, or along the shard")
-            sd[n] = dims.pop()  # type: ignore[assignment]
+            sd[n] = dims.pop()
             continue
         if d is None or src is None or (out is None and t not in (aten.chunk.default, aten.split.Tensor,
                                                                   aten.unbind.int)):
             raise _Refused(f"{where} reads a sharded value in a way the pass has no rule for")
         if t in _VIEWS:
-            shape = list(n.args[1])  # type: ignore[arg-type]
+            shape = list(args[1])
             assert out is not None
             e = _view_dim(src, out, d, tp, where)
             if not isinstance(shape[e], int):
                 raise _Refused(f"{where} has a symbolic size on the sharded dim")
             if shape[e] != -1:
                 shape[e] //= tp
-                rewrites.append((n, (x, shape, *n.args[2:]), dict(n.kwargs)))
+                rewrites.append((n, (x, shape, *args[2:]), dict(n.kwargs)))
             sd[n] = e
         elif t is aten.transpose.int:
-            a, b = (_norm_dim(int(i), len(src)) for i in n.args[1:3])  # type: ignore[call-overload]
+            a, b = (_norm_dim(int(i), len(src)) for i in args[1:3])
             sd[n] = b if d == a else a if d == b else d
         elif t is aten.permute.default:
-            sd[n] = [_norm_dim(int(i), len(src)) for i in n.args[1]].index(d)  # type: ignore[union-attr]
+            sd[n] = [_norm_dim(int(i), len(src)) for i in args[1]].index(d)
         elif t is aten.unsqueeze.default:
-            k_ = _norm_dim(int(n.args[1]), len(src) + 1)  # type: ignore[call-overload]
+            k_ = _norm_dim(int(args[1]), len(src) + 1)
             sd[n] = d + (k_ <= d)
         elif t is aten.expand.default:
-            sizes = list(n.args[1])  # type: ignore[arg-type]
+            sizes = list(args[1])
             e = d + len(sizes) - len(src)
             if sizes[e] != -1:
                 sizes[e] //= tp
-                rewrites.append((n, (x, sizes, *n.args[2:]), dict(n.kwargs)))
+                rewrites.append((n, (x, sizes, *args[2:]), dict(n.kwargs)))
             sd[n] = e
         elif t is aten.repeat_interleave.self_int:
             if n.kwargs.get("output_size") is not None:
@@ -226,25 +227,25 @@ def _propagate(region: Sequence[fx.Node], starts: dict[fx.Node, int], tp: int
             sd[n] = d  # along the heads dim: rank r's kv heads give exactly its query heads' copies
         elif t in (aten.chunk.default, aten.split.Tensor, aten.unbind.int, aten.select.int, aten.slice.Tensor,
                    aten._softmax.default, aten.softmax.int):
-            dim = n.args[2] if t in (aten.chunk.default, aten.split.Tensor) else (n.args[1] if len(n.args) > 1 else 0)
-            if _norm_dim(int(dim), len(src)) == d:  # type: ignore[call-overload]
+            dim = args[2] if t in (aten.chunk.default, aten.split.Tensor) else (args[1] if len(args) > 1 else 0)
+            if _norm_dim(int(dim), len(src)) == d:
                 raise _Refused(f"{where} works along the sharded dim")
-            sd[n] = d - (t in (aten.unbind.int, aten.select.int) and _norm_dim(int(dim), len(src)) < d)  # type: ignore
+            sd[n] = d - (t in (aten.unbind.int, aten.select.int) and _norm_dim(int(dim), len(src)) < d)
         elif t is aten.matmul.default:
-            b_ = n.args[1]
-            if sd.get(b_) != d or d >= len(src) - 2:  # type: ignore[call-overload]
+            b_ = args[1]
+            if sd.get(b_) != d or d >= len(src) - 2:
                 raise _Refused(f"{where} multiplies along the sharded dim")
             sd[n] = d
         elif t in _SAME_SHAPE or torch.Tag.pointwise in getattr(t, "tags", ()):
             assert out is not None
             e = d + len(out) - len(src)
-            for a in n.all_input_nodes:
-                s = _shape(a)
-                if a in ins:
-                    if sd[a] + len(out) - len(s or ()) != e:
+            for inp in n.all_input_nodes:
+                s = _shape(inp)
+                if inp in ins:
+                    if sd[inp] + len(out) - len(s or ()) != e:
                         raise _Refused(f"{where} combines values sharded on different dims")
                 elif s is not None and (j := e - len(out) + len(s)) >= 0 and s[j] != 1:
-                    raise _Refused(f"{where} combines the shard with a whole value ({a.name}, shape {s})")
+                    raise _Refused(f"{where} combines the shard with a whole value ({inp.name}, shape {s})")
             sd[n] = e
         else:
             raise _Refused(f"{where} reads a sharded value; the pass has no rule for this op")

@@ -638,7 +638,7 @@ def build_pipeline(
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     plan = result.plan
     check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size)
-    check_tensor_parallel(plan, tp=tp_size, dp=dp_size, precision=precision, compile=compile, meta_start=weights is not None)
+    check_tensor_parallel(plan, tp=tp_size, dp=dp_size, precision=precision, compile=compile)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:
@@ -660,12 +660,13 @@ def build_pipeline(
     sharded: dict[int, nn.Parameter] = {}  # id(replicated parameter) -> its tensor-parallel DTensor
     reports: list[TensorParallelReport] = []
     for i, s in enumerate(mine):
-        mod: nn.Module = result.stages[s]
+        gm = result.stages[s]
         if tp_size > 1:  # before recompute: the pass reads the stage's blocks as codegen made them
-            mod, report, new = tensor_parallel_stage(result.stages[s], result.graph, mesh["tp"])  # type: ignore[index]
+            assert mesh is not None
+            gm, report, new = tensor_parallel_stage(gm, result.graph, mesh["tp"])
             sharded.update(new)
             reports.append(report)
-        mod = apply_recompute(mod, result.graph, plan) if recompute else mod
+        mod: nn.Module = apply_recompute(gm, result.graph, plan) if recompute else gm
         if compile:  # before the output filter below, which stays outside the compiled region
             mod = compile_stage(mod)
         ins, outs = examples[i]

@@ -25,7 +25,7 @@ MESH_DIMS: tuple[tuple[str, ...], ...] = (("dp", "pp"), ("dp", "pp", "tp"))
 
 
 def check_tensor_parallel(plan: Plan, *, tp: int, dp: int = 1, precision: str | None = None, compile: bool = False,
-                          meta_start: bool = False) -> None:
+                          checkpoints: bool = False) -> None:
     """Raise a clear :class:`PlanError` / :class:`InputError` for a ``tp`` setting this runtime does not run yet."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise PlanError(f"tp (tensor-parallel ranks per stage, --tp) must be an integer >= 1, got {tp!r}")
@@ -42,9 +42,8 @@ def check_tensor_parallel(plan: Plan, *, tp: int, dp: int = 1, precision: str | 
                        "--precision fp32)")
     if compile:
         refused.append("--compile (torch.compile of DTensor-sharded stages is not tested yet)")
-    if meta_start:
-        refused.append("a meta-device start (each rank would make its shards from the weight files: not yet; the "
-                       "model is built whole)")
+    if checkpoints:
+        refused.append("--save / --resume / --export-hf (DCP of tensor-parallel DTensors is not tested yet)")
     if refused:
         raise PlanError(f"tp={tp} does not run with " + "; nor with ".join(refused))
 

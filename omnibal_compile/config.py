@@ -403,6 +403,9 @@ class ParallelConfig(Section):
     reshard_after_forward: bool | None = setting(None)
     """FSDP: free the gathered weights after each forward (ZeRO-3) instead of keeping them to backward; None: the
     plan's, else true."""
+    tp: int = setting(1, min=1)
+    """run: tensor-parallel ranks per pipeline stage (Megatron column/row pairs of each block sharded with DTensor,
+    the rest replicated; world = dp x pp x tp); 1: none."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,6 +108,7 @@ def precheck(config: RunConfig) -> Plan:
     """
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.runtime.pipeline import check_pipeline
+    from omnibal_compile.runtime.tensor_parallel import check_tensor_parallel
 
     config = with_plan_layout(config)
     dp = run_data_parallel(config).size
@@ -116,8 +117,10 @@ def precheck(config: RunConfig) -> Plan:
     plan = read_plan(config)
     _note_plan_settings(config, plan)
     _check_fast_paths(config)
-    nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
-    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp)
+    nproc = config.nproc if config.nproc is not None else dp * config.tp * plan.num_devices
+    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp, tp=config.tp)
+    check_tensor_parallel(plan, tp=config.tp, dp=dp, compile=config.compile,
+                          checkpoints=bool(config.save or config.resume or config.export_hf))
     if config.device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
     if config.device == "cuda" and torch.cuda.device_count() < nproc:
@@ -429,7 +432,7 @@ def launch(config: RunConfig, *, timeout_s: float | None = None, quiet: bool = F
     config = with_plan_layout(config)
     plan = precheck(config)
     dp = run_data_parallel(config).size
-    nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
+    nproc = config.nproc if config.nproc is not None else dp * config.tp * plan.num_devices
     with tempfile.TemporaryDirectory(prefix="omnibal-run-") as tmp, _save_lock(config):
         log = config.log or str(Path(tmp) / "steps.jsonl")
         start = _log_start(log)  # --log is appended to: the lines of earlier runs stay

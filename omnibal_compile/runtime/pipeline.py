@@ -59,12 +59,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.compile.capture import normalize_example_inputs, structure_mismatch
 from omnibal_compile.compile.recompute import CheckpointedRegion, apply_recompute
+from omnibal_compile.compile.tensor_parallel import TensorParallelReport, tensor_parallel_stage
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import NO_DATA_PARALLEL, DataParallel
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import CLASSIC_SCHEDULES, SCHEDULE_KINDS, schedule_rule
 from omnibal_compile.runtime.compiled import compile_stage
 from omnibal_compile.runtime.precision import compute_dtype, mixed_precision_policy, restore_masters
+from omnibal_compile.runtime.tensor_parallel import check_tensor_parallel, mesh_layout
 from omnibal_compile.runtime.weights import RankWeights, materialise, retarget_meta
 
 if TYPE_CHECKING:  # the runtime consumes what optimize() built; it never calls back into it
@@ -90,9 +92,9 @@ tested yet, so dp > 1 is refused for them."""
 
 
 
-def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1) -> None:
-    """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks (``dp`` pipelines) with this
-    batch.
+def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1, tp: int = 1) -> None:
+    """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks (``dp`` pipelines of ``tp``
+    tensor-parallel ranks per stage) with this batch.
 
     ``batch_size`` is the whole step's rows over all ``dp`` pipelines.
     """
@@ -114,7 +116,11 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
         raise PlanError(f"schedule {plan.schedule!r} splits each backward into input and weight gradients, which this "
                         f"runtime does not run under data parallelism yet; use --dp 1, or a schedule among "
                         f"{sorted(CLASSIC_SCHEDULES)}")
-    if world_size != dp * plan.num_devices:
+    check_tensor_parallel(plan, tp=tp, dp=dp)
+    if tp > 1 and world_size != dp * tp * plan.num_devices:
+        raise PlanError(f"dp={dp} x pp={plan.num_devices} x tp={tp} need {dp * tp * plan.num_devices} processes but "
+                        f"world size is {world_size}: launch that many (--nproc), or change --dp / --tp")
+    if world_size != dp * tp * plan.num_devices:
         extra = f" ({s} stages / {v} virtual stages per rank)" if v > 1 else ""
         if dp == 1:
             raise PlanError(
@@ -336,6 +342,10 @@ class RankPipeline:
     for a model captured in bf16). Empty: kept as given."""
     param_dtype: torch.dtype = torch.float32
     """Dtype the stages' parameters compute in (``--precision``); the optimizer's parameters stay fp32."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per stage (the mesh's ``tp`` dimension)."""
+    tensor_parallel: tuple[TensorParallelReport, ...] = field(default=(), repr=False)
+    """With ``tp_size > 1``: what the tensor-parallel pass sharded in each of this rank's stages, and what not."""
 
     @property
     def has_first(self) -> bool:
@@ -359,13 +369,13 @@ class RankPipeline:
         ``max_norm`` (> 0) every gradient is then scaled by ``min(1, max_norm / (norm + 1e-6))``, as
         ``torch.nn.utils.clip_grad_norm_`` does on the unsplit model. A collective: every rank calls it.
 
-        Squares of local gradients are summed, over ``dp`` only for FSDP shards (replicated gradients
-        are equal on every dp rank already), then over ``pp``; a tied parameter counts on the first
-        pipeline rank holding it only (its copies hold the same summed gradient).
+        Squares of local gradients are summed over the mesh dims a gradient is sharded on (``dp`` for FSDP
+        shards, ``tp`` for tensor-parallel ones; replicated gradients are equal on those ranks already, so each
+        counts once), then over ``pp``; a tied parameter counts on the first pipeline rank holding it only (its
+        copies hold the same summed gradient).
         """
         others = {id(t.param) for t in self.tied if t.param is not None and self.rank != t.ranks[0]}
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        whole = torch.zeros((), dtype=torch.float64, device=self.device)
+        by_groups: dict[tuple[Any, ...], torch.Tensor] = {}  # the groups a square sums over -> their sum
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         for p in self.parameters():
             g = p.grad
@@ -373,13 +383,16 @@ class RankPipeline:
                 continue
             local = g.to_local() if isinstance(g, DTensor) else g
             squares = torch.linalg.vector_norm(local, dtype=torch.float64) ** 2
-            if isinstance(g, DTensor) and any(place.is_shard() for place in g.placements):
-                sharded += squares
-            else:
-                whole += squares
-        if self.dp_group is not None:
-            dist.all_reduce(sharded, group=self.dp_group)
-        total = sharded + whole
+            groups: tuple[Any, ...] = ()
+            if isinstance(g, DTensor):
+                groups = tuple(g.device_mesh.get_group(d) for d, place in enumerate(g.placements) if place.is_shard())
+            by_groups[groups] = by_groups.get(groups, torch.zeros((), dtype=torch.float64, device=self.device)
+                                              ) + squares
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for groups in sorted(by_groups, key=len):  # same keys, same order, on every rank of a group
+            for group in groups:
+                dist.all_reduce(by_groups[groups], group=group)
+            total += by_groups[groups]
         dist.all_reduce(total, group=self.pp_group)
         norm = float(total.sqrt())
         if max_norm and norm + 1e-6 > max_norm:
@@ -610,14 +623,13 @@ def build_pipeline(
     one_pipeline = rank is not None and world_size is not None
     if (mesh is None and not one_pipeline) or (mesh is not None and (rank, world_size) != (None, None)):
         raise InputError("give build_pipeline either rank and world_size (one pipeline) or mesh (dp x pp), not both")
-    replicas: list[list[int]]  # global ranks of every replica's pipeline ranks
+    replicas: list[list[int]]  # global ranks of every replica's pipeline ranks (a replica: one dp and tp index)
+    tp_size, replica = 1, 0
     if mesh is not None:
-        if mesh.mesh_dim_names != ("dp", "pp"):
-            raise InputError(f"the mesh must have dims ('dp', 'pp'), got {mesh.mesh_dim_names}")
         rank, world_size = mesh["pp"].get_local_rank(), mesh["pp"].size()
         dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
         group = mesh["pp"].get_group()
-        replicas = mesh.mesh.tolist()
+        replicas, replica, tp_size = mesh_layout(mesh)
     else:
         assert rank is not None and world_size is not None
         dp_rank, dp_size, group, replicas = 0, 1, None, [list(range(world_size))]
@@ -625,7 +637,8 @@ def build_pipeline(
     if layout.size != dp_size:
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     plan = result.plan
-    check_pipeline(plan, world_size=world_size * dp_size, dp=dp_size)
+    check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size)
+    check_tensor_parallel(plan, tp=tp_size, dp=dp_size, precision=precision, compile=compile)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:
@@ -644,8 +657,16 @@ def build_pipeline(
             retarget_meta(result.stages[s], device, source="cpu")
     loss_index = _loss_index(result)
     modules: list[nn.Module] = []
+    sharded: dict[int, nn.Parameter] = {}  # id(replicated parameter) -> its tensor-parallel DTensor
+    reports: list[TensorParallelReport] = []
     for i, s in enumerate(mine):
-        mod: nn.Module = apply_recompute(result.stages[s], result.graph, plan) if recompute else result.stages[s]
+        gm = result.stages[s]
+        if tp_size > 1:  # before recompute: the pass reads the stage's blocks as codegen made them
+            assert mesh is not None
+            gm, report, new = tensor_parallel_stage(gm, result.graph, mesh["tp"])
+            sharded.update(new)
+            reports.append(report)
+        mod: nn.Module = apply_recompute(gm, result.graph, plan) if recompute else gm
         if compile:  # before the output filter below, which stays outside the compiled region
             mod = compile_stage(mod)
         ins, outs = examples[i]
@@ -661,6 +682,7 @@ def build_pipeline(
             _check_split_backward(mod, ins, s, plan.schedule)
         modules.append(mod)
     original = _original_names(result.model)
+    original.update({id(p): original.get(k, []) for k, p in sharded.items()})
     local = [_local_names(mod, original) for mod in modules]  # names survive fully_shard; objects do not
     if low is not None:  # after the examples (run in 16 bits): the stages hold fp32 masters from here
         for mod, names in zip(modules, local):
@@ -678,7 +700,7 @@ def build_pipeline(
         for n, t in tensors:
             for name in names[n]:
                 state[name] = t
-    tied = _tied_parameters(holders, rank, replicas, dp_rank, state)
+    tied = _tied_parameters(holders, rank, replicas, replica, state)
     stages = tuple(
         PipelineStage(mod, s, plan.num_stages, device, input_args=ins, output_args=outs, group=group)
         for s, mod, (ins, outs) in zip(mine, modules, examples)
@@ -711,6 +733,8 @@ def build_pipeline(
         dp_group=mesh["dp"].get_group() if mesh is not None and dp_size > 1 else None,
         dp_shard=layout.shard if dp_size > 1 else None,
         pp_group=group,
+        tp_size=tp_size,
+        tensor_parallel=tuple(reports),
         forward_flops=sum(flops.values()),
         input_dtypes=tuple(x.dtype for x in result.captured.example_flat_inputs),
         param_dtype=low or torch.float32,

@@ -108,7 +108,8 @@ def _step_samples(source: Any, step: int, dp: int) -> tuple[tuple[int, ...], ...
     return tuple(tuple(int(i) for ids in packs(step, r) for i in ids) for r in range(dp))
 
 
-def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int, Any]:
+def _mesh_groups(device_type: str, collective_timeout: float, dims: tuple[str, ...] = ("dp", "pp")
+                 ) -> dict[str | int, Any]:
     """The device mesh's process groups, with the run's collective timeout (torch gives new groups 30 min)."""
     import torch.distributed as dist
 
@@ -116,7 +117,7 @@ def _mesh_groups(device_type: str, collective_timeout: float) -> dict[str | int,
     # torch's stubs lack ProcessGroupGloo._Options, the options a gloo group is made with (.Options is another class)
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timedelta(seconds=collective_timeout)
-    return {"dp": (backend, options), "pp": (backend, options)}
+    return {dim: (backend, options) for dim in dims}
 
 
 def _shared_loss(loss: float | None, src: int, device: torch.device) -> float:
@@ -231,9 +232,10 @@ def train(config: RunConfig) -> list[StepLog]:
               f"precision {config.run_precision}"
               f"{', TF32 matmuls' if tf32 else ''}, kernels {config.kernels or 'none'}", flush=True)
     plan = read_plan(config)
-    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
-    mesh = init_device_mesh(device.type, (dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
-                            backend_override=_mesh_groups(device.type, config.collective_timeout))
+    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp, tp=config.tp)
+    dims = ("dp", "pp", "tp") if config.tp > 1 else ("dp", "pp")
+    mesh = init_device_mesh(device.type, (dp, plan.num_devices, config.tp)[:len(dims)], mesh_dim_names=dims,
+                            backend_override=_mesh_groups(device.type, config.collective_timeout, dims))
     lean = meta_start(config)  # on meta: each rank makes its own stages (read from the weight files, or seeded)
     model = lean.model if lean is not None else build_model(config)
     source = batch_source(config, model, mesh["dp"].get_local_rank())
@@ -258,6 +260,9 @@ def train(config: RunConfig) -> list[StepLog]:
         compile=config.compile,
     )
     del model, result, masters  # each rank keeps only its stages' parameters
+    if pipeline.tensor_parallel and mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0:
+        for s, report in zip(pipeline.stage_indices, pipeline.tensor_parallel):
+            print(f"[omnibal run] stage {s} {report.summary()}", flush=True)
     optimizer = build_optimizer(config, pipeline)
     scaler = LossScaler() if config.run_precision == "fp16" else None
     first = 0
@@ -286,10 +291,11 @@ def train(config: RunConfig) -> list[StepLog]:
 
                 print(f"[omnibal run] exported: {export_hf(path, config.export_hf)}", flush=True)
 
-    # of dp replica 0: global rank = pipeline rank; the schedule places the last stage (rank 0 for the V ones)
-    last_rank = plan.pipeline_schedule.device_of(plan.num_stages - 1, plan.num_stages)
-    flops = torch.tensor([pipeline.forward_flops], dtype=torch.float64, device=device)
-    dist.all_reduce(flops)  # every stage of every replica: one micro-batch each
+    # of dp replica 0 (and tp rank 0): global rank = pipeline rank x tp; the schedule places the last stage (rank 0
+    # for the V ones)
+    last_rank = plan.pipeline_schedule.device_of(plan.num_stages - 1, plan.num_stages) * config.tp
+    flops = torch.tensor([pipeline.forward_flops / config.tp], dtype=torch.float64, device=device)
+    dist.all_reduce(flops)  # every stage of every replica: one micro-batch each (its tp ranks share it)
     step_flops = 3 * float(flops) * cast(int, plan.num_microbatches)
     peak = peak_flops(config, device)
     scalars = _Scalars(config.tensorboard if rank == last_rank else None, first)

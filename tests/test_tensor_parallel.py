@@ -1,0 +1,198 @@
+"""Tensor parallelism: the pass that finds Megatron pairs in generated stages, and ranks that train with it.
+
+The pass is checked on the reference VLM's stages without processes (what it shards, what it refuses and
+why). One 2-rank spawn (tp=2, pp=1) and one 4-rank spawn (pp=2 x tp=2) train two AdamW steps with gradient
+clipping and compare every loss, gradient norm and final parameter with the unsplit model's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_runtime import TOL, _llava_batch, _rank_process, _spawn, _vlm_batch
+from test_runtime_dp import _adamw
+
+import omnibal_compile as oc
+from omnibal_compile import PlanError
+from omnibal_compile.compile.tensor_parallel import find_pairs
+from omnibal_compile.planning.build import uniform
+from omnibal_compile.runtime.tensor_parallel import check_tensor_parallel
+
+MAX_NORM = 0.5
+"""Clipping threshold of the distributed tests: below the first steps' norms, so clipping scales every gradient."""
+
+
+@pytest.fixture(scope="module")
+def one_stage(vlm):
+    model, batch = vlm
+    return oc.optimize(model, batch, num_stages=1)
+
+
+def _rows(report: Any) -> dict[tuple[str, str], str]:
+    return {(p.block, p.row): p.reason for p in report.pairs}
+
+
+def test_pass_shards_llm_attention_and_mlps_and_says_why_vit_attention_stays_whole(one_stage):
+    found, report = find_pairs(one_stage.stages[0], one_stage.graph, 2)
+    rows = _rows(report)
+    for i in range(3):
+        assert rows[(f"llm.layers.{i}", f"llm.layers.{i}.attn.o_proj")] == ""
+        assert rows[(f"llm.layers.{i}", f"llm.layers.{i}.mlp.down_proj")] == ""
+    assert rows[("projector", "projector.fc2")] == ""
+    for i in range(2):
+        assert rows[(f"vision.layers.{i}", f"vision.layers.{i}.fc2")] == ""
+        assert "fused projection" in rows[(f"vision.layers.{i}", f"vision.layers.{i}.attn.proj")]
+    attn = next(p for p in report.pairs if p.row == "llm.layers.0.attn.o_proj")
+    assert attn.column == tuple(f"llm.layers.0.attn.{x}_proj" for x in "qkv")
+    assert [b for b, _ in report.unpaired] == ["lm_head"]
+    # the heads of the local shard: 4 query heads and 2 key/value heads of 8 -> 2 and 1 per rank
+    f = next(f for f in found if f.pair.row == "llm.layers.0.attn.o_proj")
+    assert sorted(args[1][2] for _, args, _ in f.rewrites) == [1, 1, 2]
+    text = report.summary()
+    assert "9 pairs sharded" in text and "replicated: " in text and "lm_head" in text
+
+
+def test_heads_that_do_not_divide_by_tp_stay_replicated_with_the_reason(one_stage):
+    _, report = find_pairs(one_stage.stages[0], one_stage.graph, 4)  # 4 query heads but 2 key/value heads
+    rows = _rows(report)
+    reason = rows[("llm.layers.0", "llm.layers.0.attn.o_proj")]
+    assert "not divisible by tp=4" in reason and "heads" in reason, reason
+    assert rows[("llm.layers.0", "llm.layers.0.mlp.down_proj")] == ""  # 64 MLP features split 4 ways
+    _, report = find_pairs(one_stage.stages[0], one_stage.graph, 3)
+    assert not report.sharded  # 32 and 64 features: nothing splits 3 ways
+    assert "not divisible by tp=3" in _rows(report)[("llm.layers.0", "llm.layers.0.mlp.down_proj")]
+
+
+def test_pass_leaves_the_stage_it_reads_unchanged(one_stage):
+    before = [(n.name, n.target, n.args) for n in one_stage.stages[0].graph.nodes]
+    find_pairs(one_stage.stages[0], one_stage.graph, 2)
+    assert [(n.name, n.target, n.args) for n in one_stage.stages[0].graph.nodes] == before
+
+
+def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage):
+    plan = one_stage.plan
+    check_tensor_parallel(plan, tp=1, dp=4, precision="bf16", compile=True)  # tp=1: nothing to refuse
+    check_tensor_parallel(plan, tp=2)
+    with pytest.raises(PlanError, match="dp=2"):
+        check_tensor_parallel(plan, tp=2, dp=2)
+    with pytest.raises(PlanError, match="precision bf16"):
+        check_tensor_parallel(plan, tp=2, precision="bf16")
+    with pytest.raises(PlanError, match="--compile"):
+        check_tensor_parallel(plan, tp=2, compile=True)
+    with pytest.raises(PlanError, match="must be an integer >= 1"):
+        check_tensor_parallel(plan, tp=0)
+    zb = dataclasses.replace(plan, schedule="interleaved-zb", virtual_stages=1)
+    with pytest.raises(PlanError, match="splits each backward"):
+        check_tensor_parallel(zb, tp=2)
+    with pytest.raises(PlanError, match=r"dp=1 x pp=1 x tp=2 need 2 processes but world size is 3"):
+        oc.runtime.check_pipeline(plan, world_size=3, tp=2)
+
+
+# -- distributed ---------------------------------------------------------------------------------------
+def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
+    """One rank of a (1, pp, tp) mesh: train every case for its steps with clipping; save losses, norms, params."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from omnibal_compile.api import compile_for_microbatches
+    from omnibal_compile.runtime import build_pipeline
+
+    with _rank_process(rank, world, port, out):
+        found: dict[str, Any] = {}
+        for name, key, plan, tp in cases:
+            mesh = init_device_mesh("cpu", (1, world // tp, tp), mesh_dim_names=("dp", "pp", "tp"))
+            cls, config, weights, batches = models[key]
+            model = cls(config)
+            model.load_state_dict(weights)
+            pipe = build_pipeline(compile_for_microbatches(model, batches[0], plan), mesh=mesh)
+            opt = _adamw(pipe.parameters())
+            losses, norms = [], []
+            for batch in batches:
+                opt.zero_grad(set_to_none=True)
+                losses.append(pipe.step(batch))
+                norms.append(pipe.clip_grad_norm(MAX_NORM))
+                opt.step()
+            found[name] = {
+                "losses": losses, "norms": norms,
+                "params": {n: t for n, t in pipe.full_state().items() if n in pipe.named_grads()},
+                "sharded": sorted(n for n, t in pipe.state.items() if type(t.data).__name__ == "DTensor"),
+                "reports": [r.summary() for r in pipe.tensor_parallel],
+            }
+        torch.save(found, Path(out) / f"rank{rank}.pt")
+
+
+def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    model = copy.deepcopy(model)
+    opt = _adamw(model.parameters())
+    losses, norms = [], []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        out = model(**batch)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _check(ranks: list[dict[str, Any]], cases: list[Any], models: dict[str, Any]) -> None:
+    for name, key, _, _ in cases:
+        ref_losses, ref_norms, ref_params = _reference(*models[key])
+        losses = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
+        assert losses and all(max(abs(a - b) for a, b in zip(got, ref_losses)) <= TOL for got in losses), \
+            (name, losses, ref_losses)
+        for r in ranks:
+            assert max(abs(a - b) for a, b in zip(r[name]["norms"], ref_norms)) <= TOL, (name, r[name]["norms"])
+            assert r[name]["sharded"], name  # every rank shards something
+        params: dict[str, torch.Tensor] = {}
+        for r in ranks:
+            params.update(r[name]["params"])
+        assert set(params) == set(ref_params), name
+        worst = max(ref_params, key=lambda n: float((params[n] - ref_params[n]).abs().max()))
+        assert float((params[worst] - ref_params[worst]).abs().max()) <= TOL, (name, worst)
+
+
+def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int) -> oc.Plan:
+    graph = oc.optimize(model, {k: v[:1] for k, v in batch.items()}, num_stages=1).graph
+    return dataclasses.replace(uniform(graph, stages), schedule="1f1b", num_microbatches=2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
+    models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)]),
+              "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)])}
+    cases = [(f"{key}-tp2", key, _plan(m, b[0], 1), 2) for key, (m, b) in models.items()]
+    ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
+    _check(ranks, cases, models)
+    assert "llm.layers.0.attn.q_proj.weight" in ranks[0]["vlm-tp2"]["sharded"]
+    assert "9 pairs sharded" in ranks[0]["vlm-tp2"]["reports"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tmp_path):
+    models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)])}
+    cases = [("vlm-pp2-tp2", "vlm", _plan(vlm[0], models["vlm"][1][0], 2), 2)]
+    ranks = _spawn(4, tmp_path, models, cases, worker=_tp_worker)
+    _check(ranks, cases, models)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_run_with_tp2_launches_dp_x_pp_x_tp_ranks_and_refuses_checkpoints(vlm, tmp_path):
+    from test_runtime import _run_config
+
+    from omnibal_compile.runtime.launch import launch, precheck
+
+    plan = _plan(vlm[0], _vlm_batch(), 1)
+    config = _run_config(tmp_path, plan, tp=2, max_grad_norm=MAX_NORM)
+    with pytest.raises(PlanError, match="--save / --resume"):
+        precheck(dataclasses.replace(config, save=str(tmp_path / "ckpt")))
+    logs = launch(config, timeout_s=240)
+    assert len(logs) == 2 and all(entry.loss > 0 and entry.grad_norm > 0 for entry in logs)

@@ -9,9 +9,15 @@ iteration time. The errors without the overhead terms, and without core sharing,
 than cores (4 ranks on this 2-core machine) the simulator shares the cores among the ranks that compute at
 once (``simulate(processors=...)``), and the overheads are fitted under the same sharing.
 
+The split-backward schedules (interleaved-zb, zbv, dualpipev) run two stages per rank (``--virtual-stages``) with no
+recomputation (the runtime refuses it under them) and the simulator runs torch's operation order for them, each
+input-gradient (I) and weight-gradient (W) part an action of its own; their overheads are fitted with the same
+schedule, counting those actions (``calibrate.overhead.action_depth``).
+
     python bench/sim_vs_real.py                  # 2 ranks, 1f1b, 4 micro-batches
     python bench/sim_vs_real.py --ranks 2 4      # 2 and 4 ranks
     python bench/sim_vs_real.py --schedule gpipe --microbatches 8
+    python bench/sim_vs_real.py --schedule interleaved-zb zbv dualpipev --ranks 2 4 --microbatches 8
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 
 from omnibal_compile import optimize
 from omnibal_compile.costs.annotate import annotate_costs
+from omnibal_compile.ir.schedule import SCHEDULE_KINDS, schedule_rule
 from omnibal_compile.models import TinyVLM, TinyVLMConfig, make_example_batch
 from omnibal_compile.planning import PLANNERS
 from omnibal_compile.planning.build import plan_with_costs
@@ -39,7 +46,10 @@ from omnibal_compile.sim import simulate
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--schedule", nargs="+", default=["1f1b"], choices=list(SCHEDULE_KINDS),
+                   help="schedules to check, each with every planner")
+    p.add_argument("--virtual-stages", type=int, default=2,
+                   help="stages per rank of the schedules that take any (interleaved, interleaved-zb)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--mb-samples", type=int, default=2, help="samples per micro-batch")
     p.add_argument("--tiles", type=int, default=2)
@@ -55,6 +65,7 @@ def main() -> int:
                    choices=list(PLANNERS))
     args = p.parse_args()
     procs = args.processors or None
+    chunks = {k: schedule_rule(k).stages_per_device or args.virtual_stages for k in args.schedule}
 
     torch.manual_seed(0)
     cfg = TinyVLMConfig()
@@ -64,59 +75,70 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
             graph = optimize(model, mb, num_stages=ranks, planner="parameters").graph
-            over = measure_overhead(ranks=ranks, schedule=args.schedule, processors=procs, rounds=args.rounds)
-            # The same runs read as if every rank had a core of its own, for comparison.
-            own = fit_overhead(over.samples, ranks=ranks, schedule=args.schedule)
-            print(f"ranks {ranks}: runtime overhead {over.op_s * 1e3:.2f} ms per forward/backward action, "
-                  f"{over.step_s * 1e3:.2f} ms per step (near-empty model, median steps "
-                  f"{', '.join(f'M={m}: {t * 1e3:.1f} ms' for m, t in over.samples)})", flush=True)
+            over, own = {}, {}
+            for kind in args.schedule:
+                over[kind] = measure_overhead(ranks=ranks, schedule=kind, processors=procs, rounds=args.rounds,
+                                              virtual_stages=chunks[kind],
+                                              microbatches=(2 * ranks, 2 * ranks + 4) if kind == "dualpipev"
+                                              else (4, 8))
+                # The same runs read as if every rank had a core of its own, for comparison.
+                own[kind] = fit_overhead(over[kind].samples, ranks=ranks, schedule=kind, virtual_stages=chunks[kind])
+                print(f"ranks {ranks} {kind}: runtime overhead {over[kind].op_s * 1e3:.2f} ms per action (F, B, I "
+                      f"or W), {over[kind].step_s * 1e3:.2f} ms per step (near-empty model, median steps "
+                      f"{', '.join(f'M={m}: {t * 1e3:.1f} ms' for m, t in over[kind].samples)})", flush=True)
             # One profile for every plan: separate profiles differ by their own noise, which would
             # then read as simulation error. More repeats than the default for a stable median.
             costs = annotate_costs(graph, model, device="cpu", threads=1, repeats=args.repeats, clock=args.clock)
             plans, steps = {}, {}
-            for name in args.planners:
-                plans[name] = plan_with_costs(costs, num_stages=ranks, num_microbatches=args.microbatches,
-                                              planner=name, schedule=args.schedule)
-                (Path(tmp) / f"plan_{ranks}_{name}.json").write_text(plans[name].to_json())
-                steps[name] = []
+            for kind in args.schedule:
+                split = schedule_rule(kind).split_backward
+                for name in args.planners:
+                    # the runtime runs the split-backward schedules without recomputation
+                    plans[kind, name] = plan_with_costs(
+                        costs, num_stages=ranks * chunks[kind], num_microbatches=args.microbatches, planner=name,
+                        schedule=kind, virtual_stages=chunks[kind], **({"recompute": "none"} if split else {}))
+                    (Path(tmp) / f"plan_{ranks}_{kind}_{name}.json").write_text(plans[kind, name].to_json())
+                    steps[kind, name] = []
             # Rounds over the plans in rotating order: the machine's speed drifts (a shared VM), and
             # drift must not read as a difference between plans or as simulation error.
+            order = list(plans)
             for r in range(args.rounds):
-                for name in args.planners[r % len(args.planners):] + args.planners[: r % len(args.planners)]:
+                for kind, name in order[r % len(order):] + order[: r % len(order)]:
                     logs = launch(
                         RunConfig(
-                            plan=str(Path(tmp) / f"plan_{ranks}_{name}.json"),
+                            plan=str(Path(tmp) / f"plan_{ranks}_{kind}_{name}.json"),
                             batch_size=args.mb_samples * args.microbatches, tiles_per_sample=args.tiles,
                             text_tokens=args.text, steps=args.steps, optimizer="sgd", threads=1, apply_recompute=True,
                         ),
                         timeout_s=600, quiet=True,
                     )
-                    steps[name] += [s.step_time_s for s in logs[1:]]  # the first step warms up
-            for name, plan in plans.items():
+                    steps[kind, name] += [s.step_time_s for s in logs[1:]]  # the first step warms up
+            for (kind, name), plan in plans.items():
+                o, u = over[kind], own[kind]
                 raw = simulate(plan, costs, processors=procs)
-                sim = simulate(plan, costs, op_overhead_s=over.op_s, step_overhead_s=over.step_s, processors=procs)
-                unshared = simulate(plan, costs, op_overhead_s=own.op_s, step_overhead_s=own.step_s)
-                measured = statistics.median(steps[name])
+                sim = simulate(plan, costs, op_overhead_s=o.op_s, step_overhead_s=o.step_s, processors=procs)
+                unshared = simulate(plan, costs, op_overhead_s=u.op_s, step_overhead_s=u.step_s)
+                measured = statistics.median(steps[kind, name])
                 err = sim.iteration_time_s / measured - 1
-                rows.append((ranks, name, list(plan.boundaries), sim.iteration_time_s, measured, err,
+                rows.append((ranks, kind, name, list(plan.boundaries), sim.iteration_time_s, measured, err,
                              raw.iteration_time_s / measured - 1, unshared.iteration_time_s / measured - 1))
-                q = statistics.quantiles(steps[name], n=4) if len(steps[name]) > 1 else [measured] * 3
+                q = statistics.quantiles(steps[kind, name], n=4) if len(steps[kind, name]) > 1 else [measured] * 3
                 print(
-                    f"ranks {ranks} {name:<10} boundaries {list(plan.boundaries)}: simulated "
+                    f"ranks {ranks} {kind} {name:<10} boundaries {list(plan.boundaries)}: simulated "
                     f"{sim.iteration_time_s * 1e3:8.2f} ms, measured {measured * 1e3:8.2f} ms (quartiles "
-                    f"{q[0] * 1e3:.0f}-{q[2] * 1e3:.0f} ms over {len(steps[name])} steps), error {err:+.1%}",
+                    f"{q[0] * 1e3:.0f}-{q[2] * 1e3:.0f} ms over {len(steps[kind, name])} steps), error {err:+.1%}",
                     flush=True,
                 )
-    print(f"\n{'ranks':>5}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  {'error':>7}  "
-          f"{'without overhead':>16}  {'core per rank':>13}")
-    for ranks, name, _, s, m, e, e_raw, e_own in rows:
-        print(
-            f"{ranks:>5}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}  {e_own:>+13.1%}"
-        )
+    print(f"\n{'ranks':>5}  {'schedule':<14}  {'planner':<10}  {'simulated ms':>12}  {'measured ms':>11}  "
+          f"{'error':>7}  {'without overhead':>16}  {'core per rank':>13}")
+    for ranks, kind, name, _, s, m, e, e_raw, e_own in rows:
+        print(f"{ranks:>5}  {kind:<14}  {name:<10}  {s * 1e3:>12.2f}  {m * 1e3:>11.2f}  {e:>+7.1%}  {e_raw:>+16.1%}  "
+              f"{e_own:>+13.1%}")
     print(f"(simulated with the ranks sharing {procs or 'one core each of'} cores; 'core per rank': the same "
           "overhead runs and costs simulated as if every rank had a core of its own)")
-    worst = max(abs(r[5]) for r in rows)
-    print(f"worst |error| {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
+    for kind in args.schedule:
+        worst = max(abs(r[6]) for r in rows if r[1] == kind)
+        print(f"{kind}: worst |error| {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
     load = os.getloadavg()[0]
     print(f"load average {load:.1f} on {os.cpu_count()} CPUs" + (
         ": other processes compete for the cores, so profiled and measured times are both perturbed"

@@ -488,6 +488,23 @@ def test_overhead_fit_recovers_the_model_it_fits(processors):
         fit_overhead(samples[::-1], ranks=ranks)
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-zb", "dualpipev"])
+def test_overhead_fit_counts_every_action_of_a_split_backward(schedule):
+    """Under the split-backward schedules each I and W is an action, as the simulator charges them: the fit recovers
+    the overhead it was given, and simulating a compute-free plan with it gives back the samples."""
+    from omnibal_compile.calibrate.overhead import action_depth
+    from omnibal_compile.runtime import fit_overhead
+    from omnibal_compile.sim.simulate import operation_order
+
+    h, c, ranks = 0.002, 0.005, 2
+    for m in (4, 8):  # no processor sharing: every device is busy with its own actions at least
+        ops = operation_order(schedule, ranks, 2, m)
+        assert action_depth(schedule, ranks, m, virtual_stages=2) >= max(len(o) for o in ops)
+    samples = [(m, h * action_depth(schedule, ranks, m, virtual_stages=2) + c) for m in (4, 8)]
+    fit = fit_overhead(samples, ranks=ranks, schedule=schedule, virtual_stages=2)
+    assert fit.virtual_stages == 2 and fit.op_s == pytest.approx(h) and fit.step_s == pytest.approx(c)
+
+
 def test_peak_live_storages_counts_tracked_and_new_storages_until_freed():
     from omnibal_compile.costs._measure import PeakLiveStorages
 

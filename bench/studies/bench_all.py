@@ -48,6 +48,9 @@ KINDS: dict[str, str] = {
     "precision_memory.py": "measured (parameter + gradient bytes per rank and 20-step losses, bf16 vs fp32, CPU ranks)",
     "sim_vs_real.py": "measured and simulated (simulator vs real runs on local CPU ranks)",
     "zero_bubble_sim.py": "SIMULATED schedules (zero-bubble vs 1F1B) on block costs profiled on this CPU",
+    "zero_bubble_cpu.py": (
+        "measured and simulated (zero-bubble plans vs the best 1F1B plan under one memory budget, local CPU ranks)"
+    ),
     "solver.py": "measured solve times; iteration times predicted by the planners' cost model",
     "paper_scale.py": "SIMULATED (analytic roofline costs, no model runs)",
     "layout.py": "SIMULATED layouts (analytic roofline costs); search times measured on this CPU",
@@ -76,6 +79,7 @@ FULL_ARGS: dict[str, tuple[str, ...]] = {
 QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "ablation_cpu.py": ("--quick",),
     "zero_bubble_sim.py": ("--repeats", "3", "--microbatches", "4"),
+    "zero_bubble_cpu.py": ("--pp", "2", "--rounds", "1", "--steps", "3"),
     "cost_accuracy.py": ("--quick",),
     "cost_stability.py": ("--quick",),
     "cut_bytes.py": ("--tokens", "512"),

@@ -7,7 +7,11 @@ Glossary:
 Measured by running a near-empty model (every width 8) on the real runtime at two micro-batch
 counts M1 < M2: with compute ~0, an iteration takes h * g(M) + c, where g(M) is the schedule's
 time with one unit of work per action (1F1B/GPipe on S ranks: 2 (M + S - 1)), so
-h = (t2 - t1) / (g(M2) - g(M1)) and c = t1 - h g(M1). When the ranks share fewer processors than
+h = (t2 - t1) / (g(M2) - g(M1)) and c = t1 - h g(M1). An action is what the simulator charges
+``op_overhead_s`` to: a forward (F), a whole backward (B), and under the split-backward schedules
+(interleaved-zb, zbv, dualpipev) each input-gradient (I) and weight-gradient (W) part, so g counts
+them all (``schedule_time(..., op_overhead_s=1)`` with no compute: one definition for every schedule).
+When the ranks share fewer processors than
 there are ranks (CPU ranks on few cores), g comes from the simulator with the same sharing, so h is
 the work of an action, not its stretched wall time.
 """
@@ -23,7 +27,7 @@ from pathlib import Path
 
 from omnibal_compile.errors import InputError
 
-__all__ = ["RuntimeOverhead", "measure_overhead", "fit_overhead"]
+__all__ = ["RuntimeOverhead", "measure_overhead", "fit_overhead", "action_depth"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +40,10 @@ class RuntimeOverhead:
     """Seconds per iteration beyond the pipeline's actions."""
     ranks: int
     """Pipeline ranks it was measured with."""
+    schedule: str = "1f1b"
+    """Schedule it was measured (and its actions counted) with."""
+    virtual_stages: int = 1
+    """Stages per rank of that schedule."""
     processors: int | None = None
     """Processors the ranks were modelled to share (None: one each)."""
     samples: tuple[tuple[int, float], ...]
@@ -44,12 +52,13 @@ class RuntimeOverhead:
 
 def measure_overhead(
     *, ranks: int = 2, schedule: str = "1f1b", microbatches: tuple[int, int] = (4, 8), steps: int = 10,
-    timeout_s: float = 300.0, processors: int | None = None, rounds: int = 1,
+    timeout_s: float = 300.0, processors: int | None = None, rounds: int = 1, virtual_stages: int | None = None,
 ) -> RuntimeOverhead:
     """Run a near-empty TinyVLM on ``ranks`` local processes and fit the two overheads.
 
     ``processors``: cores the ranks share (pass the same number to ``simulate``); None: one each.
     ``rounds``: runs per micro-batch count, alternating; their steps are pooled.
+    ``virtual_stages``: stages per rank (None: what the schedule runs, 2 for zbv and dualpipev, else 1).
     """
     from omnibal_compile.compile.blocks import build_blocks
     from omnibal_compile.compile.capture import capture
@@ -59,6 +68,7 @@ def measure_overhead(
     from omnibal_compile.runtime.settings import RunConfig
 
     m1, m2 = microbatches
+    v = _stages_per_rank(schedule, virtual_stages)
     if rounds < 1 or steps < 2:
         raise InputError(f"rounds must be >= 1 and steps >= 2 (the first step is dropped), got {rounds} and {steps}")
     if not ranks <= m1 < m2:
@@ -69,14 +79,16 @@ def measure_overhead(
     )
     model = TinyVLM(tiny)
     micro = make_example_batch(tiny, batch=1, tiles_per_sample=1, text_tokens=16, seed=0)
-    base = uniform(build_blocks(capture(model, micro), model), ranks)  # the passes, not optimize(): no call back
+    # the passes, not optimize(): no call back
+    base = uniform(build_blocks(capture(model, micro), model), ranks * v)
     steps_at: dict[int, list[float]] = {m1: [], m2: []}
     with tempfile.TemporaryDirectory() as tmp:
         # Alternate the two counts over rounds, so drift in the machine's speed hits both alike.
         for _ in range(rounds):
             for m in (m1, m2):
                 path = Path(tmp) / f"plan_{m}.json"
-                path.write_text(dataclasses.replace(base, num_microbatches=m, schedule=schedule).to_json())
+                path.write_text(dataclasses.replace(base, num_microbatches=m, schedule=schedule,
+                                                    virtual_stages=v).to_json())
                 logs = launch(
                     RunConfig(plan=str(path), model_config=dataclasses.asdict(tiny), batch_size=m, tiles_per_sample=1,
                               text_tokens=16, steps=steps, optimizer="sgd", threads=1),
@@ -84,19 +96,38 @@ def measure_overhead(
                 )
                 steps_at[m] += [s.step_time_s for s in logs[1:]]  # the first step warms up
     samples = [(m, statistics.median(t)) for m, t in steps_at.items()]
-    return fit_overhead(samples, ranks=ranks, schedule=schedule, processors=processors)
+    return fit_overhead(samples, ranks=ranks, schedule=schedule, processors=processors, virtual_stages=v)
 
 
 def fit_overhead(
-    samples: Sequence[tuple[int, float]], *, ranks: int, schedule: str = "1f1b", processors: int | None = None
+    samples: Sequence[tuple[int, float]], *, ranks: int, schedule: str = "1f1b", processors: int | None = None,
+    virtual_stages: int | None = None,
 ) -> RuntimeOverhead:
     """Fit the two overheads to (micro-batches, step seconds) of near-empty runs (see module docstring)."""
-    from omnibal_compile.sim import schedule_time
-
     if len(samples) != 2 or samples[0][0] >= samples[1][0]:
         raise InputError(f"need two samples at micro-batch counts M1 < M2, got {list(samples)}")
+    v = _stages_per_rank(schedule, virtual_stages)
     (m1, t1), (m2, t2) = samples
-    g1, g2 = (schedule_time(schedule, ranks, m, processors=processors) for m in (m1, m2))
+    g1, g2 = (action_depth(schedule, ranks, m, virtual_stages=v, processors=processors) for m in (m1, m2))
     h = max(0.0, (t2 - t1) / (g2 - g1))
     step = max(0.0, t1 - h * g1)
-    return RuntimeOverhead(op_s=h, step_s=step, ranks=ranks, processors=processors, samples=tuple(samples))
+    return RuntimeOverhead(op_s=h, step_s=step, ranks=ranks, processors=processors, samples=tuple(samples),
+                           schedule=schedule, virtual_stages=v)
+
+
+def action_depth(
+    schedule: str, ranks: int, microbatches: int, *, virtual_stages: int = 1, processors: int | None = None
+) -> float:
+    """g(M): the iteration time of ``schedule`` when every action (F, B, I, W) takes one unit and nothing else
+    does, with ``processors`` shared as in the simulator (see the module docstring)."""
+    from omnibal_compile.sim import schedule_time
+
+    return schedule_time(schedule, ranks, microbatches, forward_s=0.0, backward_s=0.0, op_overhead_s=1.0,
+                         virtual_stages=virtual_stages, processors=processors)
+
+
+def _stages_per_rank(schedule: str, virtual_stages: int | None) -> int:
+    """The stages per rank of a measurement: as given, else what the schedule's rule fixes (1 where it fixes none)."""
+    from omnibal_compile.ir.schedule import schedule_rule
+
+    return virtual_stages if virtual_stages is not None else schedule_rule(schedule).stages_per_device or 1

@@ -505,20 +505,26 @@ def schedule_time(
     weight_s: float = 0.0,
     virtual_stages: int = 1,
     processors: float | None = None,
+    op_overhead_s: float = 0.0,
 ) -> float:
     """Iteration time of equal stages with free sends: ``forward_s``/``backward_s`` per stage and
     micro-batch (per chunk when interleaved), ``weight_s`` of the backward its weight-gradient part (run apart by
     the zero-bubble schedules). Without shared processors this is the closed form, e.g. (M + S - 1)(F + B) for
-    1F1B; ``processors`` as in :func:`simulate`."""
+    1F1B; ``processors`` and ``op_overhead_s`` (added to every action: F, B, I and W) as in :func:`simulate`. With
+    no compute and ``op_overhead_s=1`` it is the schedule's depth in actions, which the runtime-overhead fit
+    divides by (:func:`omnibal_compile.calibrate.overhead.fit_overhead`)."""
     if not 0 <= weight_s <= backward_s:
         raise InputError(f"weight_s must lie within 0..backward_s ({backward_s}), got {weight_s}")
+    if op_overhead_s < 0:
+        raise InputError(f"op_overhead_s must be >= 0, got {op_overhead_s}")
     orders = operation_order(schedule, num_devices, virtual_stages, num_microbatches)
     S = num_devices * virtual_stages
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
     w_end: dict[tuple[int, int], float] = {}
-    work = {"F": ("forward", forward_s), "B": ("backward", backward_s), "I": ("backward", backward_s - weight_s),
-            "W": ("backward_weight", weight_s)}
+    work: dict[str, tuple[EventKind, float]] = {
+        "F": ("forward", forward_s + op_overhead_s), "B": ("backward", backward_s + op_overhead_s),
+        "I": ("backward", backward_s - weight_s + op_overhead_s), "W": ("backward_weight", weight_s + op_overhead_s)}
     _timeline(
         orders,
         lambda kind, s, m: [work[kind]],

@@ -100,6 +100,10 @@ def _flatten_with_keys(m: PackBlockMask) -> tuple[list[tuple[Any, torch.Tensor |
 
 def _unflatten(leaves: Any, window: int | None) -> PackBlockMask:
     segment_ids, blocks = leaves
+    if not isinstance(segment_ids, torch.Tensor):  # a spec walked with stand-in leaves (capture.input_names)
+        shell = PackBlockMask.__new__(PackBlockMask)
+        shell.segment_ids, shell.blocks, shell.window = segment_ids, blocks, window
+        return shell
     return pack_block_mask(segment_ids, blocks=blocks, window=window)
 
 

@@ -107,9 +107,9 @@ def _unflatten(leaves: Any, window: int | None) -> PackBlockMask:
     return pack_block_mask(segment_ids, blocks=blocks, window=window)
 
 
-pytree.register_pytree_node(PackBlockMask, _flatten, _unflatten,  # type: ignore[arg-type]
+pytree.register_pytree_node(PackBlockMask, _flatten, _unflatten,
                             serialized_type_name="omnibal_compile.PackBlockMask",
-                            flatten_with_keys_fn=_flatten_with_keys)  # type: ignore[arg-type]
+                            flatten_with_keys_fn=_flatten_with_keys)
 
 
 def check_flex_family(model: nn.Module) -> None:

@@ -53,6 +53,7 @@ __all__ = [
     "VARLEN_ATTENTION",
     "hf_lengths",
     "mrope_positions",
+    "segment_allows",
     "segment_mask",
     "block_ids",
     "sample_tokens",
@@ -274,26 +275,38 @@ def block_causal_mask(lengths: Sequence[int], *, dtype: torch.dtype = torch.floa
     )
 
 
+def segment_allows(segment_ids: torch.Tensor, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, *,
+                   blocks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Whether query ``q`` of row ``b`` may attend key ``kv``: the one rule of a pack's attention, read by the 4-D
+    mask (:func:`segment_mask`, on index grids) and by flex attention's ``mask_mod``
+    (:mod:`~omnibal_compile.integrations.hf.flex`, on scalar indices).
+
+    Query and key share a segment of the (B, L) ``segment_ids`` and the key is not later; ``blocks``: (B, L) ids of
+    bidirectional blocks (image tokens, a prefix), -1 outside any: within a segment, a query also sees every key of
+    its own block, later ones included (Gemma 3's images, PaliGemma's prefix). ``window``: a sliding window, keys
+    closer than ``window`` positions only.
+    """
+    def at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:  # t[b, i]; the ATen op, not flex's traced getitem
+        return torch.ops.aten.index.Tensor(t, [b, i])  # (which does not trace under torch.export for Llava)
+
+    near = kv <= q
+    if blocks is not None:
+        near = near | ((at(blocks, q) == at(blocks, kv)) & (at(blocks, q) >= 0))
+    if window is not None:
+        near = near & (kv > q - window)
+    return (at(segment_ids, q) == at(segment_ids, kv)) & near
+
+
 def segment_mask(segment_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32, blocks: torch.Tensor | None = None,
                  window: int | None = None) -> torch.Tensor:
-    """(B, 1, L, L) additive mask of (B, L) segment ids: 0 where query and key share a segment and the
-    key is not later, the dtype's minimum elsewhere (what ``sdpa`` and ``eager`` need: see the module doc).
-
-    ``blocks``: (B, L) ids of bidirectional blocks (image tokens, a prefix), -1 outside any: within a
-    segment, a query also sees every key of its own block, later ones included (Gemma 3's images,
-    PaliGemma's prefix). ``window``: a sliding window, keys closer than ``window`` positions only.
-    """
-    n = segment_ids.shape[-1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=segment_ids.device).tril()
-    if blocks is not None:
-        causal = causal | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
-    if window is not None:
-        q, k = torch.arange(n, device=segment_ids.device)[:, None], torch.arange(n, device=segment_ids.device)[None, :]
-        causal = causal & (k > q - window)
-    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )[:, None]
+    """(B, 1, L, L) additive mask of (B, L) segment ids: 0 where :func:`segment_allows` lets the query attend the
+    key (same segment, not later, the bidirectional ``blocks`` and the sliding ``window``), the dtype's minimum
+    elsewhere (what ``sdpa`` and ``eager`` need: see the module doc)."""
+    n, device = segment_ids.shape[-1], segment_ids.device
+    b = torch.arange(segment_ids.shape[0], device=device)[:, None, None]
+    q, kv = torch.arange(n, device=device)[None, :, None], torch.arange(n, device=device)[None, None, :]
+    allowed = segment_allows(segment_ids, b, q, kv, blocks=blocks, window=window)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def sample_tokens(i: int, s: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:

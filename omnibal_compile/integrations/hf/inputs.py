@@ -31,7 +31,7 @@ from omnibal_compile._utils.labels import IGNORE_INDEX
 from omnibal_compile.errors import InputError
 
 __all__ = ["HF_FAMILIES", "GRID_FAMILIES", "hf_example_batch", "hf_data_facts", "hf_family", "hf_pack_inputs",
-           "pack_mask", "stacked_positions"]
+           "pack_flex_mask", "pack_mask", "stacked_positions"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -340,6 +340,9 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
       placeholders get features;
     - Gemma 3: ``token_type_ids`` 1 on image tokens; PaliGemma: 0 on image tokens (the prefix), 1 elsewhere;
       both get their bidirectional blocks in the mask (:func:`_pack_mask`).
+
+    The mask: a 4-D additive one under ``sdpa``/``eager`` (:func:`pack_mask`), flex block masks under
+    ``flex_attention`` (:func:`pack_flex_mask`), none under a flash implementation (restarting positions).
     """
     import inspect
 
@@ -408,9 +411,33 @@ def hf_pack_inputs(model: nn.Module, row: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def _pack_mask(model: nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The 4-D additive mask of a pack: :func:`pack_mask` of its segments and tokens."""
-    return pack_mask(model, row["segment_ids"], row.get("input_ids"))
+def _pack_mask(model: nn.Module, row: dict[str, torch.Tensor]) -> Any:
+    """The attention mask of a pack: :func:`pack_mask` of its segments and tokens, or :func:`pack_flex_mask` under
+    ``flex_attention``."""
+    from omnibal_compile.integrations.hf.flex import is_flex
+
+    cfg = getattr(model, "config", None)
+    make = pack_flex_mask if is_flex(str(getattr(cfg, "_attn_implementation", None) or "")) else pack_mask
+    return make(model, row["segment_ids"], row.get("input_ids"))
+
+
+def _mask_rules(model: nn.Module, seg: torch.Tensor, input_ids: torch.Tensor | None
+                ) -> tuple[torch.Tensor | None, int | None]:
+    """(bidirectional block ids, sliding window) of a pack's attention: Gemma 3's images (each run of image
+    tokens), PaliGemma's prefix (the sample's image tokens), or None; the language model's window where it has
+    sliding-window layers (``layer_types``), else None."""
+    from omnibal_compile.integrations.hf.collate import block_ids
+
+    cfg = getattr(model, "config", None)
+    kind = str(getattr(cfg, "model_type", ""))
+    blocks = None
+    if kind in ("gemma3", "paligemma") and input_ids is not None:
+        blocks = block_ids(seg, input_ids == _image_token(cfg))
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else None
+    window = getattr(text, "sliding_window", None)
+    if window is None or "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+        return blocks, None
+    return blocks, int(window)
 
 
 def pack_mask(model: nn.Module, seg: torch.Tensor, input_ids: torch.Tensor | None
@@ -424,23 +451,28 @@ def pack_mask(model: nn.Module, seg: torch.Tensor, input_ids: torch.Tensor | Non
     forward takes them. Captured graphs make the same mask again of the positions
     (:mod:`omnibal_compile.integrations.hf.masks`).
     """
-    from omnibal_compile.integrations.hf.collate import block_ids, segment_mask
+    from omnibal_compile.integrations.hf.collate import segment_mask
 
-    cfg = getattr(model, "config", None)
-    kind = str(getattr(cfg, "model_type", ""))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    blocks = None
-    if kind in ("gemma3", "paligemma") and input_ids is not None:
-        blocks = block_ids(seg, input_ids == _image_token(cfg))
+    blocks, window = _mask_rules(model, seg, input_ids)
     full = segment_mask(seg, dtype=dtype, blocks=blocks)
-    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else None
-    window = getattr(text, "sliding_window", None)
-    if window is None or "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+    if window is None:
         return full
-    return {
-        "full_attention": full,
-        "sliding_attention": segment_mask(seg, dtype=dtype, blocks=blocks, window=int(window)),
-    }
+    return {"full_attention": full, "sliding_attention": segment_mask(seg, dtype=dtype, blocks=blocks, window=window)}
+
+
+def pack_flex_mask(model: nn.Module, seg: torch.Tensor, input_ids: torch.Tensor | None) -> Any:
+    """:func:`pack_mask`'s rules as flex block masks (:func:`~omnibal_compile.integrations.hf.flex.pack_block_mask`):
+    one, or one per layer type; raises InputError for a family that cannot take them
+    (:func:`~omnibal_compile.integrations.hf.flex.check_flex_family`)."""
+    from omnibal_compile.integrations.hf.flex import check_flex_family, pack_block_mask
+
+    check_flex_family(model)
+    blocks, window = _mask_rules(model, seg, input_ids)
+    full = pack_block_mask(seg, blocks=blocks)
+    if window is None:
+        return full
+    return {"full_attention": full, "sliding_attention": pack_block_mask(seg, blocks=blocks, window=window)}
 
 
 def hf_example_batch(model: nn.Module, *, batch: int, text: int, seed: int) -> Batch:

@@ -44,6 +44,7 @@ def test_the_block_mask_is_the_4d_masks_rule_and_torchs_own_block_tables(blocks,
     assert int(made.kv_num_blocks.sum() + made.full_kv_num_blocks.sum()) < 9  # sparse: not every block pair
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager flex is the reference
 def test_flex_attention_under_the_block_mask_equals_sdpa_under_the_4d_mask():
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -117,7 +117,8 @@ def precheck(config: RunConfig) -> Plan:
     _note_plan_settings(config, plan)
     _check_fast_paths(config)
     nproc = config.nproc if config.nproc is not None else dp * plan.num_devices
-    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp)
+    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp,
+                   data_parallel=run_data_parallel(config), precision=config.precision)
     if config.device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
     if config.device == "cuda" and torch.cuda.device_count() < nproc:

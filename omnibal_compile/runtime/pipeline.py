@@ -83,18 +83,13 @@ __all__ = [
 
 RUNTIME_SCHEDULES: frozenset[str] = frozenset(SCHEDULE_KINDS)
 """Schedules this runtime builds stages for (each rank's stages as the schedule places them)."""
-SPLIT_BACKWARD_DP = 1
-"""Most data-parallel pipelines a split-backward schedule runs with: FSDP2/DDP under the weight-gradient split are not
-tested yet, so dp > 1 is refused for them."""
-
-
-
-
-def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1) -> None:
+def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1,
+                   data_parallel: DataParallel | None = None, precision: str | None = None) -> None:
     """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks (``dp`` pipelines) with this
     batch.
 
-    ``batch_size`` is the whole step's rows over all ``dp`` pipelines.
+    ``batch_size`` is the whole step's rows over all ``dp`` pipelines. ``data_parallel`` (of size ``dp``) and
+    ``precision``: the layout the stages are wrapped in, checked against the schedule when given.
     """
     plan.pipeline_schedule.check(plan.num_stages)
     plan.pipeline_schedule.rule.require(RUNTIME_SCHEDULES, "the pipeline runtime (run)")
@@ -110,10 +105,15 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
             f"(e.g. {recomputed[:2]}): plan with recompute 'none' for this schedule, or use one among "
             f"{sorted(CLASSIC_SCHEDULES)}"
         )
-    if plan.pipeline_schedule.rule.split_backward and dp > SPLIT_BACKWARD_DP:
-        raise PlanError(f"schedule {plan.schedule!r} splits each backward into input and weight gradients, which this "
-                        f"runtime does not run under data parallelism yet; use --dp 1, or a schedule among "
-                        f"{sorted(CLASSIC_SCHEDULES)}")
+    rule = plan.pipeline_schedule.rule
+    if data_parallel is not None and not rule.fsdp_may_reshard and data_parallel.reshard_after_forward and _in_fsdp(
+            data_parallel, precision):
+        raise PlanError(
+            f"schedule {plan.schedule!r} splits each backward, and FSDP resharding after forward would lose every "
+            "weight gradient of the stages (torch's input-gradient pass finds the weights through the stage's "
+            "parameters, which are their shards again after the forward): keep the gathered weights "
+            "(--no-reshard-after-forward, reshard_after_forward=False; plan with it), or use --dp-shard ddp"
+        )
     if world_size != dp * plan.num_devices:
         extra = f" ({s} stages / {v} virtual stages per rank)" if v > 1 else ""
         if dp == 1:
@@ -531,6 +531,12 @@ def _check_captured_in(result: OptimizeResult, low: torch.dtype, precision: str 
                          "build_pipeline a mesh (init_device_mesh(..., (dp, pp), mesh_dim_names=('dp', 'pp')))")
 
 
+def _in_fsdp(layout: DataParallel, precision: str | None) -> bool:
+    """Whether the stages are wrapped in FSDP2 ``fully_shard``: ``fsdp`` at dp > 1, and at dp = 1 in 16 bits (its
+    masters on the 1-rank dp mesh)."""
+    return (layout.size > 1 and layout.shard == "fsdp") or (layout.size == 1 and compute_dtype(precision) is not None)
+
+
 def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, layout: DataParallel,
                         mp: MixedPrecisionPolicy | None = None) -> nn.Module:
     """``module`` made data-parallel over the 1-D ``mesh`` by ``layout`` in place (module glossary); returns it.
@@ -621,11 +627,12 @@ def build_pipeline(
     else:
         assert rank is not None and world_size is not None
         dp_rank, dp_size, group, replicas = 0, 1, None, [list(range(world_size))]
-    layout = data_parallel if data_parallel is not None else NO_DATA_PARALLEL.resized(dp_size)
+    plan = result.plan
+    layout = data_parallel if data_parallel is not None else dataclasses.replace(
+        NO_DATA_PARALLEL.resized(dp_size), reshard_after_forward=plan.pipeline_schedule.rule.fsdp_may_reshard)
     if layout.size != dp_size:
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
-    plan = result.plan
-    check_pipeline(plan, world_size=world_size * dp_size, dp=dp_size)
+    check_pipeline(plan, world_size=world_size * dp_size, dp=dp_size, data_parallel=layout, precision=precision)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:
@@ -666,7 +673,7 @@ def build_pipeline(
         for mod, names in zip(modules, local):
             restore_masters(mod, masters or {}, names)
     modules = [mod.to(device) for mod in modules]
-    if dp_size > 1 or low is not None:
+    if _in_fsdp(layout, precision) or dp_size > 1:
         assert mesh is not None
         _check_stage_params_disjoint(modules, mine, precision if dp_size == 1 else None)
         # dp = 1 in 16 bits: FSDP2 over the 1-rank dp mesh, for its gather-in-bf16 / reduce-in-fp32 policy

@@ -230,7 +230,8 @@ def train(config: RunConfig) -> list[StepLog]:
         print(f"[omnibal run] {world} rank(s) on {config.device} ({dist.get_backend()}), precision {config.precision}"
               f"{', TF32 matmuls' if tf32 else ''}, kernels {config.kernels or 'none'}", flush=True)
     plan = read_plan(config)
-    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp)
+    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp, data_parallel=layout,
+                   precision=config.precision)
     mesh = init_device_mesh(device.type, (dp, plan.num_devices), mesh_dim_names=("dp", "pp"),
                             backend_override=_mesh_groups(device.type, config.collective_timeout))
     lean = meta_start(config)  # on meta: each rank makes its own stages (read from the weight files, or seeded)

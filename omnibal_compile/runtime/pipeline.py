@@ -98,12 +98,16 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
         raise PlanError(f"dp (data-parallel pipelines, --dp) must be an integer >= 1, got {dp!r}")
     recomputed = [b for b, o in zip(plan.block_names, plan.block_recompute) if o != "none"]
     if plan.pipeline_schedule.rule.split_backward and recomputed:
-        # measured: 10 reruns per micro-batch on the reference VLM's stages instead of 1, while the costs count 1
+        # measured on the reference VLM (zbv, full recompute): an LLM layer reruns 10 times per micro-batch (1 in B, 9
+        # in W's autograd calls); a torch.utils.checkpoint.GraphExecGroup over B and W raises CheckpointError (both
+        # read the same saved activations: W restarts at the nodes B ran); one over W alone reruns it twice (B, W)
+        # while the costs count once; selective checkpointing refuses a second backward of its saved outputs
         raise PlanError(
             f"schedule {plan.schedule!r} splits each backward, and torch's weight-gradient pass reruns a recomputed "
-            f"block once per parameter group (not once per backward); the plan recomputes {len(recomputed)} blocks "
-            f"(e.g. {recomputed[:2]}): plan with recompute 'none' for this schedule, or use one among "
-            f"{sorted(CLASSIC_SCHEDULES)}"
+            f"block once per parameter group (one autograd call each, and checkpointing recomputes per call: 10 "
+            f"reruns per micro-batch of a reference LLM layer where the plan's costs count 1); the plan recomputes "
+            f"{len(recomputed)} blocks (e.g. {recomputed[:2]}): plan with recompute 'none' for this schedule, or use "
+            f"one among {sorted(CLASSIC_SCHEDULES)}"
         )
     rule = plan.pipeline_schedule.rule
     if data_parallel is not None and not rule.fsdp_may_reshard and data_parallel.reshard_after_forward and _in_fsdp(

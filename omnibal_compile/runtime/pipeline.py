@@ -23,9 +23,11 @@ Glossary:
                    DDP-style, whole parameters on every dp rank). Blocks that are not a called
                    submodule (codegen inlines them) cannot be units: FSDP gathers on forward hooks.
                    ``PipelineStage`` turns gradient sync off for all but the last micro-batch's
-                   backward. Every dp rank weighs its micro-batch losses by its share of the
-                   *global* step's loss terms (an all-reduce of the counts over ``dp``), so the
-                   gradients are summed over ``dp`` (divide factor 1), never averaged again.
+                   backward (under a split backward, torch's ``REDUCE_GRAD`` action after each stage's last
+                   W; FSDP then keeps the gathered weights: ``ScheduleRule.fsdp_may_reshard``). Every dp
+                   rank weighs its micro-batch losses by its share of the *global* step's loss terms (an
+                   all-reduce of the counts over ``dp``), so the gradients are summed over ``dp`` (divide
+                   factor 1), never averaged again.
     16 bits        ``precision`` bf16 / fp16: the stages of a model captured in that dtype get fp32
                    masters back and are wrapped at every dp (FSDP2 on the 1-rank dp mesh at dp = 1)
                    with a policy gathering 16-bit weights and reducing fp32 gradients

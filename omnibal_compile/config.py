@@ -402,7 +402,7 @@ class ParallelConfig(Section):
     """With dp > 1: fsdp (FSDP2 fully_shard, sharded state) or ddp (replicated); None: the plan's, else fsdp."""
     reshard_after_forward: bool | None = setting(None)
     """FSDP: free the gathered weights after each forward (ZeRO-3) instead of keeping them to backward; None: the
-    plan's, else true."""
+    plan's, else true (false under a schedule that splits the backward, which needs them kept)."""
     tp: int = setting(1, min=1)
     """run: tensor-parallel ranks per pipeline stage (Megatron column/row pairs of each block sharded with DTensor,
     the rest replicated; world = dp x pp x tp); 1: none."""

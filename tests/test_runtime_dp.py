@@ -56,9 +56,9 @@ def _dp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
             model = cls(config)  # a fresh model per case: fully_shard takes over the stages' parameters
             model.load_state_dict(weights)
             parts = [_dp_part(b, 2, d) for b in batches]
+            layout = dp_shard if isinstance(dp_shard, DataParallel) else DataParallel(size=2, shard=dp_shard)
             pipe = build_pipeline(
-                compile_for_microbatches(model, parts[0], plan), mesh=mesh, recompute=recompute,
-                data_parallel=DataParallel(size=2, shard=dp_shard),
+                compile_for_microbatches(model, parts[0], plan), mesh=mesh, recompute=recompute, data_parallel=layout
             )
             opt = _adamw(pipe.parameters())
             losses, grads = [], {}

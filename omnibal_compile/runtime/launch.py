@@ -118,7 +118,8 @@ def precheck(config: RunConfig) -> Plan:
     _note_plan_settings(config, plan)
     _check_fast_paths(config)
     nproc = config.nproc if config.nproc is not None else dp * config.tp * plan.num_devices
-    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp, tp=config.tp)
+    check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp, tp=config.tp,
+                   data_parallel=run_data_parallel(config), precision=config.run_precision)
     check_tensor_parallel(plan, tp=config.tp, dp=dp, compile=config.compile,
                           checkpoints=bool(config.save or config.resume or config.export_hf))
     if config.device not in ("cpu", "cuda"):

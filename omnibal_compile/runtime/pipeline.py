@@ -23,9 +23,11 @@ Glossary:
                    DDP-style, whole parameters on every dp rank). Blocks that are not a called
                    submodule (codegen inlines them) cannot be units: FSDP gathers on forward hooks.
                    ``PipelineStage`` turns gradient sync off for all but the last micro-batch's
-                   backward. Every dp rank weighs its micro-batch losses by its share of the
-                   *global* step's loss terms (an all-reduce of the counts over ``dp``), so the
-                   gradients are summed over ``dp`` (divide factor 1), never averaged again.
+                   backward (under a split backward, torch's ``REDUCE_GRAD`` action after each stage's last
+                   W; FSDP then keeps the gathered weights: ``ScheduleRule.fsdp_may_reshard``). Every dp
+                   rank weighs its micro-batch losses by its share of the *global* step's loss terms (an
+                   all-reduce of the counts over ``dp``), so the gradients are summed over ``dp`` (divide
+                   factor 1), never averaged again.
     16 bits        ``precision`` bf16 / fp16: the stages of a model captured in that dtype get fp32
                    masters back and are wrapped at every dp (FSDP2 on the 1-rank dp mesh at dp = 1)
                    with a policy gathering 16-bit weights and reducing fp32 gradients
@@ -85,18 +87,15 @@ __all__ = [
 
 RUNTIME_SCHEDULES: frozenset[str] = frozenset(SCHEDULE_KINDS)
 """Schedules this runtime builds stages for (each rank's stages as the schedule places them)."""
-SPLIT_BACKWARD_DP = 1
-"""Most data-parallel pipelines a split-backward schedule runs with: FSDP2/DDP under the weight-gradient split are not
-tested yet, so dp > 1 is refused for them."""
 
 
-
-
-def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1, tp: int = 1) -> None:
+def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None, dp: int = 1, tp: int = 1,
+                   data_parallel: DataParallel | None = None, precision: str | None = None) -> None:
     """Raise a clear :class:`PlanError` unless ``plan`` can run on ``world_size`` ranks (``dp`` pipelines of ``tp``
     tensor-parallel ranks per stage) with this batch.
 
-    ``batch_size`` is the whole step's rows over all ``dp`` pipelines.
+    ``batch_size`` is the whole step's rows over all ``dp`` pipelines. ``data_parallel`` (of size ``dp``) and
+    ``precision``: the layout the stages are wrapped in, checked against the schedule when given.
     """
     plan.pipeline_schedule.check(plan.num_stages)
     plan.pipeline_schedule.rule.require(RUNTIME_SCHEDULES, "the pipeline runtime (run)")
@@ -105,17 +104,26 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
         raise PlanError(f"dp (data-parallel pipelines, --dp) must be an integer >= 1, got {dp!r}")
     recomputed = [b for b, o in zip(plan.block_names, plan.block_recompute) if o != "none"]
     if plan.pipeline_schedule.rule.split_backward and recomputed:
-        # measured: 10 reruns per micro-batch on the reference VLM's stages instead of 1, while the costs count 1
+        # measured on the reference VLM (zbv, full recompute): an LLM layer reruns 10 times per micro-batch (1 in B, 9
+        # in W's autograd calls); a torch.utils.checkpoint.GraphExecGroup over B and W raises CheckpointError (both
+        # read the same saved activations: W restarts at the nodes B ran); one over W alone reruns it twice (B, W)
+        # while the costs count once; selective checkpointing refuses a second backward of its saved outputs
         raise PlanError(
             f"schedule {plan.schedule!r} splits each backward, and torch's weight-gradient pass reruns a recomputed "
-            f"block once per parameter group (not once per backward); the plan recomputes {len(recomputed)} blocks "
-            f"(e.g. {recomputed[:2]}): plan with recompute 'none' for this schedule, or use one among "
-            f"{sorted(CLASSIC_SCHEDULES)}"
+            f"block once per parameter group (one autograd call each, and checkpointing recomputes per call: 10 "
+            f"reruns per micro-batch of a reference LLM layer where the plan's costs count 1); the plan recomputes "
+            f"{len(recomputed)} blocks (e.g. {recomputed[:2]}): plan with recompute 'none' for this schedule, or use "
+            f"one among {sorted(CLASSIC_SCHEDULES)}"
         )
-    if plan.pipeline_schedule.rule.split_backward and dp > SPLIT_BACKWARD_DP:
-        raise PlanError(f"schedule {plan.schedule!r} splits each backward into input and weight gradients, which this "
-                        f"runtime does not run under data parallelism yet; use --dp 1, or a schedule among "
-                        f"{sorted(CLASSIC_SCHEDULES)}")
+    rule = plan.pipeline_schedule.rule
+    if data_parallel is not None and not rule.fsdp_may_reshard and data_parallel.reshard_after_forward and _in_fsdp(
+            data_parallel, precision):
+        raise PlanError(
+            f"schedule {plan.schedule!r} splits each backward, and FSDP resharding after forward would lose every "
+            "weight gradient of the stages (torch's input-gradient pass finds the weights through the stage's "
+            "parameters, which are their shards again after the forward): keep the gathered weights "
+            "(--no-reshard-after-forward, reshard_after_forward=False; plan with it), or use --dp-shard ddp"
+        )
     check_tensor_parallel(plan, tp=tp, dp=dp)
     if tp > 1 and world_size != dp * tp * plan.num_devices:
         raise PlanError(f"dp={dp} x pp={plan.num_devices} x tp={tp} need {dp * tp * plan.num_devices} processes but "
@@ -544,6 +552,12 @@ def _check_captured_in(result: OptimizeResult, low: torch.dtype, precision: str 
                          "build_pipeline a mesh (init_device_mesh(..., (dp, pp), mesh_dim_names=('dp', 'pp')))")
 
 
+def _in_fsdp(layout: DataParallel, precision: str | None) -> bool:
+    """Whether the stages are wrapped in FSDP2 ``fully_shard``: ``fsdp`` at dp > 1, and at dp = 1 in 16 bits (its
+    masters on the 1-rank dp mesh)."""
+    return (layout.size > 1 and layout.shard == "fsdp") or (layout.size == 1 and compute_dtype(precision) is not None)
+
+
 def _make_data_parallel(module: nn.Module, mesh: DeviceMesh, layout: DataParallel,
                         mp: MixedPrecisionPolicy | None = None) -> nn.Module:
     """``module`` made data-parallel over the 1-D ``mesh`` by ``layout`` in place (module glossary); returns it.
@@ -633,11 +647,13 @@ def build_pipeline(
     else:
         assert rank is not None and world_size is not None
         dp_rank, dp_size, group, replicas = 0, 1, None, [list(range(world_size))]
-    layout = data_parallel if data_parallel is not None else NO_DATA_PARALLEL.resized(dp_size)
+    plan = result.plan
+    layout = data_parallel if data_parallel is not None else dataclasses.replace(
+        NO_DATA_PARALLEL.resized(dp_size), reshard_after_forward=plan.pipeline_schedule.rule.fsdp_may_reshard)
     if layout.size != dp_size:
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
-    plan = result.plan
-    check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size)
+    check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size, data_parallel=layout,
+                   precision=precision)
     check_tensor_parallel(plan, tp=tp_size, dp=dp_size, precision=precision, compile=compile)
     device = torch.device(device)
     low = compute_dtype(precision)
@@ -688,7 +704,7 @@ def build_pipeline(
         for mod, names in zip(modules, local):
             restore_masters(mod, masters or {}, names)
     modules = [mod.to(device) for mod in modules]
-    if dp_size > 1 or low is not None:
+    if _in_fsdp(layout, precision) or dp_size > 1:
         assert mesh is not None
         _check_stage_params_disjoint(modules, mine, precision if dp_size == 1 else None)
         # dp = 1 in 16 bits: FSDP2 over the 1-rank dp mesh, for its gather-in-bf16 / reduce-in-fp32 policy

@@ -22,6 +22,7 @@ from omnibal_compile.config import (
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import DEFAULT_DP_SHARD, DataParallel
 from omnibal_compile.ir.plan import Plan
+from omnibal_compile.ir.schedule import ScheduleRule, schedule_rule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +80,8 @@ def with_plan_layout(config: RunConfig) -> RunConfig:
     """``config`` with the data-parallel settings it leaves open (None) taken from its plan file.
 
     The plan records the layout it was made for (``optimize(dp=..., dp_shard=...)``); a run uses it
-    unless ``--dp`` / ``--dp-shard`` say otherwise.
+    unless ``--dp`` / ``--dp-shard`` say otherwise. Without either, FSDP reshards after forward unless the schedule
+    splits the backward (:attr:`~omnibal_compile.ir.schedule.ScheduleRule.fsdp_may_reshard`).
     """
     if config.dp is not None and config.dp_shard is not None and config.reshard_after_forward is not None:
         return config
@@ -93,9 +95,16 @@ def with_plan_layout(config: RunConfig) -> RunConfig:
         dp_shard=config.dp_shard if config.dp_shard is not None else (planned.shard if planned else DEFAULT_DP_SHARD),
         reshard_after_forward=(
             config.reshard_after_forward if config.reshard_after_forward is not None
-            else (planned.reshard_after_forward if planned else True)
+            else (planned.reshard_after_forward if planned else _schedule_rule(config, path).fsdp_may_reshard)
         ),
     )
+
+
+def _schedule_rule(config: RunConfig, path: Path) -> ScheduleRule:
+    """The rule of the schedule the run uses: ``config.schedule``, else its plan file's (1f1b without one)."""
+    if config.schedule is not None:
+        return schedule_rule(config.schedule)
+    return schedule_rule(Plan.from_file(path).schedule if path.is_file() else "1f1b")
 
 
 def run_data_parallel(config: RunConfig) -> DataParallel:

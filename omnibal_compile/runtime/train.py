@@ -232,7 +232,8 @@ def train(config: RunConfig) -> list[StepLog]:
               f"precision {config.run_precision}"
               f"{', TF32 matmuls' if tf32 else ''}, kernels {config.kernels or 'none'}", flush=True)
     plan = read_plan(config)
-    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp, tp=config.tp)
+    check_pipeline(plan, world_size=world, batch_size=config.batch_size, dp=dp, tp=config.tp, data_parallel=layout,
+                   precision=config.run_precision)
     dims = ("dp", "pp", "tp") if config.tp > 1 else ("dp", "pp")
     mesh = init_device_mesh(device.type, (dp, plan.num_devices, config.tp)[:len(dims)], mesh_dim_names=dims,
                             backend_override=_mesh_groups(device.type, config.collective_timeout, dims))

@@ -210,3 +210,12 @@ def test_refusals_name_the_fix():
     with pytest.raises(PlanError, match="plans .* without data parallelism only"):
         P = problem_from_costs(costs, num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2)
         type(P)(**{**P.__dict__, "sync": (0.1,) * len(costs.blocks)})
+
+
+@pytest.mark.parametrize("planner", ["ilp", "dp"])
+def test_the_plan_names_the_search_that_made_it(planner):
+    # the exact planners hand the split-backward schedules to the zero-bubble search; the plan says so
+    plan = plan_with_costs(_vlm(), num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2,
+                           planner=planner, recompute="none")
+    assert plan.planner == "zero-bubble search"
+    assert plan.summary().startswith("Plan by 'zero-bubble search': 7 blocks in 4 stages, schedule zbv")

@@ -253,6 +253,8 @@ def test_zbv_wins_by_the_simulators_figure():
         sim = simulate(c.plan, result.costs)
         assert c.time_per_unit_s == pytest.approx(sim.iteration_time_s / 3, rel=1e-12)
         assert max(sim.peak_memory_bytes) <= 8 * 1024
+    # the zero-bubble estimate is optimistic (no bubble at all), so it never prunes a better plan away
+    assert all(c.estimate_s <= c.time_per_unit_s for c in result.candidates if c.planned and c.layout.zero_bubble)
     others = [c for c in result.candidates if c.planned and c is not best]
     assert others and all(c.time_per_unit_s > best.time_per_unit_s * 1.01 for c in others)
     less = 1 - best.time_per_unit_s / one.time_per_unit_s
@@ -311,3 +313,25 @@ def test_schedules_the_planner_does_not_take_are_listed_with_the_reason(monkeypa
     large = [c for c in bounded.candidates if c.layout.zero_bubble]
     assert large and all(c.status == "not planned" and "cut vector" in c.reason for c in large)
     assert not bounded.best.layout.zero_bubble
+    with pytest.raises(InputError, match="on 1 device there is no pipeline"):
+        search_layout(costs, devices=1, num_microbatches=4, schedules=["zbv"])
+
+
+def test_a_tie_goes_to_1f1b():
+    # no weight gradients at all: ZB-H1 runs as 1F1B does, in the same time and memory; 1F1B is kept
+    result = search_layout(split_table([(1.0, 2.0, 0.0)] * 4), devices=2, num_microbatches=4, pipeline=[2],
+                           virtual_stages=[1])
+    zb = result.best_of(zero_bubble=True)
+    assert zb is not None and zb.layout.schedule == "interleaved-zb"
+    assert zb.time_per_unit_s == pytest.approx(result.best.time_per_unit_s, rel=1e-12)
+    assert result.best.layout.schedule == "1f1b" and "ties it; the tie goes to 1F1B" in result.verdict()
+
+
+def test_the_zero_bubble_search_is_bounded_in_time():
+    # past its time limit the exact search's best plan so far scores the layout, and the table says so
+    costs = split_table([(1.0 + 0.1 * (i % 3), 2.0, 1.0) for i in range(20)])
+    result = search_layout(costs, devices=4, num_microbatches=8, pipeline=[4], schedules=["zbv"],
+                           zero_bubble_time_limit=0.05, recompute="none")
+    (zbv,) = result.candidates
+    assert zbv.planned and "stopped at its 0.05 s limit: its best plan so far" in zbv.reason
+    assert zbv.plan is not None and zbv.plan.notes["status"] == "time limit"

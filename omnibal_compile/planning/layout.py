@@ -76,9 +76,9 @@ __all__ = ["Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_dep
 SEARCHED_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 """Schedules the layout search chooses among (every one but gpipe, which 1F1B beats on time at the same memory)."""
 
-ZERO_BUBBLE_TIME_LIMIT = 60.0
-"""Seconds the exact zero-bubble search may take per layout; past it the layout is scored with the search's best
-plan so far (said in the candidate's reason)."""
+ZERO_BUBBLE_TIME_LIMIT = 20.0
+"""Default seconds the exact zero-bubble search may take per layout; past it the layout is scored with the search's
+best plan so far (said in the candidate's reason)."""
 
 PRUNE_MARGIN = 0.10
 """A layout whose estimate exceeds the best predicted time by more than this fraction is not planned: the
@@ -389,6 +389,7 @@ def search_layout(
     recompute: str = "auto",
     unit: str = "sample",
     prune: float | None = PRUNE_MARGIN,
+    zero_bubble_time_limit: float = ZERO_BUBBLE_TIME_LIMIT,
 ) -> LayoutSearch:
     """Choose the layout of ``devices`` devices with the least predicted time per unit that fits ``memory_budget``.
 
@@ -413,6 +414,9 @@ def search_layout(
         unit: name of a unit in the printed table.
         prune: leave a layout unplanned when its estimate exceeds the best predicted time found by more
             than this fraction; None plans every layout that fits (slow: seconds per layout at paper scale).
+        zero_bubble_time_limit: seconds the exact zero-bubble search may take per layout (then its best plan so
+            far scores the layout, said in the table); problems of more than
+            :data:`~omnibal_compile.planning.zero_bubble.MAX_CUT_VECTORS` cut vectors are not planned.
 
     Raises:
         PlanError: no layout fits the budget; the message names the layout that needs least and its budget,
@@ -490,6 +494,9 @@ def search_layout(
     if skipped:
         notes.append(f"left out: {counted(skipped, 'pipeline depth and micro-batch size pair')} whose DP x b does not "
                      f"divide the global batch of {global_batch}")
+    if not layouts and all(p == 1 for p in depths) and all(SCHEDULES[k].split_backward for k in schedules):
+        raise InputError(f"schedules {list(schedules)} split the backward to fill a pipeline's bubble, and "
+                         f"on {counted(devices, 'device')} there is no pipeline: give more devices, or schedule 1f1b")
     if not layouts:
         raise PlanError(f"no layout of {counted(devices, 'device')} splits a global batch of {global_batch} {unit}s "
                         f"into micro-batches of {sizes}: change the global batch or the micro-batch sizes")
@@ -545,7 +552,7 @@ def search_layout(
                 if least_need is None or need < least_need[0]:
                     least_need = (need, lay)
                 continue
-        cand = _plan_and_simulate(problem, table, lay, est, memory_budget)
+        cand = _plan_and_simulate(problem, table, lay, est, memory_budget, zero_bubble_time_limit)
         results.append(cand)
         if cand.planned:
             family_best[lay.zero_bubble] = min(family_best.get(lay.zero_bubble, math.inf), cand.time_per_unit_s)
@@ -592,7 +599,8 @@ def _table_order(c: Candidate) -> tuple[int, float]:
 
 
 def _plan_and_simulate(
-    problem: PartitionProblem, table: CostTable, lay: Layout, est: float, budget: float | None
+    problem: PartitionProblem, table: CostTable, lay: Layout, est: float, budget: float | None,
+    zero_bubble_time_limit: float = ZERO_BUBBLE_TIME_LIMIT,
 ) -> Candidate:
     """Plan ``lay`` (exact DP for 1F1B, the DP's incumbent for interleaved, the exact zero-bubble search for the
     split-backward schedules) and simulate its plan.
@@ -604,12 +612,12 @@ def _plan_and_simulate(
     for _ in range(3):
         try:
             if lay.zero_bubble:
-                sol = solve_zero_bubble(problem, time_limit=ZERO_BUBBLE_TIME_LIMIT)
+                sol = solve_zero_bubble(problem, time_limit=zero_bubble_time_limit)
             else:
                 sol = solve_dp(problem) if lay.virtual_stages == 1 else interleaved_incumbent(problem)
         except PlanError as e:
             return Candidate(layout=lay, status="rejected", estimate_s=est, reason=f"planner: {e}")
-        cut_short = f"the exact search stopped at {ZERO_BUBBLE_TIME_LIMIT:g} s: its best plan so far" if (
+        cut_short = f"the exact search stopped at its {zero_bubble_time_limit:g} s limit: its best plan so far" if (
             lay.zero_bubble and sol.status != "optimal") else ""
         plan = plan_from_solution(sol, table, problem)
         sim = simulate(plan, table)

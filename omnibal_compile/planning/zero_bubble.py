@@ -121,7 +121,9 @@ def solve_zero_bubble(P: PartitionProblem, *, time_limit: float | None = None) -
     for lb, b in vectors:
         if best is not None and lb >= best[0] * (1 - 1e-12):
             break
-        if time_limit is not None and time.perf_counter() - start > time_limit:
+        # the time limit stops a search that has a plan (before one, a cut vector that does not fit costs no
+        # simulation, and there are at most MAX_CUT_VECTORS)
+        if best is not None and time_limit is not None and time.perf_counter() - start > time_limit:
             status = "time limit"
             break
         per_device: list[list[tuple[tuple[int, ...], ...]]] = []

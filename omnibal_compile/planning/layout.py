@@ -252,6 +252,9 @@ class LayoutSearch:
             return f"{won}; no zero-bubble layout was planned" + (f" ({why[0]}{', ...' if len(why) > 1 else ''})"
                                                                   if why else "")
         more = zb.time_per_unit_s / b.time_per_unit_s - 1
+        if math.isclose(zb.time_per_unit_s, b.time_per_unit_s, rel_tol=1e-9):  # the tie-break (_better) kept 1F1B
+            return (f"{won}: the best zero-bubble layout ({figure(zb)}) ties it; the tie goes to 1F1B (its runtime "
+                    "runs recomputation and data parallelism)")
         return (f"{won}: the best zero-bubble layout ({figure(zb)}) takes {more:.1%} more time per {unit}; "
                 "predicted by the simulator")
 

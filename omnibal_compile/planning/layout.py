@@ -440,8 +440,8 @@ def search_layout(
     sizes = sorted({int(b) for b in microbatch_sizes})
     if not sizes or sizes[0] < 1:
         raise InputError(f"microbatch_sizes must be positive integers, got {list(microbatch_sizes)}")
-    for kind in schedules:
-        schedule_rule(kind).require(SEARCHED_SCHEDULES, "the layout search")
+    for name in schedules:
+        schedule_rule(name).require(SEARCHED_SCHEDULES, "the layout search")
     kinds = list(dict.fromkeys(d.resized(1) for d in data_parallel))
     if not kinds or not all(isinstance(d, DataParallel) for d in kinds):
         raise InputError(f"data_parallel must be DataParallel layouts to try, got {list(data_parallel)!r}")
@@ -491,8 +491,8 @@ def search_layout(
                         continue
                     # exactly one of global_batch and num_microbatches is given (checked above)
                     m = cast(int, num_microbatches) if global_batch is None else global_batch // (dp * b)
-                    for kind in (kinds if dp > 1 and not rule.split_backward else kinds[:1]):
-                        layouts.append(Layout(pp=p, data_parallel=kind.resized(dp), virtual_stages=v, schedule=sched,
+                    for held in (kinds if dp > 1 and not rule.split_backward else kinds[:1]):
+                        layouts.append(Layout(pp=p, data_parallel=held.resized(dp), virtual_stages=v, schedule=sched,
                                               microbatch_size=b, num_microbatches=m))
     if skipped:
         notes.append(f"left out: {counted(skipped, 'pipeline depth and micro-batch size pair')} whose DP x b does not "

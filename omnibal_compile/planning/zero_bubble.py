@@ -52,7 +52,10 @@ from omnibal_compile.planning.problem import (
 )
 from omnibal_compile.sim.simulate import live_counts
 
-__all__ = ["MAX_CUT_VECTORS", "PlanFigures", "live_counts", "plan_figures", "PLANNER_LABEL", "search_refusal", "solve_zero_bubble"]
+__all__ = [
+    "MAX_CUT_VECTORS", "PLANNER_LABEL", "PlanFigures", "live_counts", "plan_figures", "search_refusal",
+    "solve_zero_bubble",
+]
 
 MAX_CUT_VECTORS = 2_000_000
 """Most cut vectors :func:`solve_zero_bubble` enumerates (C(n - 1, S - 1)); beyond it the problem is refused."""

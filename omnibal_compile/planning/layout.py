@@ -74,14 +74,14 @@ __all__ = ["Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_dep
 
 
 SEARCHED_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
-"""Schedules the layout search chooses among (every one but gpipe, which 1F1B beats on time at the same memory)."""
+"""Schedules the layout search chooses among: every one but gpipe (1F1B's time, holding all M micro-batches)."""
 
 ZERO_BUBBLE_TIME_LIMIT = 20.0
 """Default seconds the exact zero-bubble search may take per layout; past it the layout is scored with the search's
 best plan so far (said in the candidate's reason)."""
 
 PRUNE_MARGIN = 0.10
-"""A layout whose estimate exceeds the best predicted time by more than this fraction is not planned: the
+"""A layout whose estimate exceeds the best predicted time of its family by more than this fraction is not planned: the
 estimate is optimistic for most layouts, but its device split for interleaved schedules is a heuristic."""
 
 

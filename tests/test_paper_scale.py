@@ -372,3 +372,28 @@ def test_ablation_runs_on_compiled_tables_next_to_the_analytic_row(compiled_smal
     assert "costs: compiled from Hugging Face code" in format_ablation(c_rows)
     diff = format_difference(compiled_small, batches["ours"].mean_shape(), device=A100_80G)
     assert "QK-norm" in diff and "llm.layer" in diff
+
+
+def test_zero_bubble_rows_at_the_papers_layout():
+    # the paper's layout under 1F1B, ZB-H1 on the same cuts, and the V on the DP's interleaved cuts: W fills
+    # the bubble (faster, smaller bubble), the deferral holds more memory, and a raised row fits
+    from bench.studies.paper_scale import format_schedule_rows, zero_bubble_rows
+
+    setup = Setup(model=INTERNVL_6B_20B, pp=8, dp=16, planner="dp")
+    batches = make_batches(_stats(10_000), per_step=setup.per_step, samples_per_microbatch=4, methods=("ours",))
+    n = INTERNVL_6B_20B.num_blocks
+    uniform = PlanChoice(boundaries=baseline_boundaries(INTERNVL_6B_20B, "uniform", 8), recompute=("full",) * n,
+                         planner="uniform")
+    rows, notes = zero_bubble_rows(setup, batches["ours"], {"uniform": uniform})
+    one, zb = rows[0], rows[1]
+    assert (one.schedule, zb.schedule) == ("1f1b", "interleaved-zb") and one.fits
+    assert zb.iteration_s < one.iteration_s and zb.bubble < one.bubble and zb.peak_gib > one.peak_gib
+    zbv = [r for r in rows if r.schedule == "zbv"]
+    assert zbv and zbv[-1].fits and zbv[-1].bubble < one.bubble
+    assert all(r.fits == (r.peak_gib * 2**30 <= setup.budget) for r in rows)
+    over = [r for r in rows if not r.fits]  # the DP's interleaved plan, counted for interleaved's in-flight
+    assert over and all(any(x.name.startswith(r.name + ", recomputation raised") and x.fits for x in rows)
+                        for r in over)
+    assert len(notes) == 2 and all("more than 2,000,000" in x and "DP 1 only" in x for x in notes)
+    text = format_schedule_rows(rows, setup.budget / 2**30)
+    assert text.splitlines()[2].split()[:2] == ["1F1B:", "uniform"] and "1.000" in text.splitlines()[2]

@@ -102,6 +102,13 @@ def test_plan_tiny_vlm(tmp_path, capsys):
     assert "simulated interleaved: 4 stages on 2 devices" in capsys.readouterr().out
     assert Plan.from_json((again / "plan.json").read_text()).virtual_stages == 2
     assert not (again / "timeline.png").exists() and (again / "trace.json").is_file()
+    # A zbv plan names the search that made it, and the sweep re-plans with the planner asked for (ilp)
+    zbv = tmp_path / "zbv"
+    assert main(["plan", "tiny-vlm", "--num-stages", "4", "--schedule", "zbv", "--virtual-stages", "2",
+                 "--num-microbatches", "4", "--costs", str(out / "costs.json"), "--sweep-stages", "4",
+                 "--no-pictures", "--out", str(zbv)]) == 0
+    printed = capsys.readouterr().out
+    assert "Plan by 'zero-bubble search'" in printed and "what-if over stages (planner ilp)" in printed
 
 
 def test_plan_hf_llava(tmp_path, capsys):

@@ -210,3 +210,20 @@ def test_refusals_name_the_fix():
     with pytest.raises(PlanError, match="plans .* without data parallelism only"):
         P = problem_from_costs(costs, num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2)
         type(P)(**{**P.__dict__, "sync": (0.1,) * len(costs.blocks)})
+
+
+@pytest.mark.parametrize("planner", ["ilp", "dp"])
+def test_the_plan_names_the_search_that_made_it(planner):
+    # the exact planners hand the split-backward schedules to the zero-bubble search; the plan says so
+    plan = plan_with_costs(_vlm(), num_stages=4, num_microbatches=4, schedule="zbv", virtual_stages=2,
+                           planner=planner, recompute="none")
+    assert plan.planner == "zero-bubble search"
+    assert plan.summary().startswith("Plan by 'zero-bubble search': 7 blocks in 4 stages, schedule zbv")
+
+
+
+def test_the_time_limit_stops_a_search_that_has_a_plan():
+    P = problem_from_costs(_vlm(vit=6, llm=14), num_stages=8, num_microbatches=8, schedule="zbv", virtual_stages=2,
+                           recompute="none")  # 50,388 cut vectors: seconds to search them all
+    sol = solve_zero_bubble(P, time_limit=0.0)  # the first plan found, then the limit
+    assert sol.feasible and sol.status == "time limit" and sol.gap is None and sol.extra["simulated"] >= 1

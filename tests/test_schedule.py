@@ -255,7 +255,7 @@ def test_each_schedule_names_its_torch_class_and_rules():
 
 
 @pytest.mark.parametrize("kind", ZERO_BUBBLE)
-def test_zero_bubble_schedules_are_planned_run_and_refused_by_the_layout_search(kind):
+def test_zero_bubble_schedules_are_planned_run_and_pinned_in_the_layout_search(kind):
     v = 2
     assert kind in PLANNED_SCHEDULES  # planned by planning.zero_bubble (tests/test_plan_zbv.py)
     assert plan_with_costs(_costs(4), planner="parameters", num_stages=4, num_microbatches=4, schedule=kind,
@@ -263,5 +263,8 @@ def test_zero_bubble_schedules_are_planned_run_and_refused_by_the_layout_search(
     check_pipeline(_plan(kind, 4, v, 4), world_size=2)  # the runtime runs them (tests/test_runtime_zero_bubble.py)
     from omnibal_compile.planning.layout import choose_layout
 
-    with pytest.raises(PlanError, match=f"the layout search .* does not handle schedule '{kind}'"):
-        choose_layout(_costs(4), devices=2, schedule=kind)
+    search = choose_layout(_costs(4), devices=2, schedule=kind, num_microbatches=4)  # tests/test_layout.py
+    assert {c.layout.schedule for c in search.candidates} == {kind} and search.best.layout.schedule == kind
+    assert search.plan.schedule == kind and search.plan.num_devices == 2
+    with pytest.raises(PlanError, match="the layout search .* does not handle schedule 'gpipe'"):
+        choose_layout(_costs(4), devices=2, schedule="gpipe")

@@ -752,3 +752,113 @@ def format_cost_sources(analytic: Sequence[Row], compiled: Sequence[Row]) -> str
                           f"{c.gpu_days:.2f}", f"{c.gpu_days / c_base.gpu_days:.3f}", f"{c.gpu_days / a.gpu_days:.3f}",
                           same))
     return format_table(lines, "llrrrrrl")
+
+
+# -- the zero-bubble schedules at the paper's layout (issue 30) -----------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ScheduleRow:
+    """One schedule at a setup's layout, simulated by the event simulator (:func:`omnibal_compile.sim.simulate`)."""
+
+    name: str
+    """What the row runs: the schedule and where its cuts and recomputation come from."""
+    schedule: str
+    """The schedule's name."""
+    iteration_s: float
+    """Simulated seconds of one iteration, every micro-batch of the batching's mean shape."""
+    bubble: float
+    """Idle share of device time in that iteration."""
+    peak_gib: float
+    """Simulated peak memory of the fullest device at the batching's largest micro-batch."""
+    fits: bool
+    """Whether that peak fits the setup's budget."""
+
+
+def zero_bubble_rows(
+    setup: Setup, batches: MicroBatches, plans: Mapping[str, PlanChoice]
+) -> tuple[list[ScheduleRow], list[str]]:
+    """(rows, notes): each of ``plans`` (1F1B plans at ``setup``'s layout, by name) under 1F1B and under ZB-H1
+    (interleaved-zb, the same cuts and recomputation), then the DP's interleaved plan of two chunks per device
+    under interleaved, interleaved-zb and zbv (the same 16 cuts; zbv places them in a V). The exact zero-bubble
+    search is not run where it refuses the problem (its cut-vector bound; it plans at DP 1 only): the notes say
+    so with its own words."""
+    from omnibal_compile.ir.plan import Plan
+    from omnibal_compile.planning.dp import interleaved_incumbent
+    from omnibal_compile.planning.zero_bubble import search_refusal
+    from omnibal_compile.sim import simulate
+
+    pipe_bw = setup.device.link_bandwidth(setup.pipeline_link)
+    dp = setup.data_parallel
+
+    def table(shape: MicroBatch):
+        t = _table(setup, shape)  # its link is the data-parallel one; stage sends use the pipeline's
+        return dataclasses.replace(t, link_bandwidth=pipe_bw, dp_link_bandwidth=t.link_bandwidth)
+
+    mean, largest = table(batches.mean_shape()), table(batches.planning_shape())
+    M = setup.microbatches
+
+    rows: list[ScheduleRow] = []
+
+    def row(name: str, kind: str, boundaries: Sequence[int], recompute: Sequence[str], v: int) -> None:
+        """The plan as given; when it does not fit, also with recomputation raised until it does."""
+        options = list(recompute)
+        raised = 0
+        while True:
+            plan = Plan(block_names=mean.names, boundaries=tuple(boundaries), recompute=tuple(options), schedule=kind,
+                        num_microbatches=M, virtual_stages=v, data_parallel=dp.size, data_parallel_shard=dp.shard)
+            sim = simulate(plan, mean)
+            peaks = simulate(plan, largest).peak_memory_bytes
+            fits = max(peaks) <= setup.budget
+            if fits or not raised:
+                changed = sum(a != b for a, b in zip(options, recompute))
+                label = name if not raised else f"{name}, recomputation raised on {changed} blocks to fit"
+                rows.append(ScheduleRow(name=label, schedule=kind, iteration_s=sim.iteration_time_s,
+                                        bubble=sim.bubble_fraction, peak_gib=max(peaks) / 2**30, fits=fits))
+            if fits:
+                return
+            # each over-budget device: every block of its stages one option more recomputation (none < selective
+            # < full), a greedy of this study, not the planner
+            more = 0
+            for d, peak in enumerate(peaks):
+                if peak <= setup.budget:
+                    continue
+                for st in plan.pipeline_schedule.stages_of(d, plan.num_stages):
+                    for i in range(boundaries[st], boundaries[st + 1]):
+                        k = RECOMPUTE_OPTIONS.index(options[i])
+                        if k + 1 < len(RECOMPUTE_OPTIONS):
+                            options[i] = RECOMPUTE_OPTIONS[k + 1]
+                            more += 1
+            if not more:  # full recomputation everywhere over budget still: the row above says so
+                return
+            raised += more
+
+    for name, choice in plans.items():
+        row(f"1F1B: {name}", "1f1b", choice.boundaries, choice.recompute, 1)
+        row(f"ZB-H1: {name}'s cuts and recomputation", "interleaved-zb", choice.boundaries, choice.recompute, 1)
+    S2 = 2 * setup.pp
+    problem = dataclasses.replace(
+        problem_from_costs(mean, num_stages=S2, num_microbatches=M, schedule="interleaved", virtual_stages=2,
+                           budget=setup.budget, data_parallel=dp),
+        act=problem_from_costs(largest, num_stages=S2, num_microbatches=M, schedule="interleaved", virtual_stages=2,
+                               budget=setup.budget, data_parallel=dp).act)
+    two = interleaved_incumbent(problem)
+    label = f"the DP's interleaved plan ({S2} stages)"
+    row(f"interleaved x2: {label}", "interleaved", two.boundaries, two.recompute, 2)
+    row(f"interleaved-zb x2: {label}'s cuts and recomputation", "interleaved-zb", two.boundaries, two.recompute, 2)
+    row(f"zbv: {label}'s cuts and recomputation in a V", "zbv", two.boundaries, two.recompute, 2)
+    notes = []
+    for kind, S, v in (("interleaved-zb", setup.pp, 1), ("zbv", S2, 2)):
+        alone = problem_from_costs(mean, num_stages=S, num_microbatches=M, schedule=kind, virtual_stages=v)
+        refusal = search_refusal(alone)
+        notes.append(f"{kind} not planned by the exact zero-bubble search: {refusal or 'it plans at DP 1 only'}"
+                     + ("; and it plans at DP 1 only" if refusal and dp.size > 1 else ""))
+    return rows, notes
+
+
+def format_schedule_rows(rows: Sequence[ScheduleRow], budget_gib: float) -> str:
+    """The rows as a table, each iteration against the first row's."""
+    base = rows[0].iteration_s
+    lines = [("schedule and plan", "iteration s", "vs first", "bubble", f"peak GiB (budget {budget_gib:.0f})")]
+    for r in rows:
+        lines.append((r.name, f"{r.iteration_s:.3f}", f"{r.iteration_s / base:.3f}", f"{r.bubble:.1%}",
+                      f"{r.peak_gib:.1f}" + ("" if r.fits else " (over)")))
+    return format_table(lines, "lrrrr")

@@ -245,6 +245,11 @@ def run(args: argparse.Namespace) -> int:
             assert stats is not None
             lengths_report = _lengths_report(cfg, stats, plan, costs, result)
         sweeps: list[str] = []
+        # re-plan as the plan was made: its planner when registered (the layout search's "dp"), else the one asked
+        # for (a zero-bubble plan names its search, which the exact planners run for those schedules)
+        from omnibal_compile.planning import PLANNERS
+
+        replanner = plan.planner if plan.planner in PLANNERS else planner
         for flag, kind in ((args.sweep_memory, "memory"), (args.sweep_stages, "stages")):
             if not flag:
                 continue
@@ -254,13 +259,13 @@ def run(args: argparse.Namespace) -> int:
                     kind,
                     flag,
                     plan.num_stages,
-                    plan_maker(result, plan.planner or planner),
+                    plan_maker(result, replanner),
                     budget,
                     costs,
                     out,
                     pictures,
                     written,
-                    plan.planner or planner,
+                    replanner,
                 )
             )
 

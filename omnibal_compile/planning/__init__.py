@@ -169,7 +169,8 @@ def solve(
     """Plan ``problem`` with ``planner``; raise an explained ``PlanError`` when nothing fits.
 
     The split-backward schedules (interleaved-zb, zbv, dualpipev): the exact planners run
-    :func:`~omnibal_compile.planning.zero_bubble.solve_zero_bubble`.
+    :func:`~omnibal_compile.planning.zero_bubble.solve_zero_bubble`, whose solution names that search
+    (``zero-bubble search``) as its planner.
     The exact planners' plan goes through :func:`~omnibal_compile.planning.ties.break_ties`: with
     ``problem.tie_tolerance`` > 0 it is the deterministic choice among the plans within that
     tolerance of the fastest (the fastest itself when the tolerance is 0).
@@ -178,8 +179,9 @@ def solve(
     split = problem.pipeline_schedule.rule.split_backward
     if split and planner in EXACT_PLANNERS:
         # the split-backward schedules' own exact search (it explains an infeasible budget itself); its objective
-        # is the simulator's, which the closed-form tie-break does not know
-        return dataclasses.replace(solve_zero_bubble(problem, time_limit=time_limit), planner=planner)
+        # is the simulator's, which the closed-form tie-break does not know. The plan names that search as its
+        # planner (planning.zero_bubble.PLANNER_LABEL), not the name asked for.
+        return solve_zero_bubble(problem, time_limit=time_limit)
     if problem.budget and not split:
         _, _, needed = least_memory_split(problem)
         if any(needed / problem.virtual_stages > problem.memory_limit(s) for s in range(problem.num_stages)):

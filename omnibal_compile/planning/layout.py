@@ -1,16 +1,28 @@
-"""Layout search: how to lay a model out on N devices (pipeline depth, chunks, data parallelism, micro-batching).
+"""Layout search: how to lay a model out on N devices (pipeline depth, schedule, chunks, data parallelism,
+micro-batching).
 
 Torch-free, like the solver. Given block costs, N devices, a global batch and a memory budget,
 :func:`search_layout` lists every layout the rules allow, plans each promising one with the
-project's planner (the exact DP for 1F1B; the DP's incumbent for interleaved schedules) and scores
-its plan with the simulator (:func:`omnibal_compile.sim.simulate`); it returns the layout with the
-least predicted time per sample that fits, and the table of every candidate considered.
+project's planner (the exact DP for 1F1B; the DP's incumbent for interleaved schedules; the exact
+zero-bubble search of :mod:`omnibal_compile.planning.zero_bubble` for the split-backward schedules)
+and scores its plan with the simulator (:func:`omnibal_compile.sim.simulate`); it returns the
+layout with the least predicted time per sample that fits, the table of every candidate considered,
+and which schedule won by how much over the best 1F1B layout (:meth:`LayoutSearch.verdict`).
 
 Glossary:
-    layout      PP x DP = N devices: a pipeline of PP devices, each holding v chunks (v = 1: 1F1B;
-                v > 1: interleaved 1F1B), replicated DP times, the replicas holding their training
-                state as FSDP (weights freed after each forward, or kept gathered) or DDP; each
-                replica runs M micro-batches of b samples per optimizer step, G = DP x M x b.
+    layout      PP x DP = N devices: a pipeline of PP devices running a schedule (1F1B, interleaved 1F1B,
+                or one of the zero-bubble schedules interleaved-zb, zbv, dualpipev), each device holding
+                v chunks (1 for 1F1B, 2 for the V schedules, any v for the interleaved ones), replicated
+                DP times, the replicas holding their training state as FSDP (weights freed after each
+                forward, or kept gathered) or DDP; each replica runs M micro-batches of b samples per
+                optimizer step, G = DP x M x b.
+    family      1F1B (1f1b, interleaved: a whole backward per micro-batch) or zero-bubble (the backward
+                split into its input-gradient and weight-gradient parts, W filling the bubble). Each family
+                is pruned against its own best, so the best of each is found and the two are compared.
+    not planned a zero-bubble layout the planner does not take (it plans them at DP 1 only; the cost table
+                must split each backward into B and W; its exact search takes at most
+                :data:`~omnibal_compile.planning.zero_bubble.MAX_CUT_VECTORS` cut vectors), or a layout
+                with more stages than blocks: listed with the reason, not left out.
     unit        what ``b`` and ``G`` count: samples (a cost function of the micro-batch size) or,
                 for a cost table of one fixed micro-batch, micro-batches of that table's shape.
     topology    with a device spec, stages and replicas talk over NVLink inside a node of
@@ -20,8 +32,10 @@ Glossary:
     estimate    an optimistic time per sample of a layout without planning it: every device gets
                 1/PP of the work and memory, recomputation is bought at its cheapest rate (a
                 fractional knapsack over the blocks' recompute options), sends are free, stages are
-                as even as block sizes allow. It orders the candidates; one whose estimate exceeds
-                the best predicted time found so far by more than ``PRUNE_MARGIN`` is listed as not
+                as even as block sizes allow; for a zero-bubble schedule, the busiest device's M
+                micro-batches with no bubble at all (and at least one micro-batch's forward and
+                backward). It orders the candidates; one whose estimate exceeds the best predicted
+                time of its family found so far by more than ``PRUNE_MARGIN`` is listed as not
                 planned. It is a heuristic, not a proven bound (``prune=None`` plans every layout): it is
                 the solver's closed form on ideal stages, which 1F1B beats when an early stage is the
                 bottleneck (by up to a few per cent; the simulated time is at least M x the ideal stage,
@@ -47,22 +61,27 @@ from omnibal_compile.costs.mix import scale_costs
 from omnibal_compile.errors import InputError, PlanError
 from omnibal_compile.ir.costs import DATA_PARALLEL_LAYOUTS, NO_DATA_PARALLEL, CostTable, DataParallel
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.ir.schedule import Schedule, schedule_rule
+from omnibal_compile.ir.schedule import SCHEDULES, Schedule, ScheduleRule, schedule_rule
 from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
 from omnibal_compile.planning.build import plan_from_solution
 from omnibal_compile.planning.dp import interleaved_incumbent, solve_dp
 from omnibal_compile.planning.problem import in_flight
+from omnibal_compile.planning.zero_bubble import search_refusal, solve_zero_bubble
 from omnibal_compile.sim.simulate import simulate
 
 __all__ = ["Layout", "Candidate", "LayoutSearch", "search_layout", "pipeline_depths"]
 
 
 
-SEARCHED_SCHEDULES: frozenset[str] = frozenset({"1f1b", "interleaved"})
-"""Schedules the layout search chooses among (a :class:`Layout` with v = 1 runs 1f1b, else interleaved)."""
+SEARCHED_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
+"""Schedules the layout search chooses among: every one but gpipe (1F1B's time, holding all M micro-batches)."""
+
+ZERO_BUBBLE_TIME_LIMIT = 20.0
+"""Default seconds the exact zero-bubble search may take per layout; past it the layout is scored with the search's
+best plan so far (said in the candidate's reason)."""
 
 PRUNE_MARGIN = 0.10
-"""A layout whose estimate exceeds the best predicted time by more than this fraction is not planned: the
+"""A layout whose estimate exceeds the best predicted time of its family by more than this fraction is not planned: the
 estimate is optimistic for most layouts, but its device split for interleaved schedules is a heuristic."""
 
 
@@ -75,11 +94,28 @@ class Layout:
     data_parallel: DataParallel = NO_DATA_PARALLEL
     """Data-parallel replicas of the pipeline and how they hold the training state."""
     virtual_stages: int = 1
-    """Chunks per device: 1 = 1F1B, more = interleaved 1F1B."""
+    """Chunks per device: 1 for 1F1B, 2 for the V schedules (zbv, dualpipev), any for the interleaved ones."""
+    schedule: str = ""
+    """The pipeline schedule (a name in :data:`SEARCHED_SCHEDULES`); empty: 1f1b for one chunk, else interleaved."""
     microbatch_size: int = 1
     """Units (samples, or micro-batches of the cost table's shape) per micro-batch."""
     num_microbatches: int = 1
     """Micro-batches per replica per optimizer step."""
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            object.__setattr__(self, "schedule", "1f1b" if self.virtual_stages == 1 else "interleaved")
+        schedule_rule(self.schedule)  # an unknown name is refused, naming the known ones
+
+    @property
+    def rule(self) -> ScheduleRule:
+        """The schedule's rules."""
+        return SCHEDULES[self.schedule]
+
+    @property
+    def zero_bubble(self) -> bool:
+        """Whether the schedule splits each backward (the zero-bubble family)."""
+        return self.rule.split_backward
 
     @property
     def dp(self) -> int:
@@ -95,19 +131,24 @@ class Layout:
         return self.pp * self.virtual_stages
 
     @property
-    def schedule(self) -> str:
-        return "1f1b" if self.virtual_stages == 1 else "interleaved"
-
-    @property
     def units_per_step(self) -> int:
         """Units all replicas process per optimizer step (the global batch)."""
         return self.dp * self.num_microbatches * self.microbatch_size
 
-    def describe(self) -> str:
-        """One line, e.g. ``PP 8 x DP 16, 1F1B, FSDP, 16 micro-batches of 4``."""
-        sched = "1F1B" if self.virtual_stages == 1 else f"interleaved x{self.virtual_stages}"
+    @property
+    def schedule_label(self) -> str:
+        """The schedule in a table: ``1F1B``, ``interleaved x2``, ``interleaved-zb`` (ZB-H1) or ``... x2``, ``zbv``."""
+        if self.schedule == "1f1b":
+            return "1F1B"
+        if self.rule.stages_per_device is None and (self.virtual_stages > 1 or not self.zero_bubble):
+            return f"{self.schedule} x{self.virtual_stages}"
+        return self.schedule
+
+    def describe(self, *, schedule: bool = True) -> str:
+        """One line, e.g. ``PP 8 x DP 16, 1F1B, FSDP, M 16 x b 4`` (``schedule=False`` leaves the schedule out)."""
         dp, m, b = self.data_parallel, self.num_microbatches, self.microbatch_size
-        return f"PP {self.pp} x DP {dp.size}, {sched}, {dp.label}, M {m} x b {b}"
+        sched = f"{self.schedule_label}, " if schedule else ""
+        return f"PP {self.pp} x DP {dp.size}, {sched}{dp.label}, M {m} x b {b}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +159,7 @@ class Candidate:
     """The layout."""
     status: str
     """``best``, ``planned`` (planned and simulated), ``not planned`` (its estimate was no better than the
-    best found), or ``rejected`` (see ``reason``)."""
+    best of its family found, or the planner does not take it: see ``reason``), or ``rejected`` (see ``reason``)."""
     estimate_s: float = math.nan
     """Optimistic seconds per unit before planning (see the module glossary); nan when not estimated."""
     time_per_unit_s: float = math.nan
@@ -130,7 +171,7 @@ class Candidate:
     bubble_fraction: float = math.nan
     """Idle share of device time in the simulated iteration."""
     reason: str = ""
-    """Why it was rejected or not planned."""
+    """Why it was rejected or not planned (or, planned, how its plan was cut short)."""
     plan: Plan | None = field(default=None, repr=False)
     """The plan it was scored with (None unless planned)."""
 
@@ -183,7 +224,39 @@ class LayoutSearch:
             f"chosen: {b.layout.describe()}: predicted {_ms(b.time_per_unit_s)} ms per {self.unit}, "
             f"{b.iteration_s:.4g} s per step, bubble {b.bubble_fraction:.1%}, peak {format_size(b.peak_memory_bytes)}"
         )
-        return "\n".join([head, *self.notes, self.table(limit), chosen])
+        return "\n".join([head, *self.notes, self.table(limit), chosen, self.verdict()])
+
+    def best_of(self, zero_bubble: bool) -> Candidate | None:
+        """The fastest planned candidate of a family (module glossary), None when none was planned."""
+        planned = [c for c in self.candidates if c.planned and c.layout.zero_bubble == zero_bubble]
+        return min(planned, key=lambda c: c.time_per_unit_s, default=None)
+
+    def verdict(self) -> str:
+        """Which schedule won, and by how much over the best 1F1B layout (1F1B or interleaved), in a sentence."""
+        b, unit = self.best, self.unit
+        one = self.best_of(zero_bubble=False)
+        zb = self.best_of(zero_bubble=True)
+        won = f"schedule: {b.layout.schedule_label} won"
+
+        def figure(c: Candidate) -> str:
+            return f"{c.layout.describe()}: {_ms(c.time_per_unit_s)} ms per {unit}"
+
+        if b.layout.zero_bubble:
+            if one is None:
+                return f"{won}; no 1F1B layout was planned (see the table's reasons)"
+            less = 1 - b.time_per_unit_s / one.time_per_unit_s
+            return (f"{won}: {less:.1%} less time per {unit} ({one.time_per_unit_s / b.time_per_unit_s:.3f}x the "
+                    f"throughput) than the best 1F1B layout ({figure(one)}); predicted by the simulator")
+        if zb is None:
+            why = sorted({c.reason for c in self.candidates if c.layout.zero_bubble and c.reason})
+            return f"{won}; no zero-bubble layout was planned" + (f" ({why[0]}{', ...' if len(why) > 1 else ''})"
+                                                                  if why else "")
+        more = zb.time_per_unit_s / b.time_per_unit_s - 1
+        if math.isclose(zb.time_per_unit_s, b.time_per_unit_s, rel_tol=1e-9):  # the tie-break (_better) kept 1F1B
+            return (f"{won}: the best zero-bubble layout ({figure(zb)}) ties it; the tie goes to 1F1B (its runtime "
+                    "runs recomputation and data parallelism)")
+        return (f"{won}: the best zero-bubble layout ({figure(zb)}) takes {more:.1%} more time per {unit}; "
+                "predicted by the simulator")
 
     def __str__(self) -> str:
         return self.summary()
@@ -194,18 +267,20 @@ def _ms(seconds: float) -> str:
 
 
 def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", limit: int | None = None) -> str:
-    """Layout, estimate, predicted time per unit, step time, bubble, memory, status and reason per candidate."""
+    """Layout, schedule, estimate, predicted time per unit, step time, bubble, memory, status and reason per
+    candidate."""
     shown = list(candidates if limit is None else candidates[:limit])
-    rows = [("layout", f"estimate ms/{unit}", f"predicted ms/{unit}", "step s", "bubble", "peak memory", "status")]
+    rows = [("layout", "schedule", f"estimate ms/{unit}", f"predicted ms/{unit}", "step s", "bubble", "peak memory",
+             "status")]
     for c in shown:
         mem = "-" if math.isnan(c.peak_memory_bytes) else format_size(c.peak_memory_bytes)
         rows.append((
-            c.layout.describe(), _ms(c.estimate_s), _ms(c.time_per_unit_s),
+            c.layout.describe(schedule=False), c.layout.schedule_label, _ms(c.estimate_s), _ms(c.time_per_unit_s),
             "-" if math.isnan(c.iteration_s) else f"{c.iteration_s:.4g}",
             "-" if math.isnan(c.bubble_fraction) else f"{c.bubble_fraction:.1%}", mem,
             c.status + (f": {c.reason}" if c.reason else ""),
         ))
-    text = format_table(rows, "lrrrrrl")
+    text = format_table(rows, "llrrrrrl")
     if len(shown) < len(candidates):
         rest = candidates[len(shown):]
         kinds = {s: sum(c.status == s for c in rest) for s in ("planned", "not planned", "rejected")}
@@ -269,6 +344,10 @@ def _estimate(problem: PartitionProblem, layout: Layout, budget: float | None, c
     W / S (W / p), and at least the least largest part of a contiguous split of the blocks' fastest times
     into S stages (p devices), what block sizes allow. For interleaved schedules a device's two chunks are
     not contiguous, so its bound is a heuristic: pairing chunks can balance better, or worse.
+
+    The zero-bubble schedules: ``M L`` (the busiest device's work with no bubble), at least the work of one
+    micro-batch's forwards and input gradients (its weight gradients may wait); L is at least W / p, the largest
+    stage of a contiguous split into p for one chunk per device and the largest block otherwise.
     """
     P = problem
     p, v, S, M = layout.pp, layout.virtual_stages, layout.num_stages, layout.num_microbatches
@@ -285,7 +364,10 @@ def _estimate(problem: PartitionProblem, layout: Layout, budget: float | None, c
     for k in (S, p):
         if (fastest, k) not in cache:
             cache[(fastest, k)] = min_max_partition(fastest, k)[1]
-    if v == 1:
+    if layout.zero_bubble:
+        largest = cache[(fastest, p)] if v == 1 else max(fastest)
+        step = max(M * max(work / p, largest), work - sum(P.weight))
+    elif v == 1:
         step = work + (M - 1) * max(work / S, cache[(fastest, S)])
     else:
         step = M * max(work / p, cache[(fastest, p)]) + (p - 1) / (p * v) * work
@@ -305,10 +387,12 @@ def search_layout(
     devices_per_node: int = 8,
     pipeline: Sequence[int] | None = None,
     virtual_stages: Sequence[int] = (1, 2),
+    schedules: Sequence[str] = SEARCHED_SCHEDULES,
     data_parallel: Sequence[DataParallel] = DATA_PARALLEL_LAYOUTS,
     recompute: str = "auto",
     unit: str = "sample",
     prune: float | None = PRUNE_MARGIN,
+    zero_bubble_time_limit: float = ZERO_BUBBLE_TIME_LIMIT,
 ) -> LayoutSearch:
     """Choose the layout of ``devices`` devices with the least predicted time per unit that fits ``memory_budget``.
 
@@ -324,12 +408,18 @@ def search_layout(
             link bandwidth for sends and data-parallel collectives alike.
         devices_per_node: devices that share NVLink.
         pipeline: pipeline depths to try (default: every divisor of N the block count allows).
-        virtual_stages: chunks per device to try (v > 1 only where PP > 1 and the blocks allow).
+        virtual_stages: chunks per device to try (v > 1 only where PP > 1): v = 1 runs 1f1b or interleaved-zb
+            (ZB-H1), v > 1 interleaved or interleaved-zb, v = 2 also zbv and dualpipev.
+        schedules: the schedules to choose among (names in :data:`SEARCHED_SCHEDULES`); the zero-bubble ones are
+            tried at PP > 1.
         data_parallel: data-parallel layouts to try (each taken at the layout's DP; their own size is ignored).
         recompute: ``auto`` (the planner picks per block) or one option forced everywhere.
         unit: name of a unit in the printed table.
         prune: leave a layout unplanned when its estimate exceeds the best predicted time found by more
             than this fraction; None plans every layout that fits (slow: seconds per layout at paper scale).
+        zero_bubble_time_limit: seconds the exact zero-bubble search may take per layout (then its best plan so
+            far scores the layout, said in the table); problems of more than
+            :data:`~omnibal_compile.planning.zero_bubble.MAX_CUT_VECTORS` cut vectors are not planned.
 
     Raises:
         PlanError: no layout fits the budget; the message names the layout that needs least and its budget,
@@ -350,6 +440,8 @@ def search_layout(
     sizes = sorted({int(b) for b in microbatch_sizes})
     if not sizes or sizes[0] < 1:
         raise InputError(f"microbatch_sizes must be positive integers, got {list(microbatch_sizes)}")
+    for name in schedules:
+        schedule_rule(name).require(SEARCHED_SCHEDULES, "the layout search")
     kinds = list(dict.fromkeys(d.resized(1) for d in data_parallel))
     if not kinds or not all(isinstance(d, DataParallel) for d in kinds):
         raise InputError(f"data_parallel must be DataParallel layouts to try, got {list(data_parallel)!r}")
@@ -380,26 +472,34 @@ def search_layout(
         notes.append(f"links: {device.name}, NVLink inside nodes of {devices_per_node} devices, InfiniBand across "
                      "(pipeline-inner ranks)")
 
-    # Every layout the rules allow; the schedule's own rules reject some with a reason.
+    # Every layout the rules allow; the schedule's own rules reject some with a reason. One device is no pipeline:
+    # it runs one chunk, 1F1B. A zero-bubble layout at DP > 1 is listed once for every data-parallel layout (the
+    # planner plans those schedules at DP 1 only).
     layouts: list[Layout] = []
     skipped = 0
+    chunk_counts = sorted({v for v in virtual_stages if v >= 1})
     for p in depths:
         dp = devices // p
-        for v in sorted(set(virtual_stages)):
-            if v < 1 or (v > 1 and (p == 1 or p * v > n)):
-                continue
-            for b in sizes:
-                if global_batch is not None and global_batch % (dp * b):
-                    skipped += 1
+        for sched in dict.fromkeys(schedules):
+            rule = SCHEDULES[sched]
+            for v in _chunks(rule, chunk_counts):
+                if p == 1 and (v > 1 or rule.split_backward):
                     continue
-                # exactly one of global_batch and num_microbatches is given (checked above)
-                m = cast(int, num_microbatches) if global_batch is None else global_batch // (dp * b)
-                for kind in (kinds if dp > 1 else kinds[:1]):
-                    layouts.append(Layout(pp=p, data_parallel=kind.resized(dp), virtual_stages=v, microbatch_size=b,
-                                          num_microbatches=m))
+                for b in sizes:
+                    if global_batch is not None and global_batch % (dp * b):
+                        skipped += 1
+                        continue
+                    # exactly one of global_batch and num_microbatches is given (checked above)
+                    m = cast(int, num_microbatches) if global_batch is None else global_batch // (dp * b)
+                    for held in (kinds if dp > 1 and not rule.split_backward else kinds[:1]):
+                        layouts.append(Layout(pp=p, data_parallel=held.resized(dp), virtual_stages=v, schedule=sched,
+                                              microbatch_size=b, num_microbatches=m))
     if skipped:
         notes.append(f"left out: {counted(skipped, 'pipeline depth and micro-batch size pair')} whose DP x b does not "
                      f"divide the global batch of {global_batch}")
+    if not layouts and all(p == 1 for p in depths) and all(SCHEDULES[k].split_backward for k in schedules):
+        raise InputError(f"schedules {list(schedules)} split the backward to fill a pipeline's bubble, and "
+                         f"on {counted(devices, 'device')} there is no pipeline: give more devices, or schedule 1f1b")
     if not layouts:
         raise PlanError(f"no layout of {counted(devices, 'device')} splits a global batch of {global_batch} {unit}s "
                         f"into micro-batches of {sizes}: change the global batch or the micro-batch sizes")
@@ -408,6 +508,11 @@ def search_layout(
     pending: list[tuple[float, Layout, PartitionProblem, CostTable]] = []
     sched_cache: dict = {}
     for lay in layouts:
+        if lay.num_stages > n:
+            results.append(Candidate(layout=lay, status="not planned", reason=(
+                f"{lay.virtual_stages} stages per device x PP {lay.pp} = {lay.num_stages} stages exceed the model's "
+                f"{n} blocks")))
+            continue
         try:
             Schedule(kind=lay.schedule, num_microbatches=lay.num_microbatches,
                      virtual_stages=lay.virtual_stages).check(lay.num_stages)
@@ -415,21 +520,34 @@ def search_layout(
             results.append(Candidate(layout=lay, status="rejected", reason=str(e).split(";")[0]))  # Schedule's rule
             continue
         table = table_for(lay.microbatch_size, *_links(device, devices_per_node, lay))
-        problem = problem_from_costs(table, num_stages=lay.num_stages, num_microbatches=lay.num_microbatches,
-                                     schedule=lay.schedule, virtual_stages=lay.virtual_stages, budget=memory_budget,
-                                     recompute=recompute, data_parallel=lay.data_parallel)
+        try:  # the planner's own rules for the split-backward schedules: a B/W split in the costs, DP 1
+            problem = problem_from_costs(table, num_stages=lay.num_stages, num_microbatches=lay.num_microbatches,
+                                         schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                                         budget=memory_budget, recompute=recompute, data_parallel=lay.data_parallel)
+        except (InputError, PlanError) as e:
+            if not lay.zero_bubble:
+                raise
+            every = " (one row for every data-parallel layout)" if lay.dp > 1 else ""
+            results.append(Candidate(layout=lay, status="not planned", reason=_first_clause(str(e)) + every))
+            continue
         est = _estimate(problem, lay, memory_budget, sched_cache) / lay.units_per_step
+        refusal = search_refusal(problem) if lay.zero_bubble else ""
+        if refusal:  # the exact search is bounded; larger problems are left out, saying so
+            results.append(Candidate(layout=lay, status="not planned", estimate_s=est, reason=_first_clause(refusal)))
+            continue
         pending.append((est, lay, problem, table))
 
     pending.sort(key=lambda x: x[0])
     best: Candidate | None = None
+    family_best: dict[bool, float] = {}  # the best predicted time per unit of each family (zero-bubble or not)
     least_need: tuple[float, Layout] | None = None
     for est, lay, problem, table in pending:
-        if prune is not None and best is not None and est > best.time_per_unit_s * (1 + prune) and not math.isinf(est):
+        bar = family_best.get(lay.zero_bubble)
+        if prune is not None and bar is not None and est > bar * (1 + prune) and not math.isinf(est):
             results.append(Candidate(layout=lay, status="not planned", estimate_s=est,
-                                     reason=f"estimate over the best by more than {prune:.0%}"))
+                                     reason=f"estimate over the best of its family by more than {prune:.0%}"))
             continue
-        if memory_budget is not None:  # exact: the least memory any plan of the layout needs
+        if memory_budget is not None and not lay.zero_bubble:  # exact: the least memory any plan of the layout needs
             _, _, need = least_memory_split(problem)
             if not need <= problem.memory_limit(0) * lay.virtual_stages:
                 results.append(Candidate(layout=lay, status="rejected", estimate_s=est, peak_memory_bytes=need,
@@ -437,10 +555,12 @@ def search_layout(
                 if least_need is None or need < least_need[0]:
                     least_need = (need, lay)
                 continue
-        cand = _plan_and_simulate(problem, table, lay, est, memory_budget)
+        cand = _plan_and_simulate(problem, table, lay, est, memory_budget, zero_bubble_time_limit)
         results.append(cand)
-        if cand.planned and (best is None or cand.time_per_unit_s < best.time_per_unit_s):
-            best = cand
+        if cand.planned:
+            family_best[lay.zero_bubble] = min(family_best.get(lay.zero_bubble, math.inf), cand.time_per_unit_s)
+            if best is None or _better(cand, best):
+                best = cand
     if best is None:
         error = PlanError(_nothing_fits(devices, memory_budget, least_need, results))
         error.least_budget = least_need[0] if least_need else None  # type: ignore[attr-defined]
@@ -453,6 +573,27 @@ def search_layout(
                         notes=tuple(notes))
 
 
+def _better(a: Candidate, b: Candidate) -> bool:
+    """Whether planned ``a`` beats ``b``: less predicted time per unit; on a tie (1e-9), the 1F1B family (its runtime
+    runs recomputation and data parallelism), then less peak memory."""
+    if not math.isclose(a.time_per_unit_s, b.time_per_unit_s, rel_tol=1e-9):
+        return a.time_per_unit_s < b.time_per_unit_s
+    return (a.layout.zero_bubble, a.peak_memory_bytes) < (b.layout.zero_bubble, b.peak_memory_bytes)
+
+
+def _chunks(rule: ScheduleRule, counts: Sequence[int]) -> list[int]:
+    """The chunk counts of ``counts`` schedule ``rule`` runs: its own (1 or 2), or any; a whole-backward schedule
+    with any count runs from 2 (interleaved at one chunk is 1F1B)."""
+    if rule.stages_per_device is not None:
+        return [v for v in counts if v == rule.stages_per_device]
+    return [v for v in counts if v > 1 or rule.split_backward]
+
+
+def _first_clause(message: str) -> str:
+    """A refusal's first clause, for the candidates' table (the fix it names follows ``;`` or ``: ``)."""
+    return message.split(";")[0].split(": ")[0]
+
+
 def _table_order(c: Candidate) -> tuple[int, float]:
     """Planned by predicted time, then not planned by estimate, then rejected by estimate."""
     rank = {"planned": 0, "not planned": 1, "rejected": 2}[c.status]
@@ -461,9 +602,11 @@ def _table_order(c: Candidate) -> tuple[int, float]:
 
 
 def _plan_and_simulate(
-    problem: PartitionProblem, table: CostTable, lay: Layout, est: float, budget: float | None
+    problem: PartitionProblem, table: CostTable, lay: Layout, est: float, budget: float | None,
+    zero_bubble_time_limit: float = ZERO_BUBBLE_TIME_LIMIT,
 ) -> Candidate:
-    """Plan ``lay`` (exact DP for 1F1B, the DP's incumbent for interleaved) and simulate its plan.
+    """Plan ``lay`` (exact DP for 1F1B, the DP's incumbent for interleaved, the exact zero-bubble search for the
+    split-backward schedules) and simulate its plan.
 
     When the simulated peak exceeds the budget (the planner's in-flight count for interleaved schedules is
     an approximation), the layout is planned again against the budget shrunk by the overshoot (twice at most).
@@ -471,9 +614,14 @@ def _plan_and_simulate(
     limit = budget
     for _ in range(3):
         try:
-            sol = solve_dp(problem) if lay.virtual_stages == 1 else interleaved_incumbent(problem)
+            if lay.zero_bubble:
+                sol = solve_zero_bubble(problem, time_limit=zero_bubble_time_limit)
+            else:
+                sol = solve_dp(problem) if lay.virtual_stages == 1 else interleaved_incumbent(problem)
         except PlanError as e:
             return Candidate(layout=lay, status="rejected", estimate_s=est, reason=f"planner: {e}")
+        cut_short = f"the exact search stopped at its {zero_bubble_time_limit:g} s limit: its best plan so far" if (
+            lay.zero_bubble and sol.status != "optimal") else ""
         plan = plan_from_solution(sol, table, problem)
         sim = simulate(plan, table)
         peak = float(max(sim.peak_memory_bytes))
@@ -487,6 +635,7 @@ def _plan_and_simulate(
                 iteration_s=sim.iteration_time_s,
                 peak_memory_bytes=peak,
                 bubble_fraction=sim.bubble_fraction,
+                reason=cut_short,
             )
         # aim under the budget by the overshoot, cumulatively (limit starts as budget, not None here)
         limit = cast(float, limit) * budget / peak
@@ -549,14 +698,22 @@ def choose_layout(
 
     ``data_parallel`` with size > 1 pins the data-parallel degree and layout; size 1 leaves both to the search.
     Without ``global_batch`` or ``num_microbatches``, a step holds two micro-batches per device (said in the notes).
+    Without ``schedule`` every schedule of :data:`SEARCHED_SCHEDULES` is a choice (those that run the pinned chunks).
     """
     dp = data_parallel.size
+    rule = None
     if schedule is not None:
-        schedule_rule(schedule).require(SEARCHED_SCHEDULES, "the layout search (for gpipe give num_stages=)")
+        rule = schedule_rule(schedule)
+        rule.require(SEARCHED_SCHEDULES, "the layout search (for gpipe give num_stages=)")
     if dp > 1 and devices % dp:
         raise InputError(f"dp={dp} does not divide devices={devices}")
     pipeline = None
-    chunks = virtual_stages if virtual_stages is not None else 2 if schedule == "interleaved" else 1
+    if virtual_stages is not None:
+        chunks = virtual_stages
+    elif rule is not None and rule.stages_per_device is not None:
+        chunks = rule.stages_per_device
+    else:
+        chunks = 2 if schedule == "interleaved" else 1
     if num_stages is not None:
         if num_stages % chunks:
             raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={chunks}")
@@ -567,7 +724,7 @@ def choose_layout(
         pipeline = [devices // dp]
     if pipeline is not None and dp > 1 and pipeline[0] * dp != devices:
         raise InputError(f"{pipeline[0]} pipeline devices x dp={dp} is not devices={devices}")
-    # None leaves schedule and chunks to the search (1F1B or interleaved with two chunks)
+    # None leaves schedule and chunks to the search (each schedule with one chunk or two)
     pinned_v = num_stages is not None or schedule is not None or virtual_stages is not None
     notes = []
     if global_batch is None and num_microbatches is None:
@@ -577,6 +734,7 @@ def choose_layout(
         costs, devices=devices, global_batch=global_batch, num_microbatches=num_microbatches,
         memory_budget=memory_budget, device=device, pipeline=pipeline,
         virtual_stages=[chunks] if pinned_v else (1, 2),
+        schedules=[schedule] if schedule is not None else SEARCHED_SCHEDULES,
         data_parallel=[data_parallel] if dp > 1 else DATA_PARALLEL_LAYOUTS, recompute=recompute,
         unit="micro-batch",
     )

@@ -52,10 +52,27 @@ from omnibal_compile.planning.problem import (
 )
 from omnibal_compile.sim.simulate import live_counts
 
-__all__ = ["MAX_CUT_VECTORS", "PlanFigures", "live_counts", "plan_figures", "solve_zero_bubble"]
+__all__ = [
+    "MAX_CUT_VECTORS", "PLANNER_LABEL", "PlanFigures", "live_counts", "plan_figures", "search_refusal",
+    "solve_zero_bubble",
+]
 
 MAX_CUT_VECTORS = 2_000_000
-"""Most cut vectors :func:`solve_zbv` enumerates (C(n - 1, S - 1)); beyond it the problem is refused."""
+"""Most cut vectors :func:`solve_zero_bubble` enumerates (C(n - 1, S - 1)); beyond it the problem is refused."""
+
+
+PLANNER_LABEL = "zero-bubble search"
+"""The planner a plan of :func:`solve_zero_bubble` names (whichever exact planner was asked for)."""
+
+
+def search_refusal(P: PartitionProblem) -> str:
+    """Why :func:`solve_zero_bubble` refuses ``P`` as too large (more than :data:`MAX_CUT_VECTORS` cut vectors);
+    empty when it takes it."""
+    count = math.comb(P.n - 1, P.num_stages - 1)
+    if count <= MAX_CUT_VECTORS:
+        return ""
+    return (f"{P.schedule} planning searches every cut vector and {P.n} blocks into {P.num_stages} stages have "
+            f"{count:,} (more than {MAX_CUT_VECTORS:,}): use fewer stages or coarser blocks")
 
 
 def _frontier(P: PartitionProblem, i: int, j: int) -> list[tuple[float, float, tuple[int, ...]]]:
@@ -82,12 +99,10 @@ def solve_zero_bubble(P: PartitionProblem, *, time_limit: float | None = None) -
         raise PlanError(f"solve_zero_bubble plans the split-backward schedules, not {P.schedule!r}")
     start = time.perf_counter()
     n, S, D, M = P.n, P.num_stages, P.num_devices, P.num_microbatches
+    refusal = search_refusal(P)
+    if refusal:
+        raise PlanError(refusal)
     count = math.comb(n - 1, S - 1)
-    if count > MAX_CUT_VECTORS:
-        raise PlanError(
-            f"{P.schedule} planning searches every cut vector and {n} blocks into {S} stages have {count:,} "
-            f"(more than {MAX_CUT_VECTORS:,}): use fewer stages or coarser blocks"
-        )
     stages = [zero_bubble_devices(P, d) for d in range(D)]
     crossing = [s for s in range(1, S) if P.device_of(s - 1) != P.device_of(s)]  # cuts whose sends cost
     fast = [min(P.time[k][o] for o in P.useful_options(k)) for k in range(n)]
@@ -109,7 +124,9 @@ def solve_zero_bubble(P: PartitionProblem, *, time_limit: float | None = None) -
     for lb, b in vectors:
         if best is not None and lb >= best[0] * (1 - 1e-12):
             break
-        if time_limit is not None and time.perf_counter() - start > time_limit:
+        # the time limit stops a search that has a plan (before one, a cut vector that does not fit costs no
+        # simulation, and there are at most MAX_CUT_VECTORS)
+        if best is not None and time_limit is not None and time.perf_counter() - start > time_limit:
             status = "time limit"
             break
         per_device: list[list[tuple[tuple[int, ...], ...]]] = []
@@ -147,7 +164,7 @@ def solve_zero_bubble(P: PartitionProblem, *, time_limit: float | None = None) -
         )
     _, cuts, chosen = best
     return evaluate_zero_bubble(
-        P, cuts, [OPTIONS[o] for o in chosen], planner="zero-bubble search", status=status,
+        P, cuts, [OPTIONS[o] for o in chosen], planner=PLANNER_LABEL, status=status,
         solve_seconds=time.perf_counter() - start, gap=0.0 if status == "optimal" else None,
         extra={"solver": f"{P.schedule} search", "cut vectors": count, "simulated": simulated},
     )

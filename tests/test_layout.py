@@ -68,7 +68,7 @@ def test_candidates_are_a_table_with_reasons():
     result = search_layout(table(), devices=8, global_batch=8, memory_budget=900 * MIB, microbatch_sizes=(1, 2))
     text = result.table()
     lines = text.splitlines()
-    assert lines[0].split()[:2] == ["layout", "estimate"] and set(lines[1]) <= {"-", " "}
+    assert lines[0].split()[:3] == ["layout", "tp", "estimate"] and set(lines[1]) <= {"-", " "}
     assert len(lines) == 2 + len(result.candidates)
     # 1F1B needs a micro-batch per stage: 8 samples in micro-batches of 2 are too few for a pipeline of 8
     short = [c for c in result.candidates if c.layout.schedule == "1f1b" and c.layout.num_microbatches < c.layout.pp]

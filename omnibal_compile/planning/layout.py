@@ -112,6 +112,8 @@ class Layout:
         refusals that a layout decides); empty when it runs."""
         if self.tp > 1 and self.dp > 1:
             return "not run yet: tp with dp > 1"
+        if self.tp > 1 and schedule_rule(self.schedule).split_backward:
+            return "not run yet: tp with a split-backward schedule"
         return ""
 
     @property

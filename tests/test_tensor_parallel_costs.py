@@ -62,8 +62,8 @@ def test_sharded_blocks_are_divided_and_pay_their_all_reduces_replicated_ones_ar
     assert b.recompute_s["selective"] == pytest.approx(0.0025 * 0.6)
     assert b.tensor_parallel_s == pytest.approx(fwd + bwd)
     assert b.flops == pytest.approx(0.6e9)
-    # 800 of 1000 parameters sharded: 200 + 400 per rank, their static bytes with them
-    assert b.num_params == 600 and b.static_bytes == 16 * 600
+    # 800 of 1000 parameters sharded: 200 + 400 per rank in static bytes; the block's count stays the model's
+    assert b.num_params == 1000 and b.static_bytes == 16 * 600
     # no sequence parallelism: activations and workspace stay those of the whole block
     assert b.activation_bytes == t.blocks[1].activation_bytes and b.workspace_bytes == t.blocks[1].workspace_bytes
     assert out.cut_bytes == t.cut_bytes

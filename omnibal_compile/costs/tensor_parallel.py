@@ -12,7 +12,12 @@ Glossary:
                     of memory-bound ones.
     static share    ``facts.params / block.num_params``: weights, gradients and optimizer states of the
                     sharded layers are divided by tp, every other parameter (norms, embeddings, the head,
-                    refused pairs) stays whole on each rank.
+                    refused pairs) stays whole on each rank. ``num_params`` and ``frozen_params`` stay
+                    the block's whole counts, as the model and the plan count them (the runtime checks a
+                    plan's against the model); the data-parallel rules read a block's trained parameters
+                    from ``static_bytes``, so they see one rank's shard of a trained block, while a frozen
+                    sharded block's FSDP weights are counted whole (overstated; tp with dp > 1 does not
+                    run yet).
     all-reduce      ``2 ring_collective_s(bytes, tp, bandwidth)`` (a reduce-scatter then an all-gather):
                     one per pair in the forward (the row-wise output), one per column-wise layer in the
                     backward (its input gradient), plus ``latency_s`` per call. Not overlapped with
@@ -55,8 +60,6 @@ def tensor_parallel_block(block: BlockCost, facts: TensorParallelBlock, tp: int,
     forward = facts.pairs * latency_s + 2 * ring_collective_s(facts.forward_bytes, tp, bandwidth)
     backward = facts.backward_reduces * latency_s + 2 * ring_collective_s(facts.backward_bytes, tp, bandwidth)
     f = facts.params / block.num_params if block.num_params else 0.0
-    params = block.num_params - round(facts.params * (1 - 1 / tp))
-    frozen = round(block.frozen_params * params / block.num_params) if block.num_params else 0
     return dataclasses.replace(
         block,
         flops=block.flops * keep,
@@ -65,8 +68,6 @@ def tensor_parallel_block(block: BlockCost, facts: TensorParallelBlock, tp: int,
         weight_grad_s=None if block.weight_grad_s is None else block.weight_grad_s * keep,
         recompute_s={o: t * keep + (forward if o == "full" else 0.0) for o, t in block.recompute_s.items()},
         static_bytes=round(block.static_bytes * (1 - f + f / tp)),
-        num_params=params,
-        frozen_params=min(frozen, params),
         tensor_parallel_s=block.tensor_parallel_s + forward + backward,
     )
 

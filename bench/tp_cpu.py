@@ -62,7 +62,8 @@ def main() -> int:
     tables = {1: costs, 2: tensor_parallel_table(costs, 2, sharded=facts, bandwidth=links.collective_bytes_per_s,
                                                  latency_s=links.collective_latency_s)}
     print(f"gloo collectives: {links.collective_bytes_per_s / 1e9:.2f} GB/s, {links.collective_latency_s * 1e6:.0f} us "
-          f"per call (FSDP2's, hooks included), at {size:,} bytes; {len(facts)} of {len(costs.blocks)} blocks sharded", flush=True)
+          f"per call (FSDP2's, hooks included), at {size:,} bytes; {len(facts)} of {len(costs.blocks)} blocks "
+          "sharded", flush=True)
     plans = {tp: plan_with_costs(t, num_stages=1, num_microbatches=args.microbatches, planner="parameters")
              for tp, t in tables.items()}
     steps: dict[int, list[float]] = {1: [], 2: []}

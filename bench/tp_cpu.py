@@ -45,6 +45,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
     p.add_argument("--rounds", type=int, default=2, help="runs per tp degree, alternated")
     p.add_argument("--repeats", type=int, default=15, help="profiling repeats per block (median)")
+    p.add_argument("--link-repeats", type=int, default=21, help="timed repeats of the gloo collectives (median)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -58,10 +59,13 @@ def main() -> int:
     costs = annotate_costs(one.graph, model, device="cpu", threads=1, repeats=args.repeats, clock="wall")
     # the size of one all-reduce: a pair's output (a hidden state), the largest the model moves
     size = max(f.forward_bytes // f.pairs for f in facts.values())
-    links = measure_links(send_bytes=size, collective_bytes=size, ranks=2)
+    links = measure_links(send_bytes=size, collective_bytes=size, ranks=2, repeats=args.link_repeats)
     tables = {1: costs, 2: tensor_parallel_table(costs, 2, sharded=facts, bandwidth=links.collective_bytes_per_s,
                                                  latency_s=links.collective_latency_s)}
-    print(f"gloo collectives: {links.collective_bytes_per_s / 1e9:.2f} GB/s, {links.collective_latency_s * 1e6:.0f} us "
+    low, high = links.collective_spread
+    print(f"gloo collectives: {links.collective_bytes_per_s / 1e9:.2f} GB/s (repeats {low / 1e9:.2f}-"
+          f"{high / 1e9:.2f}), "
+          f"{links.collective_latency_s * 1e6:.0f} us "
           f"per call (FSDP2's, hooks included), at {size:,} bytes; {len(facts)} of {len(costs.blocks)} blocks "
           "sharded", flush=True)
     plans = {tp: plan_with_costs(t, num_stages=1, num_microbatches=args.microbatches, planner="parameters")

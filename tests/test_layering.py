@@ -20,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "omnibal_compile"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("errors", "_utils", "progress")),
     ("intermediate results and settings", ("ir", "costs.devices", "data", "config")),
-    ("planning and simulation", ("planning", "sim", "costs.analytic", "costs.mix", "costs._cache")),
+    ("planning and simulation", ("planning", "sim", "costs.analytic", "costs.mix", "costs._cache",
+                                 "costs.tensor_parallel")),
     ("compiler", ("compile", "kernels", "costs", "models", "integrations")),
     ("optimize", ("api", "")),
     ("runtime", ("runtime", "calibrate")),

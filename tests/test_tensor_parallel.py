@@ -57,6 +57,24 @@ def test_pass_shards_llm_attention_and_mlps_and_says_why_vit_attention_stays_who
     assert "9 pairs sharded" in text and "replicated: " in text and "lm_head" in text
 
 
+def test_pass_gives_each_sharded_block_the_facts_its_costs_need(one_stage, vlm):
+    model, _ = vlm
+    _, report = find_pairs(one_stage.stages[0], one_stage.graph, 2)
+    blocks = report.blocks()
+    assert set(blocks) == {p.block for p in report.sharded} and "lm_head" not in blocks
+    layer = model.llm.layers[0]
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    f = blocks["llm.layers.0"]
+    assert (f.pairs, f.backward_reduces) == (2, 5)  # attention (q, k, v -> o) and the MLP (gate, up -> down)
+    assert f.params == sum(p.numel() for m in linears for p in m.parameters())
+    hidden = layer.attn.o_proj.out_features
+    row_out = f.forward_bytes // 2  # o_proj's and down_proj's outputs: one hidden state each
+    tokens = row_out // (4 * hidden)
+    assert f.forward_bytes == 2 * tokens * hidden * 4 and f.backward_bytes == 5 * tokens * hidden * 4
+    matmuls = 2.0 * tokens * sum(m.weight.numel() for m in linears)
+    assert matmuls < f.flops < 1.5 * matmuls  # the linear layers plus the attention between q, k, v and o
+
+
 def test_heads_that_do_not_divide_by_tp_stay_replicated_with_the_reason(one_stage):
     _, report = find_pairs(one_stage.stages[0], one_stage.graph, 4)  # 4 query heads but 2 key/value heads
     rows = _rows(report)

@@ -23,6 +23,7 @@ Glossary:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import operator
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile.compile.blocks import BlockGraph
 from omnibal_compile.compile.codegen import _META_KEY, stage_info
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import TensorParallelBlock
 
 __all__ = ["TensorParallelPair", "TensorParallelReport", "find_pairs", "tensor_parallel_stage"]
 
@@ -55,6 +57,16 @@ class TensorParallelPair:
     """Module path of the linear layer sharded row-wise."""
     reason: str = ""
     """Why it stays replicated; empty when it is sharded."""
+    params: int = 0
+    """Parameter elements of its linear layers (0 when refused)."""
+    flops: float = 0.0
+    """Forward FLOPs each rank runs on its shard only: its linear layers and the matmuls and attention between them
+    (``torch.utils.flop_counter``'s formulas; 0 when refused)."""
+    forward_bytes: int = 0
+    """Bytes of the row-wise layer's output, which the forward all-reduces (0 when refused)."""
+    backward_bytes: int = 0
+    """Bytes of the column-wise layers' inputs, whose gradients the backward all-reduces, one per layer (0 when
+    refused)."""
 
     @property
     def sharded(self) -> bool:
@@ -75,6 +87,19 @@ class TensorParallelReport:
     @property
     def sharded(self) -> tuple[TensorParallelPair, ...]:
         return tuple(p for p in self.pairs if p.sharded)
+
+    def blocks(self) -> dict[str, TensorParallelBlock]:
+        """Per block with a sharded pair, what the costs need (:func:`omnibal_compile.costs.tensor_parallel.
+        tensor_parallel_table`): the sums over its sharded pairs, per micro-batch of the traced shape."""
+        out: dict[str, TensorParallelBlock] = {}
+        for p in self.sharded:
+            old = out.get(p.block, TensorParallelBlock(pairs=0, backward_reduces=0, params=0, flops=0.0,
+                                                       forward_bytes=0, backward_bytes=0))
+            out[p.block] = TensorParallelBlock(
+                pairs=old.pairs + 1, backward_reduces=old.backward_reduces + len(p.column),
+                params=old.params + p.params, flops=old.flops + p.flops,
+                forward_bytes=old.forward_bytes + p.forward_bytes, backward_bytes=old.backward_bytes + p.backward_bytes)
+        return out
 
     def summary(self) -> str:
         rows = [["block", "column-wise", "row-wise", "tp=" + str(self.tp)]]
@@ -276,6 +301,31 @@ def _check_weights(stage: fx.GraphModule, found: Sequence[_Linear], tp: int, use
             raise _Refused(f"{lin.owner} holds more than a linear layer's weight and bias")
 
 
+def _nbytes(node: Any) -> int:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _pair_facts(stage: fx.GraphModule, linears: Sequence[_Linear], inside: Sequence[fx.Node]) -> dict[str, Any]:
+    """A sharded pair's :class:`TensorParallelPair` cost fields: parameters, sharded FLOPs, all-reduced bytes."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    params = sum(stage.get_parameter(t).numel() for lin in linears for t in (lin.weight, lin.bias) if t)
+    flops = 0.0
+    for lin in linears:
+        out = _shape(lin.node)
+        flops += 2.0 * math.prod(out or (0,)) * stage.get_parameter(lin.weight).shape[1]
+    for n in inside:
+        if n.target is aten.scaled_dot_product_attention.default:
+            q, k, v = (_shape(a) for a in n.args[:3])
+            if q and k and v:
+                flops += float(sdpa_flop_count(q, k, v))
+        elif n.target is aten.matmul.default and (out := _shape(n)) and (a := _shape(n.args[0])):
+            flops += 2.0 * math.prod(out) * a[-1]
+    return {"params": params, "flops": flops, "forward_bytes": _nbytes(linears[-1].node),
+            "backward_bytes": sum(_nbytes(lin.node.args[0]) for lin in linears[:-1])}
+
+
 def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int) -> tuple[list[_Found], TensorParallelReport]:
     """Every candidate pair in ``stage``'s blocks, checked for ``tp`` (nothing is changed)."""
     if not isinstance(tp, int) or tp < 1:
@@ -341,6 +391,7 @@ def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int) -> tuple[list[
                 pairs.append(TensorParallelPair(block=name, column=pair.column, row=pair.row, reason=str(e)))
                 continue
             taken |= cols | {node}
+            pair = dataclasses.replace(pair, **_pair_facts(stage, (*column, row), inside))
             pairs.append(pair)
             found.append(_Found(pair, (*column, row), rewrites))
         if linears and not candidates:

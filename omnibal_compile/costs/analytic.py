@@ -47,7 +47,11 @@ Glossary:
                     and MLP) and as many in the backward, the other blocks 1 (projector 2), each
                     moving ``(k - 1) / k`` of its 16-bit activation over NVLink, not overlapped with
                     compute. Head counts are not checked against k (InternViT-6B's 25 heads do not
-                    split evenly in 2 or 4; the study assumes an even split).
+                    split evenly in 2 or 4; the study assumes an even split). Collective time is
+                    :func:`~omnibal_compile.ir.costs.ring_collective_s`, the rule the compiler's tables
+                    use too (:mod:`omnibal_compile.costs.tensor_parallel`, which models the runtime:
+                    no sequence parallelism, so 2 all-reduces per layer and direction, the same 4 ring
+                    passes, and activations not divided).
 """
 
 from __future__ import annotations
@@ -59,7 +63,14 @@ import numpy as np
 
 from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.errors import InputError
-from omnibal_compile.ir.costs import BF16_ADAM, RECOMPUTE_OPTIONS, BlockCost, CostTable, Precision
+from omnibal_compile.ir.costs import (
+    BF16_ADAM,
+    RECOMPUTE_OPTIONS,
+    BlockCost,
+    CostTable,
+    Precision,
+    ring_collective_s,
+)
 
 __all__ = [
     "VisionSpec",
@@ -479,7 +490,7 @@ def tensor_parallel_costs(
         "projector": 2.0 * ti * p.in_width + 2.0 * ti * p.out_width, "llm.embed": 2.0 * tokens * m.width,
         "llm.layer": 4 * 2.0 * tokens * m.width, "llm.head": 2.0 * tokens * m.width,
     }
-    comm = {t: (tp - 1) / tp * b / device.link_bandwidth("nvlink") for t, b in moved.items()}
+    comm = {t: ring_collective_s(b, tp, device.link_bandwidth("nvlink")) for t, b in moved.items()}
     return TypeCosts(
         flops={t: f / tp for t, f in costs.flops.items()},
         forward_s={t: f / tp + comm[t] for t, f in costs.forward_s.items()},

@@ -31,6 +31,7 @@ __all__ = [
     "RECOMPUTE_OPTIONS", "BlockCost", "CostTable", "Precision", "BF16_ADAM", "FP32_ADAM",
     "DP_SHARDS", "DataParallel", "DataParallelCost", "NO_DATA_PARALLEL", "DATA_PARALLEL_LAYOUTS", "COMPUTE_DTYPES",
     "running_peak", "PRECISION_NAMES", "precision_named", "with_frozen", "SharedParameter", "held_once",
+    "ring_collective_s", "TensorParallelBlock",
 ]
 
 RECOMPUTE_OPTIONS: tuple[str, ...] = ("none", "selective", "full")
@@ -53,6 +54,52 @@ class SharedParameter:
     """Its elements."""
     frozen: bool = False
     """Whether it is frozen (``requires_grad=False``: its weights only are static)."""
+
+
+def ring_collective_s(nbytes: Any, group: int, bandwidth: float) -> Any:
+    """Seconds of one ring all-gather or reduce-scatter of ``nbytes`` (the whole, gathered size; a number, or a
+    numpy array of them) among ``group``
+    ranks: each rank sends ``(group - 1) / group`` of it over ``bandwidth`` bytes/s. An all-reduce is a
+    reduce-scatter then an all-gather: twice this. The one rule of collective time for tensor parallelism
+    (:func:`omnibal_compile.costs.tensor_parallel.tensor_parallel_table` and the analytic Megatron rule,
+    :func:`omnibal_compile.costs.analytic.tensor_parallel_costs`); 0 for a group of one."""
+    if not isinstance(group, int) or group < 1:
+        raise InputError(f"collective group must be a positive integer of ranks, got {group!r}")
+    if not bandwidth > 0:
+        raise InputError(f"collective bandwidth must be positive bytes/s, got {bandwidth}")
+    return (group - 1) / group * nbytes / bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelBlock:
+    """What the tensor-parallel pass shards in one block, as the costs need it: the sums over the block's sharded
+    Megatron pairs (:class:`omnibal_compile.compile.tensor_parallel.TensorParallelReport` ``.blocks()``), per
+    micro-batch of the shape the pass saw."""
+
+    pairs: int
+    """Sharded column/row pairs in the block: one forward all-reduce each."""
+    backward_reduces: int
+    """All-reduces of the backward: one per column-wise layer (DTensor's ``ColwiseParallel`` reduces each layer's
+    input gradient on its own: 3 for attention's q, k and v, where Megatron fuses them into one)."""
+    params: int
+    """Parameter elements of the pairs' linear layers (weights and biases), whole: each rank holds 1 / tp."""
+    flops: float
+    """Forward FLOPs of the ops each rank runs on its shard only: the pairs' linear layers and the attention
+    between them (2 x multiply-adds, the formulas of ``torch.utils.flop_counter``)."""
+    forward_bytes: int
+    """Bytes the forward all-reduces: each pair's row-wise layer's output."""
+    backward_bytes: int
+    """Bytes the backward all-reduces: each column-wise layer's input gradient."""
+
+    def __post_init__(self) -> None:
+        if min(self.pairs, self.backward_reduces, self.params, self.flops, self.forward_bytes, self.backward_bytes) < 0:
+            raise InputError(f"tensor-parallel block facts must be non-negative, got {self}")
+
+    def scaled(self, k: float) -> TensorParallelBlock:
+        """The same block on a micro-batch ``k`` times as large: FLOPs and bytes scale, parameters do not (the
+        rule of :func:`omnibal_compile.costs.mix.scale_costs`)."""
+        return dataclasses.replace(self, flops=self.flops * k, forward_bytes=round(self.forward_bytes * k),
+                                   backward_bytes=round(self.backward_bytes * k))
 
 
 def held_once(shared: Sequence[tuple[tuple[int, ...], float]], blocks: Sequence[int] | range) -> float:
@@ -107,6 +154,10 @@ class BlockCost:
     time_spread: float = 0.0
     """Relative spread of the profiled times: the larger of forward's and backward's interquartile range
     over their median, across the timed repeats (0 for modelled times)."""
+    tensor_parallel_s: float = 0.0
+    """Seconds of tensor-parallel all-reduces per micro-batch already inside ``forward_s`` + ``backward_s`` (and the
+    forward's again in ``recompute_s['full']``); 0 at tp = 1 (:func:`omnibal_compile.costs.tensor_parallel.
+    tensor_parallel_table`)."""
     frozen_params: int = 0
     """Of ``num_params``, the elements that are frozen (``requires_grad=False``): ``static_bytes`` holds only their
     weights (:attr:`Precision.frozen_bytes_per_param`), and data parallelism reduces no gradient for them."""
@@ -436,6 +487,9 @@ class CostTable:
     """Processors all the run's ranks share, e.g. the CPU cores under local CPU ranks; None = one per rank (one GPU
     each). A device fact the planner and the simulator both read through
     :func:`omnibal_compile.sim.simulate.pipeline_processors`: ranks that compute at once beyond it slow each other."""
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks per stage the costs are for: each block's figures are one rank's
+    (:func:`omnibal_compile.costs.tensor_parallel.tensor_parallel_table`); 1 = none."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -452,6 +506,8 @@ class CostTable:
             raise InputError(f"dp_link_bandwidth must be positive (or None), got {self.dp_link_bandwidth}")
         if not self.dp_link_latency_s >= 0:
             raise InputError(f"dp_link_latency_s must be >= 0 seconds, got {self.dp_link_latency_s}")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise InputError(f"tensor_parallel must be a positive integer, got {self.tensor_parallel!r}")
         if self.processors is not None and not self.processors > 0:
             raise InputError(f"processors must be positive (or None for one per rank), got {self.processors}")
 

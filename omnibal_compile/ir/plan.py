@@ -105,6 +105,9 @@ class Plan:
     """How the replicas hold their state: ``ddp`` (replicated) or ``fsdp`` (sharded; see :class:`DataParallel`)."""
     reshard_after_forward: bool = True
     """FSDP only: weights are gathered again for the backward (True) or kept gathered all iteration."""
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks per pipeline stage (devices = pipeline devices x ``data_parallel`` x this; the stage
+    times are one rank's, :func:`omnibal_compile.costs.tensor_parallel.tensor_parallel_table`); 1 = none."""
     notes: Mapping[str, Any] = field(default_factory=dict)
     """Free-form planner notes (objective value, solver status, binding constraint, ...), JSON-serialisable."""
 
@@ -124,6 +127,9 @@ class Plan:
             if not isinstance(getattr(self, name), str):
                 raise PlanError(f"plan field {name} must be a string, got {getattr(self, name)!r}")
         # num_microbatches, virtual_stages (Schedule) and data_parallel (DataParallel) are checked below.
+        if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) \
+                or self.tensor_parallel < 1:
+            raise PlanError(f"plan field tensor_parallel must be an integer >= 1, got {self.tensor_parallel!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise PlanError(
                 f"plan field reshard_after_forward must be true or false, got {self.reshard_after_forward!r}"
@@ -315,6 +321,8 @@ class Plan:
             lines.append(
                 f"data parallel: {self.dp.describe()}; memory is per device, time includes the gradient reduction"
             )
+        if self.tensor_parallel > 1:
+            lines.append(f"tensor parallel: {self.tensor_parallel} ranks per stage; time and memory are one rank's")
         if self.stage_peak_bytes:
             lines.append(
                 "Memory is the bound the plan was fitted under; peak is the predicted peak, which charges each "

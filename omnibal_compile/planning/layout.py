@@ -10,9 +10,10 @@ layout with the least predicted time per sample that fits, the table of every ca
 and which schedule won by how much over the best 1F1B layout (:meth:`LayoutSearch.verdict`).
 
 Glossary:
-    layout      PP x DP = N devices: a pipeline of PP devices running a schedule (1F1B, interleaved 1F1B,
+    layout      PP x DP x TP = N devices: a pipeline of PP devices running a schedule (1F1B, interleaved 1F1B,
                 or one of the zero-bubble schedules interleaved-zb, zbv, dualpipev), each device holding
-                v chunks (1 for 1F1B, 2 for the V schedules, any v for the interleaved ones), replicated
+                v chunks (1 for 1F1B, 2 for the V schedules, any v for the interleaved ones), each device a
+                group of TP tensor-parallel ranks (TP = 1: none), replicated
                 DP times, the replicas holding their training state as FSDP (weights freed after each
                 forward, or kept gathered) or DDP; each replica runs M micro-batches of b samples per
                 optimizer step, G = DP x M x b.
@@ -23,12 +24,18 @@ Glossary:
                 must split each backward into B and W; its exact search takes at most
                 :data:`~omnibal_compile.planning.zero_bubble.MAX_CUT_VECTORS` cut vectors), or a layout
                 with more stages than blocks: listed with the reason, not left out.
+    tp          tensor-parallel degrees are tried where the caller gives the pass's facts for them
+                (``tensor_parallel``): a TP group stays inside a node (TP <= devices_per_node and divides
+                it; other degrees are left out, said in the notes); its costs are
+                :func:`omnibal_compile.costs.tensor_parallel.tensor_parallel_table` over NVLink (or the
+                table's link without a device spec). Layouts the runtime does not run yet (TP with
+                DP > 1) are planned and marked in the table's note column, not hidden.
     unit        what ``b`` and ``G`` count: samples (a cost function of the micro-batch size) or,
                 for a cost table of one fixed micro-batch, micro-batches of that table's shape.
     topology    with a device spec, stages and replicas talk over NVLink inside a node of
                 ``devices_per_node`` devices and over InfiniBand (one port per device) across
-                nodes; ranks are laid out pipeline-inner (a pipeline of <= node size sits in one
-                node, a data-parallel group spans nodes once N exceeds a node).
+                nodes; ranks are laid out tensor-parallel-inner, then pipeline (a TP x PP of <= node
+                size sits in one node, a data-parallel group spans nodes once N exceeds a node).
     estimate    an optimistic time per sample of a layout without planning it: every device gets
                 1/PP of the work and memory, recomputation is bought at its cheapest rate (a
                 fractional knapsack over the blocks' recompute options), sends are free, stages are
@@ -48,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -58,8 +65,15 @@ from omnibal_compile._utils.tables import counted, format_table
 from omnibal_compile._utils.units import format_size
 from omnibal_compile.costs.devices import DeviceSpec
 from omnibal_compile.costs.mix import scale_costs
+from omnibal_compile.costs.tensor_parallel import tensor_parallel_table
 from omnibal_compile.errors import InputError, PlanError
-from omnibal_compile.ir.costs import DATA_PARALLEL_LAYOUTS, NO_DATA_PARALLEL, CostTable, DataParallel
+from omnibal_compile.ir.costs import (
+    DATA_PARALLEL_LAYOUTS,
+    NO_DATA_PARALLEL,
+    CostTable,
+    DataParallel,
+    TensorParallelBlock,
+)
 from omnibal_compile.ir.plan import Plan
 from omnibal_compile.ir.schedule import SCHEDULES, Schedule, ScheduleRule, schedule_rule
 from omnibal_compile.planning import PartitionProblem, least_memory_split, min_max_partition, problem_from_costs
@@ -101,6 +115,8 @@ class Layout:
     """Units (samples, or micro-batches of the cost table's shape) per micro-batch."""
     num_microbatches: int = 1
     """Micro-batches per replica per optimizer step."""
+    tp: int = 1
+    """Tensor-parallel ranks per pipeline device (1 = none)."""
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -124,7 +140,17 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def runtime_note(self) -> str:
+        """What the runtime does not run yet of this layout (``runtime.tensor_parallel.check_tensor_parallel``'s
+        refusals that a layout decides); empty when it runs."""
+        if self.tp > 1 and self.dp > 1:
+            return "not run yet: tp with dp > 1"
+        if self.tp > 1 and schedule_rule(self.schedule).split_backward:
+            return "not run yet: tp with a split-backward schedule"
+        return ""
 
     @property
     def num_stages(self) -> int:
@@ -148,7 +174,8 @@ class Layout:
         """One line, e.g. ``PP 8 x DP 16, 1F1B, FSDP, M 16 x b 4`` (``schedule=False`` leaves the schedule out)."""
         dp, m, b = self.data_parallel, self.num_microbatches, self.microbatch_size
         sched = f"{self.schedule_label}, " if schedule else ""
-        return f"PP {self.pp} x DP {dp.size}, {sched}{dp.label}, M {m} x b {b}"
+        tp = f" x TP {self.tp}" if self.tp > 1 else ""
+        return f"PP {self.pp} x DP {dp.size}{tp}, {sched}{dp.label}, M {m} x b {b}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +251,7 @@ class LayoutSearch:
             f"chosen: {b.layout.describe()}: predicted {_ms(b.time_per_unit_s)} ms per {self.unit}, "
             f"{b.iteration_s:.4g} s per step, bubble {b.bubble_fraction:.1%}, peak {format_size(b.peak_memory_bytes)}"
         )
-        return "\n".join([head, *self.notes, self.table(limit), chosen, self.verdict()])
+        return "\n".join([head, *self.notes, self.table(limit), chosen, self.verdict(), *self.best_per_tp()])
 
     def best_of(self, zero_bubble: bool) -> Candidate | None:
         """The fastest planned candidate of a family (module glossary), None when none was planned."""
@@ -258,6 +285,21 @@ class LayoutSearch:
         return (f"{won}: the best zero-bubble layout ({figure(zb)}) takes {more:.1%} more time per {unit}; "
                 "predicted by the simulator")
 
+    def best_per_tp(self) -> list[str]:
+        """One line per tensor-parallel degree planned, its best layout side by side (nothing with one degree)."""
+        best: dict[int, Candidate] = {}
+        for c in self.candidates:  # best first, then by predicted time
+            if c.planned and c.layout.tp not in best:
+                best[c.layout.tp] = c
+        if len(best) < 2:
+            return []
+        rows = [("tp", "best layout", f"predicted ms/{self.unit}", "vs chosen", "peak memory", "note")]
+        for tp, c in sorted(best.items()):
+            rows.append((str(tp), c.layout.describe(), _ms(c.time_per_unit_s),
+                         f"{c.time_per_unit_s / self.best.time_per_unit_s:.3f}x", format_size(c.peak_memory_bytes),
+                         c.layout.runtime_note or "-"))
+        return ["best per tensor-parallel degree:", format_table(rows, "llrrrl")]
+
     def __str__(self) -> str:
         return self.summary()
 
@@ -267,20 +309,21 @@ def _ms(seconds: float) -> str:
 
 
 def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", limit: int | None = None) -> str:
-    """Layout, schedule, estimate, predicted time per unit, step time, bubble, memory, status and reason per
-    candidate."""
+    """Layout (its TP in it), schedule, estimate, predicted time per unit, step time, bubble, memory, status and
+    reason per candidate, and a note where the runtime does not run a layout yet."""
     shown = list(candidates if limit is None else candidates[:limit])
+    notes = any(c.layout.runtime_note for c in shown)  # the column only when a layout does not run yet
     rows = [("layout", "schedule", f"estimate ms/{unit}", f"predicted ms/{unit}", "step s", "bubble", "peak memory",
-             "status")]
+             "status", *(("note",) if notes else ()))]
     for c in shown:
         mem = "-" if math.isnan(c.peak_memory_bytes) else format_size(c.peak_memory_bytes)
         rows.append((
             c.layout.describe(schedule=False), c.layout.schedule_label, _ms(c.estimate_s), _ms(c.time_per_unit_s),
             "-" if math.isnan(c.iteration_s) else f"{c.iteration_s:.4g}",
             "-" if math.isnan(c.bubble_fraction) else f"{c.bubble_fraction:.1%}", mem,
-            c.status + (f": {c.reason}" if c.reason else ""),
+            c.status + (f": {c.reason}" if c.reason else ""), *((c.layout.runtime_note or "-",) if notes else ()),
         ))
-    text = format_table(rows, "llrrrrrl")
+    text = format_table(rows, "llrrrrrl" + ("l" if notes else ""))
     if len(shown) < len(candidates):
         rest = candidates[len(shown):]
         kinds = {s: sum(c.status == s for c in rest) for s in ("planned", "not planned", "rejected")}
@@ -293,7 +336,7 @@ def _links(device: DeviceSpec | None, per_node: int, layout: Layout) -> tuple[st
     """(stage link, data-parallel link) names of ``layout`` (pipeline-inner ranks), or ('', '') without a device."""
     if device is None:
         return "", ""
-    stage = "nvlink" if layout.pp <= per_node else "infiniband"
+    stage = "nvlink" if layout.pp * layout.tp <= per_node else "infiniband"
     dp = "nvlink" if layout.devices <= per_node else "infiniband"
     return stage, dp
 
@@ -393,6 +436,8 @@ def search_layout(
     unit: str = "sample",
     prune: float | None = PRUNE_MARGIN,
     zero_bubble_time_limit: float = ZERO_BUBBLE_TIME_LIMIT,
+    tensor_parallel: Mapping[int, Mapping[str, TensorParallelBlock]] | None = None,
+    tp_latency_s: float = 0.0,
 ) -> LayoutSearch:
     """Choose the layout of ``devices`` devices with the least predicted time per unit that fits ``memory_budget``.
 
@@ -420,6 +465,10 @@ def search_layout(
         zero_bubble_time_limit: seconds the exact zero-bubble search may take per layout (then its best plan so
             far scores the layout, said in the table); problems of more than
             :data:`~omnibal_compile.planning.zero_bubble.MAX_CUT_VECTORS` cut vectors are not planned.
+        tensor_parallel: tensor-parallel degrees to try besides 1, each with the pass's facts at that degree
+            (``TensorParallelReport.blocks()`` of ``find_pairs(stage, graph, tp)``), per unit: they are scaled
+            with the micro-batch size. None: TP 1 only.
+        tp_latency_s: seconds of one tensor-parallel all-reduce call beyond its bytes.
 
     Raises:
         PlanError: no layout fits the budget; the message names the layout that needs least and its budget,
@@ -445,16 +494,21 @@ def search_layout(
     kinds = list(dict.fromkeys(d.resized(1) for d in data_parallel))
     if not kinds or not all(isinstance(d, DataParallel) for d in kinds):
         raise InputError(f"data_parallel must be DataParallel layouts to try, got {list(data_parallel)!r}")
-    tables: dict[tuple[int, str, str], CostTable] = {}
+    tables: dict[tuple[int, int, str, str], CostTable] = {}
+    facts: dict[int, Mapping[str, TensorParallelBlock]] = {1: {}, **(tensor_parallel or {})}
 
-    def table_for(b: int, stage_link: str, dp_link: str) -> CostTable:
-        key = (b, stage_link, dp_link)
+    def table_for(b: int, tp: int, stage_link: str, dp_link: str) -> CostTable:
+        key = (b, tp, stage_link, dp_link)
         if key not in tables:
             base = costs(b) if callable(costs) else scale_costs(costs, b)
             if base.precision.optimizer_shards != 1:
                 raise InputError(
                     f"the cost table shards the optimizer over {base.precision.optimizer_shards} ranks; the search "
                     "chooses the data-parallel degree itself: give costs with optimizer_shards=1")
+            # the TP group sits in a node: NVLink (the table's own link without a device spec)
+            tp_bandwidth = device.link_bandwidth("nvlink") if device is not None else base.link_bandwidth
+            base = tensor_parallel_table(base, tp, sharded={k: f.scaled(b) for k, f in facts[tp].items()},
+                                         bandwidth=tp_bandwidth, latency_s=tp_latency_s)
             if device is not None:
                 base = dataclasses.replace(base, link_bandwidth=device.link_bandwidth(stage_link),
                                            dp_link_bandwidth=device.link_bandwidth(dp_link))
@@ -462,7 +516,7 @@ def search_layout(
         return tables[key]
 
     flat = Layout(pp=1, data_parallel=NO_DATA_PARALLEL.resized(devices))
-    n = len(table_for(sizes[0], *_links(device, devices_per_node, flat)).blocks)
+    n = len(table_for(sizes[0], 1, *_links(device, devices_per_node, flat)).blocks)
     depths = sorted(set(pipeline)) if pipeline is not None else pipeline_depths(devices, n)
     bad = [p for p in depths if p < 1 or devices % p or p > n]
     if bad:
@@ -470,7 +524,21 @@ def search_layout(
     notes = []
     if device is not None:
         notes.append(f"links: {device.name}, NVLink inside nodes of {devices_per_node} devices, InfiniBand across "
-                     "(pipeline-inner ranks)")
+                     "(tensor-parallel-inner, then pipeline ranks)")
+    degrees = [1]
+    for tp in sorted(facts):
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise InputError(f"tensor_parallel degrees must be integers >= 1, got {tp!r}")
+        why = ("does not divide the devices" if devices % tp else
+               f"exceeds the node of {devices_per_node} devices" if tp > devices_per_node else
+               f"does not divide the node of {devices_per_node} devices" if devices_per_node % tp else "")
+        if why:
+            notes.append(f"left out: tp={tp} {why} (a tensor-parallel group stays inside a node)")
+        elif tp > 1:
+            degrees.append(tp)
+    if len(degrees) > 1:
+        notes.append("tensor parallel: sharded blocks' compute and parameters / tp plus their all-reduces; "
+                     "activations not divided (no sequence parallelism)")
 
     # Every layout the rules allow; the schedule's own rules reject some with a reason. One device is no pipeline:
     # it runs one chunk, 1F1B. A zero-bubble layout at DP > 1 is listed once for every data-parallel layout (the
@@ -478,22 +546,25 @@ def search_layout(
     layouts: list[Layout] = []
     skipped = 0
     chunk_counts = sorted({v for v in virtual_stages if v >= 1})
-    for p in depths:
-        dp = devices // p
-        for sched in dict.fromkeys(schedules):
-            rule = SCHEDULES[sched]
-            for v in _chunks(rule, chunk_counts):
-                if p == 1 and (v > 1 or rule.split_backward):
-                    continue
-                for b in sizes:
-                    if global_batch is not None and global_batch % (dp * b):
-                        skipped += 1
+    for tp in degrees:
+        for p in depths:
+            if (devices // tp) % p:
+                continue
+            dp = devices // (p * tp)
+            for sched in dict.fromkeys(schedules):
+                rule = SCHEDULES[sched]
+                for v in _chunks(rule, chunk_counts):
+                    if p == 1 and (v > 1 or rule.split_backward):
                         continue
-                    # exactly one of global_batch and num_microbatches is given (checked above)
-                    m = cast(int, num_microbatches) if global_batch is None else global_batch // (dp * b)
-                    for held in (kinds if dp > 1 and not rule.split_backward else kinds[:1]):
-                        layouts.append(Layout(pp=p, data_parallel=held.resized(dp), virtual_stages=v, schedule=sched,
-                                              microbatch_size=b, num_microbatches=m))
+                    for b in sizes:
+                        if global_batch is not None and global_batch % (dp * b):
+                            skipped += 1
+                            continue
+                        # exactly one of global_batch and num_microbatches is given (checked above)
+                        m = cast(int, num_microbatches) if global_batch is None else global_batch // (dp * b)
+                        for held in (kinds if dp > 1 and not rule.split_backward else kinds[:1]):
+                            layouts.append(Layout(pp=p, data_parallel=held.resized(dp), virtual_stages=v,
+                                                  schedule=sched, microbatch_size=b, num_microbatches=m, tp=tp))
     if skipped:
         notes.append(f"left out: {counted(skipped, 'pipeline depth and micro-batch size pair')} whose DP x b does not "
                      f"divide the global batch of {global_batch}")
@@ -519,7 +590,7 @@ def search_layout(
         except PlanError as e:
             results.append(Candidate(layout=lay, status="rejected", reason=str(e).split(";")[0]))  # Schedule's rule
             continue
-        table = table_for(lay.microbatch_size, *_links(device, devices_per_node, lay))
+        table = table_for(lay.microbatch_size, lay.tp, *_links(device, devices_per_node, lay))
         try:  # the planner's own rules for the split-backward schedules: a B/W split in the costs, DP 1
             problem = problem_from_costs(table, num_stages=lay.num_stages, num_microbatches=lay.num_microbatches,
                                          schedule=lay.schedule, virtual_stages=lay.virtual_stages,
@@ -565,7 +636,7 @@ def search_layout(
         error = PlanError(_nothing_fits(devices, memory_budget, least_need, results))
         error.least_budget = least_need[0] if least_need else None  # type: ignore[attr-defined]
         raise error
-    best_table = table_for(best.layout.microbatch_size, *_links(device, devices_per_node, best.layout))
+    best_table = table_for(best.layout.microbatch_size, best.layout.tp, *_links(device, devices_per_node, best.layout))
     best = dataclasses.replace(best, status="best")
     rest = sorted((c for c in results if c.layout != best.layout), key=_table_order)
     return LayoutSearch(best=best, candidates=(best, *rest), devices=devices, global_batch=global_batch,
@@ -622,7 +693,7 @@ def _plan_and_simulate(
             return Candidate(layout=lay, status="rejected", estimate_s=est, reason=f"planner: {e}")
         cut_short = f"the exact search stopped at its {zero_bubble_time_limit:g} s limit: its best plan so far" if (
             lay.zero_bubble and sol.status != "optimal") else ""
-        plan = plan_from_solution(sol, table, problem)
+        plan = dataclasses.replace(plan_from_solution(sol, table, problem), tensor_parallel=lay.tp)
         sim = simulate(plan, table)
         peak = float(max(sim.peak_memory_bytes))
         if budget is None or peak <= budget * (1 + 1e-9) + 1e-6:

@@ -16,6 +16,11 @@ for the model it assumes:
   stage's weights (``dp_gather``) before every forward and backward when it reshards after forward
   (the device waits; FSDP's prefetch would hide part of it, so this is an upper bound), else once
   per stage at the start of the iteration, before the stage's first forward.
+- tensor parallelism (a table from :func:`omnibal_compile.costs.tensor_parallel.tensor_parallel_table`):
+  a device is one rank of its stage's TP group; the group's all-reduces are inside the blocks' forward,
+  backward and full-recompute times (``BlockCost.tensor_parallel_s`` says how much), on the intra-node
+  link, not overlapped with compute. Their link is taken as free of the pipeline sends and data-parallel
+  collectives (no contention modelled: sends are asynchronous and small next to a layer's all-reduces).
 
 Glossary:
     S, D, v, M     stages (virtual stages for interleaved), devices, chunks per device (S = D v),

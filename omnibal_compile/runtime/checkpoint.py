@@ -299,8 +299,8 @@ def _check_meta(meta: Mapping[str, Any], path: Path) -> None:
     if "world_size" in meta and not _is_count(meta["world_size"], 1):
         raise bad("world_size", "a whole number >= 1")
     layout = meta.get("layout", {})
-    if not isinstance(layout, dict) or not all(_is_count(layout.get(k, 1), 1) for k in ("dp", "pp")):
-        raise bad("layout", "an object of dp and pp, whole numbers >= 1")
+    if not isinstance(layout, dict) or not all(_is_count(layout.get(k, 1), 1) for k in ("dp", "pp", "tp")):
+        raise bad("layout", "an object of dp, pp and tp, whole numbers >= 1")
     for key, kind in (("data", dict), ("scheduler", dict), ("param_groups", list), ("settings", dict)):
         if key in meta and not isinstance(meta[key], kind):
             raise bad(key, f"a JSON {'object' if kind is dict else 'list'}")

@@ -210,14 +210,12 @@ def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_run_with_tp2_launches_dp_x_pp_x_tp_ranks_and_refuses_checkpoints(vlm, tmp_path):
+def test_run_with_tp2_launches_dp_x_pp_x_tp_ranks(vlm, tmp_path):
     from test_runtime import _run_config
 
-    from omnibal_compile.runtime.launch import launch, precheck
+    from omnibal_compile.runtime.launch import launch
 
     plan = _plan(vlm[0], _vlm_batch(), 1)
     config = _run_config(tmp_path, plan, tp=2, max_grad_norm=MAX_NORM)
-    with pytest.raises(PlanError, match="--save / --resume"):
-        precheck(dataclasses.replace(config, save=str(tmp_path / "ckpt")))
     logs = launch(config, timeout_s=240)
     assert len(logs) == 2 and all(entry.loss > 0 and entry.grad_norm > 0 for entry in logs)

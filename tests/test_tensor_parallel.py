@@ -203,7 +203,9 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
 @pytest.mark.distributed
 def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tmp_path):
     models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)])}
-    cases = [("vlm-pp2-tp2", "vlm", _plan(vlm[0], models["vlm"][1][0], 2), 2, 1, None)]
+    one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
+    cases = [("vlm-dp2-tp2", "vlm", one, 2, 2, None),
+             ("vlm-pp2-tp2", "vlm", two, 2, 1, None)]  # FSDP2 over the dp sub-mesh of tp-sharded stages
     ranks = _spawn(4, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
 

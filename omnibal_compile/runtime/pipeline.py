@@ -385,7 +385,9 @@ class RankPipeline:
             squares = torch.linalg.vector_norm(local, dtype=torch.float64) ** 2
             groups: tuple[Any, ...] = ()
             if isinstance(g, DTensor):
-                groups = tuple(g.device_mesh.get_group(d) for d, place in enumerate(g.placements) if place.is_shard())
+                # FSDP2 over tensor-parallel shards places the dp dim as a _StridedShard, which is_shard() denies
+                groups = tuple(g.device_mesh.get_group(d) for d, place in enumerate(g.placements)
+                               if not place.is_replicate())
             by_groups[groups] = by_groups.get(groups, torch.zeros((), dtype=torch.float64, device=self.device)
                                               ) + squares
         total = torch.zeros((), dtype=torch.float64, device=self.device)

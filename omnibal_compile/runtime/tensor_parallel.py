@@ -34,8 +34,6 @@ def check_tensor_parallel(plan: Plan, *, tp: int, dp: int = 1, precision: str | 
     if plan.pipeline_schedule.rule.split_backward:
         refused.append(f"schedule {plan.schedule!r} (it splits each backward; use one among "
                        f"{sorted(CLASSIC_SCHEDULES)})")
-    if dp > 1:
-        refused.append(f"dp={dp} (FSDP2/replicate over tensor-parallel shards is not tested yet; use --dp 1)")
     if precision not in (None, "fp32"):
         refused.append(f"precision {precision} (its fp32 masters live under FSDP2, not composed with TP yet; use "
                        "--precision fp32)")

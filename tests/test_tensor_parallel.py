@@ -20,9 +20,12 @@ from test_runtime_dp import _adamw
 import omnibal_compile as oc
 from omnibal_compile import PlanError
 from omnibal_compile.compile.tensor_parallel import find_pairs
+from omnibal_compile.ir.costs import DataParallel
 from omnibal_compile.planning.build import uniform
 from omnibal_compile.runtime.tensor_parallel import check_tensor_parallel
 
+ONE = DataParallel()
+"""No data parallelism (dp = 1)."""
 MAX_NORM = 0.5
 """Clipping threshold of the distributed tests: below the first steps' norms, so clipping scales every gradient."""
 
@@ -78,8 +81,7 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
     plan = one_stage.plan
     check_tensor_parallel(plan, tp=1, dp=4, precision="bf16", compile=True)  # tp=1: nothing to refuse
     check_tensor_parallel(plan, tp=2)
-    with pytest.raises(PlanError, match="dp=2"):
-        check_tensor_parallel(plan, tp=2, dp=2)
+    check_tensor_parallel(plan, tp=2, dp=2)  # FSDP2 or replicate over the dp sub-mesh of tp-sharded stages
     with pytest.raises(PlanError, match="precision bf16"):
         check_tensor_parallel(plan, tp=2, precision="bf16")
     with pytest.raises(PlanError, match="--compile"):
@@ -97,7 +99,7 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
 def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
     """One rank of a (dp, pp, tp) mesh: train every case for its steps with clipping; save losses, norms, params.
 
-    A case is (name, model key, plan, tp, dp, resume): with ``resume`` = (plan, tp, dp) the first step trains on the
+    A case is (name, model key, plan, tp, DataParallel, resume): with ``resume`` = (plan, tp, DataParallel) the first step trains on the
     first layout, which saves a DCP checkpoint; a pipeline of the second layout, built from the initial weights and a
     fresh AdamW, loads it and trains the remaining steps.
     """
@@ -107,12 +109,13 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
     from omnibal_compile.runtime import build_pipeline
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
 
-    def build(key: str, plan: oc.Plan, tp: int, dp: int) -> Any:
-        mesh = init_device_mesh("cpu", (dp, world // (tp * dp), tp), mesh_dim_names=("dp", "pp", "tp"))
+    def build(key: str, plan: oc.Plan, tp: int, dp: DataParallel) -> Any:
+        mesh = init_device_mesh("cpu", (dp.size, world // (tp * dp.size), tp), mesh_dim_names=("dp", "pp", "tp"))
         cls, config, weights, batches = models[key]
         model = cls(config)
         model.load_state_dict(weights)
-        pipe = build_pipeline(compile_for_microbatches(model, _share(batches[0], mesh), plan), mesh=mesh)
+        pipe = build_pipeline(compile_for_microbatches(model, _share(batches[0], mesh), plan), mesh=mesh,
+                              data_parallel=dp)
         return pipe, _adamw(pipe.parameters()), mesh
 
     with _rank_process(rank, world, port, out):
@@ -189,10 +192,10 @@ def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int) -
 def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
     models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)]),
               "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)])}
-    cases = [(f"{key}-tp2", key, _plan(m, b[0], 1), 2, 1, None) for key, (m, b) in models.items()]
+    cases = [(f"{key}-tp2", key, _plan(m, b[0], 1), 2, ONE, None) for key, (m, b) in models.items()]
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
-    cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, 1, (one, 2, 1)),  # DCP: DTensor shards back into shards
-              ("vlm-tp2-resumed-tp1", "vlm", one, 2, 1, (two, 1, 1))]  # into whole tensors (pp=2 x tp=1)
+    cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, ONE, (one, 2, ONE)),  # DCP: DTensor shards back into shards
+              ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE))]  # into whole tensors (pp=2 x tp=1)
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
     assert "llm.layers.0.attn.q_proj.weight" in ranks[0]["vlm-tp2"]["sharded"]
@@ -204,8 +207,9 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
 def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tmp_path):
     models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)])}
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
-    cases = [("vlm-dp2-tp2", "vlm", one, 2, 2, None),
-             ("vlm-pp2-tp2", "vlm", two, 2, 1, None)]  # FSDP2 over the dp sub-mesh of tp-sharded stages
+    cases = [("vlm-dp2-fsdp-tp2", "vlm", one, 2, DataParallel(size=2, shard="fsdp"), None),  # FSDP2 over tp shards
+             ("vlm-dp2-ddp-tp2", "vlm", one, 2, DataParallel(size=2, shard="ddp"), None),  # replicate over tp shards
+             ("vlm-pp2-tp2", "vlm", two, 2, ONE, None)]
     ranks = _spawn(4, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
 

@@ -1,8 +1,9 @@
 """Tensor parallelism: the pass that finds Megatron pairs in generated stages, and ranks that train with it.
 
 The pass is checked on the reference VLM's stages without processes (what it shards, what it refuses and
-why). One 2-rank spawn (tp=2, pp=1) and one 4-rank spawn (pp=2 x tp=2) train two AdamW steps with gradient
-clipping and compare every loss, gradient norm and final parameter with the unsplit model's.
+why). One 2-rank spawn (tp=2, pp=1; and saved at tp=2 after the first step, resumed at tp=2 and at pp=2 x tp=1)
+and one 4-rank spawn (dp=2 x tp=2 under FSDP2 and under replicate, pp=2 x tp=2) train two AdamW steps with
+gradient clipping and compare every loss, gradient norm and final parameter with the unsplit model's.
 """
 
 from __future__ import annotations
@@ -79,9 +80,8 @@ def test_pass_leaves_the_stage_it_reads_unchanged(one_stage):
 
 def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage):
     plan = one_stage.plan
-    check_tensor_parallel(plan, tp=1, dp=4, precision="bf16", compile=True)  # tp=1: nothing to refuse
+    check_tensor_parallel(plan, tp=1, precision="bf16", compile=True)  # tp=1: nothing to refuse
     check_tensor_parallel(plan, tp=2)
-    check_tensor_parallel(plan, tp=2, dp=2)  # FSDP2 or replicate over the dp sub-mesh of tp-sharded stages
     with pytest.raises(PlanError, match="precision bf16"):
         check_tensor_parallel(plan, tp=2, precision="bf16")
     with pytest.raises(PlanError, match="--compile"):
@@ -99,9 +99,9 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
 def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
     """One rank of a (dp, pp, tp) mesh: train every case for its steps with clipping; save losses, norms, params.
 
-    A case is (name, model key, plan, tp, DataParallel, resume): with ``resume`` = (plan, tp, DataParallel) the first step trains on the
-    first layout, which saves a DCP checkpoint; a pipeline of the second layout, built from the initial weights and a
-    fresh AdamW, loads it and trains the remaining steps.
+    A case is (name, model key, plan, tp, DataParallel, resume): with ``resume`` = (plan, tp, DataParallel) the
+    first step trains on the first layout, which saves a DCP checkpoint; a pipeline of the second layout, built from
+    the initial weights and a fresh AdamW, loads it and trains the remaining steps.
     """
     from torch.distributed.device_mesh import init_device_mesh
 

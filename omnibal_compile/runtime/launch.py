@@ -119,7 +119,7 @@ def precheck(config: RunConfig) -> Plan:
     _check_fast_paths(config)
     nproc = config.nproc if config.nproc is not None else dp * config.tp * plan.num_devices
     check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp, tp=config.tp)
-    check_tensor_parallel(plan, tp=config.tp, dp=dp, compile=config.compile)
+    check_tensor_parallel(plan, tp=config.tp, compile=config.compile)
     if config.device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
     if config.device == "cuda" and torch.cuda.device_count() < nproc:

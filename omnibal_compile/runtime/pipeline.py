@@ -116,7 +116,7 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
         raise PlanError(f"schedule {plan.schedule!r} splits each backward into input and weight gradients, which this "
                         f"runtime does not run under data parallelism yet; use --dp 1, or a schedule among "
                         f"{sorted(CLASSIC_SCHEDULES)}")
-    check_tensor_parallel(plan, tp=tp, dp=dp)
+    check_tensor_parallel(plan, tp=tp)
     if tp > 1 and world_size != dp * tp * plan.num_devices:
         raise PlanError(f"dp={dp} x pp={plan.num_devices} x tp={tp} need {dp * tp * plan.num_devices} processes but "
                         f"world size is {world_size}: launch that many (--nproc), or change --dp / --tp")
@@ -640,7 +640,7 @@ def build_pipeline(
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     plan = result.plan
     check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size)
-    check_tensor_parallel(plan, tp=tp_size, dp=dp_size, precision=precision, compile=compile)
+    check_tensor_parallel(plan, tp=tp_size, precision=precision, compile=compile)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:

@@ -24,7 +24,7 @@ MESH_DIMS: tuple[tuple[str, ...], ...] = (("dp", "pp"), ("dp", "pp", "tp"))
 """Mesh dim names the runtime builds on."""
 
 
-def check_tensor_parallel(plan: Plan, *, tp: int, dp: int = 1, precision: str | None = None, compile: bool = False) -> None:
+def check_tensor_parallel(plan: Plan, *, tp: int, precision: str | None = None, compile: bool = False) -> None:
     """Raise a clear :class:`PlanError` / :class:`InputError` for a ``tp`` setting this runtime does not run yet."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise PlanError(f"tp (tensor-parallel ranks per stage, --tp) must be an integer >= 1, got {tp!r}")

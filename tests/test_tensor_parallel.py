@@ -80,10 +80,8 @@ def test_pass_leaves_the_stage_it_reads_unchanged(one_stage):
 
 def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage):
     plan = one_stage.plan
-    check_tensor_parallel(plan, tp=1, precision="bf16", compile=True)  # tp=1: nothing to refuse
+    check_tensor_parallel(plan, tp=1, compile=True)  # tp=1: nothing to refuse
     check_tensor_parallel(plan, tp=2)
-    with pytest.raises(PlanError, match="precision bf16"):
-        check_tensor_parallel(plan, tp=2, precision="bf16")
     with pytest.raises(PlanError, match="--compile"):
         check_tensor_parallel(plan, tp=2, compile=True)
     with pytest.raises(PlanError, match="must be an integer >= 1"):

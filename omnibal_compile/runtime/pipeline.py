@@ -640,7 +640,7 @@ def build_pipeline(
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     plan = result.plan
     check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size)
-    check_tensor_parallel(plan, tp=tp_size, precision=precision, compile=compile)
+    check_tensor_parallel(plan, tp=tp_size, compile=compile)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:

@@ -24,7 +24,7 @@ MESH_DIMS: tuple[tuple[str, ...], ...] = (("dp", "pp"), ("dp", "pp", "tp"))
 """Mesh dim names the runtime builds on."""
 
 
-def check_tensor_parallel(plan: Plan, *, tp: int, precision: str | None = None, compile: bool = False) -> None:
+def check_tensor_parallel(plan: Plan, *, tp: int, compile: bool = False) -> None:
     """Raise a clear :class:`PlanError` / :class:`InputError` for a ``tp`` setting this runtime does not run yet."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise PlanError(f"tp (tensor-parallel ranks per stage, --tp) must be an integer >= 1, got {tp!r}")
@@ -34,9 +34,6 @@ def check_tensor_parallel(plan: Plan, *, tp: int, precision: str | None = None, 
     if plan.pipeline_schedule.rule.split_backward:
         refused.append(f"schedule {plan.schedule!r} (it splits each backward; use one among "
                        f"{sorted(CLASSIC_SCHEDULES)})")
-    if precision not in (None, "fp32"):
-        refused.append(f"precision {precision} (its fp32 masters live under FSDP2, not composed with TP yet; use "
-                       "--precision fp32)")
     if compile:
         refused.append("--compile (torch.compile of DTensor-sharded stages is not tested yet)")
     if refused:

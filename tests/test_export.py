@@ -262,3 +262,37 @@ def test_run_refuses_export_without_save_or_into_a_foreign_folder(pretrained, tm
         precheck(RunConfig(**base, save="ckpt", export_hf="mine"))
     with pytest.raises(InputError, match="has no save_pretrained"):
         precheck(RunConfig(plan="plan.json", save="ckpt", export_hf="out"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tp2_run_exports_the_folder_a_tp1_run_exports(pretrained, tmp_path, monkeypatch):
+    """One SGD step (Adam would turn the rounding noise of exactly-zero gradients, such as a key bias's, into whole
+    steps) from hf:DIR on one stage, at tp=2 (2 ranks: DCP saves the DTensor shards, the export reads the
+    whole tensors) and at tp=1 (1 rank): the two folders hold the same files and weights (1e-6, fp32)."""
+    import omnibal_compile as oc
+    from omnibal_compile.cli import main
+    from omnibal_compile.runtime.batches import batch_source
+    from omnibal_compile.runtime.settings import RunConfig
+
+    folder, weights = pretrained
+    monkeypatch.chdir(tmp_path)
+    spec = f"hf:{folder}"
+    model = load_model(spec).model
+    batch = batch_source(RunConfig(plan="-", model=spec, batch_size=2), model)(0)
+    (tmp_path / "plan.json").write_text(oc.optimize(model, batch, num_stages=1, planner="uniform").plan.to_json())
+    args = ["run", "--plan", "plan.json", "--model", spec, "--batch-size", "2", "--num-microbatches", "2",
+            "--steps", "1", "--optimizer", "sgd", "--lr", "0.5", "--timeout", "300"]
+    for tp in (2, 1):
+        assert main([*args, "--tp", str(tp), "--save", f"ckpt{tp}", "--export-hf", f"out{tp}"]) == 0
+    out = {tp: tf.LlavaForConditionalGeneration.from_pretrained(str(tmp_path / f"out{tp}"), local_files_only=True)
+           for tp in (1, 2)}
+    assert {p.name for p in (tmp_path / "out2").iterdir()} == {p.name for p in (tmp_path / "out1").iterdir()}
+    assert (tmp_path / "out2" / "config.json").read_text() == (tmp_path / "out1" / "config.json").read_text()
+    got, want = out[2].state_dict(), out[1].state_dict()
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        assert float((got[name] - want[name]).abs().max()) <= 1e-6, name
+    moved = [n for n in want if not torch.equal(want[n], weights[n])]
+    assert "language_model.layers.0.self_attn.q_proj.weight" in " ".join(moved)  # a sharded layer was trained

@@ -279,6 +279,13 @@ def test_1f1b_wins_where_the_budget_makes_the_zero_bubble_schedules_recompute():
     assert f"schedule: 1F1B won: the best zero-bubble layout ({zb.layout.describe()}" in tight.verdict()
     assert f"takes {more:.1%} more time" in tight.verdict()
     assert search_layout(costs, **kwargs).best.layout.zero_bubble
+    # the zero-bubble plans that recompute are marked as the runtime's gap (ScheduleRule.runtime_gaps), not hidden
+    recomputing = [c for c in tight.candidates if c.planned and c.layout.zero_bubble
+                   and any(o != "none" for o in c.plan.block_recompute)]
+    assert recomputing and all(c.runtime_note == "not run yet: recomputation with a split-backward schedule"
+                               for c in recomputing)
+    assert all(c.runtime_note == "" for c in tight.candidates if not c.layout.zero_bubble)
+    assert "not run yet: recomputation with a split-backward schedule" in tight.table()
 
 
 def test_a_frozen_tower_changes_the_schedule_as_brute_force_does():

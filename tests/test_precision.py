@@ -150,7 +150,7 @@ def test_the_plan_costs_the_precision_given(tmp_path: Path, capsys):
     assert "measured in" not in said  # profiled on CPU: activations in the model's float32, as the run's
 
 
-def _losses(tmp_path: Path, stages: int, dp: int, precision: str, steps: int) -> list[float]:
+def _losses(tmp_path: Path, stages: int, dp: int, precision: str, steps: int, tp: int = 1) -> list[float]:
     model_config = dataclasses.asdict(SMALL_VLM)
     with progress.quiet():
         plan = oc.optimize(build_model(RunConfig(plan="-", model_config=model_config)), num_stages=stages,
@@ -158,22 +158,22 @@ def _losses(tmp_path: Path, stages: int, dp: int, precision: str, steps: int) ->
     path = tmp_path / f"plan{stages}.json"
     path.write_text(plan.to_json())
     config = RunConfig(plan=str(path), model_config=model_config, steps=steps, batch_size=4 * dp, lr=1e-3, dp=dp,
-                       dp_shard="fsdp", precision=precision)
+                       dp_shard="fsdp", precision=precision, tp=tp)
     return [e.loss for e in launch(config, timeout_s=240, quiet=True)]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stages,dp", [(2, 1), (1, 2)], ids=["pp2", "dp2-fsdp"])
-def test_bf16_losses_stay_within_2_percent_of_fp32(tmp_path: Path, stages: int, dp: int):
-    fp32 = _losses(tmp_path, stages, dp, "fp32", 4)
-    bf16 = _losses(tmp_path, stages, dp, "bf16", 4)
+@pytest.mark.parametrize("stages,dp,tp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["pp2", "dp2-fsdp", "tp2"])
+def test_bf16_losses_stay_within_2_percent_of_fp32(tmp_path: Path, stages: int, dp: int, tp: int):
+    fp32 = _losses(tmp_path, stages, dp, "fp32", 4, tp)
+    bf16 = _losses(tmp_path, stages, dp, "bf16", 4, tp)
     assert bf16 != fp32  # computed in bf16 indeed
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) <= 0.02
 
 
 def _mesh_worker(rank: int, world: int, port: int, out: str, models: dict, cases: list) -> None:
-    """One of 2 ranks: every case (name, (dp, pp), dp_shard, precision) trains TinyVLM for its steps from the same
-    weights and batches; saves the losses and what the stages computed with in the first step."""
+    """One of 2 ranks: every case (name, (dp, pp) (tp: the rest), dp_shard, precision) trains TinyVLM for its steps
+    from the same weights and batches; saves the losses and what the stages computed with in the first step."""
     from test_runtime import _rank_process
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -187,7 +187,7 @@ def _mesh_worker(rank: int, world: int, port: int, out: str, models: dict, cases
             cls, config, weights, batch = models["vlm"]
             model = cls(config)
             model.load_state_dict(weights)
-            mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+            mesh = init_device_mesh("cpu", (dp, pp, world // (dp * pp)), mesh_dim_names=("dp", "pp", "tp"))
             part = _dp_part(batch, dp, mesh["dp"].get_local_rank())
             result, masters = compile_in_precision(model, part, plan, precision)
             pipe = build_pipeline(result, mesh=mesh,
@@ -213,7 +213,8 @@ def _mesh_worker(rank: int, world: int, port: int, out: str, models: dict, cases
 @pytest.mark.distributed
 def test_bf16_pp2_and_dp2_compute_with_bf16_parameters_over_fp32_masters(tmp_path: Path):
     """2 ranks, 10 steps each of the same data: pp=2 (FSDP2 on the 1-rank dp meshes, bf16 activations sent between
-    the stages), dp=2 FSDP2 and dp=2 DDP (replicate). In bf16 every rank computes with bf16 parameters and
+    the stages), dp=2 FSDP2, dp=2 DDP (replicate) and tp=2 (FSDP2 on the 1-rank dp mesh over the tp shards). In
+    bf16 every rank computes with bf16 parameters and
     gradients, half of fp32's bytes, while the optimizer steps fp32 masters with fp32 gradients; the losses stay
     within 2% of fp32's."""
     from test_runtime import _spawn, _vlm_batch
@@ -227,12 +228,13 @@ def test_bf16_pp2_and_dp2_compute_with_bf16_parameters_over_fp32_masters(tmp_pat
         with progress.quiet():
             plans[pp] = oc.optimize(model, {k: v[:1] for k, v in example.items()}, num_stages=pp, planner="uniform",
                                     num_microbatches=2).plan
-    layouts = {"pp2": ((1, 2), "fsdp"), "dp2-fsdp": ((2, 1), "fsdp"), "dp2-ddp": ((2, 1), "ddp")}
+    layouts = {"pp2": ((1, 2), "fsdp"), "dp2-fsdp": ((2, 1), "fsdp"), "dp2-ddp": ((2, 1), "ddp"),
+               "tp2": ((1, 1), "fsdp")}
     cases = [(f"{name}-{precision}", mesh, shard, precision, plans[mesh[1]], 10)
              for name, (mesh, shard) in layouts.items() for precision in ("fp32", "bf16")
              if (name, precision) != ("dp2-ddp", "fp32")]  # fp32 DDP computes as fp32 FSDP: its baseline
     ranks = _spawn(2, tmp_path, {"vlm": (model, batch)}, cases, worker=_mesh_worker)
-    for name, baseline in (("pp2", "pp2"), ("dp2-fsdp", "dp2-fsdp"), ("dp2-ddp", "dp2-fsdp")):
+    for name, baseline in (("pp2", "pp2"), ("dp2-fsdp", "dp2-fsdp"), ("dp2-ddp", "dp2-fsdp"), ("tp2", "tp2")):
         for rank, found in enumerate(ranks):
             fp32, bf16 = found[f"{baseline}-fp32"], found[f"{name}-bf16"]
             assert fp32["compute"] == fp32["masters"] == {torch.float32}, (name, rank)

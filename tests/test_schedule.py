@@ -268,3 +268,14 @@ def test_zero_bubble_schedules_are_planned_run_and_pinned_in_the_layout_search(k
     assert search.plan.schedule == kind and search.plan.num_devices == 2
     with pytest.raises(PlanError, match="the layout search .* does not handle schedule 'gpipe'"):
         choose_layout(_costs(4), devices=2, schedule="gpipe")
+
+
+def test_what_the_runtime_does_not_run_yet_is_one_rule():
+    # run's refusals (check_pipeline, check_tensor_parallel) and the layout search's notes all read it
+    for name, rule in SCHEDULES.items():
+        assert rule.runtime_gaps() == ()
+        split = rule.split_backward
+        assert bool(rule.runtime_gaps(recomputes=True)) == split == bool(rule.runtime_gaps(tp=2)), name
+        assert rule.runs_recomputation == rule.runs_tensor_parallel == (not split)
+    assert SCHEDULES["zbv"].runtime_gaps(tp=2, recomputes=True) == (
+        "recomputation with a split-backward schedule", "tp with a split-backward schedule")

@@ -1,8 +1,9 @@
 """Tensor parallelism: the pass that finds Megatron pairs in generated stages, and ranks that train with it.
 
 The pass is checked on the reference VLM's stages without processes (what it shards, what it refuses and
-why). One 2-rank spawn (tp=2, pp=1) and one 4-rank spawn (pp=2 x tp=2) train two AdamW steps with gradient
-clipping and compare every loss, gradient norm and final parameter with the unsplit model's.
+why). One 2-rank spawn (tp=2, pp=1; and saved at tp=2 after the first step, resumed at tp=2 and at pp=2 x tp=1)
+and one 4-rank spawn (dp=2 x tp=2 under FSDP2 and under replicate, pp=2 x tp=2) train two AdamW steps with
+gradient clipping and compare every loss, gradient norm and final parameter with the unsplit model's.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from test_runtime_dp import _adamw
 import omnibal_compile as oc
 from omnibal_compile import PlanError
 from omnibal_compile.compile.tensor_parallel import find_pairs
+from omnibal_compile.ir.costs import DataParallel
 from omnibal_compile.planning.build import uniform
 from omnibal_compile.runtime.tensor_parallel import check_tensor_parallel
 
+ONE = DataParallel()
+"""No data parallelism (dp = 1)."""
 MAX_NORM = 0.5
 """Clipping threshold of the distributed tests: below the first steps' norms, so clipping scales every gradient."""
 
@@ -94,12 +98,8 @@ def test_pass_leaves_the_stage_it_reads_unchanged(one_stage):
 
 def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage):
     plan = one_stage.plan
-    check_tensor_parallel(plan, tp=1, dp=4, precision="bf16", compile=True)  # tp=1: nothing to refuse
+    check_tensor_parallel(plan, tp=1, compile=True)  # tp=1: nothing to refuse
     check_tensor_parallel(plan, tp=2)
-    with pytest.raises(PlanError, match="dp=2"):
-        check_tensor_parallel(plan, tp=2, dp=2)
-    with pytest.raises(PlanError, match="precision bf16"):
-        check_tensor_parallel(plan, tp=2, precision="bf16")
     with pytest.raises(PlanError, match="--compile"):
         check_tensor_parallel(plan, tp=2, compile=True)
     with pytest.raises(PlanError, match="must be an integer >= 1"):
@@ -113,34 +113,56 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
 
 # -- distributed ---------------------------------------------------------------------------------------
 def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
-    """One rank of a (1, pp, tp) mesh: train every case for its steps with clipping; save losses, norms, params."""
+    """One rank of a (dp, pp, tp) mesh: train every case for its steps with clipping; save losses, norms, params.
+
+    A case is (name, model key, plan, tp, DataParallel, resume): with ``resume`` = (plan, tp, DataParallel) the
+    first step trains on the first layout, which saves a DCP checkpoint; a pipeline of the second layout, built from
+    the initial weights and a fresh AdamW, loads it and trains the remaining steps.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     from omnibal_compile.api import compile_for_microbatches
     from omnibal_compile.runtime import build_pipeline
+    from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
+
+    def build(key: str, plan: oc.Plan, tp: int, dp: DataParallel) -> Any:
+        mesh = init_device_mesh("cpu", (dp.size, world // (tp * dp.size), tp), mesh_dim_names=("dp", "pp", "tp"))
+        cls, config, weights, batches = models[key]
+        model = cls(config)
+        model.load_state_dict(weights)
+        pipe = build_pipeline(compile_for_microbatches(model, _share(batches[0], mesh), plan), mesh=mesh,
+                              data_parallel=dp)
+        return pipe, _adamw(pipe.parameters()), mesh
 
     with _rank_process(rank, world, port, out):
         found: dict[str, Any] = {}
-        for name, key, plan, tp in cases:
-            mesh = init_device_mesh("cpu", (1, world // tp, tp), mesh_dim_names=("dp", "pp", "tp"))
-            cls, config, weights, batches = models[key]
-            model = cls(config)
-            model.load_state_dict(weights)
-            pipe = build_pipeline(compile_for_microbatches(model, batches[0], plan), mesh=mesh)
-            opt = _adamw(pipe.parameters())
-            losses, norms = [], []
-            for batch in batches:
+        for name, key, plan, tp, dp, resume in cases:
+            pipe, opt, mesh = build(key, plan, tp, dp)
+            losses, norms, sharded = [], [], set()
+            for i, batch in enumerate(models[key][3]):
+                if resume is not None and i == 1:
+                    root = Path(out) / name
+                    sharded |= {n for n, t in pipe.state.items() if type(t.data).__name__ == "DTensor"}
+                    save_training_state(root, step=1, state=pipe.state, optimizer=opt, trainer={})
+                    pipe, opt, mesh = build(key, *resume)
+                    load_training_state(root, state=pipe.state, optimizer=opt)
                 opt.zero_grad(set_to_none=True)
-                losses.append(pipe.step(batch))
+                losses.append(pipe.step(_share(batch, mesh)))
                 norms.append(pipe.clip_grad_norm(MAX_NORM))
                 opt.step()
             found[name] = {
                 "losses": losses, "norms": norms,
                 "params": {n: t for n, t in pipe.full_state().items() if n in pipe.named_grads()},
-                "sharded": sorted(n for n, t in pipe.state.items() if type(t.data).__name__ == "DTensor"),
+                "sharded": sorted(sharded | {n for n, t in pipe.state.items() if type(t.data).__name__ == "DTensor"}),
                 "reports": [r.summary() for r in pipe.tensor_parallel],
             }
         torch.save(found, Path(out) / f"rank{rank}.pt")
+
+
+def _share(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
+    """This dp rank's rows of a batch (the whole batch at dp = 1)."""
+    dp, k = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    return {n: v.chunk(dp)[k] for n, v in batch.items()}
 
 
 def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -159,10 +181,11 @@ def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float],
 
 
 def _check(ranks: list[dict[str, Any]], cases: list[Any], models: dict[str, Any]) -> None:
-    for name, key, _, _ in cases:
+    for name, key, *_ in cases:
         ref_losses, ref_norms, ref_params = _reference(*models[key])
-        losses = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
-        assert losses and all(max(abs(a - b) for a, b in zip(got, ref_losses)) <= TOL for got in losses), \
+        losses = [r[name]["losses"] for r in ranks]  # None on ranks without the last stage (of that step's layout)
+        assert all(any(got[i] is not None for got in losses) for i in range(len(ref_losses))), (name, losses)
+        assert all(abs(a - b) <= TOL for got in losses for a, b in zip(got, ref_losses) if a is not None), \
             (name, losses, ref_losses)
         for r in ranks:
             assert max(abs(a - b) for a, b in zip(r[name]["norms"], ref_norms)) <= TOL, (name, r[name]["norms"])
@@ -185,7 +208,10 @@ def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int) -
 def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
     models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)]),
               "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)])}
-    cases = [(f"{key}-tp2", key, _plan(m, b[0], 1), 2) for key, (m, b) in models.items()]
+    cases = [(f"{key}-tp2", key, _plan(m, b[0], 1), 2, ONE, None) for key, (m, b) in models.items()]
+    one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
+    cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, ONE, (one, 2, ONE)),  # DCP: DTensor shards back into shards
+              ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE))]  # into whole tensors (pp=2 x tp=1)
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
     assert "llm.layers.0.attn.q_proj.weight" in ranks[0]["vlm-tp2"]["sharded"]
@@ -196,21 +222,22 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
 @pytest.mark.distributed
 def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tmp_path):
     models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)])}
-    cases = [("vlm-pp2-tp2", "vlm", _plan(vlm[0], models["vlm"][1][0], 2), 2)]
+    one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
+    cases = [("vlm-dp2-fsdp-tp2", "vlm", one, 2, DataParallel(size=2, shard="fsdp"), None),  # FSDP2 over tp shards
+             ("vlm-dp2-ddp-tp2", "vlm", one, 2, DataParallel(size=2, shard="ddp"), None),  # replicate over tp shards
+             ("vlm-pp2-tp2", "vlm", two, 2, ONE, None)]
     ranks = _spawn(4, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_run_with_tp2_launches_dp_x_pp_x_tp_ranks_and_refuses_checkpoints(vlm, tmp_path):
+def test_run_with_tp2_launches_dp_x_pp_x_tp_ranks(vlm, tmp_path):
     from test_runtime import _run_config
 
-    from omnibal_compile.runtime.launch import launch, precheck
+    from omnibal_compile.runtime.launch import launch
 
     plan = _plan(vlm[0], _vlm_batch(), 1)
     config = _run_config(tmp_path, plan, tp=2, max_grad_norm=MAX_NORM)
-    with pytest.raises(PlanError, match="--save / --resume"):
-        precheck(dataclasses.replace(config, save=str(tmp_path / "ckpt")))
     logs = launch(config, timeout_s=240)
     assert len(logs) == 2 and all(entry.loss > 0 and entry.grad_norm > 0 for entry in logs)

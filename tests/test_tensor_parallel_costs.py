@@ -18,7 +18,7 @@ from omnibal_compile.ir.costs import (
     ring_collective_s,
 )
 from omnibal_compile.ir.plan import Plan
-from omnibal_compile.planning.layout import search_layout
+from omnibal_compile.planning.layout import format_candidates, search_layout
 
 MIB = 2**20
 
@@ -123,13 +123,10 @@ def test_tp_groups_stay_inside_a_node_and_tp_with_dp_is_marked_not_hidden():
                                                                                                 4: sharded})
     assert {c.layout.tp for c in r6.candidates} == {1, 3}
     assert any("tp=4 does not divide the node of 6 devices" in n for n in r6.notes)
-    marked = [c for c in r.candidates if c.layout.tp > 1 and c.layout.dp > 1]
-    assert marked and all(c.layout.runtime_note == "not run yet: tp with dp > 1" for c in marked)
-    assert all(c.layout.runtime_note == "" for c in r.candidates
-               if (c.layout.dp == 1 or c.layout.tp == 1) and not (c.layout.zero_bubble and c.layout.tp > 1))
-    zb = [c for c in r.candidates if c.layout.zero_bubble and c.layout.tp > 1 and c.layout.dp == 1]
+    assert all(c.layout.runtime_note == "" for c in r.candidates if not (c.layout.zero_bubble and c.layout.tp > 1))
+    zb = [c for c in r.candidates if c.layout.zero_bubble and c.layout.tp > 1]
     assert zb and all(c.layout.runtime_note == "not run yet: tp with a split-backward schedule" for c in zb)
-    assert "not run yet: tp with dp > 1" in r.table()
+    assert "not run yet: tp with a split-backward schedule" in format_candidates(r.candidates)
 
 
 def test_plans_record_tp_and_read_it_back():

@@ -63,6 +63,29 @@ class ScheduleRule:
         stage would be lost (measured on the reference VLM, dp = 2: 11 parameters without one)."""
         return not self.split_backward
 
+    @property
+    def runs_recomputation(self) -> bool:
+        """Whether the pipeline runtime runs recomputed blocks under this schedule. Not under a split backward:
+        torch's weight-gradient pass makes one autograd call per parameter group and checkpointing recomputes per
+        call (measured: an LLM layer of the reference VLM reruns 10 times per micro-batch where the costs count 1)."""
+        return not self.split_backward
+
+    @property
+    def runs_tensor_parallel(self) -> bool:
+        """Whether the pipeline runtime runs tp > 1 under this schedule (a split backward over DTensor-sharded
+        stages is not built yet)."""
+        return not self.split_backward
+
+    def runtime_gaps(self, *, tp: int = 1, recomputes: bool = False) -> tuple[str, ...]:
+        """What of a plan under this schedule the pipeline runtime does not run yet, in short phrases (empty: it
+        runs): the one rule behind ``run``'s refusals and the layout search's notes."""
+        return tuple(
+            gap for gap, missing in (
+                ("recomputation with a split-backward schedule", recomputes and not self.runs_recomputation),
+                ("tp with a split-backward schedule", tp > 1 and not self.runs_tensor_parallel),
+            ) if missing
+        )
+
     def require(self, supported: Collection[str], part: str) -> None:
         """Raise a :class:`PlanError` unless ``part`` (e.g. ``the planner``) handles this schedule."""
         if self.name not in supported:

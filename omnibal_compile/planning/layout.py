@@ -144,13 +144,10 @@ class Layout:
 
     @property
     def runtime_note(self) -> str:
-        """What the runtime does not run yet of this layout (``runtime.tensor_parallel.check_tensor_parallel``'s
-        refusals that a layout decides); empty when it runs."""
-        if self.tp > 1 and self.dp > 1:
-            return "not run yet: tp with dp > 1"
-        if self.tp > 1 and schedule_rule(self.schedule).split_backward:
-            return "not run yet: tp with a split-backward schedule"
-        return ""
+        """What the pipeline runtime does not run yet of this layout, whatever its plan
+        (:meth:`~omnibal_compile.ir.schedule.ScheduleRule.runtime_gaps`); empty when it runs."""
+        gaps = self.rule.runtime_gaps(tp=self.tp)
+        return f"not run yet: {'; '.join(gaps)}" if gaps else ""
 
     @property
     def num_stages(self) -> int:
@@ -201,6 +198,15 @@ class Candidate:
     """Why it was rejected or not planned (or, planned, how its plan was cut short)."""
     plan: Plan | None = field(default=None, repr=False)
     """The plan it was scored with (None unless planned)."""
+
+    @property
+    def runtime_note(self) -> str:
+        """What the pipeline runtime does not run yet of this layout with its plan (a split-backward plan that
+        recomputes, tp with a split backward: :meth:`~omnibal_compile.ir.schedule.ScheduleRule.runtime_gaps`); empty
+        when it runs."""
+        recomputes = self.plan is not None and any(o != "none" for o in self.plan.block_recompute)
+        gaps = self.layout.rule.runtime_gaps(tp=self.layout.tp, recomputes=recomputes)
+        return f"not run yet: {'; '.join(gaps)}" if gaps else ""
 
     @property
     def planned(self) -> bool:
@@ -297,7 +303,7 @@ class LayoutSearch:
         for tp, c in sorted(best.items()):
             rows.append((str(tp), c.layout.describe(), _ms(c.time_per_unit_s),
                          f"{c.time_per_unit_s / self.best.time_per_unit_s:.3f}x", format_size(c.peak_memory_bytes),
-                         c.layout.runtime_note or "-"))
+                         c.runtime_note or "-"))
         return ["best per tensor-parallel degree:", format_table(rows, "llrrrl")]
 
     def __str__(self) -> str:
@@ -312,7 +318,7 @@ def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", 
     """Layout (its TP in it), schedule, estimate, predicted time per unit, step time, bubble, memory, status and
     reason per candidate, and a note where the runtime does not run a layout yet."""
     shown = list(candidates if limit is None else candidates[:limit])
-    notes = any(c.layout.runtime_note for c in shown)  # the column only when a layout does not run yet
+    notes = any(c.runtime_note for c in shown)  # the column only when a layout does not run yet
     rows = [("layout", "schedule", f"estimate ms/{unit}", f"predicted ms/{unit}", "step s", "bubble", "peak memory",
              "status", *(("note",) if notes else ()))]
     for c in shown:
@@ -321,7 +327,7 @@ def format_candidates(candidates: Sequence[Candidate], *, unit: str = "sample", 
             c.layout.describe(schedule=False), c.layout.schedule_label, _ms(c.estimate_s), _ms(c.time_per_unit_s),
             "-" if math.isnan(c.iteration_s) else f"{c.iteration_s:.4g}",
             "-" if math.isnan(c.bubble_fraction) else f"{c.bubble_fraction:.1%}", mem,
-            c.status + (f": {c.reason}" if c.reason else ""), *((c.layout.runtime_note or "-",) if notes else ()),
+            c.status + (f": {c.reason}" if c.reason else ""), *((c.runtime_note or "-",) if notes else ()),
         ))
     text = format_table(rows, "llrrrrrl" + ("l" if notes else ""))
     if len(shown) < len(candidates):

@@ -6,9 +6,10 @@ Glossary:
                     ``root/.partial-step-<K>`` and renamed by rank 0 only after every rank has
                     finished writing (a barrier), so a kill at any moment leaves the previous step
                     folder complete; partial folders are never read and are removed by the next save.
-    model state     every parameter and persistent buffer under the original model's names. FSDP2
-                    shards are DTensors and DCP stores their full logical tensors, so a checkpoint
-                    loads into another (dp, pp) layout (DCP reshards) and into the unsplit model.
+    model state     every parameter and persistent buffer under the original model's names. FSDP2 and
+                    tensor-parallel shards are DTensors and DCP stores their full logical tensors, so a
+                    checkpoint loads into another (dp, pp, tp) layout (DCP reshards; optimizer moments
+                    are DTensors sharded as their parameters) and into the unsplit model.
     optimizer state per parameter (its first original name) the optimizer's tensors (AdamW:
                     ``step``, ``exp_avg``, ``exp_avg_sq``), for exactly the parameters that have
                     any: those the optimizer has updated. A parameter that never got a gradient
@@ -299,8 +300,8 @@ def _check_meta(meta: Mapping[str, Any], path: Path) -> None:
     if "world_size" in meta and not _is_count(meta["world_size"], 1):
         raise bad("world_size", "a whole number >= 1")
     layout = meta.get("layout", {})
-    if not isinstance(layout, dict) or not all(_is_count(layout.get(k, 1), 1) for k in ("dp", "pp")):
-        raise bad("layout", "an object of dp and pp, whole numbers >= 1")
+    if not isinstance(layout, dict) or not all(_is_count(layout.get(k, 1), 1) for k in ("dp", "pp", "tp")):
+        raise bad("layout", "an object of dp, pp and tp, whole numbers >= 1")
     for key, kind in (("data", dict), ("scheduler", dict), ("param_groups", list), ("settings", dict)):
         if key in meta and not isinstance(meta[key], kind):
             raise bad(key, f"a JSON {'object' if kind is dict else 'list'}")

@@ -103,7 +103,7 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise PlanError(f"dp (data-parallel pipelines, --dp) must be an integer >= 1, got {dp!r}")
     recomputed = [b for b, o in zip(plan.block_names, plan.block_recompute) if o != "none"]
-    if plan.pipeline_schedule.rule.split_backward and recomputed:
+    if recomputed and not plan.pipeline_schedule.rule.runs_recomputation:
         # measured on the reference VLM (zbv, full recompute): an LLM layer reruns 10 times per micro-batch (1 in B, 9
         # in W's autograd calls); a torch.utils.checkpoint.GraphExecGroup over B and W raises CheckpointError (both
         # read the same saved activations: W restarts at the nodes B ran); one over W alone reruns it twice (B, W)
@@ -124,7 +124,7 @@ def check_pipeline(plan: Plan, *, world_size: int, batch_size: int | None = None
             "parameters, which are their shards again after the forward): keep the gathered weights "
             "(--no-reshard-after-forward, reshard_after_forward=False; plan with it), or use --dp-shard ddp"
         )
-    check_tensor_parallel(plan, tp=tp, dp=dp)
+    check_tensor_parallel(plan, tp=tp)
     if tp > 1 and world_size != dp * tp * plan.num_devices:
         raise PlanError(f"dp={dp} x pp={plan.num_devices} x tp={tp} need {dp * tp * plan.num_devices} processes but "
                         f"world size is {world_size}: launch that many (--nproc), or change --dp / --tp")
@@ -393,7 +393,9 @@ class RankPipeline:
             squares = torch.linalg.vector_norm(local, dtype=torch.float64) ** 2
             groups: tuple[Any, ...] = ()
             if isinstance(g, DTensor):
-                groups = tuple(g.device_mesh.get_group(d) for d, place in enumerate(g.placements) if place.is_shard())
+                # FSDP2 over tensor-parallel shards places the dp dim as a _StridedShard, which is_shard() denies
+                groups = tuple(g.device_mesh.get_group(d) for d, place in enumerate(g.placements)
+                               if not place.is_replicate())
             by_groups[groups] = by_groups.get(groups, torch.zeros((), dtype=torch.float64, device=self.device)
                                               ) + squares
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -654,7 +656,7 @@ def build_pipeline(
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size, data_parallel=layout,
                    precision=precision)
-    check_tensor_parallel(plan, tp=tp_size, dp=dp_size, precision=precision, compile=compile)
+    check_tensor_parallel(plan, tp=tp_size, compile=compile)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:

@@ -115,12 +115,22 @@ def mixed_precision_policy(dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 def restore_masters(module: nn.Module, masters: Mapping[str, torch.Tensor], names: Mapping[str, list[str]]) -> None:
     """Give ``module``'s 16-bit parameters their fp32 master values: ``masters`` by original name
-    (:func:`cast_for_capture`), ``names`` module-local name -> original names; a parameter without one is upcast."""
+    (:func:`cast_for_capture`), ``names`` module-local name -> original names; a parameter without one is upcast.
+    A tensor-parallel (DTensor) parameter gets its shard of the whole master, which every rank holds."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     with torch.no_grad():
         for local, p in module.named_parameters(remove_duplicate=False):
             if not p.is_floating_point() or p.dtype == torch.float32:
                 continue
             found = next((masters[n] for n in names.get(local, []) if n in masters), None)
+            shard = p.data
+            if isinstance(shard, DTensor):  # a new parameter: a DTensor keeps its dtype through ``.data =``
+                whole = found.to(p.device) if found is not None else shard.full_tensor().float()
+                parent, _, leaf = local.rpartition(".")
+                setattr(module.get_submodule(parent), leaf, nn.Parameter(
+                    distribute_tensor(whole, shard.device_mesh, shard.placements), requires_grad=p.requires_grad))
+                continue
             p.data = found if found is not None else p.data.float()
 
 

@@ -24,26 +24,18 @@ MESH_DIMS: tuple[tuple[str, ...], ...] = (("dp", "pp"), ("dp", "pp", "tp"))
 """Mesh dim names the runtime builds on."""
 
 
-def check_tensor_parallel(plan: Plan, *, tp: int, dp: int = 1, precision: str | None = None, compile: bool = False,
-                          checkpoints: bool = False) -> None:
+def check_tensor_parallel(plan: Plan, *, tp: int, compile: bool = False) -> None:
     """Raise a clear :class:`PlanError` / :class:`InputError` for a ``tp`` setting this runtime does not run yet."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise PlanError(f"tp (tensor-parallel ranks per stage, --tp) must be an integer >= 1, got {tp!r}")
     if tp == 1:
         return
     refused = []
-    if plan.pipeline_schedule.rule.split_backward:
+    if not plan.pipeline_schedule.rule.runs_tensor_parallel:
         refused.append(f"schedule {plan.schedule!r} (it splits each backward; use one among "
                        f"{sorted(CLASSIC_SCHEDULES)})")
-    if dp > 1:
-        refused.append(f"dp={dp} (FSDP2/replicate over tensor-parallel shards is not tested yet; use --dp 1)")
-    if precision not in (None, "fp32"):
-        refused.append(f"precision {precision} (its fp32 masters live under FSDP2, not composed with TP yet; use "
-                       "--precision fp32)")
     if compile:
         refused.append("--compile (torch.compile of DTensor-sharded stages is not tested yet)")
-    if checkpoints:
-        refused.append("--save / --resume / --export-hf (DCP of tensor-parallel DTensors is not tested yet)")
     if refused:
         raise PlanError(f"tp={tp} does not run with " + "; nor with ".join(refused))
 

@@ -281,7 +281,7 @@ def train(config: RunConfig) -> list[StepLog]:
     def save(root: str, step: int) -> None:
         if not _weights_finite(pipeline.parameters(), device):
             _stop_if_not_finite(math.nan, step - 1, config, what="the weights it made are")
-        trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices},
+        trainer = {"plan": plan.to_dict(), "layout": {"dp": dp, "pp": plan.num_devices, "tp": config.tp},
                    "data": _data_settings(config), "scheduler": scheduler.state_dict(), **record, "loss": last_loss,
                    **({"loss_scale": scaler.state_dict()} if scaler is not None else {})}
         path = save_training_state(root, step=step, state=pipeline.state, optimizer=optimizer, trainer=trainer)

@@ -140,27 +140,8 @@ def test_dp2_pp2_trains_like_the_unsplit_model(vlm, tiny_llava, tiny_llama, tmp_
     cases.append(("llama-tied-fsdp-1f1b", "llama", p("llama", "1f1b", False), "fsdp", True))
     ranks = _spawn(4, tmp_path, {k: (m, b) for k, (m, b) in models.items()}, cases, worker=_dp_worker)
     for name, key, plan, dp_shard, _ in cases:
-        ref_losses, ref_grads, ref_params = _reference(*models[key])
-        assert [r[name]["dp"] for r in ranks] == [(0, 2, dp_shard)] * 2 + [(1, 2, dp_shard)] * 2
         assert all(r[name]["units"] >= plan.virtual_stages for r in ranks), name  # a root per stage at least
-        for field, want in (("grads", ref_grads), ("params", ref_params)):
-            got: dict[str, torch.Tensor] = {}
-            for r in ranks:
-                for n, t in r[name][field].items():
-                    if n in got:  # dp copies and tied holders: all must agree
-                        assert float((got[n] - t).abs().max()) <= TOL, (name, field, n)
-                    got[n] = t
-            if field == "grads":  # only a parameter no stage uses may lack a gradient
-                unused = set(want) - set(got)
-                assert all(not want[n].any() for n in unused), (name, sorted(unused)[:5])
-                got.update({n: torch.zeros_like(want[n]) for n in unused})
-            assert set(got) == set(want), (name, field, sorted(set(got) ^ set(want))[:5])
-            worst, diff = _max_diff(got, want)
-            assert diff <= TOL, (name, field, worst, diff)
-        losses = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
-        assert len(losses) == 2, name  # the last stage's rank in each of the 2 replicas
-        for replica in losses:  # both replicas report the whole step's loss
-            assert max(abs(a - b) for a, b in zip(replica, ref_losses)) <= TOL, (name, replica, ref_losses)
+        check_dp_parity(ranks, name, dp_shard, _reference(*models[key]))
 
 
 # -- balanced packs per dp rank, launch ----------------------------------------------------------
@@ -255,3 +236,30 @@ def test_the_run_takes_its_data_parallel_layout_from_the_plan(tmp_path, lengths_
     assert (got.dp, got.dp_shard, got.reshard_after_forward) == (2, "ddp", False)
     assert with_plan_layout(dataclasses.replace(config, dp=4, dp_shard="fsdp")).dp == 4  # --dp wins
     assert batch_source(config, build_model(config), 1)(0)["input_ids"].shape[0] == 2  # rank 1 of dp=2
+
+
+def check_dp_parity(ranks: list[dict[str, Any]], name: str, dp_shard: str,
+                    reference: tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]) -> None:
+    """Case ``name`` of a dp = 2 x pp = 2 run (:func:`_dp_worker` on 4 ranks) trained like the unsplit model
+    (``reference``: :func:`_reference`'s losses, gradients and final parameters): every rank's dp place, gradients
+    and parameters (dp copies and tied holders agreeing), and both replicas' logged losses."""
+    ref_losses, ref_grads, ref_params = reference
+    assert [r[name]["dp"] for r in ranks] == [(0, 2, dp_shard)] * 2 + [(1, 2, dp_shard)] * 2
+    for field, want in (("grads", ref_grads), ("params", ref_params)):
+        got: dict[str, torch.Tensor] = {}
+        for r in ranks:
+            for n, t in r[name][field].items():
+                if n in got:  # dp copies and tied holders: all must agree
+                    assert float((got[n] - t).abs().max()) <= TOL, (name, field, n)
+                got[n] = t
+        if field == "grads":  # only a parameter no stage uses may lack a gradient
+            unused = set(want) - set(got)
+            assert all(not want[n].any() for n in unused), (name, sorted(unused)[:5])
+            got.update({n: torch.zeros_like(want[n]) for n in unused})
+        assert set(got) == set(want), (name, field, sorted(set(got) ^ set(want))[:5])
+        worst, diff = _max_diff(got, want)
+        assert diff <= TOL, (name, field, worst, diff)
+    losses = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
+    assert len(losses) == 2, name  # the last stage's rank in each of the 2 replicas
+    for replica in losses:  # both replicas report the whole step's loss
+        assert max(abs(a - b) for a, b in zip(replica, ref_losses)) <= TOL, (name, replica, ref_losses)

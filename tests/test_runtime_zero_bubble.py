@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from test_runtime import TOL, _llama_batch, _llava_batch, _run_config, _spawn, _vlm_batch, check_parity
-from test_runtime_dp import _dp_worker, _max_diff, _reference
+from test_runtime_dp import _dp_worker, _reference, check_dp_parity
 
 import omnibal_compile as oc
 from omnibal_compile import PlanError
@@ -78,26 +78,7 @@ def test_zero_bubble_schedules_under_data_parallelism_match_the_unsplit_model(vl
     cases.append(("llama-tied-interleaved-zb-fsdp", "llama", _zb(fours["llama"], "interleaved-zb"), kept, False))
     ranks = _spawn(4, tmp_path, models, cases, worker=_dp_worker)
     for name, key, _, layout, _ in cases:
-        ref_losses, ref_grads, ref_params = _reference(*models[key])
-        assert [r[name]["dp"] for r in ranks] == [(0, 2, layout.shard)] * 2 + [(1, 2, layout.shard)] * 2
-        for field, want in (("grads", ref_grads), ("params", ref_params)):
-            got: dict[str, torch.Tensor] = {}
-            for r in ranks:
-                for n, t in r[name][field].items():
-                    if n in got:  # dp copies and tied holders agree
-                        assert float((got[n] - t).abs().max()) <= TOL, (name, field, n)
-                    got[n] = t
-            if field == "grads":  # only a parameter no stage uses may lack a gradient
-                unused = set(want) - set(got)
-                assert all(not want[n].any() for n in unused), (name, sorted(unused)[:5])
-                got.update({n: torch.zeros_like(want[n]) for n in unused})
-            assert set(got) == set(want), (name, field, sorted(set(got) ^ set(want))[:5])
-            worst, diff = _max_diff(got, want)
-            assert diff <= TOL, (name, field, worst, diff)
-        losses = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
-        assert len(losses) == 2, name  # the last stage's rank in each replica
-        for replica in losses:
-            assert max(abs(a - b) for a, b in zip(replica, ref_losses)) <= TOL, (name, replica, ref_losses)
+        check_dp_parity(ranks, name, layout.shard, _reference(*models[key]))
 
 
 def test_split_backward_schedules_refuse_resharding_after_forward_and_recomputation(vlm4):

@@ -88,10 +88,14 @@ def measure_links(
             float(Path(out).read_text().splitlines()[4]))
     r = (ranks - 1) / ranks
 
+    big_s = [(gather_s[k] + scatter_s[k]) / 2 for k in range(3)]  # median, fastest, slowest
+    # Alpha-beta: the big collectives' time less a tiny one's is their bytes' time (if noise leaves any). Whether the
+    # tiny one is taken off is decided once, on the median, and each repeat keeps at least half its time, so the
+    # fastest and slowest repeats bound the median's speed (one rule for all three, monotone in the time).
+    tiny = tiny_s[0] if big_s[0] > 2 * tiny_s[0] else 0.0
+
     def collective(k: int) -> float:
-        # Alpha-beta: the big collectives' time less a tiny one's is their bytes' time (if noise leaves any).
-        big_s = (gather_s[k] + scatter_s[k]) / 2
-        return r * collective_bytes / (big_s - tiny_s[0] if big_s > 2 * tiny_s[0] else big_s)
+        return r * collective_bytes / max(big_s[k] - tiny, big_s[k] / 2)
 
     return LinkSpeed(send_bytes_per_s=send_bytes / send_s[0], send_bytes=send_bytes,
                      collective_bytes_per_s=collective(0), collective_bytes=collective_bytes, ranks=ranks,

@@ -146,7 +146,11 @@ class Layout:
     def runtime_note(self) -> str:
         """What the pipeline runtime does not run yet of this layout, whatever its plan
         (:meth:`~omnibal_compile.ir.schedule.ScheduleRule.runtime_gaps`); empty when it runs."""
-        gaps = self.rule.runtime_gaps(tp=self.tp)
+        return self.note(recomputes=False)
+
+    def note(self, *, recomputes: bool) -> str:
+        """:attr:`runtime_note` for a plan of this layout that recomputes or not."""
+        gaps = self.rule.runtime_gaps(tp=self.tp, recomputes=recomputes)
         return f"not run yet: {'; '.join(gaps)}" if gaps else ""
 
     @property
@@ -205,8 +209,7 @@ class Candidate:
         recomputes, tp with a split backward: :meth:`~omnibal_compile.ir.schedule.ScheduleRule.runtime_gaps`); empty
         when it runs."""
         recomputes = self.plan is not None and any(o != "none" for o in self.plan.block_recompute)
-        gaps = self.layout.rule.runtime_gaps(tp=self.layout.tp, recomputes=recomputes)
-        return f"not run yet: {'; '.join(gaps)}" if gaps else ""
+        return self.layout.note(recomputes=recomputes)
 
     @property
     def planned(self) -> bool:

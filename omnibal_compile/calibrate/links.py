@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnibal_compile.errors import InputError
+from omnibal_compile.runtime.processes import end_process_group, exit_now
 
 __all__ = ["LinkSpeed", "measure_links", "effective_sizes"]
 
@@ -115,47 +116,54 @@ def _rank(rank: int, world: int, tmp: str, out: str, send_bytes: int, collective
     store = dist.FileStore(os.path.join(tmp, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        msg = torch.ones(send_bytes // 4)
-        shard = torch.ones(collective_bytes // 4 // world)
-        whole = torch.empty(shard.numel() * world)
+    lines = _measure(rank, world, send_bytes, collective_bytes, repeats)  # its tensors and FSDP stacks freed
+    if rank == 0:
+        Path(out).write_text("\n".join(lines))
+    end_process_group()  # on success only (an exception ends the rank, and spawn reports it)
+    exit_now(0)
 
-        def timed_all(op) -> tuple[float, float, float]:
-            """(median, fastest, slowest) seconds of ``op`` over the repeats."""
-            op()  # warm-up: connections and buffers
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                t = time.perf_counter()
-                op()
-                times.append(time.perf_counter() - t)
-            return statistics.median(times), min(times), max(times)
 
-        def timed(op) -> float:
-            return timed_all(op)[0]
+def _measure(rank: int, world: int, send_bytes: int, collective_bytes: int, repeats: int) -> list[str]:
+    """This rank's timings: the lines of the result file (send, all-gather, reduce-scatter, tiny, latency)."""
+    import torch
+    import torch.distributed as dist
 
-        def ping() -> None:  # rank 0 -> 1 and back: two sends, so half the round trip is one
-            if rank == 0:
-                dist.send(msg, 1)
-                dist.recv(msg, 1)
-            elif rank == 1:
-                dist.recv(msg, 0)
-                dist.send(msg, 0)
+    msg = torch.ones(send_bytes // 4)
+    shard = torch.ones(collective_bytes // 4 // world)
+    whole = torch.empty(shard.numel() * world)
 
-        send = [t / 2 for t in timed_all(ping)]
-        gather = timed_all(lambda: dist.all_gather_into_tensor(whole, shard))
-        scatter = timed_all(lambda: dist.reduce_scatter_tensor(shard, whole))
-        dot, dots = torch.ones(1), torch.ones(world)
-        tiny = (
-            timed(lambda: dist.all_gather_into_tensor(dots, dot)) + timed(lambda: dist.reduce_scatter_tensor(dot, dots))
-        ) / 2
-        few, many = _fsdp_stack(world, 2), _fsdp_stack(world, 10)
-        latency = max(0.0, (timed(many) - timed(few)) / (8 * 3))  # 8 more layers, 3 collectives each
+    def timed_all(op) -> tuple[float, float, float]:
+        """(median, fastest, slowest) seconds of ``op`` over the repeats."""
+        op()  # warm-up: connections and buffers
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times), min(times), max(times)
+
+    def timed(op) -> float:
+        return timed_all(op)[0]
+
+    def ping() -> None:  # rank 0 -> 1 and back: two sends, so half the round trip is one
         if rank == 0:
-            lines = [" ".join(map(str, t)) for t in (send, gather, scatter, (tiny, tiny, tiny))]
-            Path(out).write_text("\n".join([*lines, str(latency)]))
-    finally:
-        dist.destroy_process_group()
+            dist.send(msg, 1)
+            dist.recv(msg, 1)
+        elif rank == 1:
+            dist.recv(msg, 0)
+            dist.send(msg, 0)
+
+    send = [t / 2 for t in timed_all(ping)]
+    gather = timed_all(lambda: dist.all_gather_into_tensor(whole, shard))
+    scatter = timed_all(lambda: dist.reduce_scatter_tensor(shard, whole))
+    dot, dots = torch.ones(1), torch.ones(world)
+    tiny = (
+        timed(lambda: dist.all_gather_into_tensor(dots, dot)) + timed(lambda: dist.reduce_scatter_tensor(dot, dots))
+    ) / 2
+    few, many = _fsdp_stack(world, 2), _fsdp_stack(world, 10)
+    latency = max(0.0, (timed(many) - timed(few)) / (8 * 3))  # 8 more layers, 3 collectives each
+    return [*(" ".join(map(str, t)) for t in (send, gather, scatter, (tiny, tiny, tiny))), str(latency)]
 
 
 def _fsdp_stack(world: int, layers: int):

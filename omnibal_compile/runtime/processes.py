@@ -76,6 +76,29 @@ FINISHED_FILE = "finished"
 """Written by a rank beside its error file when it ends normally (:func:`mark_finished`)."""
 
 
+def end_process_group() -> None:
+    """End a rank's process group after it succeeded (after a failure this may wait on the others): the
+    garbage freed first (DDP/FSDP state and gloo work holding tensors), every rank past its last collective,
+    then the groups destroyed. A gloo thread still joinable at the interpreter's teardown aborted finished
+    ranks ("terminate called without an active exception", SIGABRT), so callers then leave with
+    :func:`exit_now`."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def exit_now(code: int) -> None:
+    """Leave the process at once, its output flushed, without the interpreter's teardown (see
+    :func:`end_process_group`; after a failure the teardown can also wait on the other ranks)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def mark_finished() -> None:
     """Say that this rank ended normally (a file beside ``$TORCHELASTIC_ERROR_FILE``; nothing without one)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -10,7 +10,6 @@ process group from torchrun's environment (``env://``). Every collective waits a
 from __future__ import annotations
 
 import faulthandler
-import gc
 import os
 import signal
 import sys
@@ -19,7 +18,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from omnibal_compile.runtime.processes import STACK_SIGNAL, die_with_parent, mark_finished
+from omnibal_compile.runtime.processes import (
+    STACK_SIGNAL,
+    die_with_parent,
+    end_process_group,
+    exit_now,
+    mark_finished,
+)
 
 
 def init_process_group(config: Any) -> None:
@@ -38,21 +43,13 @@ def init_process_group(config: Any) -> None:
 
 def run(config_path: str) -> None:
     """Train the run ``config_path`` describes as this rank (in torchrun's environment)."""
-    import torch.distributed as dist
-
     from omnibal_compile.runtime.settings import RunConfig
     from omnibal_compile.runtime.train import train
 
     config = RunConfig.from_json(Path(config_path).read_text())
     init_process_group(config)
     train(config)
-    # On success only (after a failure it may wait on the others): every rank past its last
-    # collective and the stages' DDP/FSDP state freed before the groups go, then out without the
-    # interpreter's teardown, where a gloo thread still joinable aborted a finished DDP rank
-    # ("terminate called without an active exception", SIGABRT; seen once in a README run).
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # on success only; main then leaves with exit_now
     mark_finished()
 
 
@@ -79,19 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
-        _exit_now(e.code if isinstance(e.code, int) else 1)
+        exit_now(e.code if isinstance(e.code, int) else 1)
     except BaseException:
         traceback.print_exc()
-        _exit_now(1)
-    _exit_now(0)
+        exit_now(1)
+    exit_now(0)
     return 0
-
-
-def _exit_now(code: int) -> None:
-    """Exit without tearing down the process group, which can wait on the other ranks after a failure."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

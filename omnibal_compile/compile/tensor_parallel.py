@@ -41,7 +41,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -162,7 +162,8 @@ class TensorParallelReport:
                          "sharded" if p.sharded else "replicated: " + p.reason])
         rows += [[block, "-", "-", "replicated: " + reason] for block, reason in self.unpaired]
         for v in self.vocab:
-            what = "vocabulary-parallel " + ("LM head, loss on the shards" if v.kind == LOSS_PARALLEL else v.kind)
+            what = "vocabulary-parallel " + ("LM head, loss on the shards" if v.kind == LOSS_PARALLEL else v.kind) \
+                + (" (logits gathered for the stage's other readers)" if v.gathered_bytes else "")
             rows.append([v.block, _leaf(v.module, v.block) + f" ({v.kind})", "-",
                          what if v.sharded else "replicated: " + v.reason])
         vocab = sum(v.sharded for v in self.vocab)
@@ -542,7 +543,7 @@ def _vocab_head(stage: fx.GraphModule, block: str, lin: _Linear, tp: int, used: 
             elif t is aten._assert_tensor_metadata.default:
                 drop.append(u)
             elif t in _CARRY and u.args[0] is n and len(u.all_input_nodes) == 1 and shape and shape[-1] == vocab \
-                    and not (t is aten.slice.Tensor and _norm_dim(int(u.args[1]), len(shape)) == len(shape) - 1):
+                    and not (t is aten.slice.Tensor and _norm_dim(cast(int, u.args[1]), len(shape)) == len(shape) - 1):
                 if u not in region:
                     region.append(u)
             else:
@@ -627,8 +628,9 @@ def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node
     setattr(new.get_submodule(parent) if parent else new, leaf, module)
     g = new.graph
     twin = by_name[v.node.name]
+    source = cast(fx.Node, v.node.args[1 if v.part.kind == "embedding" else 0])  # ids, or the head's input
     with g.inserting_before(twin):
-        call = g.call_module(v.owner, (by_name[v.node.args[1 if v.part.kind == "embedding" else 0].name],))  # type: ignore[union-attr]
+        call = g.call_module(v.owner, (by_name[source.name],))
     call.meta.update(twin.meta)
     twin.replace_all_uses_with(call)
     g.erase_node(twin)
@@ -649,7 +651,8 @@ def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node
         with g.inserting_after(loss):
             local = g.call_function(_local, (loss,))
         local.meta.update(loss.meta)
-        loss.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
+        for user in [u for u in loss.users if u is not local]:
+            user.replace_input_with(loss, local)
     return ColwiseParallel(use_local_output=False)
 
 

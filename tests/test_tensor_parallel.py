@@ -8,8 +8,10 @@ gradient clipping and compare every loss, gradient norm and final parameter with
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +55,39 @@ def test_pass_shards_llm_attention_and_mlps_and_says_why_vit_attention_stays_who
         assert "fused projection" in rows[(f"vision.layers.{i}", f"vision.layers.{i}.attn.proj")]
     attn = next(p for p in report.pairs if p.row == "llm.layers.0.attn.o_proj")
     assert attn.column == tuple(f"llm.layers.0.attn.{x}_proj" for x in "qkv")
-    assert [b for b, _ in report.unpaired] == ["lm_head"]
+    assert not report.unpaired  # the LM head is a vocabulary-parallel part, not an unpaired block
     # the heads of the local shard: 4 query heads and 2 key/value heads of 8 -> 2 and 1 per rank
     f = next(f for f in found if f.pair.row == "llm.layers.0.attn.o_proj")
     assert sorted(args[1][2] for _, args, _ in f.rewrites) == [1, 1, 2]
     text = report.summary()
-    assert "9 pairs sharded" in text and "replicated: " in text and "lm_head" in text
+    assert "9 pairs and 2 vocabulary-parallel parts sharded" in text and "replicated: " in text
+    assert "vocabulary-parallel LM head, loss on the shards" in text
+
+
+def test_pass_shards_the_lm_head_and_token_embedding_on_the_vocabulary(one_stage, vlm):
+    model, batch = vlm
+    _, report = find_pairs(one_stage.stages[0], one_stage.graph, 2)
+    parts = {v.module: v for v in report.vocab}
+    assert set(parts) == {"lm_head", "llm.embed_tokens"}  # not the vision tower's position table
+    head, embed = parts["lm_head"], parts["llm.embed_tokens"]
+    assert (head.kind, head.reason, embed.kind, embed.reason) == ("head", "", "embedding", "")
+    assert report.loss_parallel
+    tokens, hidden, vocab = batch["input_ids"].numel(), model.lm_head.in_features, model.lm_head.out_features
+    assert (head.params, head.flops) == (vocab * hidden, 2.0 * tokens * vocab * hidden)
+    assert (head.backward_bytes, head.gathered_bytes) == (tokens * hidden * 4, 0)  # it returns only its loss
+    assert (embed.params, embed.forward_bytes, embed.backward_bytes) == (vocab * hidden, tokens * hidden * 4, 0)
+    _, report = find_pairs(one_stage.stages[0], one_stage.graph, 3)
+    assert all("vocabulary of 64 is not divisible by tp=3" in v.reason for v in report.vocab)
+    assert not report.loss_parallel
+
+
+def test_tied_embedding_and_head_stay_replicated_with_the_reason(tiny_llama):
+    model, batch = tiny_llama
+    for stages in (1, 2):  # in one stage (one weight read twice), and cut apart (tied across pipeline ranks)
+        result = oc.optimize(model, batch, num_stages=stages, planner="uniform")
+        parts = [v for s in result.stages for v in find_pairs(s, result.graph, 2)[1].vocab]
+        assert {v.kind for v in parts} == {"head", "embedding"}, stages
+        assert all("tied" in v.reason for v in parts), parts
 
 
 def test_pass_gives_each_sharded_block_the_facts_its_costs_need(one_stage, vlm):
@@ -138,7 +167,7 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
         found: dict[str, Any] = {}
         for name, key, plan, tp, dp, resume in cases:
             pipe, opt, mesh = build(key, plan, tp, dp)
-            losses, norms, sharded = [], [], set()
+            losses, norms, sharded, gathers = [], [], set(), 0
             for i, batch in enumerate(models[key][3]):
                 if resume is not None and i == 1:
                     root = Path(out) / name
@@ -147,16 +176,42 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
                     pipe, opt, mesh = build(key, *resume)
                     load_training_state(root, state=pipe.state, optimizer=opt)
                 opt.zero_grad(set_to_none=True)
-                losses.append(pipe.step(_share(batch, mesh)))
+                with _counted_gathers() as count:  # DTensor's all-gathers (a loss on gathered logits runs one)
+                    losses.append(pipe.step(_share(batch, mesh)))
+                gathers += count[0]
                 norms.append(pipe.clip_grad_norm(MAX_NORM))
                 opt.step()
             found[name] = {
                 "losses": losses, "norms": norms,
                 "params": {n: t for n, t in pipe.full_state().items() if n in pipe.named_grads()},
                 "sharded": sorted(sharded | {n for n, t in pipe.state.items() if type(t.data).__name__ == "DTensor"}),
-                "reports": [r.summary() for r in pipe.tensor_parallel],
+                "reports": [r.summary() for r in pipe.tensor_parallel], "gathers": gathers,
             }
         torch.save(found, Path(out) / f"rank{rank}.pt")
+
+
+@contextlib.contextmanager
+def _counted_gathers() -> Iterator[list[int]]:
+    """Counts the all-gathers DTensor issues (its redistributions call these functional collectives)."""
+    import torch.distributed._functional_collectives as funcol
+
+    count = [0]
+    names = [n for n in ("all_gather_single", "all_gather_tensor") if hasattr(funcol, n)]
+    real = {n: getattr(funcol, n) for n in names}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(funcol, n, counting(n))
+    try:
+        yield count
+    finally:
+        for n in names:
+            setattr(funcol, n, real[n])
 
 
 def _share(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
@@ -214,8 +269,13 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
               ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE))]  # into whole tensors (pp=2 x tp=1)
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
-    assert "llm.layers.0.attn.q_proj.weight" in ranks[0]["vlm-tp2"]["sharded"]
-    assert "9 pairs sharded" in ranks[0]["vlm-tp2"]["reports"][0]
+    for key, names in (("vlm", ("llm.layers.0.attn.q_proj.weight", "lm_head.weight", "llm.embed_tokens.weight")),
+                       ("llava", ("lm_head.weight", "model.language_model.embed_tokens.weight"))):
+        assert set(names) <= set(ranks[0][f"{key}-tp2"]["sharded"]), key
+    assert "9 pairs and 2 vocabulary-parallel parts sharded" in ranks[0]["vlm-tp2"]["reports"][0]
+    assert "logits gathered" not in ranks[0]["vlm-tp2"]["reports"][0]  # it returns only its loss
+    assert ranks[0]["vlm-tp2"]["gathers"] == 0  # so the loss runs on the vocabulary shards: no all-gather at all
+    assert "logits gathered for the stage's other readers" in ranks[0]["llava-tp2"]["reports"][0]  # HF: logits too
 
 
 @pytest.mark.slow

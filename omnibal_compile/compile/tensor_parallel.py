@@ -15,9 +15,22 @@ Glossary:
                 expands; ``-1`` sizes are left alone. An op it has no rule for, a shard that would
                 cut across a fused projection (q, k and v in one weight) or across a head, or a
                 sharded value read outside the pair: the pair stays replicated, with the reason.
-    replicated  every parameter outside a pair (norms, embeddings, the LM head, refused pairs): a
-                whole copy on each ``tp`` rank, with whole gradients (no sequence parallelism: every
-                rank computes the same replicated activations).
+    vocab       vocabulary-parallel parts (:class:`VocabParallelPart`), each rank holding ``V / tp`` rows of
+                a ``V x H`` weight. The LM head: a linear layer whose logits reach a cross-entropy loss
+                through slices, views and casts; ``ColwiseParallel(use_local_output=False)`` keeps its
+                logits a DTensor sharded on the vocabulary, and the loss runs on the shards under
+                torch's ``loss_parallel()`` (per-shard max and sum of exponentials, and the target's logit,
+                all-reduced over ``tp``; the runtime enters it around forward and backward,
+                :data:`LOSS_PARALLEL`); the scalar loss leaves as a plain tensor. Any other reader of the
+                logits (a model that also returns them) gets them gathered whole. The token embedding: an
+                ``embedding`` of a model input, ``RowwiseParallel(input_layouts=Replicate())``: each rank
+                looks up the ids in its rows (zeros elsewhere) and the output is all-reduced whole, so
+                what follows (the VLM's image-token merge) sees the whole embedding output. A weight
+                tied to another (embedding and head) stays replicated: tied copies on other pipeline
+                ranks sum whole gradients.
+    replicated  every parameter outside a pair or a vocab part (norms, refused parts): a whole copy on
+                each ``tp`` rank, with whole gradients (no sequence parallelism: every rank computes the
+                same replicated activations).
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -40,7 +53,8 @@ from omnibal_compile.compile.codegen import _META_KEY, stage_info
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import TensorParallelBlock
 
-__all__ = ["TensorParallelPair", "TensorParallelReport", "find_pairs", "tensor_parallel_stage"]
+__all__ = ["LOSS_PARALLEL", "TensorParallelPair", "TensorParallelReport", "VocabParallelPart", "find_pairs",
+           "tensor_parallel_stage"]
 
 aten = torch.ops.aten
 
@@ -74,6 +88,39 @@ class TensorParallelPair:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VocabParallelPart:
+    """A vocabulary-parallel LM head or token embedding of a block (module glossary), or a candidate refused."""
+
+    block: str
+    """Block it lies in."""
+    module: str
+    """Module path of the layer (its weight is ``V x H``, sharded on ``V``)."""
+    kind: str
+    """``head`` (linear layer feeding a cross-entropy loss) or ``embedding`` (token ids -> hidden states)."""
+    reason: str = ""
+    """Why it stays replicated; empty when it is sharded."""
+    params: int = 0
+    """Parameter elements of the layer, whole (each rank holds 1 / tp; 0 when refused)."""
+    flops: float = 0.0
+    """Forward FLOPs split over the ranks: the head's matmul (0 for an embedding, a lookup; 0 when refused)."""
+    forward_bytes: int = 0
+    """Bytes the forward all-reduces: the embedding's output; the head's loss reduces 3 floats per token (its
+    max, its sum of exponentials and its target logit)."""
+    backward_bytes: int = 0
+    """Bytes the backward all-reduces: the head's input gradient (0 for an embedding)."""
+    gathered_bytes: int = 0
+    """Bytes of logits all-gathered whole for readers other than the loss (a model that returns its logits)."""
+
+    @property
+    def sharded(self) -> bool:
+        return not self.reason
+
+
+LOSS_PARALLEL = "head"
+""":attr:`VocabParallelPart.kind` whose stage must run forward and backward under ``loss_parallel()``."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TensorParallelReport:
     """What :func:`tensor_parallel_stage` sharded in one stage and what it left replicated, and why."""
 
@@ -82,11 +129,18 @@ class TensorParallelReport:
     pairs: tuple[TensorParallelPair, ...]
     """Every candidate pair, sharded or refused, in graph order."""
     unpaired: tuple[tuple[str, str], ...] = ()
-    """(block, reason) of blocks with linear layers but no candidate pair."""
+    """(block, reason) of blocks with linear layers but no candidate pair nor vocab part."""
+    vocab: tuple[VocabParallelPart, ...] = ()
+    """Vocabulary-parallel candidates (LM head, token embedding), sharded or refused."""
 
     @property
     def sharded(self) -> tuple[TensorParallelPair, ...]:
         return tuple(p for p in self.pairs if p.sharded)
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the stage computes its loss on vocabulary shards (it must run under ``loss_parallel()``)."""
+        return any(v.sharded and v.kind == LOSS_PARALLEL for v in self.vocab)
 
     def blocks(self) -> dict[str, TensorParallelBlock]:
         """Per block with a sharded pair, what the costs need (:func:`omnibal_compile.costs.tensor_parallel.
@@ -107,8 +161,16 @@ class TensorParallelReport:
             rows.append([p.block, ", ".join(_leaf(c, p.block) for c in p.column), _leaf(p.row, p.block),
                          "sharded" if p.sharded else "replicated: " + p.reason])
         rows += [[block, "-", "-", "replicated: " + reason] for block, reason in self.unpaired]
-        head = f"tensor parallel: {counted(len(self.sharded), 'pair')} sharded, " \
-               f"{counted(len(self.pairs) - len(self.sharded) + len(self.unpaired), 'part')} replicated"
+        for v in self.vocab:
+            what = "vocabulary-parallel " + ("LM head, loss on the shards" if v.kind == LOSS_PARALLEL else v.kind) \
+                + (" (logits gathered for the stage's other readers)" if v.gathered_bytes else "")
+            rows.append([v.block, _leaf(v.module, v.block) + f" ({v.kind})", "-",
+                         what if v.sharded else "replicated: " + v.reason])
+        vocab = sum(v.sharded for v in self.vocab)
+        refused = len(self.pairs) - len(self.sharded) + len(self.unpaired) + len(self.vocab) - vocab
+        head = f"tensor parallel: {counted(len(self.sharded), 'pair')}" \
+               + (f" and {counted(vocab, 'vocabulary-parallel part')}" if vocab else "") \
+               + f" sharded, {counted(refused, 'part')} replicated"
         return head + "\n" + format_table(rows, "llll")
 
 
@@ -327,7 +389,14 @@ def _pair_facts(stage: fx.GraphModule, linears: Sequence[_Linear], inside: Seque
 
 
 def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int) -> tuple[list[_Found], TensorParallelReport]:
-    """Every candidate pair in ``stage``'s blocks, checked for ``tp`` (nothing is changed)."""
+    """Every candidate pair and vocab part in ``stage``'s blocks, checked for ``tp`` (nothing is changed); the
+    pairs to shard and the report."""
+    found, _, report = _find_all(stage, graph, tp)
+    return found, report
+
+
+def _find_all(stage: fx.GraphModule, graph: BlockGraph, tp: int
+              ) -> tuple[list[_Found], list[_VocabFound], TensorParallelReport]:
     if not isinstance(tp, int) or tp < 1:
         raise InputError(f"tp (tensor-parallel degree) must be an integer >= 1, got {tp!r}")
     info = stage_info(stage)
@@ -339,6 +408,7 @@ def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int) -> tuple[list[
         if n.op == "get_attr":
             used[str(n.target)] = used.get(str(n.target), 0) + len(n.users)
     found: list[_Found] = []
+    vocab: list[_VocabFound] = []
     pairs: list[TensorParallelPair] = []
     unpaired: list[tuple[str, str]] = []
     taken: set[fx.Node] = set()
@@ -394,13 +464,138 @@ def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int) -> tuple[list[
             pair = dataclasses.replace(pair, **_pair_facts(stage, (*column, row), inside))
             pairs.append(pair)
             found.append(_Found(pair, (*column, row), rewrites))
-        if linears and not candidates:
+        heads = [v for lin in linears.values() if lin.node not in taken
+                 and (v := _vocab_head(stage, name, lin, tp, used, info.param_map)) is not None]
+        embeds = [v for n in sorted(mine, key=order.__getitem__)
+                  if (v := _vocab_embedding(stage, name, n, tp, used, info.param_map)) is not None]
+        vocab += heads + embeds
+        if linears and not candidates and not heads:
             unpaired.append((name, f"{counted(len(linears), 'linear layer')}, none fed by another through "
-                                   "per-head or elementwise ops (vocabulary-parallel heads: not yet)"))
+                                   "per-head or elementwise ops, none feeding a cross-entropy loss"))
     # a refused candidate whose layers another candidate shards is no news: leave it out of the report
     done = {c for p in pairs if p.sharded for c in (*p.column, p.row)}
     shown = tuple(p for p in pairs if p.sharded or not ({*p.column, p.row} & done))
-    return found, TensorParallelReport(tp=tp, pairs=shown, unpaired=tuple(unpaired))
+    report = TensorParallelReport(tp=tp, pairs=shown, unpaired=tuple(unpaired), vocab=tuple(v.part for v in vocab))
+    return found, [v for v in vocab if v.part.sharded], report
+
+
+# -- vocabulary-parallel parts ------------------------------------------------------------------------------------
+@dataclass
+class _VocabFound:
+    part: VocabParallelPart
+    node: fx.Node  # the linear or embedding call
+    owner: str
+    weight: str
+    bias: str | None = None
+    losses: tuple[fx.Node, ...] = ()  # cross-entropy calls on the sharded logits
+    drop: tuple[fx.Node, ...] = ()  # metadata checks of the sharded logits (global sizes; DTensor has no rule)
+    gather: tuple[tuple[fx.Node, fx.Node], ...] = ()  # (reader, sharded value it reads whole)
+
+
+_CARRY = {aten.slice.Tensor, *_VIEWS, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
+          aten.contiguous.default, aten.clone.default, aten.alias.default}
+"""Ops the sharded logits pass through to the loss as DTensors (their sizes stay global): the vocabulary stays
+the last dim."""
+
+
+def _vocab_weight(stage: fx.GraphModule, weight: str, owner: str, tp: int, used: dict[str, int],
+                  param_map: dict[str, tuple[str, ...]], bias: str | None = None) -> str:
+    """Why a ``V x H`` weight cannot be vocab-sharded over ``tp`` ("" when it can)."""
+    tied = param_map.get(weight, ())
+    if len(tied) > 1 or used.get(weight, 0) != 1:
+        return (f"its weight is tied to {', '.join(tied[1:]) or 'another reader in the stage'}; a tied embedding "
+                "and head stay replicated (their copies on other pipeline ranks sum whole gradients)")
+    if bias and used.get(bias, 0) != 1:
+        return f"{owner}'s bias is read elsewhere in the stage"
+    size = stage.get_parameter(weight).shape[0]
+    if size % tp:
+        return f"its vocabulary of {size} is not divisible by tp={tp}"
+    module = stage.get_submodule(owner)
+    if list(module.children()) or {n for n, _ in module.named_parameters()} - {"weight", "bias"}:
+        return f"{owner} holds more than the layer's weight and bias"
+    return ""
+
+
+def _vocab_head(stage: fx.GraphModule, block: str, lin: _Linear, tp: int, used: dict[str, int],
+                param_map: dict[str, tuple[str, ...]]) -> _VocabFound | None:
+    """The LM head candidate ``lin`` is (its logits reach a cross-entropy loss through :data:`_CARRY` ops), checked
+    for ``tp``; None when its output reaches no loss."""
+    vocab = stage.get_parameter(lin.weight).shape[0]
+    region, losses, drop, gather = [lin.node], [], [], []
+    reason = ""
+    i = 0
+    while i < len(region):
+        n = region[i]
+        i += 1
+        for u in n.users:
+            t, shape = u.target, _shape(u)
+            if t is aten.cross_entropy_loss.default and u.args[0] is n:
+                args = list(u.args) + [None] * (6 - len(u.args))
+                weight = u.kwargs.get("weight", args[2])
+                smoothing = u.kwargs.get("label_smoothing", args[5]) or 0.0
+                src = _shape(n)
+                if src is None or len(src) != 2:
+                    reason = reason or f"the loss {u.name} reads logits of shape {src}, not (tokens, vocabulary)"
+                elif weight is not None or smoothing:
+                    reason = reason or f"the loss {u.name} has class weights or label smoothing (loss_parallel " \
+                                       "has no rule for them)"
+                losses.append(u)
+            elif t is aten._assert_tensor_metadata.default:
+                drop.append(u)
+            elif t in _CARRY and u.args[0] is n and len(u.all_input_nodes) == 1 and shape and shape[-1] == vocab \
+                    and not (t is aten.slice.Tensor and _norm_dim(cast(int, u.args[1]), len(shape)) == len(shape) - 1):
+                if u not in region:
+                    region.append(u)
+            else:
+                gather.append((u, n))
+    if not losses:
+        return None
+    reason = reason or _vocab_weight(stage, lin.weight, lin.owner, tp, used, param_map, lin.bias)
+    if reason:
+        return _VocabFound(VocabParallelPart(block=block, module=lin.owner, kind=LOSS_PARALLEL, reason=reason),
+                           lin.node, lin.owner, lin.weight, lin.bias)
+    w = stage.get_parameter(lin.weight)
+    tokens = math.prod((_shape(lin.node) or (0,))[:-1])
+    part = VocabParallelPart(
+        block=block, module=lin.owner, kind=LOSS_PARALLEL,
+        params=sum(stage.get_parameter(t).numel() for t in (lin.weight, lin.bias) if t),
+        flops=2.0 * tokens * w.numel(), forward_bytes=3 * 4 * tokens, backward_bytes=_nbytes(lin.node.args[0]),
+        gathered_bytes=sum(_nbytes(v) for _, v in gather))
+    return _VocabFound(part, lin.node, lin.owner, lin.weight, lin.bias, tuple(losses), tuple(drop), tuple(gather))
+
+
+def _vocab_embedding(stage: fx.GraphModule, block: str, node: fx.Node, tp: int, used: dict[str, int],
+                     param_map: dict[str, tuple[str, ...]]) -> _VocabFound | None:
+    """The token embedding ``node`` is (an ``embedding`` of a model input by a weight), checked for ``tp``; None
+    for any other node (a position table looked up by a buffer is no vocabulary)."""
+    if node.target is not aten.embedding.default:
+        return None
+    w, ids = node.args[:2]
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and isinstance(ids, fx.Node) and ids.op == "placeholder"):
+        return None
+    owner, _, leaf = str(w.target).rpartition(".")
+    extra = list(node.args[2:]) + [node.kwargs.get(k) for k in ("padding_idx", "scale_grad_by_freq", "sparse")]
+    if leaf != "weight":
+        reason = f"its weight {w.target} is not a module's weight"
+    elif any(a not in (None, -1, False) for a in extra):
+        reason = f"it has a padding index or gradient options {extra} (not sharded yet)"
+    else:
+        reason = _vocab_weight(stage, str(w.target), owner, tp, used, param_map)
+    part = VocabParallelPart(block=block, module=owner, kind="embedding", reason=reason)
+    if not reason:
+        part = dataclasses.replace(part, params=stage.get_parameter(str(w.target)).numel(),
+                                   forward_bytes=_nbytes(node))
+    return _VocabFound(part, node, owner, str(w.target))
+
+
+def _whole(x: Any) -> torch.Tensor:
+    """A vocab-sharded DTensor gathered whole, as a plain tensor (for readers other than the loss)."""
+    return x.full_tensor()
+
+
+def _local(x: Any) -> torch.Tensor:
+    """The loss computed on vocabulary shards (a replicated DTensor) as a plain tensor."""
+    return x.to_local()
 
 
 # -- applying them ---------------------------------------------------------------------------------
@@ -415,6 +610,52 @@ def _linear_module(stage: fx.GraphModule, lin: _Linear) -> nn.Linear:
     return module
 
 
+def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node]) -> Any:
+    """Rewrite ``new``'s graph for the vocab part ``v`` (module glossary); its DTensor layout for
+    ``parallelize_module``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    w = new.get_parameter(v.weight)
+    module: nn.Module
+    if v.part.kind == LOSS_PARALLEL:
+        module = _linear_module(new, _Linear(v.node, v.owner, v.weight, v.bias))
+    else:
+        with torch.device("meta"):
+            module = nn.Embedding(w.shape[0], w.shape[1], dtype=w.dtype)
+        module.weight = w
+    parent, _, leaf = v.owner.rpartition(".")
+    setattr(new.get_submodule(parent) if parent else new, leaf, module)
+    g = new.graph
+    twin = by_name[v.node.name]
+    source = cast(fx.Node, v.node.args[1 if v.part.kind == "embedding" else 0])  # ids, or the head's input
+    with g.inserting_before(twin):
+        call = g.call_module(v.owner, (by_name[source.name],))
+    call.meta.update(twin.meta)
+    twin.replace_all_uses_with(call)
+    g.erase_node(twin)
+    call._rename(v.node.name)
+    by_name[call.name] = call
+    if v.part.kind != LOSS_PARALLEL:
+        return RowwiseParallel(input_layouts=Replicate())
+    for n in v.drop:
+        g.erase_node(by_name[n.name])
+    for reader, value in v.gather:
+        user, val = by_name[reader.name], by_name[value.name]
+        with g.inserting_before(user):
+            whole = g.call_function(_whole, (val,))
+        whole.meta.update(val.meta)
+        user.replace_input_with(val, whole)
+    for n in v.losses:
+        loss = by_name[n.name]
+        with g.inserting_after(loss):
+            local = g.call_function(_local, (loss,))
+        local.meta.update(loss.meta)
+        for user in [u for u in loss.users if u is not local]:
+            user.replace_input_with(loss, local)
+    return ColwiseParallel(use_local_output=False)
+
+
 def tensor_parallel_stage(
     stage: fx.GraphModule, graph: BlockGraph, mesh: Any
 ) -> tuple[fx.GraphModule, TensorParallelReport, dict[int, nn.Parameter]]:
@@ -427,14 +668,17 @@ def tensor_parallel_stage(
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = mesh.size()
-    found, report = find_pairs(stage, graph, tp)
+    found, vocab, report = _find_all(stage, graph, tp)
     new = fx.GraphModule(stage, copy.deepcopy(stage.graph), class_name=type(stage).__name__)
     new.meta.update(stage.meta)
-    if not found or tp == 1:
+    if not (found or vocab) or tp == 1:
         return new, report, {}
     by_name = {n.name: n for n in new.graph.nodes}
     layout: dict[str, Any] = {}
     old = {id(stage.get_parameter(t)): t for f in found for lin in f.linears for t in (lin.weight, lin.bias) if t}
+    old.update({id(stage.get_parameter(t)): t for v in vocab for t in (v.weight, v.bias) if t})
+    for v in vocab:
+        layout[v.owner] = _apply_vocab(new, v, by_name)
     for f in found:
         for node, args, kwargs in f.rewrites:
             twin = by_name[node.name]

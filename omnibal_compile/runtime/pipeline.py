@@ -355,6 +355,15 @@ class RankPipeline:
     tensor_parallel: tuple[TensorParallelReport, ...] = field(default=(), repr=False)
     """With ``tp_size > 1``: what the tensor-parallel pass sharded in each of this rank's stages, and what not."""
 
+    def _loss_context(self) -> Any:
+        """``loss_parallel()`` when this rank's last stage computes its loss on vocabulary shards (the
+        tensor-parallel pass's LM head), around forward and backward as torch asks; else nothing."""
+        if any(r.loss_parallel for r in self.tensor_parallel):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     @property
     def has_first(self) -> bool:
         return 0 in self.stage_indices
@@ -454,7 +463,7 @@ class RankPipeline:
         for m in self.modules:
             m.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._loss_context():
                 self.schedule.eval(*(flat if self.has_first else ()), target=counts.to(self.device) if self.has_last
                                    else None, losses=losses if self.has_last else None, return_outputs=False)
         finally:
@@ -487,7 +496,8 @@ class RankPipeline:
             target = loss_weights(flat, self.input_names, self.weighting, total=total).to(self.device) * loss_scale
         losses: list[torch.Tensor] = []
         args = flat if self.has_first else ()
-        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        with self._loss_context():
+            self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
         for t in self.tied:
             if t.group is not None and t.param is not None and t.param.requires_grad:  # a frozen one: no gradient
                 if t.param.grad is None:

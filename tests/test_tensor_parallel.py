@@ -90,6 +90,15 @@ def test_tied_embedding_and_head_stay_replicated_with_the_reason(tiny_llama):
         assert all("tied" in v.reason for v in parts), parts
 
 
+def test_an_embedding_with_a_padding_index_stays_replicated_with_the_reason(qwen2_vl):
+    model, batches = qwen2_vl  # Qwen2's embedding has padding_idx = pad_token_id = 0: that row gets no gradient
+    result = oc.optimize(model, batches[0], num_stages=1)
+    _, report = find_pairs(result.stages[0], result.graph, 2)
+    parts = {v.kind: v for v in report.vocab}
+    assert "padding index (0" in parts["embedding"].reason, parts
+    assert parts["head"].reason == ""  # the LM head is still vocabulary-parallel
+
+
 def test_pass_gives_each_sharded_block_the_facts_its_costs_need(one_stage, vlm):
     model, _ = vlm
     _, report = find_pairs(one_stage.stages[0], one_stage.graph, 2)
@@ -215,9 +224,23 @@ def _counted_gathers() -> Iterator[list[int]]:
 
 
 def _share(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
-    """This dp rank's rows of a batch (the whole batch at dp = 1)."""
+    """This dp rank's rows of a batch (the whole batch at dp = 1): Qwen2-VL's 3-D rotary positions (3, rows, L) on
+    their dim 1; its flattened patches split evenly because every row holds one image of the same size."""
     dp, k = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    return {n: v.chunk(dp)[k] for n, v in batch.items()}
+    return {n: v.chunk(dp, dim=_row_dim(n, v))[k] for n, v in batch.items()}
+
+
+def _row_dim(name: str, value: torch.Tensor) -> int:
+    return 1 if name == "position_ids" and value.dim() == 3 else 0
+
+
+def _qwen2_vl_batch(model: torch.nn.Module, seed: int, rows: int = 2) -> dict[str, torch.Tensor]:
+    """``rows`` one-image rows of the package's Qwen2-VL layout (each row alone has the same image size and length),
+    joined on each input's row dimension."""
+    from omnibal_compile.integrations.hf.inputs import hf_example_batch
+
+    parts = [hf_example_batch(model, batch=1, text=12, seed=seed * 10 + r) for r in range(rows)]
+    return {n: torch.cat([b[n] for b in parts], dim=_row_dim(n, v)) for n, v in parts[0].items()}
 
 
 def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -253,25 +276,43 @@ def _check(ranks: list[dict[str, Any]], cases: list[Any], models: dict[str, Any]
         assert float((params[worst] - ref_params[worst]).abs().max()) <= TOL, (name, worst)
 
 
-def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int) -> oc.Plan:
-    graph = oc.optimize(model, {k: v[:1] for k, v in batch.items()}, num_stages=1).graph
-    return dataclasses.replace(uniform(graph, stages), schedule="1f1b", num_microbatches=2)
+def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int, micro: int = 2) -> oc.Plan:
+    """A uniform ``stages``-stage 1F1B plan of ``micro`` micro-batches (its blocks found on one row, or on the whole
+    ``batch`` when a step is one micro-batch)."""
+    example = batch if micro == 1 else {k: v[:1] for k, v in batch.items()}
+    graph = oc.optimize(model, example, num_stages=1).graph
+    return dataclasses.replace(uniform(graph, stages), schedule="1f1b", num_microbatches=micro)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    """A tiny Qwen2-VL (tests/hf_families.py) and two steps of two one-image rows: with one micro-batch a step, as
+    its flattened patches cannot be cut into micro-batches by rows of different images."""
+    import hf_families
+
+    torch.manual_seed(0)
+    model, _ = hf_families.qwen2_vl(batch=1)
+    return model, [_qwen2_vl_batch(model, seed) for seed in (1, 2)]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
+def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
     models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)]),
-              "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)])}
-    cases = [(f"{key}-tp2", key, _plan(m, b[0], 1), 2, ONE, None) for key, (m, b) in models.items()]
+              "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)]), "qwen2_vl": qwen2_vl}
+    cases = [(f"{key}-tp2", key, _plan(m, b[0], 1, micro=1 if key == "qwen2_vl" else 2), 2, ONE, None)
+             for key, (m, b) in models.items()]
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
     cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, ONE, (one, 2, ONE)),  # DCP: DTensor shards back into shards
               ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE))]  # into whole tensors (pp=2 x tp=1)
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
     for key, names in (("vlm", ("llm.layers.0.attn.q_proj.weight", "lm_head.weight", "llm.embed_tokens.weight")),
-                       ("llava", ("lm_head.weight", "model.language_model.embed_tokens.weight"))):
+                       ("llava", ("lm_head.weight", "model.language_model.embed_tokens.weight")),
+                       ("qwen2_vl", ("lm_head.weight", "model.language_model.layers.0.self_attn.q_proj.weight",
+                                     "model.visual.blocks.0.mlp.fc1.weight", "model.visual.merger.mlp.0.weight"))):
         assert set(names) <= set(ranks[0][f"{key}-tp2"]["sharded"]), key
+    assert not any("attn.qkv" in n for n in ranks[0]["qwen2_vl-tp2"]["sharded"])  # the fused projection stays whole
     assert "9 pairs and 2 vocabulary-parallel parts sharded" in ranks[0]["vlm-tp2"]["reports"][0]
     assert "logits gathered" not in ranks[0]["vlm-tp2"]["reports"][0]  # it returns only its loss
     assert ranks[0]["vlm-tp2"]["gathers"] == 0  # so the loss runs on the vocabulary shards: no all-gather at all
@@ -280,12 +321,19 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tmp_path):
-    models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)])}
+def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
+    models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)]),
+              "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)]), "qwen2_vl": qwen2_vl}
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
     cases = [("vlm-dp2-fsdp-tp2", "vlm", one, 2, DataParallel(size=2, shard="fsdp"), None),  # FSDP2 over tp shards
              ("vlm-dp2-ddp-tp2", "vlm", one, 2, DataParallel(size=2, shard="ddp"), None),  # replicate over tp shards
              ("vlm-pp2-tp2", "vlm", two, 2, ONE, None)]
+    for key in ("llava", "qwen2_vl"):  # Qwen2-VL: one micro-batch a step (its fixture); at dp=2 one row per rank
+        model, batches = models[key]
+        micro = 1 if key == "qwen2_vl" else 2
+        half = {n: v.chunk(2, dim=_row_dim(n, v))[0] for n, v in batches[0].items()}  # one dp rank's rows
+        cases += [(f"{key}-dp2-fsdp-tp2", key, _plan(model, half, 1, micro), 2, DataParallel(size=2, shard="fsdp"),
+                   None), (f"{key}-pp2-tp2", key, _plan(model, batches[0], 2, micro), 2, ONE, None)]
     ranks = _spawn(4, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
 

@@ -574,11 +574,15 @@ def _vocab_embedding(stage: fx.GraphModule, block: str, node: fx.Node, tp: int, 
     if not (isinstance(w, fx.Node) and w.op == "get_attr" and isinstance(ids, fx.Node) and ids.op == "placeholder"):
         return None
     owner, _, leaf = str(w.target).rpartition(".")
-    extra = list(node.args[2:]) + [node.kwargs.get(k) for k in ("padding_idx", "scale_grad_by_freq", "sparse")]
+    names = ("padding_idx", "scale_grad_by_freq", "sparse")
+    given = dict(zip(names, node.args[2:])) | {k: node.kwargs[k] for k in names if k in node.kwargs}
+    padding = given.get("padding_idx")
     if leaf != "weight":
         reason = f"its weight {w.target} is not a module's weight"
-    elif any(a not in (None, -1, False) for a in extra):
-        reason = f"it has a padding index or gradient options {extra} (not sharded yet)"
+    elif padding is not None and padding != -1:  # 0 is a padding index (not False): its row gets no gradient
+        reason = f"it has a padding index ({padding}: that row gets no gradient; not sharded yet)"
+    elif given.get("scale_grad_by_freq") or given.get("sparse"):
+        reason = "it scales gradients by frequency or makes sparse gradients (not sharded yet)"
     else:
         reason = _vocab_weight(stage, str(w.target), owner, tp, used, param_map)
     part = VocabParallelPart(block=block, module=owner, kind="embedding", reason=reason)

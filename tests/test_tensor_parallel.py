@@ -277,11 +277,12 @@ def _check(ranks: list[dict[str, Any]], cases: list[Any], models: dict[str, Any]
 
 
 def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int, micro: int = 2) -> oc.Plan:
-    """A uniform ``stages``-stage 1F1B plan of ``micro`` micro-batches (its blocks found on one row, or on the whole
+    """A uniform ``stages``-stage 1F1B (GPipe below a micro-batch per stage) plan of ``micro`` micro-batches (its blocks found on one row, or on the whole
     ``batch`` when a step is one micro-batch)."""
     example = batch if micro == 1 else {k: v[:1] for k, v in batch.items()}
     graph = oc.optimize(model, example, num_stages=1).graph
-    return dataclasses.replace(uniform(graph, stages), schedule="1f1b", num_microbatches=micro)
+    schedule = "1f1b" if micro >= stages else "gpipe"  # 1F1B needs a micro-batch per stage
+    return dataclasses.replace(uniform(graph, stages), schedule=schedule, num_microbatches=micro)
 
 
 @pytest.fixture(scope="module")

@@ -90,13 +90,16 @@ def test_tied_embedding_and_head_stay_replicated_with_the_reason(tiny_llama):
         assert all("tied" in v.reason for v in parts), parts
 
 
-def test_an_embedding_with_a_padding_index_stays_replicated_with_the_reason(qwen2_vl):
+def test_qwen2_vl_padding_index_and_fused_qkv_stay_replicated_with_their_reasons(qwen2_vl):
     model, batches = qwen2_vl  # Qwen2's embedding has padding_idx = pad_token_id = 0: that row gets no gradient
     result = oc.optimize(model, batches[0], num_stages=1)
     _, report = find_pairs(result.stages[0], result.graph, 2)
     parts = {v.kind: v for v in report.vocab}
     assert "padding index (0" in parts["embedding"].reason, parts
     assert parts["head"].reason == ""  # the LM head is still vocabulary-parallel
+    # its vision attention's fused q/k/v: refused for the view that splits q, k and v, past the shape checks
+    reason = _rows(report)[("model.visual.blocks.0", "model.visual.blocks.0.attn.proj")]
+    assert "fused projection" in reason and "_assert" not in reason, reason
 
 
 def test_pass_gives_each_sharded_block_the_facts_its_costs_need(one_stage, vlm):

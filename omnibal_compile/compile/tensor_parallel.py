@@ -442,14 +442,17 @@ def _find_all(stage: fx.GraphModule, graph: BlockGraph, tp: int
             candidates += 1
             column = tuple(linears[c] for c in sorted(cols, key=order.__getitem__))
             pair = TensorParallelPair(block=name, column=tuple(c.owner for c in column), row=row.owner)
-            inside = [n for n in region if n in sharded]
+            # shape checks of sharded values (global sizes) join the region: their sizes are dropped there
+            checks = {u for n in [*cols, *region] if n in sharded for u in n.users
+                      if u.target is aten._assert_tensor_metadata.default and u not in sharded}
+            inside = sorted([n for n in region if n in sharded] + list(checks), key=order.__getitem__)
             try:
                 if cols & taken or node in taken:
                     raise _Refused("a layer of it belongs to another pair")
                 _check_weights(stage, column, tp, used, info.param_map, column=True)
                 _check_weights(stage, [row], tp, used, info.param_map, column=False)
                 for n in [*cols, *inside]:
-                    outside = [u for u in n.users if u not in sharded and u is not node]
+                    outside = [u for u in n.users if u not in sharded and u is not node and u not in checks]
                     if outside:
                         raise _Refused(f"the sharded value {n.name} is also read by {outside[0].name}")
                     if n is x and len(n.users) != 1:

@@ -90,13 +90,12 @@ def test_tied_embedding_and_head_stay_replicated_with_the_reason(tiny_llama):
         assert all("tied" in v.reason for v in parts), parts
 
 
-def test_qwen2_vl_padding_index_and_fused_qkv_stay_replicated_with_their_reasons(qwen2_vl):
-    model, batches = qwen2_vl  # Qwen2's embedding has padding_idx = pad_token_id = 0: that row gets no gradient
+def test_qwen2_vl_embedding_with_a_padding_index_is_sharded_and_its_fused_qkv_refused(qwen2_vl):
+    model, batches = qwen2_vl  # Qwen2's embedding has padding_idx = pad_token_id = 0 (the parity test trains it)
     result = oc.optimize(model, batches[0], num_stages=1)
     _, report = find_pairs(result.stages[0], result.graph, 2)
     parts = {v.kind: v for v in report.vocab}
-    assert "padding index (0" in parts["embedding"].reason, parts
-    assert parts["head"].reason == ""  # the LM head is still vocabulary-parallel
+    assert parts["embedding"].reason == "" and parts["head"].reason == "", parts
     # its vision attention's fused q/k/v: refused for the view that splits q, k and v, past the shape checks
     reason = _rows(report)[("model.visual.blocks.0", "model.visual.blocks.0.attn.proj")]
     assert "fused projection" in reason and "_assert" not in reason, reason
@@ -243,7 +242,11 @@ def _qwen2_vl_batch(model: torch.nn.Module, seed: int, rows: int = 2) -> dict[st
     from omnibal_compile.integrations.hf.inputs import hf_example_batch
 
     parts = [hf_example_batch(model, batch=1, text=12, seed=seed * 10 + r) for r in range(rows)]
-    return {n: torch.cat([b[n] for b in parts], dim=_row_dim(n, v)) for n, v in parts[0].items()}
+    batch = {n: torch.cat([b[n] for b in parts], dim=_row_dim(n, v)) for n, v in parts[0].items()}
+    # the padding id (0: its embedding row gets no gradient) and the first id of the second vocabulary shard at
+    # tp=2 (64: row 0 of that rank's rows), which a padding index applied to local rows would stop
+    batch["input_ids"][:, -3:-1] = batch["labels"][:, -3:-1] = torch.tensor([0, 64])
+    return batch
 
 
 def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -313,7 +316,8 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
     _check(ranks, cases, models)
     for key, names in (("vlm", ("llm.layers.0.attn.q_proj.weight", "lm_head.weight", "llm.embed_tokens.weight")),
                        ("llava", ("lm_head.weight", "model.language_model.embed_tokens.weight")),
-                       ("qwen2_vl", ("lm_head.weight", "model.language_model.layers.0.self_attn.q_proj.weight",
+                       ("qwen2_vl", ("lm_head.weight", "model.language_model.embed_tokens.weight",
+                                     "model.language_model.layers.0.self_attn.q_proj.weight",
                                      "model.visual.blocks.0.mlp.fc1.weight", "model.visual.merger.mlp.0.weight"))):
         assert set(names) <= set(ranks[0][f"{key}-tp2"]["sharded"]), key
     assert not any("attn.qkv" in n for n in ranks[0]["qwen2_vl-tp2"]["sharded"])  # the fused projection stays whole

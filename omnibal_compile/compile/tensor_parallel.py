@@ -25,7 +25,8 @@ Glossary:
                 logits (a model that also returns them) gets them gathered whole. The token embedding: an
                 ``embedding`` of a model input, ``RowwiseParallel(input_layouts=Replicate())``: each rank
                 looks up the ids in its rows (zeros elsewhere) and the output is all-reduced whole, so
-                what follows (the VLM's image-token merge) sees the whole embedding output. A weight
+                what follows (the VLM's image-token merge) sees the whole embedding output; a padding
+                index (``padding_idx``) is kept by passing no gradient from the positions holding it. A weight
                 tied to another (embedding and head) stays replicated: tied copies on other pipeline
                 ranks sum whole gradients.
     replicated  every parameter outside a pair or a vocab part (norms, refused parts): a whole copy on
@@ -493,6 +494,7 @@ class _VocabFound:
     losses: tuple[fx.Node, ...] = ()  # cross-entropy calls on the sharded logits
     drop: tuple[fx.Node, ...] = ()  # metadata checks of the sharded logits (global sizes; DTensor has no rule)
     gather: tuple[tuple[fx.Node, fx.Node], ...] = ()  # (reader, sharded value it reads whole)
+    padding: int | None = None  # the embedding's padding index (its row gets no gradient)
 
 
 _CARRY = {aten.slice.Tensor, *_VIEWS, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
@@ -582,8 +584,6 @@ def _vocab_embedding(stage: fx.GraphModule, block: str, node: fx.Node, tp: int, 
     padding = given.get("padding_idx")
     if leaf != "weight":
         reason = f"its weight {w.target} is not a module's weight"
-    elif padding is not None and padding != -1:  # 0 is a padding index (not False): its row gets no gradient
-        reason = f"it has a padding index ({padding}: that row gets no gradient; not sharded yet)"
     elif given.get("scale_grad_by_freq") or given.get("sparse"):
         reason = "it scales gradients by frequency or makes sparse gradients (not sharded yet)"
     else:
@@ -592,7 +592,16 @@ def _vocab_embedding(stage: fx.GraphModule, block: str, node: fx.Node, tp: int, 
     if not reason:
         part = dataclasses.replace(part, params=stage.get_parameter(str(w.target)).numel(),
                                    forward_bytes=_nbytes(node))
-    return _VocabFound(part, node, owner, str(w.target))
+    # 0 is a padding index (not False); -1 or None: none
+    pad = None if padding is None or padding == -1 else int(padding)
+    return _VocabFound(part, node, owner, str(w.target), padding=pad)
+
+
+def _without_padding_grad(out: torch.Tensor, ids: torch.Tensor, padding: int) -> torch.Tensor:
+    """``out`` (an embedding of ``ids``) whose rows at the padding id pass no gradient back: what the lookup's
+    ``padding_idx`` does (the padding row's weight gets none), kept outside the vocabulary-sharded lookup, whose
+    local rows are numbered from each rank's offset."""
+    return torch.where((ids == padding).unsqueeze(-1), out.detach(), out)
 
 
 def _whole(x: Any) -> torch.Tensor:
@@ -644,6 +653,12 @@ def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node
     call._rename(v.node.name)
     by_name[call.name] = call
     if v.part.kind != LOSS_PARALLEL:
+        if v.padding is not None:
+            with g.inserting_after(call):
+                kept = g.call_function(_without_padding_grad, (call, by_name[source.name], v.padding))
+            kept.meta.update(call.meta)
+            for user in [u for u in call.users if u is not kept]:
+                user.replace_input_with(call, kept)
         return RowwiseParallel(input_layouts=Replicate())
     for n in v.drop:
         g.erase_node(by_name[n.name])

@@ -144,9 +144,9 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
 def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
     """One rank of a (dp, pp, tp) mesh: train every case for its steps with clipping; save losses, norms, params.
 
-    A case is (name, model key, plan, tp, DataParallel, resume): with ``resume`` = (plan, tp, DataParallel) the
-    first step trains on the first layout, which saves a DCP checkpoint; a pipeline of the second layout, built from
-    the initial weights and a fresh AdamW, loads it and trains the remaining steps.
+    A case is (name, model key, plan, tp, DataParallel, resume[, sequence_parallel]): with ``resume`` = (plan, tp,
+    DataParallel) the first step trains on the first layout, which saves a DCP checkpoint; a pipeline of the second
+    layout, built from the initial weights and a fresh AdamW, loads it and trains the remaining steps.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -154,20 +154,20 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
     from omnibal_compile.runtime import build_pipeline
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
 
-    def build(key: str, plan: oc.Plan, tp: int, dp: DataParallel) -> Any:
+    def build(key: str, plan: oc.Plan, tp: int, dp: DataParallel, sequence: bool = False) -> Any:
         mesh = init_device_mesh("cpu", (dp.size, world // (tp * dp.size), tp), mesh_dim_names=("dp", "pp", "tp"))
         cls, config, weights, batches = models[key]
         model = cls(config)
         model.load_state_dict(weights)
         pipe = build_pipeline(compile_for_microbatches(model, _share(batches[0], mesh), plan), mesh=mesh,
-                              data_parallel=dp)
+                              data_parallel=dp, sequence_parallel=sequence)
         return pipe, _adamw(pipe.parameters()), mesh
 
     with _rank_process(rank, world, port, out):
         found: dict[str, Any] = {}
-        for name, key, plan, tp, dp, resume in cases:
-            pipe, opt, mesh = build(key, plan, tp, dp)
-            losses, norms, sharded, gathers = [], [], set(), 0
+        for name, key, plan, tp, dp, resume, *sequence in cases:
+            pipe, opt, mesh = build(key, plan, tp, dp, *sequence)
+            losses, norms, sharded, gathers, scatters = [], [], set(), 0, 0
             for i, batch in enumerate(models[key][3]):
                 if resume is not None and i == 1:
                     root = Path(out) / name
@@ -176,27 +176,29 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
                     pipe, opt, mesh = build(key, *resume)
                     load_training_state(root, state=pipe.state, optimizer=opt)
                 opt.zero_grad(set_to_none=True)
-                with _counted_gathers() as count:  # DTensor's all-gathers (a loss on gathered logits runs one)
+                with _counted("all_gather_single", "all_gather_tensor") as count, \
+                        _counted("reduce_scatter_single", "reduce_scatter_tensor") as rs:  # DTensor's (a loss on gathered logits gathers)
                     losses.append(pipe.step(_share(batch, mesh)))
                 gathers += count[0]
+                scatters += rs[0]
                 norms.append(pipe.clip_grad_norm(MAX_NORM))
                 opt.step()
             found[name] = {
                 "losses": losses, "norms": norms,
                 "params": {n: t for n, t in pipe.full_state().items() if n in pipe.named_grads()},
                 "sharded": sorted(sharded | {n for n, t in pipe.state.items() if type(t.data).__name__ == "DTensor"}),
-                "reports": [r.summary() for r in pipe.tensor_parallel], "gathers": gathers,
+                "reports": [r.summary() for r in pipe.tensor_parallel], "gathers": gathers, "scatters": scatters,
             }
         torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
 @contextlib.contextmanager
-def _counted_gathers() -> Iterator[list[int]]:
-    """Counts the all-gathers DTensor issues (its redistributions call these functional collectives)."""
+def _counted(*collectives: str) -> Iterator[list[int]]:
+    """Counts the calls of these functional collectives (DTensor's redistributions call them)."""
     import torch.distributed._functional_collectives as funcol
 
     count = [0]
-    names = [n for n in ("all_gather_single", "all_gather_tensor") if hasattr(funcol, n)]
+    names = [n for n in collectives if hasattr(funcol, n)]
     real = {n: getattr(funcol, n) for n in names}
 
     def counting(name: str) -> Any:
@@ -266,7 +268,8 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
     cases = [(f"{key}-tp2", key, _plan(m, b[0], 1), 2, ONE, None) for key, (m, b) in models.items()]
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
     cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, ONE, (one, 2, ONE)),  # DCP: DTensor shards back into shards
-              ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE))]  # into whole tensors (pp=2 x tp=1)
+              ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE)),  # into whole tensors (pp=2 x tp=1)
+              ("vlm-tp2-sp", "vlm", one, 2, ONE, None, True)]  # sequence parallel: norms on sequence shards
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
     for key, names in (("vlm", ("llm.layers.0.attn.q_proj.weight", "lm_head.weight", "llm.embed_tokens.weight")),
@@ -276,6 +279,12 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
     assert "logits gathered" not in ranks[0]["vlm-tp2"]["reports"][0]  # it returns only its loss
     assert ranks[0]["vlm-tp2"]["gathers"] == 0  # so the loss runs on the vocabulary shards: no all-gather at all
     assert "logits gathered for the stage's other readers" in ranks[0]["llava-tp2"]["reports"][0]  # HF: logits too
+    assert ranks[0]["vlm-tp2"]["scatters"] == 0
+    sp = ranks[0]["vlm-tp2-sp"]
+    assert "1 region on sequence shards" in sp["reports"][0] and "sequence-parallel" in sp["reports"][0]
+    # per micro-batch: 6 row outputs reduce-scattered and 6 column inputs all-gathered (q, k, v: one), mirrored in the
+    # backward, plus the gradient of the residual entering layer 0 all-gathered
+    assert (sp["scatters"], sp["gathers"]) == (2 * 2 * (6 + 6), 2 * 2 * (6 + 6 + 1)), (sp["scatters"], sp["gathers"])
 
 
 @pytest.mark.slow

@@ -119,6 +119,35 @@ def test_heads_that_do_not_divide_by_tp_stay_replicated_with_the_reason(one_stag
     assert "not divisible by tp=3" in _rows(report)[("llm.layers.0", "llm.layers.0.mlp.down_proj")]
 
 
+def test_sequence_parallel_splits_the_llm_residual_stream_and_says_why_the_vit_and_projector_stay_whole(one_stage):
+    stage = one_stage.stages[0]
+    assert find_pairs(stage, one_stage.graph, 2)[1].sequence == ()  # off unless asked for
+    _, report = find_pairs(stage, one_stage.graph, 2, sequence_parallel=True)
+    regions = {r.blocks[0]: r for r in report.sequence}
+    llm = regions["llm.layers.0"]
+    assert llm.sharded and llm.blocks == ("llm.layers.0", "llm.layers.1", "llm.layers.2", "llm.norm")
+    assert llm.rows == tuple(f"llm.layers.{i}.{r}" for i in range(3) for r in ("attn.o_proj", "mlp.down_proj"))
+    # layer 0's attention reads the whole embedding output; after it every column layer and the head read shards
+    assert llm.columns[:2] == ("llm.layers.0.mlp.gate_proj", "llm.layers.0.mlp.up_proj")
+    assert len(llm.columns) == 2 + 2 * 5 + 1 and llm.columns[-1] == "lm_head"
+    assert "linear" in regions["vision.layers.0"].reason and "not token-wise" in regions["vision.layers.0"].reason
+    assert "does not keep [batch, sequence, hidden]" in regions["projector"].reason
+    assert "1 region on sequence shards, 2 regions whole" in report.summary()
+    blocks = report.blocks()
+    f, hidden = blocks["llm.layers.1"], 2 * 16 * 32 * 4  # one [batch, sequence, hidden] fp32 value
+    # no all-reduce of o_proj / down_proj nor of the column inputs: 2 reduce-scatters, 2 all-gathers (q, k, v: one)
+    assert (f.pairs, f.forward_bytes) == (0, 0)
+    assert (f.sequence_forward_calls, f.sequence_forward_bytes) == (4, 4 * hidden)
+    assert (f.sequence_backward_calls, f.sequence_backward_bytes) == (4, 4 * hidden)
+    assert (f.backward_reduces, f.backward_bytes) == (2, 2 * 32 * 4)  # the two norm weights' gradients
+    assert 0 < f.sequence_share < 1 and blocks["llm.norm"].sequence_share == 1.0
+    # layer 0: its attention pair all-reduces as before; the residual entering the region is split (backward gather)
+    f0 = blocks["llm.layers.0"]
+    assert (f0.backward_reduces, f0.sequence_backward_calls) == (3 + 1, 4)
+    _, odd = find_pairs(stage, one_stage.graph, 3, sequence_parallel=True)
+    assert not odd.sequence  # nothing is sharded at tp=3, so no row to start a region from
+
+
 def test_pass_leaves_the_stage_it_reads_unchanged(one_stage):
     before = [(n.name, n.target, n.args) for n in one_stage.stages[0].graph.nodes]
     find_pairs(one_stage.stages[0], one_stage.graph, 2)

@@ -669,7 +669,7 @@ def build_pipeline(
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size, data_parallel=layout,
                    precision=precision)
-    check_tensor_parallel(plan, tp=tp_size, compile=compile)
+    check_tensor_parallel(plan, tp=tp_size, compile=compile, sequence_parallel=sequence_parallel)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:

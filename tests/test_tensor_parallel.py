@@ -1,7 +1,8 @@
 """Tensor parallelism: the pass that finds Megatron pairs in generated stages, and ranks that train with it.
 
 The pass is checked on the reference VLM's stages without processes (what it shards, what it refuses and
-why). One 2-rank spawn (tp=2, pp=1; and saved at tp=2 after the first step, resumed at tp=2 and at pp=2 x tp=1)
+why). One 2-rank spawn (tp=2, pp=1; and saved at tp=2 after the first step, resumed at tp=2 and at pp=2 x tp=1;
+with sequence parallelism, and with it and every layer recomputed)
 and one 4-rank spawn (dp=2 x tp=2 under FSDP2 and under replicate, pp=2 x tp=2) train two AdamW steps with
 gradient clipping and compare every loss, gradient norm and final parameter with the unsplit model's.
 """
@@ -289,6 +290,11 @@ def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int) -
     return dataclasses.replace(uniform(graph, stages), schedule="1f1b", num_microbatches=2)
 
 
+def _full(plan: oc.Plan) -> oc.Plan:
+    """``plan`` with every layer block fully recomputed (the pass's new nodes must join their blocks' regions)."""
+    return dataclasses.replace(plan, recompute=tuple("full" if k == "layer" else "none" for k in plan.block_kinds))
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
@@ -298,7 +304,8 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
     cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, ONE, (one, 2, ONE)),  # DCP: DTensor shards back into shards
               ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE)),  # into whole tensors (pp=2 x tp=1)
-              ("vlm-tp2-sp", "vlm", one, 2, ONE, None, True)]  # sequence parallel: norms on sequence shards
+              ("vlm-tp2-sp", "vlm", one, 2, ONE, None, True),  # sequence parallel: norms on sequence shards
+              ("vlm-tp2-sp-full", "vlm", _full(one), 2, ONE, None, True)]  # and each layer recomputed
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
     for key, names in (("vlm", ("llm.layers.0.attn.q_proj.weight", "lm_head.weight", "llm.embed_tokens.weight")),

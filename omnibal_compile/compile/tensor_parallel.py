@@ -897,6 +897,13 @@ def _linear_module(stage: fx.GraphModule, lin: _Linear) -> nn.Linear:
     return module
 
 
+def _call_module(node: fx.Node, target: str, arg: fx.Node) -> None:
+    """Turn ``node`` into a call of the module ``target`` on ``arg`` in place: it keeps its name, which recompute
+    regions find a block's nodes by (a new node cannot take an erased node's name: FX numbers it anew)."""
+    node.op, node.target = "call_module", target
+    node.args, node.kwargs = (arg,), {}
+
+
 def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node]) -> Any:
     """Rewrite ``new``'s graph for the vocab part ``v`` (module glossary); its DTensor layout for
     ``parallelize_module``."""
@@ -914,15 +921,8 @@ def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node
     parent, _, leaf = v.owner.rpartition(".")
     setattr(new.get_submodule(parent) if parent else new, leaf, module)
     g = new.graph
-    twin = by_name[v.node.name]
     source = cast(fx.Node, v.node.args[1 if v.part.kind == "embedding" else 0])  # ids, or the head's input
-    with g.inserting_before(twin):
-        call = g.call_module(v.owner, (by_name[source.name],))
-    call.meta.update(twin.meta)
-    twin.replace_all_uses_with(call)
-    g.erase_node(twin)
-    call._rename(v.node.name)
-    by_name[v.node.name] = call
+    _call_module(by_name[v.node.name], v.owner, by_name[source.name])
     if v.part.kind != LOSS_PARALLEL:
         return RowwiseParallel(input_layouts=Replicate())
     for n in v.drop:
@@ -977,14 +977,7 @@ def tensor_parallel_stage(
             module = _linear_module(new, lin)
             parent, _, leaf = lin.owner.rpartition(".")
             setattr(new.get_submodule(parent) if parent else new, leaf, module)
-            twin = by_name[lin.node.name]
-            with new.graph.inserting_before(twin):
-                call = new.graph.call_module(lin.owner, (by_name[lin.node.args[0].name],))  # type: ignore[union-attr]
-            call.meta.update(twin.meta)
-            twin.replace_all_uses_with(call)
-            new.graph.erase_node(twin)
-            call._rename(lin.node.name)  # the block's node names (recompute regions find their nodes by them)
-            by_name[lin.node.name] = call
+            _call_module(by_name[lin.node.name], lin.owner, by_name[lin.node.args[0].name])  # type: ignore[union-attr]
             layout[lin.owner] = RowwiseParallel() if i == len(f.linears) - 1 else ColwiseParallel()
     for sf in seq:  # after the pairs: the readers it rewires are their call_module nodes
         _apply_sequence(new, sf, mesh, by_name)

@@ -22,7 +22,7 @@ from test_runtime import TOL, _llava_batch, _rank_process, _spawn, _vlm_batch
 from test_runtime_dp import _adamw
 
 import omnibal_compile as oc
-from omnibal_compile import PlanError
+from omnibal_compile import InputError, PlanError
 from omnibal_compile.compile.tensor_parallel import find_pairs
 from omnibal_compile.ir.costs import DataParallel
 from omnibal_compile.planning.build import uniform
@@ -163,6 +163,8 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
         check_tensor_parallel(plan, tp=2, compile=True)
     with pytest.raises(PlanError, match="must be an integer >= 1"):
         check_tensor_parallel(plan, tp=0)
+    with pytest.raises(InputError, match="needs tp > 1"):
+        check_tensor_parallel(plan, tp=1, sequence_parallel=True)
     zb = dataclasses.replace(plan, schedule="interleaved-zb", virtual_stages=1)
     with pytest.raises(PlanError, match="splits each backward"):
         check_tensor_parallel(zb, tp=2)
@@ -330,19 +332,23 @@ def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tmp_path):
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
     cases = [("vlm-dp2-fsdp-tp2", "vlm", one, 2, DataParallel(size=2, shard="fsdp"), None),  # FSDP2 over tp shards
              ("vlm-dp2-ddp-tp2", "vlm", one, 2, DataParallel(size=2, shard="ddp"), None),  # replicate over tp shards
-             ("vlm-pp2-tp2", "vlm", two, 2, ONE, None)]
+             ("vlm-pp2-tp2", "vlm", two, 2, ONE, None),
+             ("vlm-dp2-fsdp-tp2-sp", "vlm", one, 2, DataParallel(size=2, shard="fsdp"), None, True),
+             ("vlm-pp2-tp2-sp", "vlm", two, 2, ONE, None, True)]  # the cut inside the region: gathered whole
     ranks = _spawn(4, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
+    first = ranks[0]["vlm-pp2-tp2-sp"]["reports"][0]  # stage 0 ends in llm.layers.0: its output leaves whole
+    assert "1 region on sequence shards" in first and "llm.layers.0  " in first, first
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_run_with_tp2_launches_dp_x_pp_x_tp_ranks(vlm, tmp_path):
+def test_run_with_tp2_and_sequence_parallel_launches_dp_x_pp_x_tp_ranks(vlm, tmp_path):
     from test_runtime import _run_config
 
     from omnibal_compile.runtime.launch import launch
 
     plan = _plan(vlm[0], _vlm_batch(), 1)
-    config = _run_config(tmp_path, plan, tp=2, max_grad_norm=MAX_NORM)
+    config = _run_config(tmp_path, plan, tp=2, sequence_parallel=True, max_grad_norm=MAX_NORM)
     logs = launch(config, timeout_s=240)
     assert len(logs) == 2 and all(entry.loss > 0 and entry.grad_norm > 0 for entry in logs)

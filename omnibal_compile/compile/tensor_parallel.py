@@ -700,7 +700,7 @@ _NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 def _tokenwise(u: fx.Node, seq: int) -> str:
     """Why ``u``, reading a sequence-sharded value, must see it whole ("" when it works token by token)."""
     t, where = u.target, f"{u.name} ({getattr(u.target, '__name__', u.target)})"
-    if t is aten._assert_tensor_metadata.default:
+    if t is aten._assert_tensor_metadata.default or (u.op, t) == ("call_method", "contiguous"):  # codegen's, for sends
         return ""
     out = _shape(u)
     if out is None or len(out) != 3 or out[SEQ_DIM] != seq:
@@ -806,7 +806,7 @@ def _find_sequence(stage: fx.GraphModule, tp: int, found: Sequence[_Found], voca
         fwd = [(block_of[n], _nbytes(n)) for n in nodes if n in rows]
         fwd += [(block_of[r[0]], _nbytes(n)) for n, r in gathers.items()]
         back = list(fwd)
-        fwd += [(block_of.get(n, blocks[-1]), _nbytes(n)) for n in outputs]
+        fwd += [(block_of.get(n, blocks[-1]), _nbytes(n) or _nbytes(n.args[0])) for n in outputs]
         back += [(block_of.get(r[0][0], blocks[0]), _nbytes(x)) for x, r in entries.items() if r[0][1] == "scatter"]
         reduced = [(block_of.get(r[0][0], blocks[0]), _nbytes(x)) for x, r in entries.items() if r[0][1] == "partial"
                    and x.op == "get_attr"]

@@ -208,8 +208,9 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
                     pipe, opt, mesh = build(key, *resume)
                     load_training_state(root, state=pipe.state, optimizer=opt)
                 opt.zero_grad(set_to_none=True)
+                # DTensor's collectives (a loss on gathered logits gathers; sequence parallelism reduce-scatters)
                 with _counted("all_gather_single", "all_gather_tensor") as count, \
-                        _counted("reduce_scatter_single", "reduce_scatter_tensor") as rs:  # DTensor's (a loss on gathered logits gathers)
+                        _counted("reduce_scatter_single", "reduce_scatter_tensor") as rs:
                     losses.append(pipe.step(_share(batch, mesh)))
                 gathers += count[0]
                 scatters += rs[0]

@@ -85,9 +85,9 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
     nodes = list(stage.graph.nodes)
     for node in nodes:  # a node a pass added inside a block (no block names it) joins the region of its neighbours
         near = {region_of.get(x.name) for x in (*node.all_input_nodes, *node.users) if x.op != "get_attr"}
-        if node.name not in region_of and node.op in ("call_function", "call_module") and len(near) == 1 \
-                and None not in near:
-            region_of[node.name] = near.pop()
+        k = near.pop() if len(near) == 1 else None
+        if node.name not in region_of and node.op in ("call_function", "call_module") and k is not None:
+            region_of[node.name] = k
     members: list[list[fx.Node]] = [[] for _ in regions]
     for node in nodes:
         if node.op not in ("placeholder", "get_attr", "output") and node.name in region_of:

@@ -28,9 +28,24 @@ Glossary:
                 what follows (the VLM's image-token merge) sees the whole embedding output. A weight
                 tied to another (embedding and head) stays replicated: tied copies on other pipeline
                 ranks sum whole gradients.
+    sequence    with ``sequence_parallel`` (off by default), a region (:class:`SequenceRegion`): the values grown
+                forward from the sharded pairs' row-wise outputs of shape ``[batch, sequence, hidden]``
+                (sequence divisible by tp) through token-wise ops (elementwise ops, residual adds, casts,
+                RMSNorm's mean over the hidden dim, ``layer_norm``, dropout), each rank holding its 1 / tp of
+                the sequence, Megatron's sequence parallelism. Its rows run ``RowwiseParallel(output_layouts=
+                Shard(1))`` (a reduce-scatter, not an all-reduce); each value the column-wise layers (or the
+                vocabulary-parallel head) read is all-gathered once into a replicated DTensor they share, so
+                their input gradients are summed and reduce-scattered once (q, k and v: one, not three
+                all-reduces). A whole value it reads with the full sequence (the residual stream entering it) is
+                split to this rank's shard (its gradient all-gathered); a whole tensor it reads broadcast over
+                the sequence (a norm weight) has its gradient all-reduced over tp, each rank having summed only
+                its tokens. A stage output it computes is all-gathered whole, so pipeline cuts are unchanged.
+                A region that any other op reads (a linear layer not sharded, a reshape across tokens), or that
+                reaches no column-wise layer, stays whole with the reason: the ViT (its fused q, k, v stay
+                replicated) and the projector (its tokens are merged into the text) stay whole.
     replicated  every parameter outside a pair or a vocab part (norms, refused parts): a whole copy on
-                each ``tp`` rank, with whole gradients (no sequence parallelism: every rank computes the
-                same replicated activations).
+                each ``tp`` rank, with whole gradients (without sequence parallelism every rank computes the
+                same replicated activations; with it, norm weights read by shards sum their gradients).
 """
 
 from __future__ import annotations
@@ -53,8 +68,8 @@ from omnibal_compile.compile.codegen import _META_KEY, stage_info
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import TensorParallelBlock
 
-__all__ = ["LOSS_PARALLEL", "TensorParallelPair", "TensorParallelReport", "VocabParallelPart", "find_pairs",
-           "tensor_parallel_stage"]
+__all__ = ["LOSS_PARALLEL", "SequenceRegion", "TensorParallelPair", "TensorParallelReport", "VocabParallelPart",
+           "find_pairs", "tensor_parallel_stage"]
 
 aten = torch.ops.aten
 
@@ -869,10 +884,9 @@ def _apply_sequence(new: fx.GraphModule, f: _SeqFound, mesh: Any, by_name: dict[
         if n.target is aten._assert_tensor_metadata.default:  # a check of global sizes: keep dtype/device checks
             twin = by_name[n.name]
             twin.kwargs = {k: v for k, v in twin.kwargs.items() if k not in ("size", "stride")}
-    for x, readers in f.entries.items():
-        users = [by_name[r.name] for r, _ in readers]
-        first = min(users, key=lambda u: [*g.nodes].index(u))
-        call = helper(readers[0][1], by_name[x.name], first)
+    for x, entry in f.entries.items():  # its readers in graph order: the first is where the value is split
+        users = [by_name[r.name] for r, _ in entry]
+        call = helper(entry[0][1], by_name[x.name], users[0])
         for u in users:
             u.replace_input_with(by_name[x.name], call)
     for n, readers in f.gathers.items():

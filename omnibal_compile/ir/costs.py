@@ -77,17 +77,19 @@ class TensorParallelBlock:
     micro-batch of the shape the pass saw."""
 
     pairs: int
-    """Sharded column/row pairs in the block: one forward all-reduce each."""
+    """Forward all-reduces: one per sharded column/row pair of the block (not a pair whose row output a
+    sequence-parallel region reduce-scatters)."""
     backward_reduces: int
     """All-reduces of the backward: one per column-wise layer (DTensor's ``ColwiseParallel`` reduces each layer's
-    input gradient on its own: 3 for attention's q, k and v, where Megatron fuses them into one)."""
+    input gradient on its own: 3 for attention's q, k and v, where Megatron fuses them into one), none for a layer
+    reading a sequence-parallel region all-gathered, one per norm weight such a region reads."""
     params: int
     """Parameter elements of the pairs' linear layers (weights and biases), whole: each rank holds 1 / tp."""
     flops: float
     """Forward FLOPs of the ops each rank runs on its shard only: the pairs' linear layers and the attention
     between them (2 x multiply-adds, the formulas of ``torch.utils.flop_counter``)."""
     forward_bytes: int
-    """Bytes the forward all-reduces: each pair's row-wise layer's output."""
+    """Bytes the forward all-reduces: each such pair's row-wise layer's output."""
     backward_bytes: int
     """Bytes the backward all-reduces: each column-wise layer's input gradient (and with sequence parallelism the
     gradients of the norm weights read by sequence shards)."""

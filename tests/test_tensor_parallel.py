@@ -308,7 +308,8 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
     cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, ONE, (one, 2, ONE)),  # DCP: DTensor shards back into shards
               ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE)),  # into whole tensors (pp=2 x tp=1)
               ("vlm-tp2-sp", "vlm", one, 2, ONE, None, True),  # sequence parallel: norms on sequence shards
-              ("vlm-tp2-sp-full", "vlm", _full(one), 2, ONE, None, True)]  # and each layer recomputed
+              ("vlm-tp2-sp-full", "vlm", _full(one), 2, ONE, None, True),  # and each layer recomputed
+              ("llava-tp2-sp", "llava", cases[1][2], 2, ONE, None, True)]  # HF Llama layers (the llava-tp2 plan)
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
     for key, names in (("vlm", ("llm.layers.0.attn.q_proj.weight", "lm_head.weight", "llm.embed_tokens.weight")),
@@ -324,6 +325,7 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, tmp_path):
     # per micro-batch: 6 row outputs reduce-scattered and 6 column inputs all-gathered (q, k, v: one), mirrored in the
     # backward, plus the gradient of the residual entering layer 0 all-gathered
     assert (sp["scatters"], sp["gathers"]) == (2 * 2 * (6 + 6), 2 * 2 * (6 + 6 + 1)), (sp["scatters"], sp["gathers"])
+    assert "1 region on sequence shards" in ranks[0]["llava-tp2-sp"]["reports"][0]  # its 17 image tokens: whole
 
 
 @pytest.mark.slow

@@ -83,10 +83,10 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
             for node_name in index[name].nodes:
                 region_of[node_name] = i
     nodes = list(stage.graph.nodes)
-    for node in nodes:  # a node a pass added inside a block (no block names it) joins the region of its neighbours
+    for node in nodes:  # a module call a pass added inside a block (no block names it) joins its neighbours' region
         near = {region_of.get(x.name) for x in (*node.all_input_nodes, *node.users) if x.op != "get_attr"}
         k = near.pop() if len(near) == 1 else None
-        if node.name not in region_of and node.op in ("call_function", "call_module") and k is not None:
+        if node.name not in region_of and node.op == "call_module" and k is not None:
             region_of[node.name] = k
     members: list[list[fx.Node]] = [[] for _ in regions]
     for node in nodes:

@@ -806,13 +806,11 @@ def _find_sequence(stage: fx.GraphModule, tp: int, found: Sequence[_Found], voca
             for x in n.all_input_nodes:
                 if x in inside:
                     continue
-                s = _shape(x) or ()
-                k = len(s) - 3 + SEQ_DIM  # the dim of x that broadcasts against the sequence
-                kind = "scatter" if k >= 0 and s[k] == seq[n] and s[k] > 1 else "partial"
-                if kind == "scatter" and k != SEQ_DIM:
-                    kind = ""
-                if not kind:
-                    why = f"{n.name} reads {x.name} of shape {s} whose sequence dim is not dim {SEQ_DIM}"
+                s = _shape(x)
+                k = len(s or ()) - 3 + SEQ_DIM  # the dim of x that broadcasts against the sequence
+                kind = "scatter" if s and k >= 0 and s[k] == seq[n] and s[k] > 1 else "partial"
+                if s is None or kind == "scatter" and k != SEQ_DIM:
+                    why = why or f"{n.name} reads {x.name} of shape {s}, not split or broadcast on dim {SEQ_DIM}"
                 entries.setdefault(x, []).append((n, kind))
         if why:
             out.append(_SeqFound(SequenceRegion(blocks=blocks, rows=tuple(r.owner for r in mine), reason=why), mine,

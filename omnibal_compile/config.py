@@ -406,6 +406,10 @@ class ParallelConfig(Section):
     tp: int = setting(1, min=1)
     """run: tensor-parallel ranks per pipeline stage (Megatron column/row pairs of each block sharded with DTensor,
     the rest replicated; world = dp x pp x tp); 1: none."""
+    sequence_parallel: bool = setting(False)
+    """run, with tp > 1: the token-wise ops between the tensor-parallel pairs (residual adds, norms) run on each
+    rank's 1 / tp of the sequence (row outputs reduce-scattered, column inputs all-gathered: the same bytes as the
+    all-reduces, their activations divided by tp)."""
 
 
 @dataclass(frozen=True, kw_only=True)

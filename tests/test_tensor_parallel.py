@@ -1,7 +1,8 @@
 """Tensor parallelism: the pass that finds Megatron pairs in generated stages, and ranks that train with it.
 
 The pass is checked on the reference VLM's stages without processes (what it shards, what it refuses and
-why). One 2-rank spawn (tp=2, pp=1; and saved at tp=2 after the first step, resumed at tp=2 and at pp=2 x tp=1)
+why). One 2-rank spawn (tp=2, pp=1; and saved at tp=2 after the first step, resumed at tp=2 and at pp=2 x tp=1;
+with sequence parallelism, and with it and every layer recomputed)
 and one 4-rank spawn (dp=2 x tp=2 under FSDP2 and under replicate, pp=2 x tp=2) train two AdamW steps with
 gradient clipping and compare every loss, gradient norm and final parameter with the unsplit model's.
 """
@@ -21,7 +22,7 @@ from test_runtime import TOL, _llava_batch, _rank_process, _spawn, _vlm_batch
 from test_runtime_dp import _adamw
 
 import omnibal_compile as oc
-from omnibal_compile import PlanError
+from omnibal_compile import InputError, PlanError
 from omnibal_compile.compile.tensor_parallel import find_pairs
 from omnibal_compile.ir.costs import DataParallel
 from omnibal_compile.planning.build import uniform
@@ -130,6 +131,35 @@ def test_heads_that_do_not_divide_by_tp_stay_replicated_with_the_reason(one_stag
     assert "not divisible by tp=3" in _rows(report)[("llm.layers.0", "llm.layers.0.mlp.down_proj")]
 
 
+def test_sequence_parallel_splits_the_llm_residual_stream_and_says_why_the_vit_and_projector_stay_whole(one_stage):
+    stage = one_stage.stages[0]
+    assert find_pairs(stage, one_stage.graph, 2)[1].sequence == ()  # off unless asked for
+    _, report = find_pairs(stage, one_stage.graph, 2, sequence_parallel=True)
+    regions = {r.blocks[0]: r for r in report.sequence}
+    llm = regions["llm.layers.0"]
+    assert llm.sharded and llm.blocks == ("llm.layers.0", "llm.layers.1", "llm.layers.2", "llm.norm")
+    assert llm.rows == tuple(f"llm.layers.{i}.{r}" for i in range(3) for r in ("attn.o_proj", "mlp.down_proj"))
+    # layer 0's attention reads the whole embedding output; after it every column layer and the head read shards
+    assert llm.columns[:2] == ("llm.layers.0.mlp.gate_proj", "llm.layers.0.mlp.up_proj")
+    assert len(llm.columns) == 2 + 2 * 5 + 1 and llm.columns[-1] == "lm_head"
+    assert "linear" in regions["vision.layers.0"].reason and "not token-wise" in regions["vision.layers.0"].reason
+    assert "does not keep [batch, sequence, hidden]" in regions["projector"].reason
+    assert "1 region on sequence shards, 2 regions whole" in report.summary()
+    blocks = report.blocks()
+    f, hidden = blocks["llm.layers.1"], 2 * 16 * 32 * 4  # one [batch, sequence, hidden] fp32 value
+    # no all-reduce of o_proj / down_proj nor of the column inputs: 2 reduce-scatters, 2 all-gathers (q, k, v: one)
+    assert (f.pairs, f.forward_bytes) == (0, 0)
+    assert (f.sequence_forward_calls, f.sequence_forward_bytes) == (4, 4 * hidden)
+    assert (f.sequence_backward_calls, f.sequence_backward_bytes) == (4, 4 * hidden)
+    assert (f.backward_reduces, f.backward_bytes) == (2, 2 * 32 * 4)  # the two norm weights' gradients
+    assert 0 < f.sequence_share < 1 and blocks["llm.norm"].sequence_share == 1.0
+    # layer 0: its attention pair all-reduces as before; the residual entering the region is split (backward gather)
+    f0 = blocks["llm.layers.0"]
+    assert (f0.backward_reduces, f0.sequence_backward_calls) == (3 + 1, 4)
+    _, odd = find_pairs(stage, one_stage.graph, 3, sequence_parallel=True)
+    assert not odd.sequence  # nothing is sharded at tp=3, so no row to start a region from
+
+
 def test_pass_leaves_the_stage_it_reads_unchanged(one_stage):
     before = [(n.name, n.target, n.args) for n in one_stage.stages[0].graph.nodes]
     find_pairs(one_stage.stages[0], one_stage.graph, 2)
@@ -144,6 +174,8 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
         check_tensor_parallel(plan, tp=2, compile=True)
     with pytest.raises(PlanError, match="must be an integer >= 1"):
         check_tensor_parallel(plan, tp=0)
+    with pytest.raises(InputError, match="needs tp > 1"):
+        check_tensor_parallel(plan, tp=1, sequence_parallel=True)
     zb = dataclasses.replace(plan, schedule="interleaved-zb", virtual_stages=1)
     with pytest.raises(PlanError, match="splits each backward"):
         check_tensor_parallel(zb, tp=2)
@@ -155,9 +187,9 @@ def test_runtime_refuses_what_tensor_parallelism_does_not_run_with_yet(one_stage
 def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any], cases: list[Any]) -> None:
     """One rank of a (dp, pp, tp) mesh: train every case for its steps with clipping; save losses, norms, params.
 
-    A case is (name, model key, plan, tp, DataParallel, resume): with ``resume`` = (plan, tp, DataParallel) the
-    first step trains on the first layout, which saves a DCP checkpoint; a pipeline of the second layout, built from
-    the initial weights and a fresh AdamW, loads it and trains the remaining steps.
+    A case is (name, model key, plan, tp, DataParallel, resume[, sequence_parallel]): with ``resume`` = (plan, tp,
+    DataParallel) the first step trains on the first layout, which saves a DCP checkpoint; a pipeline of the second
+    layout, built from the initial weights and a fresh AdamW, loads it and trains the remaining steps.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -165,20 +197,20 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
     from omnibal_compile.runtime import build_pipeline
     from omnibal_compile.runtime.checkpoint import load_training_state, save_training_state
 
-    def build(key: str, plan: oc.Plan, tp: int, dp: DataParallel) -> Any:
+    def build(key: str, plan: oc.Plan, tp: int, dp: DataParallel, sequence: bool = False) -> Any:
         mesh = init_device_mesh("cpu", (dp.size, world // (tp * dp.size), tp), mesh_dim_names=("dp", "pp", "tp"))
         cls, config, weights, batches = models[key]
         model = cls(config)
         model.load_state_dict(weights)
         pipe = build_pipeline(compile_for_microbatches(model, _share(batches[0], mesh), plan), mesh=mesh,
-                              data_parallel=dp)
+                              data_parallel=dp, sequence_parallel=sequence)
         return pipe, _adamw(pipe.parameters()), mesh
 
     with _rank_process(rank, world, port, out):
         found: dict[str, Any] = {}
-        for name, key, plan, tp, dp, resume in cases:
-            pipe, opt, mesh = build(key, plan, tp, dp)
-            losses, norms, sharded, gathers = [], [], set(), 0
+        for name, key, plan, tp, dp, resume, *sequence in cases:
+            pipe, opt, mesh = build(key, plan, tp, dp, *sequence)
+            losses, norms, sharded, gathers, scatters = [], [], set(), 0, 0
             for i, batch in enumerate(models[key][3]):
                 if resume is not None and i == 1:
                     root = Path(out) / name
@@ -187,27 +219,30 @@ def _tp_worker(rank: int, world: int, port: int, out: str, models: dict[str, Any
                     pipe, opt, mesh = build(key, *resume)
                     load_training_state(root, state=pipe.state, optimizer=opt)
                 opt.zero_grad(set_to_none=True)
-                with _counted_gathers() as count:  # DTensor's all-gathers (a loss on gathered logits runs one)
+                # DTensor's collectives (a loss on gathered logits gathers; sequence parallelism reduce-scatters)
+                with _counted("all_gather_single", "all_gather_tensor") as count, \
+                        _counted("reduce_scatter_single", "reduce_scatter_tensor") as rs:
                     losses.append(pipe.step(_share(batch, mesh)))
                 gathers += count[0]
+                scatters += rs[0]
                 norms.append(pipe.clip_grad_norm(MAX_NORM))
                 opt.step()
             found[name] = {
                 "losses": losses, "norms": norms,
                 "params": {n: t for n, t in pipe.full_state().items() if n in pipe.named_grads()},
                 "sharded": sorted(sharded | {n for n, t in pipe.state.items() if type(t.data).__name__ == "DTensor"}),
-                "reports": [r.summary() for r in pipe.tensor_parallel], "gathers": gathers,
+                "reports": [r.summary() for r in pipe.tensor_parallel], "gathers": gathers, "scatters": scatters,
             }
         torch.save(found, Path(out) / f"rank{rank}.pt")
 
 
 @contextlib.contextmanager
-def _counted_gathers() -> Iterator[list[int]]:
-    """Counts the all-gathers DTensor issues (its redistributions call these functional collectives)."""
+def _counted(*collectives: str) -> Iterator[list[int]]:
+    """Counts the calls of these functional collectives (DTensor's redistributions call them)."""
     import torch.distributed._functional_collectives as funcol
 
     count = [0]
-    names = [n for n in ("all_gather_single", "all_gather_tensor") if hasattr(funcol, n)]
+    names = [n for n in collectives if hasattr(funcol, n)]
     real = {n: getattr(funcol, n) for n in names}
 
     def counting(name: str) -> Any:
@@ -283,8 +318,8 @@ def _check(ranks: list[dict[str, Any]], cases: list[Any], models: dict[str, Any]
 
 
 def _plan(model: torch.nn.Module, batch: dict[str, torch.Tensor], stages: int, micro: int = 2) -> oc.Plan:
-    """A uniform ``stages``-stage 1F1B (GPipe below a micro-batch per stage) plan of ``micro`` micro-batches (its blocks found on one row, or on the whole
-    ``batch`` when a step is one micro-batch)."""
+    """A uniform ``stages``-stage 1F1B (GPipe below a micro-batch per stage) plan of ``micro`` micro-batches (its
+    blocks found on one row, or on the whole ``batch`` when a step is one micro-batch)."""
     example = batch if micro == 1 else {k: v[:1] for k, v in batch.items()}
     graph = oc.optimize(model, example, num_stages=1).graph
     schedule = "1f1b" if micro >= stages else "gpipe"  # 1F1B needs a micro-batch per stage
@@ -302,6 +337,11 @@ def qwen2_vl():
     return model, [_qwen2_vl_batch(model, seed) for seed in (1, 2)]
 
 
+def _full(plan: oc.Plan) -> oc.Plan:
+    """``plan`` with every layer block fully recomputed (the pass's new nodes must join their blocks' regions)."""
+    return dataclasses.replace(plan, recompute=tuple("full" if k == "layer" else "none" for k in plan.block_kinds))
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
@@ -311,7 +351,10 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
              for key, (m, b) in models.items()]
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
     cases += [("vlm-tp2-resumed-tp2", "vlm", one, 2, ONE, (one, 2, ONE)),  # DCP: DTensor shards back into shards
-              ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE))]  # into whole tensors (pp=2 x tp=1)
+              ("vlm-tp2-resumed-tp1", "vlm", one, 2, ONE, (two, 1, ONE)),  # into whole tensors (pp=2 x tp=1)
+              ("vlm-tp2-sp", "vlm", one, 2, ONE, None, True),  # sequence parallel: norms on sequence shards
+              ("vlm-tp2-sp-full", "vlm", _full(one), 2, ONE, None, True),  # and each layer recomputed
+              ("llava-tp2-sp", "llava", cases[1][2], 2, ONE, None, True)]  # HF Llama layers (the llava-tp2 plan)
     ranks = _spawn(2, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
     for key, names in (("vlm", ("llm.layers.0.attn.q_proj.weight", "lm_head.weight", "llm.embed_tokens.weight")),
@@ -325,6 +368,13 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
     assert "logits gathered" not in ranks[0]["vlm-tp2"]["reports"][0]  # it returns only its loss
     assert ranks[0]["vlm-tp2"]["gathers"] == 0  # so the loss runs on the vocabulary shards: no all-gather at all
     assert "logits gathered for the stage's other readers" in ranks[0]["llava-tp2"]["reports"][0]  # HF: logits too
+    assert ranks[0]["vlm-tp2"]["scatters"] == 0
+    sp = ranks[0]["vlm-tp2-sp"]
+    assert "1 region on sequence shards" in sp["reports"][0] and "sequence-parallel" in sp["reports"][0]
+    # per micro-batch: 6 row outputs reduce-scattered and 6 column inputs all-gathered (q, k, v: one), mirrored in the
+    # backward, plus the gradient of the residual entering layer 0 all-gathered
+    assert (sp["scatters"], sp["gathers"]) == (2 * 2 * (6 + 6), 2 * 2 * (6 + 6 + 1)), (sp["scatters"], sp["gathers"])
+    assert "1 region on sequence shards" in ranks[0]["llava-tp2-sp"]["reports"][0]  # its 17 image tokens: whole
 
 
 @pytest.mark.slow
@@ -335,7 +385,9 @@ def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_pa
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
     cases = [("vlm-dp2-fsdp-tp2", "vlm", one, 2, DataParallel(size=2, shard="fsdp"), None),  # FSDP2 over tp shards
              ("vlm-dp2-ddp-tp2", "vlm", one, 2, DataParallel(size=2, shard="ddp"), None),  # replicate over tp shards
-             ("vlm-pp2-tp2", "vlm", two, 2, ONE, None)]
+             ("vlm-pp2-tp2", "vlm", two, 2, ONE, None),
+             ("vlm-dp2-fsdp-tp2-sp", "vlm", one, 2, DataParallel(size=2, shard="fsdp"), None, True),
+             ("vlm-pp2-tp2-sp", "vlm", two, 2, ONE, None, True)]  # the cut inside the region: gathered whole
     for key in ("llava", "qwen2_vl"):  # Qwen2-VL: one micro-batch a step (its fixture); at dp=2 one row per rank
         model, batches = models[key]
         micro = 1 if key == "qwen2_vl" else 2
@@ -344,16 +396,18 @@ def test_pp2_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_pa
                    None), (f"{key}-pp2-tp2", key, _plan(model, batches[0], 2, micro), 2, ONE, None)]
     ranks = _spawn(4, tmp_path, models, cases, worker=_tp_worker)
     _check(ranks, cases, models)
+    first = ranks[0]["vlm-pp2-tp2-sp"]["reports"][0]  # stage 0 ends in llm.layers.0: its output leaves whole
+    assert "1 region on sequence shards" in first and "llm.layers.0  " in first, first
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_run_with_tp2_launches_dp_x_pp_x_tp_ranks(vlm, tmp_path):
+def test_run_with_tp2_and_sequence_parallel_launches_dp_x_pp_x_tp_ranks(vlm, tmp_path):
     from test_runtime import _run_config
 
     from omnibal_compile.runtime.launch import launch
 
     plan = _plan(vlm[0], _vlm_batch(), 1)
-    config = _run_config(tmp_path, plan, tp=2, max_grad_norm=MAX_NORM)
+    config = _run_config(tmp_path, plan, tp=2, sequence_parallel=True, max_grad_norm=MAX_NORM)
     logs = launch(config, timeout_s=240)
     assert len(logs) == 2 and all(entry.loss > 0 and entry.grad_norm > 0 for entry in logs)

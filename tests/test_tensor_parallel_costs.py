@@ -69,6 +69,26 @@ def test_sharded_blocks_are_divided_and_pay_their_all_reduces_replicated_ones_ar
     assert out.cut_bytes == t.cut_bytes
 
 
+def test_sequence_parallel_moves_the_all_reduce_bytes_in_half_passes_and_divides_its_kept_activations():
+    t = chain(1)
+    plain = facts(fwd=2 * 10**6, bwd=2 * 10**6)
+    # the same pairs sequence-parallel: the row outputs reduce-scattered and the column inputs all-gathered (2 calls
+    # of 1 MB each way), no all-reduce left; half the block's activation bytes are sequence shards
+    sp = dataclasses.replace(plain, pairs=0, backward_reduces=0, forward_bytes=0, backward_bytes=0,
+                             sequence_forward_calls=4, sequence_forward_bytes=4 * 10**6,
+                             sequence_backward_calls=4, sequence_backward_bytes=4 * 10**6, sequence_share=0.5)
+    a, b = (tensor_parallel_table(t, 4, sharded={"b0": f}, bandwidth=1e9).blocks[0] for f in (plain, sp))
+    assert b.forward_s == pytest.approx(a.forward_s) and b.backward_s == pytest.approx(a.backward_s)  # same bytes
+    assert b.tensor_parallel_s == pytest.approx(a.tensor_parallel_s) and b.flops == a.flops
+    assert a.activation_bytes == t.blocks[0].activation_bytes  # without it, whole
+    assert b.activation_bytes == {o: round(v * (0.5 + 0.5 / 4)) for o, v in t.blocks[0].activation_bytes.items()}
+    lat = tensor_parallel_table(t, 4, sharded={"b0": sp}, bandwidth=1e9, latency_s=1e-3).blocks[0]
+    assert lat.forward_s == pytest.approx(b.forward_s + 4e-3)  # 4 calls, each its latency
+    assert sp.scaled(2).sequence_forward_bytes == 8 * 10**6 and sp.scaled(2).sequence_share == 0.5
+    with pytest.raises(InputError, match="at most 1"):
+        dataclasses.replace(sp, sequence_share=1.5)
+
+
 def test_a_fully_sharded_block_halves_its_compute_at_tp_2_and_quarters_it_at_4():
     t = chain(1)
     for tp in (2, 4):

@@ -83,6 +83,11 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
             for node_name in index[name].nodes:
                 region_of[node_name] = i
     nodes = list(stage.graph.nodes)
+    for node in nodes:  # a module call a pass added inside a block (no block names it) joins its neighbours' region
+        near = {region_of.get(x.name) for x in (*node.all_input_nodes, *node.users) if x.op != "get_attr"}
+        k = near.pop() if len(near) == 1 else None
+        if node.name not in region_of and node.op == "call_module" and k is not None:
+            region_of[node.name] = k
     members: list[list[fx.Node]] = [[] for _ in regions]
     for node in nodes:
         if node.op not in ("placeholder", "get_attr", "output") and node.name in region_of:
@@ -119,7 +124,9 @@ def apply_recompute(stage: fx.GraphModule, graph: BlockGraph, plan: Plan) -> fx.
             outer.env[o] = outer.graph.call_function(operator.getitem, (call, j))
             outer.env[o].meta.update(o.meta)
     outer.graph.lint()
-    root.update({str(n.target): _attr(stage, str(n.target)) for n in outer.graph.nodes if n.op == "get_attr"})
+    # modules too: a pass (tensor parallelism) calls some layers as modules outside the regions
+    root.update({str(n.target): _attr(stage, str(n.target)) for n in outer.graph.nodes
+                 if n.op in ("get_attr", "call_module") and str(n.target) not in root})
     new = fx.GraphModule(root, outer.graph, class_name=type(stage).__name__)
     owner = {id(t): n for n, t in list(stage.named_parameters()) + list(stage.named_buffers())}
     param_map = {

@@ -29,9 +29,24 @@ Glossary:
                 index (``padding_idx``) is kept by passing no gradient from the positions holding it. A weight
                 tied to another (embedding and head) stays replicated: tied copies on other pipeline
                 ranks sum whole gradients.
+    sequence    with ``sequence_parallel`` (off by default), a region (:class:`SequenceRegion`): the values grown
+                forward from the sharded pairs' row-wise outputs of shape ``[batch, sequence, hidden]``
+                (sequence divisible by tp) through token-wise ops (elementwise ops, residual adds, casts,
+                RMSNorm's mean over the hidden dim, ``layer_norm``, dropout), each rank holding its 1 / tp of
+                the sequence, Megatron's sequence parallelism. Its rows run ``RowwiseParallel(output_layouts=
+                Shard(1))`` (a reduce-scatter, not an all-reduce); each value the column-wise layers (or the
+                vocabulary-parallel head) read is all-gathered once into a replicated DTensor they share, so
+                their input gradients are summed and reduce-scattered once (q, k and v: one, not three
+                all-reduces). A whole value it reads with the full sequence (the residual stream entering it) is
+                split to this rank's shard (its gradient all-gathered); a whole tensor it reads broadcast over
+                the sequence (a norm weight) has its gradient all-reduced over tp, each rank having summed only
+                its tokens. A stage output it computes is all-gathered whole, so pipeline cuts are unchanged.
+                A region that any other op reads (a linear layer not sharded, a reshape across tokens), or that
+                reaches no column-wise layer, stays whole with the reason: the ViT (its fused q, k, v stay
+                replicated) and the projector (its tokens are merged into the text) stay whole.
     replicated  every parameter outside a pair or a vocab part (norms, refused parts): a whole copy on
-                each ``tp`` rank, with whole gradients (no sequence parallelism: every rank computes the
-                same replicated activations).
+                each ``tp`` rank, with whole gradients (without sequence parallelism every rank computes the
+                same replicated activations; with it, norm weights read by shards sum their gradients).
 """
 
 from __future__ import annotations
@@ -54,8 +69,8 @@ from omnibal_compile.compile.codegen import _META_KEY, stage_info
 from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import TensorParallelBlock
 
-__all__ = ["LOSS_PARALLEL", "TensorParallelPair", "TensorParallelReport", "VocabParallelPart", "find_pairs",
-           "tensor_parallel_stage"]
+__all__ = ["LOSS_PARALLEL", "SequenceRegion", "TensorParallelPair", "TensorParallelReport", "VocabParallelPart",
+           "find_pairs", "tensor_parallel_stage"]
 
 aten = torch.ops.aten
 
@@ -121,6 +136,43 @@ LOSS_PARALLEL = "head"
 """:attr:`VocabParallelPart.kind` whose stage must run forward and backward under ``loss_parallel()``."""
 
 
+SEQ_DIM = 1
+"""The sequence dim of the ``[batch, sequence, hidden]`` values a sequence-parallel region splits."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceRegion:
+    """Token-wise ops between row-wise outputs and the column-wise inputs they reach, run on each rank's 1 / tp of
+    the sequence (module glossary: sequence), or a candidate refused."""
+
+    blocks: tuple[str, ...]
+    """Blocks its ops lie in, in graph order."""
+    rows: tuple[str, ...]
+    """Row-wise layers whose outputs it reduce-scatters on the sequence instead of all-reducing."""
+    columns: tuple[str, ...] = ()
+    """Column-wise layers (and vocabulary-parallel heads) that read it all-gathered (0 when refused)."""
+    column_bytes: tuple[int, ...] = ()
+    """Bytes of each column-wise layer's whole input (its gradient is reduce-scattered, not all-reduced)."""
+    reason: str = ""
+    """Why it stays whole (its rows all-reduce); empty when it runs sequence-parallel."""
+    forward: tuple[tuple[str, int], ...] = ()
+    """(block, bytes of the whole value) of each reduce-scatter or all-gather its forward issues: one per row, one
+    per value the column-wise layers read, one per stage output gathered whole (a pipeline cut)."""
+    backward: tuple[tuple[str, int], ...] = ()
+    """(block, bytes) of each reduce-scatter or all-gather its backward issues: one per row (the output gradient
+    all-gathered), one per value the column layers read (their input gradients reduce-scattered), one per whole
+    value split into it (the residual stream entering it: its gradient all-gathered)."""
+    reduced: tuple[tuple[str, int], ...] = ()
+    """(block, bytes) of each whole tensor it reads broadcast over the sequence (norm weights): the backward
+    all-reduces its gradient, summed over the ranks' tokens."""
+    shares: tuple[tuple[str, float], ...] = ()
+    """(block, share of the bytes of the block's values that are sequence shards): each rank keeps 1 / tp of them."""
+
+    @property
+    def sharded(self) -> bool:
+        return not self.reason
+
+
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelReport:
     """What :func:`tensor_parallel_stage` sharded in one stage and what it left replicated, and why."""
@@ -133,6 +185,8 @@ class TensorParallelReport:
     """(block, reason) of blocks with linear layers but no candidate pair nor vocab part."""
     vocab: tuple[VocabParallelPart, ...] = ()
     """Vocabulary-parallel candidates (LM head, token embedding), sharded or refused."""
+    sequence: tuple[SequenceRegion, ...] = ()
+    """Sequence-parallel candidate regions, sharded or refused (empty without sequence parallelism)."""
 
     @property
     def sharded(self) -> tuple[TensorParallelPair, ...]:
@@ -145,16 +199,36 @@ class TensorParallelReport:
 
     def blocks(self) -> dict[str, TensorParallelBlock]:
         """Per block with a sharded pair, what the costs need (:func:`omnibal_compile.costs.tensor_parallel.
-        tensor_parallel_table`): the sums over its sharded pairs, per micro-batch of the traced shape."""
-        out: dict[str, TensorParallelBlock] = {}
+        tensor_parallel_table`): the sums over its sharded pairs, per micro-batch of the traced shape. A row of a
+        sequence-parallel region reduce-scatters instead of all-reducing, a column layer reading it all-gathered
+        has no all-reduce of its own; the region's collectives are counted in its blocks instead."""
+        regions = [r for r in self.sequence if r.sharded]
+        rows = {row for r in regions for row in r.rows}
+        gathered = {c: b for r in regions for c, b in zip(r.columns, r.column_bytes)}
+        facts: dict[str, dict[str, Any]] = {}
         for p in self.sharded:
-            old = out.get(p.block, TensorParallelBlock(pairs=0, backward_reduces=0, params=0, flops=0.0,
-                                                       forward_bytes=0, backward_bytes=0))
-            out[p.block] = TensorParallelBlock(
-                pairs=old.pairs + 1, backward_reduces=old.backward_reduces + len(p.column),
-                params=old.params + p.params, flops=old.flops + p.flops,
-                forward_bytes=old.forward_bytes + p.forward_bytes, backward_bytes=old.backward_bytes + p.backward_bytes)
-        return out
+            f = facts.setdefault(p.block, dict.fromkeys(_FACT_FIELDS, 0))
+            cols = [c for c in p.column if c not in gathered]
+            f["pairs"] += p.row not in rows
+            f["forward_bytes"] += 0 if p.row in rows else p.forward_bytes
+            f["backward_reduces"] += len(cols)
+            f["backward_bytes"] += p.backward_bytes - sum(gathered[c] for c in p.column if c in gathered)
+            f["params"] += p.params
+            f["flops"] += p.flops
+        for r in regions:
+            for field, items in (("sequence_forward", r.forward), ("sequence_backward", r.backward)):
+                for block, nbytes in items:
+                    f = facts.setdefault(block, dict.fromkeys(_FACT_FIELDS, 0))
+                    f[field + "_calls"] += 1
+                    f[field + "_bytes"] += nbytes
+            for block, nbytes in r.reduced:  # norm weights: their gradients all-reduced
+                f = facts.setdefault(block, dict.fromkeys(_FACT_FIELDS, 0))
+                f["backward_reduces"] += 1
+                f["backward_bytes"] += nbytes
+            for block, share in r.shares:
+                f = facts.setdefault(block, dict.fromkeys(_FACT_FIELDS, 0))
+                f["sequence_share"] += share
+        return {b: TensorParallelBlock(**f) for b, f in facts.items()}
 
     def summary(self) -> str:
         rows = [["block", "column-wise", "row-wise", "tp=" + str(self.tp)]]
@@ -172,7 +246,23 @@ class TensorParallelReport:
         head = f"tensor parallel: {counted(len(self.sharded), 'pair')}" \
                + (f" and {counted(vocab, 'vocabulary-parallel part')}" if vocab else "") \
                + f" sharded, {counted(refused, 'part')} replicated"
-        return head + "\n" + format_table(rows, "llll")
+        text = head + "\n" + format_table(rows, "llll")
+        if self.sequence:
+            regions = [r for r in self.sequence if r.sharded]
+            text += (f"\nsequence parallel: {counted(len(regions), 'region')} on sequence shards, "
+                     f"{counted(len(self.sequence) - len(regions), 'region')} whole")
+            rows = [["blocks", "reduce-scattered", "all-gathered", "sequence"]]
+            for r in self.sequence:
+                span = r.blocks[0] if len(r.blocks) == 1 else f"{r.blocks[0]} .. {r.blocks[-1]}"
+                rows.append([span, counted(len(r.rows), "row output"), counted(len(r.columns), "column layer"),
+                             "sequence-parallel" if r.sharded else "whole: " + r.reason])
+            text += "\n" + format_table(rows, "llll")
+        return text
+
+
+_FACT_FIELDS = ("pairs", "backward_reduces", "params", "flops", "forward_bytes", "backward_bytes",
+                "sequence_forward_calls", "sequence_forward_bytes", "sequence_backward_calls",
+                "sequence_backward_bytes", "sequence_share")
 
 
 def _leaf(path: str, block: str) -> str:
@@ -389,17 +479,20 @@ def _pair_facts(stage: fx.GraphModule, linears: Sequence[_Linear], inside: Seque
             "backward_bytes": sum(_nbytes(lin.node.args[0]) for lin in linears[:-1])}
 
 
-def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int) -> tuple[list[_Found], TensorParallelReport]:
-    """Every candidate pair and vocab part in ``stage``'s blocks, checked for ``tp`` (nothing is changed); the
-    pairs to shard and the report."""
-    found, _, report = _find_all(stage, graph, tp)
+def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int, *, sequence_parallel: bool = False
+               ) -> tuple[list[_Found], TensorParallelReport]:
+    """Every candidate pair and vocab part in ``stage``'s blocks, checked for ``tp`` (nothing is changed), and with
+    ``sequence_parallel`` the sequence-parallel regions; the pairs to shard and the report."""
+    found, _, _, report = _find_all(stage, graph, tp, sequence_parallel)
     return found, report
 
 
-def _find_all(stage: fx.GraphModule, graph: BlockGraph, tp: int
-              ) -> tuple[list[_Found], list[_VocabFound], TensorParallelReport]:
+def _find_all(stage: fx.GraphModule, graph: BlockGraph, tp: int, sequence_parallel: bool = False
+              ) -> tuple[list[_Found], list[_VocabFound], list[_SeqFound], TensorParallelReport]:
     if not isinstance(tp, int) or tp < 1:
         raise InputError(f"tp (tensor-parallel degree) must be an integer >= 1, got {tp!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise InputError(f"sequence_parallel must be true or false, got {sequence_parallel!r}")
     info = stage_info(stage)
     blocks = {b.name: b for b in graph.blocks}
     nodes = {n.name: n for n in stage.graph.nodes}
@@ -479,8 +572,14 @@ def _find_all(stage: fx.GraphModule, graph: BlockGraph, tp: int
     # a refused candidate whose layers another candidate shards is no news: leave it out of the report
     done = {c for p in pairs if p.sharded for c in (*p.column, p.row)}
     shown = tuple(p for p in pairs if p.sharded or not ({*p.column, p.row} & done))
-    report = TensorParallelReport(tp=tp, pairs=shown, unpaired=tuple(unpaired), vocab=tuple(v.part for v in vocab))
-    return found, [v for v in vocab if v.part.sharded], report
+    sharded_vocab = [v for v in vocab if v.part.sharded]
+    seq: list[_SeqFound] = []
+    if sequence_parallel and tp > 1:
+        block_of = {nodes[m]: name for name in info.blocks for m in blocks[name].nodes if m in nodes}
+        seq = _find_sequence(stage, tp, found, sharded_vocab, block_of, order)
+    report = TensorParallelReport(tp=tp, pairs=shown, unpaired=tuple(unpaired), vocab=tuple(v.part for v in vocab),
+                                  sequence=tuple(f.region for f in seq))
+    return found, sharded_vocab, [f for f in seq if f.region.sharded], report
 
 
 # -- vocabulary-parallel parts ------------------------------------------------------------------------------------
@@ -614,6 +713,206 @@ def _local(x: Any) -> torch.Tensor:
     return x.to_local()
 
 
+# -- sequence parallelism ------------------------------------------------------------------------------------------
+@dataclass
+class _SeqFound:
+    region: SequenceRegion
+    rows: tuple[_Linear, ...]
+    nodes: tuple[fx.Node, ...]  # the region's nodes (rows included), graph order
+    gathers: dict[fx.Node, list[fx.Node]]  # value -> column-wise readers (one all-gather each value)
+    outputs: tuple[fx.Node, ...]  # values the stage returns: gathered whole
+    entries: dict[fx.Node, list[tuple[fx.Node, str]]]  # whole value -> (region reader, "scatter" or "partial")
+
+
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
+
+
+def _tokenwise(u: fx.Node, seq: int) -> str:
+    """Why ``u``, reading a sequence-sharded value, must see it whole ("" when it works token by token)."""
+    t, where = u.target, f"{u.name} ({getattr(u.target, '__name__', u.target)})"
+    if t is aten._assert_tensor_metadata.default or (u.op, t) == ("call_method", "contiguous"):  # codegen's, for sends
+        return ""
+    out = _shape(u)
+    if out is None or len(out) != 3 or out[SEQ_DIM] != seq:
+        return f"{where} does not keep [batch, sequence, hidden] (shape {out})"
+    if t in _SAME_SHAPE or torch.Tag.pointwise in getattr(t, "tags", ()):
+        return ""
+    if t in _REDUCTIONS and all(_norm_dim(int(d), 3) > SEQ_DIM for d in cast(Sequence[int], u.args[1])):
+        return ""
+    if t in _NORMS and len(cast(Sequence[int], u.args[1])) < 3 - SEQ_DIM:
+        return ""
+    return f"{where} is not token-wise"
+
+
+def _find_sequence(stage: fx.GraphModule, tp: int, found: Sequence[_Found], vocab: Sequence[_VocabFound],
+                   block_of: dict[fx.Node, str], order: dict[fx.Node, int]) -> list[_SeqFound]:
+    """The sequence-parallel regions grown from the sharded pairs' row outputs (module glossary: sequence)."""
+    rows = {f.linears[-1].node: f.linears[-1] for f in found}
+    columns = {lin.node: lin.owner for f in found for lin in f.linears[:-1]}
+    columns.update({v.node: v.owner for v in vocab if v.part.kind == LOSS_PARALLEL})
+    out: list[_SeqFound] = []
+    seeds = []
+    for n, lin in rows.items():
+        s = _shape(n)
+        if s is None or len(s) != 3:
+            why = f"its output has shape {s}, not [batch, sequence, hidden]"
+        elif s[SEQ_DIM] % tp:
+            why = f"its sequence of {s[SEQ_DIM]} is not divisible by tp={tp}"
+        else:
+            seeds.append(n)
+            continue
+        out.append(_SeqFound(SequenceRegion(blocks=(block_of[n],), rows=(lin.owner,), reason=why), (lin,), (), {},
+                             (), {}))
+    # grow forward through token-wise readers; union-find joins the seeds whose regions meet
+    parent: dict[fx.Node, fx.Node] = {n: n for n in seeds}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    bad: dict[fx.Node, str] = {}  # region node -> why a reader needs it whole
+    queue = list(seeds)
+    seq = {n: (_shape(n) or (0, 0))[SEQ_DIM] for n in seeds}
+    while queue:
+        n = queue.pop()
+        for u in n.users:
+            if u.op == "output" or (u in columns and u.args[0] is n):
+                continue
+            if u in parent:
+                if u not in rows:
+                    parent[root(u)] = root(n)
+                continue
+            why = "" if u not in rows else f"{u.name} is a row-wise layer"
+            why = why or _tokenwise(u, seq[n])
+            if why:
+                bad.setdefault(n, why)
+                continue
+            parent[u] = root(n)
+            seq[u] = seq[n]
+            queue.append(u)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in sorted(parent, key=order.__getitem__):
+        groups.setdefault(root(n), []).append(n)
+    for nodes in groups.values():
+        inside = set(nodes)
+        mine = tuple(rows[n] for n in nodes if n in rows)
+        blocks = tuple(dict.fromkeys(block_of[n] for n in nodes if n in block_of))
+        gathers: dict[fx.Node, list[fx.Node]] = {}
+        outputs = []
+        for n in nodes:
+            readers = [u for u in n.users if u in columns and u.args[0] is n]
+            if readers:
+                gathers[n] = sorted(readers, key=order.__getitem__)
+            if any(u.op == "output" for u in n.users):
+                outputs.append(n)
+        why = next((f"{n.name} is sequence-sharded but {bad[n]}" for n in nodes if n in bad), "")
+        if not why and not gathers:
+            why = "it reaches no column-wise layer (nothing would take its all-gather)"
+        if why:
+            out.append(_SeqFound(SequenceRegion(blocks=blocks, rows=tuple(r.owner for r in mine), reason=why), mine,
+                                 (), {}, (), {}))
+            continue
+        entries: dict[fx.Node, list[tuple[fx.Node, str]]] = {}
+        for n in nodes:
+            if n in rows or n.target is aten._assert_tensor_metadata.default:
+                continue
+            for x in n.all_input_nodes:
+                if x in inside:
+                    continue
+                s = _shape(x)
+                k = len(s or ()) - 3 + SEQ_DIM  # the dim of x that broadcasts against the sequence
+                kind = "scatter" if s and k >= 0 and s[k] == seq[n] and s[k] > 1 else "partial"
+                if s is None or kind == "scatter" and k != SEQ_DIM:
+                    why = why or f"{n.name} reads {x.name} of shape {s}, not split or broadcast on dim {SEQ_DIM}"
+                entries.setdefault(x, []).append((n, kind))
+        if why:
+            out.append(_SeqFound(SequenceRegion(blocks=blocks, rows=tuple(r.owner for r in mine), reason=why), mine,
+                                 (), {}, (), {}))
+            continue
+        fwd = [(block_of[n], _nbytes(n)) for n in nodes if n in rows]
+        fwd += [(block_of[r[0]], _nbytes(n)) for n, r in gathers.items()]
+        back = list(fwd)
+        fwd += [(block_of.get(n, blocks[-1]), _nbytes(n) or _nbytes(n.args[0])) for n in outputs]
+        back += [(block_of.get(r[0][0], blocks[0]), _nbytes(x)) for x, r in entries.items() if r[0][1] == "scatter"]
+        reduced = [(block_of.get(r[0][0], blocks[0]), _nbytes(x)) for x, r in entries.items() if r[0][1] == "partial"
+                   and x.op == "get_attr"]
+        shares = []
+        for b in blocks:
+            total = sum(_nbytes(n) for n in block_of if block_of[n] == b)
+            part = sum(_nbytes(n) for n in nodes if block_of.get(n) == b and n not in rows)
+            shares.append((b, part / total if total else 0.0))
+        cols = [(columns[u], _nbytes(n)) for n, rs in gathers.items() for u in rs]
+        region = SequenceRegion(blocks=blocks, rows=tuple(r.owner for r in mine), columns=tuple(c for c, _ in cols),
+                                column_bytes=tuple(b for _, b in cols), forward=tuple(fwd), backward=tuple(back),
+                                reduced=tuple(reduced), shares=tuple(shares))
+        out.append(_SeqFound(region, mine, tuple(nodes), gathers, tuple(outputs), entries))
+    return out
+
+
+class _Redistribute(nn.Module):
+    """A plain tensor's layout over the ``tp`` ranks changed with DTensor (module glossary: sequence):
+
+    ``scatter``  whole -> this rank's sequence shard (forward: no communication; backward: all-gather).
+    ``gather``   sequence shard -> a replicated DTensor, for column-wise layers (forward: all-gather; backward:
+                 their summed partial input gradients reduce-scattered, once for all of them).
+    ``whole``    sequence shard -> a whole plain tensor, for the stage's outputs (forward: all-gather).
+    ``partial``  a whole tensor read by shards, unchanged (backward: its gradient all-reduced over ``tp``).
+    """
+
+    def __init__(self, mesh: Any, kind: str) -> None:
+        super().__init__()
+        self.mesh, self.kind = mesh, kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        if self.kind == "partial":
+            return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+        if self.kind == "scatter":
+            whole = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+            return whole.redistribute(self.mesh, [Shard(SEQ_DIM)]).to_local()
+        gathered = DTensor.from_local(x, self.mesh, [Shard(SEQ_DIM)], run_check=False).redistribute(
+            self.mesh, [Replicate()])
+        return gathered if self.kind == "gather" else gathered.to_local()
+
+
+def _apply_sequence(new: fx.GraphModule, f: _SeqFound, mesh: Any, by_name: dict[str, fx.Node]) -> None:
+    """Rewrite ``new``'s graph for the kept region ``f``: its entries, metadata checks and exits (``by_name``: the
+    stage's node names -> ``new``'s nodes)."""
+    g = new.graph
+
+    def helper(kind: str, x: fx.Node, before: fx.Node) -> fx.Node:
+        name = "sequence_" + kind
+        if not hasattr(new, name):
+            new.add_submodule(name, _Redistribute(mesh, kind))
+        with g.inserting_before(before):
+            call = g.call_module(name, (x,))
+        call.meta.update(x.meta)
+        return call
+
+    for n in f.nodes:
+        if n.target is aten._assert_tensor_metadata.default:  # a check of global sizes: keep dtype/device checks
+            twin = by_name[n.name]
+            twin.kwargs = {k: v for k, v in twin.kwargs.items() if k not in ("size", "stride")}
+    for x, entry in f.entries.items():  # its readers in graph order: the first is where the value is split
+        users = [by_name[r.name] for r, _ in entry]
+        call = helper(entry[0][1], by_name[x.name], users[0])
+        for u in users:
+            u.replace_input_with(by_name[x.name], call)
+    for n, readers in f.gathers.items():
+        users = [by_name[r.name] for r in readers]
+        call = helper("gather", by_name[n.name], users[0])
+        for u in users:
+            u.replace_input_with(by_name[n.name], call)
+    out = next(n for n in g.nodes if n.op == "output")
+    for n in f.outputs:
+        out.replace_input_with(by_name[n.name], helper("whole", by_name[n.name], out))
+
+
 # -- applying them ---------------------------------------------------------------------------------
 def _linear_module(stage: fx.GraphModule, lin: _Linear) -> nn.Linear:
     w = stage.get_parameter(lin.weight)
@@ -624,6 +923,13 @@ def _linear_module(stage: fx.GraphModule, lin: _Linear) -> nn.Linear:
     if b is not None:
         module.bias = b
     return module
+
+
+def _call_module(node: fx.Node, target: str, arg: fx.Node) -> None:
+    """Turn ``node`` into a call of the module ``target`` on ``arg`` in place: it keeps its name, which recompute
+    regions find a block's nodes by (a new node cannot take an erased node's name: FX numbers it anew)."""
+    node.op, node.target = "call_module", target
+    node.args, node.kwargs = (arg,), {}
 
 
 def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node]) -> Any:
@@ -643,15 +949,8 @@ def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node
     parent, _, leaf = v.owner.rpartition(".")
     setattr(new.get_submodule(parent) if parent else new, leaf, module)
     g = new.graph
-    twin = by_name[v.node.name]
     source = cast(fx.Node, v.node.args[1 if v.part.kind == "embedding" else 0])  # ids, or the head's input
-    with g.inserting_before(twin):
-        call = g.call_module(v.owner, (by_name[source.name],))
-    call.meta.update(twin.meta)
-    twin.replace_all_uses_with(call)
-    g.erase_node(twin)
-    call._rename(v.node.name)
-    by_name[call.name] = call
+    _call_module(by_name[v.node.name], v.owner, by_name[source.name])
     if v.part.kind != LOSS_PARALLEL:
         if v.padding is not None:
             with g.inserting_after(call):
@@ -679,18 +978,20 @@ def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node
 
 
 def tensor_parallel_stage(
-    stage: fx.GraphModule, graph: BlockGraph, mesh: Any
+    stage: fx.GraphModule, graph: BlockGraph, mesh: Any, *, sequence_parallel: bool = False
 ) -> tuple[fx.GraphModule, TensorParallelReport, dict[int, nn.Parameter]]:
-    """A new stage module whose pairs are sharded over the 1-D DeviceMesh ``mesh`` (dim ``tp``).
+    """A new stage module whose pairs are sharded over the 1-D DeviceMesh ``mesh`` (dim ``tp``), and with
+    ``sequence_parallel`` the token-wise ops between them run on sequence shards (module glossary: sequence).
 
     ``stage`` is a module made by codegen from ``graph``; it is not modified. Returns the new module, the report of
     what was sharded and what stays replicated, and ``id(old parameter) -> new DTensor parameter`` for the
     parameters it replaced (their names are unchanged).
     """
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = mesh.size()
-    found, vocab, report = _find_all(stage, graph, tp)
+    found, vocab, seq, report = _find_all(stage, graph, tp, sequence_parallel)
     new = fx.GraphModule(stage, copy.deepcopy(stage.graph), class_name=type(stage).__name__)
     new.meta.update(stage.meta)
     if not (found or vocab) or tp == 1:
@@ -710,14 +1011,12 @@ def tensor_parallel_stage(
             module = _linear_module(new, lin)
             parent, _, leaf = lin.owner.rpartition(".")
             setattr(new.get_submodule(parent) if parent else new, leaf, module)
-            twin = by_name[lin.node.name]
-            with new.graph.inserting_before(twin):
-                call = new.graph.call_module(lin.owner, (by_name[lin.node.args[0].name],))  # type: ignore[union-attr]
-            call.meta.update(twin.meta)
-            twin.replace_all_uses_with(call)
-            new.graph.erase_node(twin)
-            call._rename(lin.node.name)  # the block's node names (recompute regions find their nodes by them)
+            _call_module(by_name[lin.node.name], lin.owner, by_name[lin.node.args[0].name])  # type: ignore[union-attr]
             layout[lin.owner] = RowwiseParallel() if i == len(f.linears) - 1 else ColwiseParallel()
+    for sf in seq:  # after the pairs: the readers it rewires are their call_module nodes
+        _apply_sequence(new, sf, mesh, by_name)
+        for lin in sf.rows:  # reduce-scatter on the sequence instead of all-reduce
+            layout[lin.owner] = RowwiseParallel(output_layouts=Shard(SEQ_DIM))
     for n in list(new.graph.nodes):
         if n.op == "get_attr" and not n.users:  # the weights the call_module nodes now read themselves
             new.graph.erase_node(n)

@@ -2,7 +2,8 @@
 
 Torch-free (the layout search uses it). The facts come from the tensor-parallel pass
 (:meth:`omnibal_compile.compile.tensor_parallel.TensorParallelReport.blocks`); the rule follows what the
-runtime runs today (DTensor ``ColwiseParallel`` / ``RowwiseParallel``, no sequence parallelism).
+runtime runs (DTensor ``ColwiseParallel`` / ``RowwiseParallel``, and with ``sequence_parallel`` the token-wise
+regions between them on sequence shards).
 
 Glossary:
     sharded share   ``s = facts.flops / block.flops``: the part of a block's work that each rank runs on
@@ -23,10 +24,19 @@ Glossary:
                     backward (its input gradient), plus ``latency_s`` per call. Not overlapped with
                     compute: added to the block's times, and recorded in ``BlockCost.tensor_parallel_s``.
                     Full recomputation reruns the forward's all-reduces.
-    activations     NOT divided: without sequence parallelism every rank computes and keeps the same
+    sequence        with sequence parallelism a region's row outputs are reduce-scattered on the sequence and
+                    the column inputs it reaches all-gathered, mirrored in the backward: each call one
+                    ``ring_collective_s`` pass (half an all-reduce) plus ``latency_s``, so a pair's forward
+                    moves the bytes of its all-reduce; the backward reduce-scatters one input gradient per
+                    gathered value where DTensor's column layers all-reduce one each (q, k and v: 1, not 3).
+                    The norm weights read by shards all-reduce their gradients (``backward_bytes``).
+    activations     without sequence parallelism NOT divided: every rank computes and keeps the same
                     replicated activations outside the pairs, and the sharded values inside them (q, k, v,
                     the MLP's hidden) are a share this table does not know, so kept activations,
-                    workspace and peaks stay those of one whole block: an upper bound.
+                    workspace and peaks stay those of one whole block: an upper bound. With it, kept
+                    activations become ``a (1 - q + q / tp)`` for ``q = facts.sequence_share`` (the bytes of the
+                    block's values that are sequence shards over all its values' bytes: what is kept is taken
+                    to split alike); workspace and peaks stay whole (an upper bound).
     analytic rule   :func:`omnibal_compile.costs.analytic.tensor_parallel_costs` models Megatron with
                     sequence parallelism at paper scale: 4 all-gathers / reduce-scatters per layer and
                     direction and activations / tp. Its collective time is the same function
@@ -57,8 +67,11 @@ def tensor_parallel_block(block: BlockCost, facts: TensorParallelBlock, tp: int,
                          f"its {block.num_params}: the facts are not this table's")
     s = min(1.0, facts.flops / block.flops) if facts.flops > 0 else 0.0
     keep = 1 - s + s / tp
-    forward = facts.pairs * latency_s + 2 * ring_collective_s(facts.forward_bytes, tp, bandwidth)
-    backward = facts.backward_reduces * latency_s + 2 * ring_collective_s(facts.backward_bytes, tp, bandwidth)
+    forward = facts.pairs * latency_s + 2 * ring_collective_s(facts.forward_bytes, tp, bandwidth) \
+        + facts.sequence_forward_calls * latency_s + ring_collective_s(facts.sequence_forward_bytes, tp, bandwidth)
+    backward = facts.backward_reduces * latency_s + 2 * ring_collective_s(facts.backward_bytes, tp, bandwidth) \
+        + facts.sequence_backward_calls * latency_s + ring_collective_s(facts.sequence_backward_bytes, tp, bandwidth)
+    q = facts.sequence_share
     f = facts.params / block.num_params if block.num_params else 0.0
     return dataclasses.replace(
         block,
@@ -68,6 +81,7 @@ def tensor_parallel_block(block: BlockCost, facts: TensorParallelBlock, tp: int,
         weight_grad_s=None if block.weight_grad_s is None else block.weight_grad_s * keep,
         recompute_s={o: t * keep + (forward if o == "full" else 0.0) for o, t in block.recompute_s.items()},
         static_bytes=round(block.static_bytes * (1 - f + f / tp)),
+        activation_bytes={o: round(a * (1 - q + q / tp)) for o, a in block.activation_bytes.items()},
         tensor_parallel_s=block.tensor_parallel_s + forward + backward,
     )
 

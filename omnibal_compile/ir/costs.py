@@ -77,29 +77,50 @@ class TensorParallelBlock:
     micro-batch of the shape the pass saw."""
 
     pairs: int
-    """Sharded column/row pairs in the block: one forward all-reduce each."""
+    """Forward all-reduces: one per sharded column/row pair of the block (not a pair whose row output a
+    sequence-parallel region reduce-scatters)."""
     backward_reduces: int
     """All-reduces of the backward: one per column-wise layer (DTensor's ``ColwiseParallel`` reduces each layer's
-    input gradient on its own: 3 for attention's q, k and v, where Megatron fuses them into one)."""
+    input gradient on its own: 3 for attention's q, k and v, where Megatron fuses them into one), none for a layer
+    reading a sequence-parallel region all-gathered, one per norm weight such a region reads."""
     params: int
     """Parameter elements of the pairs' linear layers (weights and biases), whole: each rank holds 1 / tp."""
     flops: float
     """Forward FLOPs of the ops each rank runs on its shard only: the pairs' linear layers and the attention
     between them (2 x multiply-adds, the formulas of ``torch.utils.flop_counter``)."""
     forward_bytes: int
-    """Bytes the forward all-reduces: each pair's row-wise layer's output."""
+    """Bytes the forward all-reduces: each such pair's row-wise layer's output."""
     backward_bytes: int
-    """Bytes the backward all-reduces: each column-wise layer's input gradient."""
+    """Bytes the backward all-reduces: each column-wise layer's input gradient (and with sequence parallelism the
+    gradients of the norm weights read by sequence shards)."""
+    sequence_forward_calls: int = 0
+    """Sequence parallelism: reduce-scatters and all-gathers of the forward (the row-wise outputs reduce-scattered
+    on the sequence, the column-wise inputs all-gathered; each one ring pass, half an all-reduce)."""
+    sequence_forward_bytes: int = 0
+    """Whole bytes of the values those forward calls move."""
+    sequence_backward_calls: int = 0
+    """Sequence parallelism: reduce-scatters and all-gathers of the backward (the mirror of the forward's, and the
+    gradients of whole values entering a region all-gathered)."""
+    sequence_backward_bytes: int = 0
+    """Whole bytes of the values those backward calls move."""
+    sequence_share: float = 0.0
+    """Sequence parallelism: the share of the block's activation bytes that are sequence shards (each rank keeps
+    1 / tp of them)."""
 
     def __post_init__(self) -> None:
-        if min(self.pairs, self.backward_reduces, self.params, self.flops, self.forward_bytes, self.backward_bytes) < 0:
-            raise InputError(f"tensor-parallel block facts must be non-negative, got {self}")
+        if min(self.pairs, self.backward_reduces, self.params, self.flops, self.forward_bytes, self.backward_bytes,
+               self.sequence_forward_calls, self.sequence_forward_bytes, self.sequence_backward_calls,
+               self.sequence_backward_bytes) < 0 or not 0 <= self.sequence_share <= 1:
+            raise InputError(f"tensor-parallel block facts must be non-negative (sequence_share at most 1), "
+                             f"got {self}")
 
     def scaled(self, k: float) -> TensorParallelBlock:
         """The same block on a micro-batch ``k`` times as large: FLOPs and bytes scale, parameters do not (the
         rule of :func:`omnibal_compile.costs.mix.scale_costs`)."""
         return dataclasses.replace(self, flops=self.flops * k, forward_bytes=round(self.forward_bytes * k),
-                                   backward_bytes=round(self.backward_bytes * k))
+                                   backward_bytes=round(self.backward_bytes * k),
+                                   sequence_forward_bytes=round(self.sequence_forward_bytes * k),
+                                   sequence_backward_bytes=round(self.sequence_backward_bytes * k))
 
 
 def held_once(shared: Sequence[tuple[tuple[int, ...], float]], blocks: Sequence[int] | range) -> float:

@@ -120,7 +120,7 @@ def precheck(config: RunConfig) -> Plan:
     nproc = config.nproc if config.nproc is not None else dp * config.tp * plan.num_devices
     check_pipeline(plan, world_size=nproc, batch_size=config.batch_size, dp=dp, tp=config.tp,
                    data_parallel=run_data_parallel(config), precision=config.run_precision)
-    check_tensor_parallel(plan, tp=config.tp, compile=config.compile)
+    check_tensor_parallel(plan, tp=config.tp, compile=config.compile, sequence_parallel=config.sequence_parallel)
     if config.device not in ("cpu", "cuda"):
         raise InputError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
     if config.device == "cuda" and torch.cuda.device_count() < nproc:

@@ -620,6 +620,7 @@ def build_pipeline(
     masters: Mapping[str, torch.Tensor] | None = None,
     weights: RankWeights | None = None,
     compile: bool = False,
+    sequence_parallel: bool = False,
 ) -> RankPipeline:
     """This rank's :class:`RankPipeline` for ``result`` (from :func:`omnibal_compile.api.compile_for_microbatches`).
 
@@ -640,7 +641,9 @@ def build_pipeline(
     was cut from a model on meta (:func:`~omnibal_compile.runtime.weights.meta_start`); only this rank's stages'
     tensors are made real, from these, on ``device`` (in 16 bits their parameters as the fp32 masters, read
     exactly: ``masters`` is then not needed). ``compile``: each stage module's forward runs under ``torch.compile``
-    (:mod:`omnibal_compile.runtime.compiled`), recompute regions inside it.
+    (:mod:`omnibal_compile.runtime.compiled`), recompute regions inside it. ``sequence_parallel``: with a ``tp``
+    mesh dim, the token-wise ops between the tensor-parallel pairs (residual adds, norms) run on sequence shards
+    (:mod:`omnibal_compile.compile.tensor_parallel`, glossary: sequence).
     """
     if weighting not in ("tokens", "rows"):
         raise InputError(f"weighting must be 'tokens' or 'rows', got {weighting!r}")
@@ -666,7 +669,7 @@ def build_pipeline(
         raise InputError(f"data_parallel has {layout.size} replicas, the mesh's dp dimension {dp_size}: give one size")
     check_pipeline(plan, world_size=world_size * dp_size * tp_size, dp=dp_size, tp=tp_size, data_parallel=layout,
                    precision=precision)
-    check_tensor_parallel(plan, tp=tp_size, compile=compile)
+    check_tensor_parallel(plan, tp=tp_size, compile=compile, sequence_parallel=sequence_parallel)
     device = torch.device(device)
     low = compute_dtype(precision)
     if low is not None:
@@ -691,7 +694,7 @@ def build_pipeline(
         gm = result.stages[s]
         if tp_size > 1:  # before recompute: the pass reads the stage's blocks as codegen made them
             assert mesh is not None
-            gm, report, new = tensor_parallel_stage(gm, result.graph, mesh["tp"])
+            gm, report, new = tensor_parallel_stage(gm, result.graph, mesh["tp"], sequence_parallel=sequence_parallel)
             sharded.update(new)
             reports.append(report)
         mod: nn.Module = apply_recompute(gm, result.graph, plan) if recompute else gm

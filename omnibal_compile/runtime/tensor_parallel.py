@@ -24,10 +24,13 @@ MESH_DIMS: tuple[tuple[str, ...], ...] = (("dp", "pp"), ("dp", "pp", "tp"))
 """Mesh dim names the runtime builds on."""
 
 
-def check_tensor_parallel(plan: Plan, *, tp: int, compile: bool = False) -> None:
+def check_tensor_parallel(plan: Plan, *, tp: int, compile: bool = False, sequence_parallel: bool = False) -> None:
     """Raise a clear :class:`PlanError` / :class:`InputError` for a ``tp`` setting this runtime does not run yet."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise PlanError(f"tp (tensor-parallel ranks per stage, --tp) must be an integer >= 1, got {tp!r}")
+    if sequence_parallel and tp == 1:
+        raise InputError("sequence_parallel (--sequence-parallel) splits the tensor-parallel ranks' sequence: it needs "
+                         "tp > 1 (--tp 2 or more), or leave it off")
     if tp == 1:
         return
     refused = []

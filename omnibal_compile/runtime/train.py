@@ -258,7 +258,7 @@ def train(config: RunConfig) -> list[StepLog]:
         result, mesh=mesh, device=device, data_parallel=layout,
         recompute=config.apply_recompute, weighting=config.weighting, precision=config.run_precision,
         masters=masters if lean is None else None, weights=lean.weights if lean is not None else None,
-        compile=config.compile,
+        compile=config.compile, sequence_parallel=config.sequence_parallel,
     )
     del model, result, masters  # each rank keeps only its stages' parameters
     if pipeline.tensor_parallel and mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0:

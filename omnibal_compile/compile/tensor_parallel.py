@@ -950,7 +950,8 @@ def _apply_vocab(new: fx.GraphModule, v: _VocabFound, by_name: dict[str, fx.Node
     setattr(new.get_submodule(parent) if parent else new, leaf, module)
     g = new.graph
     source = cast(fx.Node, v.node.args[1 if v.part.kind == "embedding" else 0])  # ids, or the head's input
-    _call_module(by_name[v.node.name], v.owner, by_name[source.name])
+    call = by_name[v.node.name]
+    _call_module(call, v.owner, by_name[source.name])
     if v.part.kind != LOSS_PARALLEL:
         if v.padding is not None:
             with g.inserting_after(call):

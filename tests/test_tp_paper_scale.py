@@ -31,6 +31,7 @@ from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.costs.tensor_parallel import tensor_parallel_table
 from omnibal_compile.data.lengths import bundled_length_files, load_lengths
 from omnibal_compile.errors import InputError
+from omnibal_compile.ir.costs import ring_collective_s
 
 MODEL = INTERNVL_6B_20B
 SHAPE = MicroBatch(tiles=32, tokens=8529, attention_pairs=1.0865685e7)  # the study's 4 mean samples
@@ -93,6 +94,12 @@ def test_the_planner_column_is_tensor_parallel_tables_and_the_analytic_column_it
         assert r.analytic_compute_s + r.analytic_collective_s == pytest.approx(a.forward_s + a.backward_s, rel=1e-12)
         assert (r.analytic_activation_bytes, r.analytic_static_bytes) == (a.activation_bytes["none"], a.static_bytes)
     by = {(r.tp, r.block_type): r for r in rows}
+    for tp in (2, 8):  # the analytic rule: a layer's compute / tp, plus 4 all-gathers / reduce-scatters per direction
+        r = by[(tp, "llm.layer")]
+        b = base.blocks[MODEL.block_types().index("llm.layer")]
+        assert r.analytic_compute_s == pytest.approx((b.forward_s + b.backward_s) / tp)
+        ring = ring_collective_s(4 * 2.0 * SHAPE.tokens * 6144, tp, A100_80G.link_bandwidth("nvlink"))
+        assert r.analytic_collective_s == pytest.approx(2 * ring)
     llm = by[(2, "llm.layer")]
     # both divide the fully sharded layer's compute and weights; no sequence parallelism keeps activations whole
     assert llm.planner_compute_s == pytest.approx(llm.analytic_compute_s)

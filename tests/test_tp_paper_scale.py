@@ -12,6 +12,7 @@ import pytest
 from bench.studies.paper_layout import mean_sample
 from bench.studies.paper_scale import PAPER_GPU_DAYS, retile_internvl15
 from bench.studies.tp_paper_scale import (
+    best_at_degree,
     best_pp_only,
     compare_block_costs,
     format_comparison,
@@ -84,9 +85,10 @@ def test_the_planner_column_is_tensor_parallel_tables_and_the_analytic_column_it
     rows = compare_block_costs(MODEL, SHAPE, (2, 8))
     assert [(r.tp, r.block_type) for r in rows] == [(tp, k) for tp in (2, 8) for k in BLOCK_TYPES]
     base = cost_table(MODEL, SHAPE)
+    nvlink = A100_80G.link_bandwidth("nvlink")
     for r in rows:
         i = MODEL.block_types().index(r.block_type)
-        p = tensor_parallel_table(base, r.tp, sharded=facts(r.tp), bandwidth=A100_80G.link_bandwidth("nvlink")).blocks[i]
+        p = tensor_parallel_table(base, r.tp, sharded=facts(r.tp), bandwidth=nvlink).blocks[i]
         a = cost_table(MODEL, SHAPE, tensor_parallel=r.tp).blocks[i]
         assert r.planner_compute_s + r.planner_collective_s == pytest.approx(p.forward_s + p.backward_s, rel=1e-12)
         assert r.planner_collective_s == p.tensor_parallel_s
@@ -114,8 +116,12 @@ def test_the_planner_column_is_tensor_parallel_tables_and_the_analytic_column_it
 
 
 @pytest.fixture(scope="module")
-def search():
-    stats = retile_internvl15(load_lengths(bundled_length_files()))
+def stats():
+    return retile_internvl15(load_lengths(bundled_length_files()))
+
+
+@pytest.fixture(scope="module")
+def search(stats):
     # 16 devices in nodes of 8, 1F1B only and the paper's micro-batches of 4 samples: the bench's form, smaller
     return tp_search(MODEL, stats, devices=16, degrees=(2, 4, 8, 16), microbatch_sizes=(4,), schedules=("1f1b",))
 
@@ -131,6 +137,23 @@ def test_the_search_chooses_the_least_predicted_time_and_keeps_tp_groups_in_a_no
     assert pp.time_per_unit_s == min(c.time_per_unit_s for c in planned if c.layout.tp == 1)
 
 
+def test_the_best_with_tp_fixed_is_the_full_searchs_figure_for_that_layout(stats, search):
+    fixed = best_at_degree(MODEL, stats, 2, devices=16, microbatch_sizes=(4,), schedules=("1f1b",))
+    lay = fixed.layout
+    assert lay.tp == 2 and lay.devices == 16 and fixed.plan is not None and fixed.plan.tensor_parallel == 2
+    # the same layout in the full search over (dp, pp, tp), planned there (no pruning at its depth): same figures
+    full = tp_search(MODEL, stats, devices=16, degrees=(2,), microbatch_sizes=(4,), schedules=("1f1b",),
+                     pipeline=[lay.pp], prune=None)
+    same = next(c for c in full.candidates if c.layout == lay)
+    assert same.time_per_unit_s == pytest.approx(fixed.time_per_unit_s, rel=1e-9)
+    assert same.peak_memory_bytes == pytest.approx(fixed.peak_memory_bytes, rel=1e-9)
+    assert fixed.time_per_unit_s >= search.best.time_per_unit_s * (1 - 1e-9)  # the full search chose no worse
+    text = format_search_verdict(search, 1_200_000, PAPER_GPU_DAYS[MODEL.name], {2: fixed})
+    assert "SIMULATED: best with tp=2 fixed" in text and lay.describe() in text
+    with pytest.raises(InputError, match="tp=3"):
+        best_at_degree(MODEL, stats, 3, devices=16)
+
+
 def test_the_verdict_prints_the_chosen_the_pp_only_best_and_the_papers_rows(search):
     paper = PAPER_GPU_DAYS[MODEL.name]
     text = format_search_verdict(search, 1_200_000, paper)
@@ -138,7 +161,7 @@ def test_the_verdict_prints_the_chosen_the_pp_only_best_and_the_papers_rows(sear
     assert days == pytest.approx(search.best.time_per_unit_s * 1_200_000 * 16 / 86400)
     chosen = next(line for line in text.splitlines() if line.startswith("SIMULATED: chosen"))
     assert search.best.layout.describe() in chosen and f"{days:.1f}" in chosen
-    assert "SIMULATED: best tp=1 (pp-only)" in text and "SIMULATED: best tp=8" in text
+    assert "SIMULATED: best tp=1 (pp-only)" in text
     for p in paper:
         assert f"{p:g}" in text and f"{p / days:.3f}" in text
     assert not math.isnan(days)

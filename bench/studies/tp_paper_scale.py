@@ -16,14 +16,13 @@ Glossary:
     static      bytes of one rank's weights, gradients and optimizer states (16 B per parameter, no
                 data-parallel sharding).
     GPU-days    predicted seconds per sample x samples x devices / 86400: every micro-batch of the mean
-                shape (perfectly balanced data), no optimizer step, data loading or launch overheads. A layout
-                the search did not plan shows its estimate (``est.``: optimistic, not simulated).
+                shape (perfectly balanced data), no optimizer step, data loading or launch overheads.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.studies.paper_layout import PAPER_BUDGET_FRACTION, PAPER_GLOBAL_BATCH, mean_sample, sample_costs
@@ -40,11 +39,12 @@ from omnibal_compile.costs.analytic import (
 from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.costs.tensor_parallel import tensor_parallel_table
 from omnibal_compile.data.lengths import LengthStats
+from omnibal_compile.errors import InputError
 from omnibal_compile.ir.costs import CostTable, TensorParallelBlock
-from omnibal_compile.planning.layout import SEARCHED_SCHEDULES, Candidate, LayoutSearch, search_layout
+from omnibal_compile.planning.layout import PRUNE_MARGIN, SEARCHED_SCHEDULES, Candidate, LayoutSearch, search_layout
 
 __all__ = ["BlockComparison", "compare_block_costs", "format_comparison", "planner_tables", "tp_search",
-           "best_pp_only", "best_per_degree", "gpu_days", "format_search_verdict", "PAPER_ROWS"]
+           "best_at_degree", "best_pp_only", "gpu_days", "format_search_verdict", "PAPER_ROWS"]
 
 PAPER_ROWS: tuple[str, ...] = ("baseline", "+ data (ISF)", "+ model (search partition)", "+ memory (per stage)")
 """The steps of OmniBal Table 5, in the order of ``PAPER_GPU_DAYS``."""
@@ -151,19 +151,51 @@ def format_comparison(rows: Sequence[BlockComparison]) -> str:
                       "figures):", *why])
 
 
+def _facts(model: VLMSpec, stats: LengthStats, degrees: Sequence[int]) -> dict[int, dict[str, TensorParallelBlock]]:
+    """The pass's facts of one mean sample of ``stats`` at each tp (the search scales them with the micro-batch)."""
+    tiles, tokens, pairs = mean_sample(stats)
+    return {tp: tensor_parallel_blocks(model, tiles=tiles, tokens=tokens, attention_pairs=pairs, tp=tp)
+            for tp in degrees}
+
+
 def tp_search(model: VLMSpec, stats: LengthStats, *, devices: int = 64, devices_per_node: int = 8,
               degrees: Sequence[int] = (2, 4, 8), microbatch_sizes: Sequence[int] = (1, 2, 4),
               global_batch: int = PAPER_GLOBAL_BATCH, schedules: Sequence[str] = SEARCHED_SCHEDULES,
+              pipeline: Sequence[int] | None = None, prune: float | None = PRUNE_MARGIN,
               device: DeviceSpec = A100_80G) -> LayoutSearch:
     """The layout search over (dp, pp, tp) with the planner's TP rule: costs of micro-batches of b mean samples of
-    ``stats``, the facts of one mean sample (scaled with b by the search), a budget of 90% of the device's memory."""
-    tiles, tokens, pairs = mean_sample(stats)
-    facts = {tp: tensor_parallel_blocks(model, tiles=tiles, tokens=tokens, attention_pairs=pairs, tp=tp)
-             for tp in degrees}
+    ``stats``, the facts of one mean sample, a budget of 90% of the device's memory (``pipeline``, ``prune``: as
+    :func:`search_layout`'s)."""
     return search_layout(sample_costs(model, stats, device=device), devices=devices, global_batch=global_batch,
                          memory_budget=PAPER_BUDGET_FRACTION * device.memory_bytes,
                          microbatch_sizes=microbatch_sizes, device=device, devices_per_node=devices_per_node,
-                         schedules=schedules, tensor_parallel=facts)
+                         schedules=schedules, pipeline=pipeline, prune=prune,
+                         tensor_parallel=_facts(model, stats, degrees))
+
+
+def best_at_degree(model: VLMSpec, stats: LengthStats, tp: int, *, devices: int = 64, devices_per_node: int = 8,
+                   microbatch_sizes: Sequence[int] = (1, 2, 4), global_batch: int = PAPER_GLOBAL_BATCH,
+                   schedules: Sequence[str] = SEARCHED_SCHEDULES, device: DeviceSpec = A100_80G) -> Candidate:
+    """The best layout with tp fixed, planned and simulated: the same search over ``devices / tp`` tensor-parallel
+    groups of ``tp`` ranks (``devices_per_node / tp`` per node), each group costed as one rank of
+    :func:`tensor_parallel_table` (the full search's tables at that tp: the same links, facts and budget), so its
+    layouts are pruned against their own tp's best only, not against tp=1's."""
+    if devices % tp or devices_per_node % tp:
+        raise InputError(f"tp={tp} must divide the devices ({devices}) and the node ({devices_per_node})")
+    facts = _facts(model, stats, (tp,))[tp]
+    costs = sample_costs(model, stats, device=device)
+
+    def rank_costs(b: int) -> CostTable:
+        sharded = {k: f.scaled(b) for k, f in facts.items()}
+        return tensor_parallel_table(costs(b), tp, sharded=sharded, bandwidth=device.link_bandwidth("nvlink"))
+
+    result = search_layout(rank_costs, devices=devices // tp, global_batch=global_batch,
+                           memory_budget=PAPER_BUDGET_FRACTION * device.memory_bytes,
+                           microbatch_sizes=microbatch_sizes, device=device, devices_per_node=devices_per_node // tp,
+                           schedules=schedules)
+    best = result.best
+    plan = None if best.plan is None else dataclasses.replace(best.plan, tensor_parallel=tp)
+    return dataclasses.replace(best, layout=dataclasses.replace(best.layout, tp=tp), plan=plan)
 
 
 def best_pp_only(result: LayoutSearch) -> Candidate | None:
@@ -177,33 +209,21 @@ def gpu_days(candidate: Candidate, samples: int, devices: int) -> float:
     return candidate.time_per_unit_s * samples * devices / 86400
 
 
-def best_per_degree(result: LayoutSearch) -> dict[int, Candidate]:
-    """Per tp searched, its best candidate: the fastest planned one, else the one of least estimate (not planned or
-    rejected: its status and reason say why)."""
-    out: dict[int, Candidate] = {}
-    for c in result.candidates:  # best first, then planned by time, not planned and rejected by estimate
-        tp = c.layout.tp
-        if tp not in out or (c.planned and not out[tp].planned):
-            out[tp] = c
-    return dict(sorted(out.items()))
-
-
-def format_search_verdict(result: LayoutSearch, samples: int, paper: Sequence[float]) -> str:
-    """The chosen layout, the best layout of each tp (tp=1: pp-only) with their predicted GPU-days, and the paper's
-    rows."""
+def format_search_verdict(result: LayoutSearch, samples: int, paper: Sequence[float],
+                          per_degree: Mapping[int, Candidate] | None = None) -> str:
+    """The chosen layout, the best tp=1 (pp-only) layout and ``per_degree``'s best layouts with tp fixed
+    (:func:`best_at_degree`) with their predicted GPU-days, and the paper's rows."""
     n = result.devices
     days = gpu_days(result.best, samples, n)
-    lines = [("row", "layout", "GPU-days", "vs chosen", "status")]
-    lines.append(("SIMULATED: chosen", result.best.layout.describe(), f"{days:.1f}", "1.000", "best"))
-    for tp, c in best_per_degree(result).items():
-        label = f"SIMULATED: best tp={tp}" + (" (pp-only)" if tp == 1 else "")
-        if c.planned:
-            d = gpu_days(c, samples, n)
-            lines.append((label, c.layout.describe(), f"{d:.1f}", f"{d / days:.3f}", "planned"))
-        else:
-            est = c.estimate_s * samples * n / 86400  # the search's optimistic estimate, not a simulation
-            cells = ("-", "-") if math.isnan(est) else (f"est. {est:.1f}", f"{est / days:.3f}")
-            lines.append((label, c.layout.describe(), *cells, c.status + (f": {c.reason}" if c.reason else "")))
+    lines = [("row", "layout", "GPU-days", "vs chosen", "note")]
+    rows = [("SIMULATED: chosen", result.best)]
+    pp_only = best_pp_only(result)
+    if pp_only is not None:
+        rows.append(("SIMULATED: best tp=1 (pp-only)", pp_only))
+    rows += [(f"SIMULATED: best with tp={tp} fixed", c) for tp, c in sorted((per_degree or {}).items())]
+    for label, c in rows:
+        d = gpu_days(c, samples, n)
+        lines.append((label, c.layout.describe(), f"{d:.1f}", f"{d / days:.3f}", c.runtime_note or "-"))
     for name, p in zip(PAPER_ROWS, paper):
         lines.append((f"paper: {name}", "OmniBal Table 5, its own layout", f"{p:g}", f"{p / days:.3f}",
                       "measured by its authors"))

@@ -10,8 +10,8 @@ block type at tp = 2, 4, 8, one rank's costs of the study's micro-batch (4 mean 
 (``costs.tensor_parallel.tensor_parallel_table`` with the pass's facts derived from the model's shapes) and under
 the analytic Megatron rule with sequence parallelism, and why they differ. Part 2: ``search_layout`` over pipeline
 depth, data parallelism and tp (TP groups inside 8-GPU nodes) with those facts; the chosen layout and the best tp=1
-layout with their predicted GPU-days of the paper's 1.2M samples, each tp's own best (the search with tp fixed), next
-to OmniBal's Table 5 rows.
+layout with their predicted GPU-days of the paper's 1.2M samples, each tp's own best (the search with tp fixed) under
+the planner's rule and under the analytic rule, next to OmniBal's Table 5 rows.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies 
 from bench.studies.paper_layout import mean_sample
 from bench.studies.paper_scale import PAPER_GPU_DAYS, retile_internvl15
 from bench.studies.tp_paper_scale import (
+    RULES,
     best_at_degree,
     compare_block_costs,
     format_comparison,
@@ -67,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     print(result.summary(limit=args.rows))
     print(f"search time: {time.perf_counter() - start:.1f} s wall\n")
     start = time.perf_counter()
-    fixed = {tp: best_at_degree(model, stats, tp, devices=args.devices, microbatch_sizes=sizes) for tp in (2, 4, 8)}
-    print(f"each tp's own best: the same search with tp fixed (its layouts pruned against that tp's best only), "
-          f"{time.perf_counter() - start:.1f} s wall")
-    print(format_search_verdict(result, SAMPLES, PAPER_GPU_DAYS[model.name], fixed))
+    fixed = {rule: {tp: best_at_degree(model, stats, tp, rule=rule, devices=args.devices, microbatch_sizes=sizes)
+                    for tp in (2, 4, 8)} for rule in RULES}
+    print(f"each tp's own best: the same search with tp fixed (its layouts pruned against that tp's best only), under "
+          f"the planner's rule and, for contrast, the analytic Megatron rule with sequence parallelism "
+          f"(cost_table(tensor_parallel=tp)); {time.perf_counter() - start:.1f} s wall")
+    print(format_search_verdict(result, SAMPLES, PAPER_GPU_DAYS[model.name], fixed["planner"], fixed["analytic"]))
     return 0
 
 

@@ -9,7 +9,7 @@ import math
 import bench_scripts
 import pytest
 
-from bench.studies.paper_layout import mean_sample
+from bench.studies.paper_layout import mean_sample, sample_costs
 from bench.studies.paper_scale import PAPER_GPU_DAYS, retile_internvl15
 from bench.studies.tp_paper_scale import (
     best_at_degree,
@@ -152,6 +152,20 @@ def test_the_best_with_tp_fixed_is_the_full_searchs_figure_for_that_layout(stats
     assert "SIMULATED: best with tp=2 fixed" in text and lay.describe() in text
     with pytest.raises(InputError, match="tp=3"):
         best_at_degree(MODEL, stats, 3, devices=16)
+    with pytest.raises(InputError, match="rule"):
+        best_at_degree(MODEL, stats, 2, devices=16, rule="megatron")
+
+
+def test_the_analytic_rule_contrast_costs_each_rank_by_the_analytic_tables(stats, search):
+    # Megatron with sequence parallelism divides activations, the head and the embedding too: cheaper ranks here
+    fixed = best_at_degree(MODEL, stats, 2, rule="analytic", devices=16, microbatch_sizes=(4,), schedules=("1f1b",))
+    planner = best_at_degree(MODEL, stats, 2, devices=16, microbatch_sizes=(4,), schedules=("1f1b",))
+    assert fixed.layout.tp == 2 and fixed.time_per_unit_s < planner.time_per_unit_s
+    shape = sample_costs(MODEL, stats)(4).batch_shape
+    table = sample_costs(MODEL, stats, tensor_parallel=2)(4)
+    assert table.tensor_parallel == 2 and table.batch_shape == shape
+    text = format_search_verdict(search, 1_200_000, PAPER_GPU_DAYS[MODEL.name], {2: planner}, {2: fixed})
+    assert "SIMULATED: best with tp=2 fixed, analytic rule" in text
 
 
 def test_the_verdict_prints_the_chosen_the_pp_only_best_and_the_papers_rows(search):

@@ -38,14 +38,16 @@ def sample_costs(
     *,
     device: DeviceSpec = A100_80G,
     precision: Precision = BF16_ADAM,
+    tensor_parallel: int = 1,
 ) -> Callable[[int], CostTable]:
-    """``b -> CostTable`` of a micro-batch of ``b`` mean samples of ``stats`` (default: the bundled statistics)."""
+    """``b -> CostTable`` of a micro-batch of ``b`` mean samples of ``stats`` (default: the bundled statistics), one
+    device's of a Megatron tensor-parallel group of ``tensor_parallel`` (the analytic rule) when > 1."""
     per_sample = mean_sample(stats if stats is not None else load_lengths(bundled_length_files()))
 
     def costs(b: int) -> CostTable:
         tiles, toks, pairs = (b * x for x in per_sample)
         return cost_table(model, MicroBatch(tiles=round(tiles), tokens=max(1, round(toks)), attention_pairs=pairs),
-                          device=device, precision=precision)
+                          device=device, precision=precision, tensor_parallel=tensor_parallel)
 
     return costs
 

@@ -44,7 +44,7 @@ from omnibal_compile.ir.costs import CostTable, TensorParallelBlock
 from omnibal_compile.planning.layout import PRUNE_MARGIN, SEARCHED_SCHEDULES, Candidate, LayoutSearch, search_layout
 
 __all__ = ["BlockComparison", "compare_block_costs", "format_comparison", "planner_tables", "tp_search",
-           "best_at_degree", "best_pp_only", "gpu_days", "format_search_verdict", "PAPER_ROWS"]
+           "RULES", "best_at_degree", "best_pp_only", "gpu_days", "format_search_verdict", "PAPER_ROWS"]
 
 PAPER_ROWS: tuple[str, ...] = ("baseline", "+ data (ISF)", "+ model (search partition)", "+ memory (per stage)")
 """The steps of OmniBal Table 5, in the order of ``PAPER_GPU_DAYS``."""
@@ -173,15 +173,23 @@ def tp_search(model: VLMSpec, stats: LengthStats, *, devices: int = 64, devices_
                          tensor_parallel=_facts(model, stats, degrees))
 
 
-def best_at_degree(model: VLMSpec, stats: LengthStats, tp: int, *, devices: int = 64, devices_per_node: int = 8,
-                   microbatch_sizes: Sequence[int] = (1, 2, 4), global_batch: int = PAPER_GLOBAL_BATCH,
-                   schedules: Sequence[str] = SEARCHED_SCHEDULES, device: DeviceSpec = A100_80G) -> Candidate:
+RULES: tuple[str, ...] = ("planner", "analytic")
+"""TP cost rules :func:`best_at_degree` costs a rank by: the planner's (``tensor_parallel_table``, what the runtime
+runs) or the analytic Megatron rule with sequence parallelism (``cost_table(tensor_parallel=tp)``)."""
+
+
+def best_at_degree(model: VLMSpec, stats: LengthStats, tp: int, *, rule: str = "planner", devices: int = 64,
+                   devices_per_node: int = 8, microbatch_sizes: Sequence[int] = (1, 2, 4),
+                   global_batch: int = PAPER_GLOBAL_BATCH, schedules: Sequence[str] = SEARCHED_SCHEDULES,
+                   device: DeviceSpec = A100_80G) -> Candidate:
     """The best layout with tp fixed, planned and simulated: the same search over ``devices / tp`` tensor-parallel
-    groups of ``tp`` ranks (``devices_per_node / tp`` per node), each group costed as one rank of
-    :func:`tensor_parallel_table` (the full search's tables at that tp: the same links, facts and budget), so its
+    groups of ``tp`` ranks (``devices_per_node / tp`` per node), each group costed as one rank by ``rule`` (one of
+    :data:`RULES`; ``planner``: the full search's tables at that tp, the same links, facts and budget), so its
     layouts are pruned against their own tp's best only, not against tp=1's."""
     if devices % tp or devices_per_node % tp:
         raise InputError(f"tp={tp} must divide the devices ({devices}) and the node ({devices_per_node})")
+    if rule not in RULES:
+        raise InputError(f"rule must be one of {list(RULES)}, got {rule!r}")
     facts = _facts(model, stats, (tp,))[tp]
     costs = sample_costs(model, stats, device=device)
 
@@ -189,7 +197,8 @@ def best_at_degree(model: VLMSpec, stats: LengthStats, tp: int, *, devices: int 
         sharded = {k: f.scaled(b) for k, f in facts.items()}
         return tensor_parallel_table(costs(b), tp, sharded=sharded, bandwidth=device.link_bandwidth("nvlink"))
 
-    result = search_layout(rank_costs, devices=devices // tp, global_batch=global_batch,
+    per_rank = rank_costs if rule == "planner" else sample_costs(model, stats, device=device, tensor_parallel=tp)
+    result = search_layout(per_rank, devices=devices // tp, global_batch=global_batch,
                            memory_budget=PAPER_BUDGET_FRACTION * device.memory_bytes,
                            microbatch_sizes=microbatch_sizes, device=device, devices_per_node=devices_per_node // tp,
                            schedules=schedules)
@@ -210,9 +219,11 @@ def gpu_days(candidate: Candidate, samples: int, devices: int) -> float:
 
 
 def format_search_verdict(result: LayoutSearch, samples: int, paper: Sequence[float],
-                          per_degree: Mapping[int, Candidate] | None = None) -> str:
-    """The chosen layout, the best tp=1 (pp-only) layout and ``per_degree``'s best layouts with tp fixed
-    (:func:`best_at_degree`) with their predicted GPU-days, and the paper's rows."""
+                          per_degree: Mapping[int, Candidate] | None = None,
+                          analytic: Mapping[int, Candidate] | None = None) -> str:
+    """The chosen layout, the best tp=1 (pp-only) layout, ``per_degree``'s best layouts with tp fixed
+    (:func:`best_at_degree`) and ``analytic``'s (the same under the analytic rule) with their predicted GPU-days, and
+    the paper's rows."""
     n = result.devices
     days = gpu_days(result.best, samples, n)
     lines = [("row", "layout", "GPU-days", "vs chosen", "note")]
@@ -221,6 +232,7 @@ def format_search_verdict(result: LayoutSearch, samples: int, paper: Sequence[fl
     if pp_only is not None:
         rows.append(("SIMULATED: best tp=1 (pp-only)", pp_only))
     rows += [(f"SIMULATED: best with tp={tp} fixed", c) for tp, c in sorted((per_degree or {}).items())]
+    rows += [(f"SIMULATED: best with tp={tp} fixed, analytic rule", c) for tp, c in sorted((analytic or {}).items())]
     for label, c in rows:
         d = gpu_days(c, samples, n)
         lines.append((label, c.layout.describe(), f"{d:.1f}", f"{d / days:.3f}", c.runtime_note or "-"))

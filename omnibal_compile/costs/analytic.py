@@ -651,7 +651,7 @@ def table_from_type_costs(
         blocks=tuple(blocks), cut_bytes=tuple(cuts), link_bandwidth=device.link_bandwidth(link), device=device.name,
         source=source,
         batch_shape={"tiles": shape.tiles, "tokens": shape.tokens, "attention_pairs": int(shape.attention_pairs)},
-        precision=precision,
+        precision=precision, tensor_parallel=tensor_parallel,
     )
 
 

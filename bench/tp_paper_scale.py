@@ -24,6 +24,7 @@ from pathlib import Path as _Path
 from omnibal_compile.costs.analytic import INTERNVL_6B_20B, MicroBatch
 from omnibal_compile.costs.devices import A100_80G
 from omnibal_compile.data.lengths import bundled_length_files, load_lengths
+from omnibal_compile.planning.layout import SEARCHED_SCHEDULES
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # bench.studies lives in the checkout, not the wheel
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="search micro-batches of 4 samples only")
     ap.add_argument("--devices", type=int, default=64, help="devices of the layout search (default 64)")
     ap.add_argument("--rows", type=int, default=12, help="candidate rows printed (default 12)")
+    ap.add_argument("--schedules", nargs="+", default=list(SEARCHED_SCHEDULES),
+                    help=f"schedules searched (default: {' '.join(SEARCHED_SCHEDULES)})")
     args = ap.parse_args(argv)
     model = INTERNVL_6B_20B
     stats = retile_internvl15(load_lengths(bundled_length_files()))
@@ -64,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== layout search over (dp, pp, tp): {args.devices} A100s in nodes of 8, micro-batches of {sizes} mean "
           "samples (SIMULATED)")
     start = time.perf_counter()
-    result = tp_search(model, stats, devices=args.devices, microbatch_sizes=sizes)
+    result = tp_search(model, stats, devices=args.devices, microbatch_sizes=sizes, schedules=args.schedules)
     print(result.summary(limit=args.rows))
     print(f"search time: {time.perf_counter() - start:.1f} s wall\n")
     start = time.perf_counter()
-    fixed = {rule: {tp: best_at_degree(model, stats, tp, rule=rule, devices=args.devices, microbatch_sizes=sizes)
-                    for tp in (2, 4, 8)} for rule in RULES}
+    fixed = {rule: {tp: best_at_degree(model, stats, tp, rule=rule, devices=args.devices, microbatch_sizes=sizes,
+                                       schedules=args.schedules) for tp in (2, 4, 8)} for rule in RULES}
     print(f"each tp's own best: the same search with tp fixed (its layouts pruned against that tp's best only), under "
           f"the planner's rule and, for contrast, the analytic Megatron rule with sequence parallelism "
           f"(cost_table(tensor_parallel=tp)); {time.perf_counter() - start:.1f} s wall")

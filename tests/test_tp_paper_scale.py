@@ -189,8 +189,10 @@ def test_mean_sample_is_the_shape_the_costs_scale():
 
 @pytest.mark.slow
 def test_the_bench_runs_in_its_quick_form(capsys):
-    assert bench_scripts.load("tp_paper_scale").main(["--quick", "--devices", "16", "--rows", "4"]) == 0
+    argv = ["--quick", "--devices", "16", "--rows", "4", "--schedules", "1f1b"]
+    assert bench_scripts.load("tp_paper_scale").main(argv) == 0
     out = capsys.readouterr().out
     for part in ("== tensor-parallel costs per rank", "why they differ", "== layout search over (dp, pp, tp)",
-                 "chosen:", "SIMULATED: chosen", "SIMULATED: best tp=1 (pp-only)", "paper: + memory (per stage)"):
+                 "chosen:", "SIMULATED: chosen", "SIMULATED: best tp=1 (pp-only)", "SIMULATED: best with tp=8 fixed",
+                 "SIMULATED: best with tp=8 fixed, analytic rule", "paper: + memory (per stage)"):
         assert part in out

@@ -52,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"schedules searched (default: {' '.join(SEARCHED_SCHEDULES)})")
     args = ap.parse_args(argv)
     model = INTERNVL_6B_20B
-    stats = retile_internvl15(load_lengths(bundled_length_files()))
+    files = bundled_length_files()
+    stats = retile_internvl15(load_lengths(files))
     tiles, tokens, pairs = (4 * x for x in mean_sample(stats))
     shape = MicroBatch(tiles=round(tiles), tokens=round(tokens), attention_pairs=pairs)
     print(f"SIMULATED: {model.name}, analytic costs on the {A100_80G.name} roofline, collectives over NVLink "
-          f"({A100_80G.link_bandwidth('nvlink') / 1e9:.0f} GB/s); {stats.source}\n")
+          f"({A100_80G.link_bandwidth('nvlink') / 1e9:.0f} GB/s); data: {' + '.join(f.name for f in files)}"
+          " re-tiled to InternVL-1.5's limits (<= 12 crops + thumbnail, <= 4096 tokens) as bench/paper_scale.py "
+          "assumes\n")
     print(f"== tensor-parallel costs per rank, one micro-batch of 4 mean samples ({shape.tiles} tiles, {shape.tokens} "
           "LLM tokens), per block of each type (SIMULATED)")
     print("planner: tensor_parallel_table (Megatron pairs, all-reduces, no sequence parallelism), facts from the "

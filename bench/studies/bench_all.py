@@ -54,6 +54,7 @@ KINDS: dict[str, str] = {
     "solver.py": "measured solve times; iteration times predicted by the planners' cost model",
     "paper_scale.py": "SIMULATED (analytic roofline costs, no model runs)",
     "layout.py": "SIMULATED layouts (analytic roofline costs); search times measured on this CPU",
+    "tp_paper_scale.py": "SIMULATED (analytic roofline costs: TP cost rules side by side, the (dp, pp, tp) search)",
     "kernels": "measured on this machine (on CPU a correctness run; speed figures need a GPU)",
     "kernels_gpu.sh": "measured on a GPU",
 }
@@ -94,6 +95,7 @@ QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "solver.py": ("--quick",),
     "paper_scale.py": ("--quick",),
     "layout.py": ("--quick",),
+    "tp_paper_scale.py": ("--quick",),
 }
 """Cheaper flags used with ``quick``, for scripts that have them."""
 

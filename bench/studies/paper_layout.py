@@ -17,12 +17,19 @@ from omnibal_compile.costs.devices import A100_80G, DeviceSpec
 from omnibal_compile.data.lengths import LengthStats, bundled_length_files, load_lengths
 from omnibal_compile.ir.costs import BF16_ADAM, CostTable, Precision
 
-__all__ = ["sample_costs", "paper_layout_times", "PAPER_GLOBAL_BATCH", "PAPER_BUDGET_FRACTION"]
+__all__ = ["mean_sample", "sample_costs", "paper_layout_times", "PAPER_GLOBAL_BATCH", "PAPER_BUDGET_FRACTION"]
 
 PAPER_GLOBAL_BATCH = 1024
 """Samples per optimizer step of InternVL-1.5 fine-tuning (as in :mod:`bench.studies.paper_scale`)."""
 PAPER_BUDGET_FRACTION = 0.9
 """Share of a device's memory a plan may use (the rest for fragmentation, NCCL buffers, workspace)."""
+
+
+def mean_sample(stats: LengthStats) -> tuple[float, float, float]:
+    """(tiles, LLM tokens, causal attention pairs) of the mean sample of ``stats`` (a pack attends within each
+    sample: pairs are the mean of t (t + 1) / 2)."""
+    tokens = stats.tokens.astype(np.float64)
+    return float(stats.tiles.mean()), float(tokens.mean()), float((tokens * (tokens + 1) / 2).mean())
 
 
 def sample_costs(
@@ -31,16 +38,16 @@ def sample_costs(
     *,
     device: DeviceSpec = A100_80G,
     precision: Precision = BF16_ADAM,
+    tensor_parallel: int = 1,
 ) -> Callable[[int], CostTable]:
-    """``b -> CostTable`` of a micro-batch of ``b`` mean samples of ``stats`` (default: the bundled statistics)."""
-    stats = stats if stats is not None else load_lengths(bundled_length_files())
-    tokens = stats.tokens.astype(np.float64)
-    per_sample = (float(stats.tiles.mean()), float(tokens.mean()), float((tokens * (tokens + 1) / 2).mean()))
+    """``b -> CostTable`` of a micro-batch of ``b`` mean samples of ``stats`` (default: the bundled statistics), one
+    device's of a Megatron tensor-parallel group of ``tensor_parallel`` (the analytic rule) when > 1."""
+    per_sample = mean_sample(stats if stats is not None else load_lengths(bundled_length_files()))
 
     def costs(b: int) -> CostTable:
         tiles, toks, pairs = (b * x for x in per_sample)
         return cost_table(model, MicroBatch(tiles=round(tiles), tokens=max(1, round(toks)), attention_pairs=pairs),
-                          device=device, precision=precision)
+                          device=device, precision=precision, tensor_parallel=tensor_parallel)
 
     return costs
 

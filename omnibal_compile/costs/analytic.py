@@ -52,6 +52,15 @@ Glossary:
                     use too (:mod:`omnibal_compile.costs.tensor_parallel`, which models the runtime:
                     no sequence parallelism, so 2 all-reduces per layer and direction, the same 4 ring
                     passes, and activations not divided).
+    planner's facts :func:`tensor_parallel_blocks`: what the tensor-parallel pass would report
+                    (``TensorParallelReport.blocks()``) for these shapes, for the planner's rule: per layer
+                    an attention pair (q, k, v column-wise, out row-wise) and an MLP pair (fc1, or gate
+                    and up, column-wise; fc2 / down row-wise), the projector's MLP pair; a pair whose
+                    heads (or key/value heads, or MLP width) ``tp`` does not divide stays replicated, as
+                    the pass refuses to cut across a head. q, k and v are taken as separate layers (as
+                    Llama-style code has them); InternViT's and InternLM2's own code fuses them into one
+                    weight, which the pass leaves replicated today. Embeddings, the head and the patch
+                    embedding carry no pair (vocabulary-parallel parts are not in the pass's cost facts).
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ from omnibal_compile.ir.costs import (
     BlockCost,
     CostTable,
     Precision,
+    TensorParallelBlock,
     ring_collective_s,
 )
 
@@ -94,6 +104,8 @@ __all__ = [
     "layer_activation_bytes",
     "type_costs",
     "tensor_parallel_costs",
+    "tensor_parallel_blocks",
+    "tensor_parallel_replicated",
     "cost_table",
     "table_from_type_costs",
 ]
@@ -502,6 +514,92 @@ def tensor_parallel_costs(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Pair:
+    """A Megatron pair of a block type as the analytic shapes lay it out (module glossary, planner's facts)."""
+
+    name: str
+    columns: tuple[tuple[int, int], ...]
+    """(in, out) features of each column-wise linear layer."""
+    row: tuple[int, int]
+    """(in, out) features of the row-wise linear layer."""
+    heads: int = 0
+    """Attention heads between the layers (0: an MLP pair)."""
+    kv_heads: int = 0
+    """Key/value heads (GQA)."""
+
+
+def _pairs(model: VLMSpec) -> dict[str, tuple[_Pair, ...]]:
+    """The candidate pairs of each block type (types not named have none)."""
+    v, p, m = model.vision, model.projector, model.llm
+    kvd = m.width // m.heads * m.kv_heads
+    return {
+        "vision.layer": (
+            _Pair(name="attention", columns=((v.width, v.width),) * 3, row=(v.width, v.width), heads=v.heads,
+                  kv_heads=v.heads),
+            _Pair(name="MLP", columns=((v.width, v.mlp),), row=(v.mlp, v.width)),
+        ),
+        "projector": (_Pair(name="MLP", columns=((p.in_width, p.hidden),), row=(p.hidden, p.out_width)),),
+        "llm.layer": (
+            _Pair(name="attention", columns=((m.width, m.width), (m.width, kvd), (m.width, kvd)),
+                  row=(m.width, m.width), heads=m.heads, kv_heads=m.kv_heads),
+            _Pair(name="MLP", columns=((m.width, m.mlp),) * 2, row=(m.mlp, m.width)),
+        ),
+    }
+
+
+def _refusal(pair: _Pair, tp: int) -> str:
+    """Why the pass would leave ``pair`` replicated at ``tp`` (empty: it shards it)."""
+    if pair.heads and (pair.heads % tp or pair.kv_heads % tp):
+        kv = f" ({pair.kv_heads} key/value heads)" if pair.kv_heads != pair.heads else ""
+        return f"its {pair.heads} heads{kv} do not split over tp={tp}"
+    if pair.row[0] % tp:
+        return f"its hidden width {pair.row[0]} does not split over tp={tp}"
+    return ""
+
+
+def tensor_parallel_replicated(model: VLMSpec, tp: int) -> dict[str, str]:
+    """Per block type, the pairs the pass would leave replicated at ``tp`` and why, in words (module glossary)."""
+    out = {}
+    for kind, pairs in _pairs(model).items():
+        why = [f"{p.name} pair replicated: {_refusal(p, tp)}" for p in pairs if _refusal(p, tp)]
+        if why:
+            out[kind] = "; ".join(why)
+    return out
+
+
+def tensor_parallel_blocks(model: VLMSpec, *, tiles: float, tokens: float, attention_pairs: float,
+                           tp: int) -> dict[str, TensorParallelBlock]:
+    """The tensor-parallel pass's facts at ``tp`` for every block of ``model`` with a sharded pair, by block name,
+    from the shapes alone (module glossary, planner's facts), for one micro-batch of ``tiles`` tiles, ``tokens``
+    LLM tokens and ``attention_pairs`` causal pairs (means may be fractional: the facts are linear in them).
+    The same FLOP formulas as :func:`type_costs`, so a fully sharded block's share is 1; 16-bit activations."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 2:
+        raise InputError(f"tp (tensor-parallel degree) must be an integer >= 2, got {tp!r}")
+    if min(tiles, attention_pairs) < 0 or tokens < 1:
+        raise InputError(f"the micro-batch needs tiles >= 0, tokens >= 1, pairs >= 0; got {tiles}, {tokens}, "
+                         f"{attention_pairs}")
+    v = model.vision
+    pairs_llm = 2 * attention_pairs - tokens if model.kernels == "eager" else attention_pairs  # as type_costs
+    through = {"vision.layer": tiles * v.tokens_per_tile, "projector": tiles * model.image_tokens_per_tile,
+               "llm.layer": float(tokens)}
+    attention = {"vision.layer": tiles * v.tokens_per_tile**2, "llm.layer": pairs_llm}  # (query, key) pairs
+    facts: dict[str, TensorParallelBlock] = {}
+    for kind, candidates in _pairs(model).items():
+        t = through[kind]
+        sharded = [p for p in candidates if not _refusal(p, tp)]
+        if not sharded:
+            continue
+        flops = sum(2.0 * t * i * o for p in sharded for i, o in (*p.columns, p.row))
+        flops += sum(4.0 * p.row[0] * attention[kind] for p in sharded if p.heads)  # QK^T and AV on its heads
+        facts[kind] = TensorParallelBlock(
+            pairs=len(sharded), backward_reduces=sum(len(p.columns) for p in sharded),
+            params=sum(i * o for p in sharded for i, o in (*p.columns, p.row)),  # weights; biases stay whole
+            flops=flops, forward_bytes=round(sum(2.0 * t * p.row[1] for p in sharded)),
+            backward_bytes=round(sum(2.0 * t * i for p in sharded for i, _ in p.columns)))
+    return {name: facts[kind] for name, kind in zip(model.block_names(), model.block_types()) if kind in facts}
+
+
 _TABLES: dict[tuple, CostTable] = {}
 
 
@@ -553,7 +651,7 @@ def table_from_type_costs(
         blocks=tuple(blocks), cut_bytes=tuple(cuts), link_bandwidth=device.link_bandwidth(link), device=device.name,
         source=source,
         batch_shape={"tiles": shape.tiles, "tokens": shape.tokens, "attention_pairs": int(shape.attention_pairs)},
-        precision=precision,
+        precision=precision, tensor_parallel=tensor_parallel,
     )
 
 

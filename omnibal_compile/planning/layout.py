@@ -516,8 +516,9 @@ def search_layout(
                     "chooses the data-parallel degree itself: give costs with optimizer_shards=1")
             # the TP group sits in a node: NVLink (the table's own link without a device spec)
             tp_bandwidth = device.link_bandwidth("nvlink") if device is not None else base.link_bandwidth
-            base = tensor_parallel_table(base, tp, sharded={k: f.scaled(b) for k, f in facts[tp].items()},
-                                         bandwidth=tp_bandwidth, latency_s=tp_latency_s)
+            if tp > 1:  # at tp 1 the table is searched as given (it may be a TP rank's the caller made)
+                base = tensor_parallel_table(base, tp, sharded={k: f.scaled(b) for k, f in facts[tp].items()},
+                                             bandwidth=tp_bandwidth, latency_s=tp_latency_s)
             if device is not None:
                 base = dataclasses.replace(base, link_bandwidth=device.link_bandwidth(stage_link),
                                            dp_link_bandwidth=device.link_bandwidth(dp_link))

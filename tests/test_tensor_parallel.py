@@ -102,6 +102,19 @@ def test_qwen2_vl_embedding_with_a_padding_index_is_sharded_and_its_fused_qkv_re
     assert "fused projection" in reason and "_assert" not in reason, reason
 
 
+def test_gemma3_per_head_norms_shard_with_their_heads_and_their_weights_gradients_are_all_reduced(gemma3):
+    model, batches = gemma3
+    result = oc.optimize(model, batches[0], num_stages=1)
+    found, report = find_pairs(result.stages[0], result.graph, 2)
+    assert all(p.sharded for p in report.pairs), [p.reason for p in report.pairs if not p.sharded]
+    attn = next(f for f in found if f.pair.row == "model.language_model.layers.0.self_attn.o_proj")
+    assert attn.pair.whole_reads == 2 and len(attn.whole) == 2  # q_norm's and k_norm's (1 + weight)
+    facts = report.blocks()["model.language_model.layers.0"]
+    assert facts.backward_reduces == 3 + 2 + 2  # q, k, v inputs; gate, up input; the two norms' weights
+    _, report4 = find_pairs(result.stages[0], result.graph, 4)  # 2 key/value heads do not split 4 ways
+    assert any("not divisible by tp=4" in p.reason for p in report4.pairs)
+
+
 def test_pass_gives_each_sharded_block_the_facts_its_costs_need(one_stage, vlm):
     model, _ = vlm
     _, report = find_pairs(one_stage.stages[0], one_stage.graph, 2)
@@ -296,7 +309,8 @@ def _reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float],
         losses.append(float(loss.detach()))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    # tied weights under each of their names, as the pipeline reports them
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _check(ranks: list[dict[str, Any]], cases: list[Any], models: dict[str, Any]) -> None:
@@ -307,12 +321,14 @@ def _check(ranks: list[dict[str, Any]], cases: list[Any], models: dict[str, Any]
         assert all(abs(a - b) <= TOL for got in losses for a, b in zip(got, ref_losses) if a is not None), \
             (name, losses, ref_losses)
         for r in ranks:
-            assert max(abs(a - b) for a, b in zip(r[name]["norms"], ref_norms)) <= TOL, (name, r[name]["norms"])
+            # relative: Gemma's scaled, tied embedding makes norms of thousands, where fp32 rounds at 1e-4
+            assert max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(r[name]["norms"], ref_norms)) <= TOL, \
+                (name, r[name]["norms"], ref_norms)
             assert r[name]["sharded"], name  # every rank shards something
         params: dict[str, torch.Tensor] = {}
         for r in ranks:
             params.update(r[name]["params"])
-        assert set(params) == set(ref_params), name
+        assert set(params) == set(ref_params), (name, set(params) ^ set(ref_params))
         worst = max(ref_params, key=lambda n: float((params[n] - ref_params[n]).abs().max()))
         assert float((params[worst] - ref_params[worst]).abs().max()) <= TOL, (name, worst)
 
@@ -337,6 +353,20 @@ def qwen2_vl():
     return model, [_qwen2_vl_batch(model, seed) for seed in (1, 2)]
 
 
+@pytest.fixture(scope="module")
+def gemma3():
+    """A tiny Gemma 3 (tests/hf_families.py; per-head q/k norms, sliding windows, tied embeddings) and one step of
+    four rows: its first gradient norm is ~5,400 (the scaled, tied embedding), clipped to 0.5, and after that AdamW
+    step the fp32 unsplit model's second norm is 2e-5 (relative) off its own fp64 value, more than the tolerance,
+    while tp=2 is closer (2.6e-6): fp32 rounding, not the pass, would decide a second step's comparison."""
+    import hf_families
+
+    from omnibal_compile.integrations.hf.inputs import hf_example_batch
+
+    model, _ = hf_families.build("gemma3", batch=1)
+    return model, [hf_example_batch(model, batch=4, text=12, seed=3)]
+
+
 def _full(plan: oc.Plan) -> oc.Plan:
     """``plan`` with every layer block fully recomputed (the pass's new nodes must join their blocks' regions)."""
     return dataclasses.replace(plan, recompute=tuple("full" if k == "layer" else "none" for k in plan.block_kinds))
@@ -344,9 +374,10 @@ def _full(plan: oc.Plan) -> oc.Plan:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
+def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, gemma3, tmp_path):
     models = {"vlm": (vlm[0], [_vlm_batch(seed) for seed in (3, 4)]),
-              "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)]), "qwen2_vl": qwen2_vl}
+              "llava": (tiny_llava[0], [_llava_batch(seed=seed) for seed in (5, 6)]), "qwen2_vl": qwen2_vl,
+              "gemma3": gemma3}
     cases = [(f"{key}-tp2", key, _plan(m, b[0], 1, micro=1 if key == "qwen2_vl" else 2), 2, ONE, None)
              for key, (m, b) in models.items()]
     one, two = _plan(vlm[0], models["vlm"][1][0], 1), _plan(vlm[0], models["vlm"][1][0], 2)
@@ -364,6 +395,9 @@ def test_tp2_trains_like_the_unsplit_model(vlm, tiny_llava, qwen2_vl, tmp_path):
                                      "model.visual.blocks.0.mlp.fc1.weight", "model.visual.merger.mlp.0.weight"))):
         assert set(names) <= set(ranks[0][f"{key}-tp2"]["sharded"]), key
     assert not any("attn.qkv" in n for n in ranks[0]["qwen2_vl-tp2"]["sharded"])  # the fused projection stays whole
+    # Gemma 3's attention with its per-head q/k norms: sharded, the norms' weights whole (gradients all-reduced)
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in ranks[0]["gemma3-tp2"]["sharded"]
+    assert "model.language_model.layers.0.self_attn.q_norm.weight" not in ranks[0]["gemma3-tp2"]["sharded"]
     assert "9 pairs and 2 vocabulary-parallel parts sharded" in ranks[0]["vlm-tp2"]["reports"][0]
     assert "logits gathered" not in ranks[0]["vlm-tp2"]["reports"][0]  # it returns only its loss
     assert ranks[0]["vlm-tp2"]["gathers"] == 0  # so the loss runs on the vocabulary shards: no all-gather at all

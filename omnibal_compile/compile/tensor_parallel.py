@@ -44,6 +44,8 @@ Glossary:
                 A region that any other op reads (a linear layer not sharded, a reshape across tokens), or that
                 reaches no column-wise layer, stays whole with the reason: the ViT (its fused q, k, v stay
                 replicated) and the projector (its tokens are merged into the text) stay whole.
+    whole read  a whole value a pair's shards read that carries a gradient (a per-head norm's weight):
+                each rank's gradient covers its heads only, so the backward all-reduces it over ``tp``.
     replicated  every parameter outside a pair or a vocab part (norms, refused parts): a whole copy on
                 each ``tp`` rank, with whole gradients (without sequence parallelism every rank computes the
                 same replicated activations; with it, norm weights read by shards sum their gradients).
@@ -95,8 +97,11 @@ class TensorParallelPair:
     forward_bytes: int = 0
     """Bytes of the row-wise layer's output, which the forward all-reduces (0 when refused)."""
     backward_bytes: int = 0
-    """Bytes of the column-wise layers' inputs, whose gradients the backward all-reduces, one per layer (0 when
-    refused)."""
+    """Bytes of the column-wise layers' inputs, whose gradients the backward all-reduces, one per layer, and of the
+    whole values its shards read that carry gradients (0 when refused)."""
+    whole_reads: int = 0
+    """Whole values its shards read that carry gradients (a per-head norm's weight): the backward all-reduces each
+    one's gradient, which every rank computes from its heads only."""
 
     @property
     def sharded(self) -> bool:
@@ -211,7 +216,7 @@ class TensorParallelReport:
             cols = [c for c in p.column if c not in gathered]
             f["pairs"] += p.row not in rows
             f["forward_bytes"] += 0 if p.row in rows else p.forward_bytes
-            f["backward_reduces"] += len(cols)
+            f["backward_reduces"] += len(cols) + p.whole_reads
             f["backward_bytes"] += p.backward_bytes - sum(gathered[c] for c in p.column if c in gathered)
             f["params"] += p.params
             f["flops"] += p.flops
@@ -414,6 +419,15 @@ def _propagate(region: Sequence[fx.Node], starts: dict[fx.Node, int], tp: int
             if sd.get(b_) != d or d >= len(src) - 2:
                 raise _Refused(f"{where} multiplies along the sharded dim")
             sd[n] = d
+        elif t in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default):  # a per-head norm's mean square
+            axes = cast(Sequence[int] | None, args[1] if len(args) > 1 else n.kwargs.get("dim"))
+            keep = bool(args[2] if len(args) > 2 else n.kwargs.get("keepdim", False))
+            if not axes:
+                raise _Refused(f"{where} reduces over every dim, the sharded one too")
+            reduced = {_norm_dim(int(i), len(src)) for i in axes}
+            if d in reduced:
+                raise _Refused(f"{where} reduces along the sharded dim")
+            sd[n] = d if keep else d - sum(i < d for i in reduced)
         elif t in _SAME_SHAPE or torch.Tag.pointwise in getattr(t, "tags", ()):
             assert out is not None
             e = d + len(out) - len(src)
@@ -435,6 +449,7 @@ class _Found:
     pair: TensorParallelPair
     linears: tuple[_Linear, ...]  # column ones, then the row one
     rewrites: list[tuple[fx.Node, tuple[Any, ...], dict[str, Any]]]
+    whole: tuple[tuple[fx.Node, tuple[fx.Node, ...]], ...] = ()  # (whole value carrying gradients, its readers)
 
 
 def _check_weights(stage: fx.GraphModule, found: Sequence[_Linear], tp: int, used: dict[str, int],
@@ -479,6 +494,45 @@ def _pair_facts(stage: fx.GraphModule, linears: Sequence[_Linear], inside: Seque
             "backward_bytes": sum(_nbytes(lin.node.args[0]) for lin in linears[:-1])}
 
 
+def _graded(stage: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose values can carry gradients: trainable parameters, floating-point stage inputs and what is
+    computed from them."""
+    out: set[fx.Node] = set()
+    for n in stage.graph.nodes:
+        if n.op == "get_attr":
+            t = _attr_of(stage, str(n.target))
+            if isinstance(t, nn.Parameter) and t.requires_grad:
+                out.add(n)
+        elif n.op == "placeholder":
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _attr_of(module: nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part, None)  # type: ignore[assignment]
+    return module
+
+
+def _whole_reads(inside: Sequence[fx.Node], sd: dict[fx.Node, int], graded: set[fx.Node]
+                 ) -> tuple[tuple[fx.Node, tuple[fx.Node, ...]], ...]:
+    """The whole floating-point values carrying gradients that a pair's sharded nodes read (a per-head norm's
+    weight), each with its readers there: every rank's gradient of one covers its own heads only."""
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for n in inside:
+        if n.target is aten._assert_tensor_metadata.default:
+            continue
+        for a in n.all_input_nodes:
+            val = a.meta.get("val")
+            if a not in sd and a in graded and isinstance(val, torch.Tensor) and val.is_floating_point():
+                readers.setdefault(a, []).append(n)
+    return tuple((a, tuple(r)) for a, r in readers.items())
+
+
 def find_pairs(stage: fx.GraphModule, graph: BlockGraph, tp: int, *, sequence_parallel: bool = False
                ) -> tuple[list[_Found], TensorParallelReport]:
     """Every candidate pair and vocab part in ``stage``'s blocks, checked for ``tp`` (nothing is changed), and with
@@ -497,6 +551,7 @@ def _find_all(stage: fx.GraphModule, graph: BlockGraph, tp: int, sequence_parall
     blocks = {b.name: b for b in graph.blocks}
     nodes = {n.name: n for n in stage.graph.nodes}
     order = {n: i for i, n in enumerate(stage.graph.nodes)}
+    graded = _graded(stage)
     used: dict[str, int] = {}
     for n in stage.graph.nodes:
         if n.op == "get_attr":
@@ -558,9 +613,12 @@ def _find_all(stage: fx.GraphModule, graph: BlockGraph, tp: int, sequence_parall
                 pairs.append(TensorParallelPair(block=name, column=pair.column, row=pair.row, reason=str(e)))
                 continue
             taken |= cols | {node}
-            pair = dataclasses.replace(pair, **_pair_facts(stage, (*column, row), inside))
+            whole = _whole_reads(inside, sd, graded)
+            pair = dataclasses.replace(pair, **_pair_facts(stage, (*column, row), inside),
+                                       whole_reads=len(whole))
+            pair = dataclasses.replace(pair, backward_bytes=pair.backward_bytes + sum(_nbytes(a) for a, _ in whole))
             pairs.append(pair)
-            found.append(_Found(pair, (*column, row), rewrites))
+            found.append(_Found(pair, (*column, row), rewrites, whole))
         heads = [v for lin in linears.values() if lin.node not in taken
                  and (v := _vocab_head(stage, name, lin, tp, used, info.param_map)) is not None]
         embeds = [v for n in sorted(mine, key=order.__getitem__)
@@ -692,7 +750,7 @@ def _vocab_embedding(stage: fx.GraphModule, block: str, node: fx.Node, tp: int, 
         part = dataclasses.replace(part, params=stage.get_parameter(str(w.target)).numel(),
                                    forward_bytes=_nbytes(node))
     # 0 is a padding index (not False); -1 or None: none
-    pad = None if padding is None or padding == -1 else int(padding)
+    pad = None if padding is None or padding == -1 else int(cast(int, padding))
     return _VocabFound(part, node, owner, str(w.target), padding=pad)
 
 
@@ -1014,6 +1072,15 @@ def tensor_parallel_stage(
             setattr(new.get_submodule(parent) if parent else new, leaf, module)
             _call_module(by_name[lin.node.name], lin.owner, by_name[lin.node.args[0].name])  # type: ignore[union-attr]
             layout[lin.owner] = RowwiseParallel() if i == len(f.linears) - 1 else ColwiseParallel()
+        for value, readers in f.whole:  # each rank's gradient covers its heads: all-reduced in the backward
+            if not hasattr(new, "tensor_parallel_partial"):
+                new.add_submodule("tensor_parallel_partial", _Redistribute(mesh, "partial"))
+            users = [by_name[r.name] for r in readers]
+            with new.graph.inserting_before(users[0]):
+                call = new.graph.call_module("tensor_parallel_partial", (by_name[value.name],))
+            call.meta.update(by_name[value.name].meta)
+            for u in users:
+                u.replace_input_with(by_name[value.name], call)
     for sf in seq:  # after the pairs: the readers it rewires are their call_module nodes
         _apply_sequence(new, sf, mesh, by_name)
         for lin in sf.rows:  # reduce-scatter on the sequence instead of all-reduce

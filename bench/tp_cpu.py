@@ -3,7 +3,8 @@
 The reference VLM is costed here once (one thread per rank, as every rank uses), the tensor-parallel pass's
 facts at tp=2 are taken from its one-stage module, and
 :func:`omnibal_compile.costs.tensor_parallel.tensor_parallel_table` makes one tp rank's table, its all-reduces
-over the gloo collective speed and call latency measured in the same run (``calibrate.measure_links``). Both
+over the gloo collective speed and the tensor-parallel call latency (a stack of tiny DTensor column/row pairs)
+measured in the same run (``calibrate.measure_links(tensor_parallel=True)``). Both
 tables are simulated for a one-stage 1F1B plan (predicted), and the runtime trains the same plan at tp=1 on one
 rank and at tp=2 on two (measured: median step time, first step dropped, runs alternated). Printed: predicted
 and measured step times, their errors, and the tp=2 / tp=1 ratios. Each tp rank is given a core of its own in
@@ -59,15 +60,18 @@ def main() -> int:
     costs = annotate_costs(one.graph, model, device="cpu", threads=1, repeats=args.repeats, clock="wall")
     # the size of one all-reduce: a pair's output (a hidden state), the largest the model moves
     size = max(f.forward_bytes // f.pairs for f in facts.values())
-    links = measure_links(send_bytes=size, collective_bytes=size, ranks=2, repeats=args.link_repeats)
+    links = measure_links(send_bytes=size, collective_bytes=size, ranks=2, repeats=args.link_repeats,
+                          tensor_parallel=True)
+    latency = links.tensor_parallel_latency_s
+    assert latency is not None  # measured: tensor_parallel=True
     tables = {1: costs, 2: tensor_parallel_table(costs, 2, sharded=facts, bandwidth=links.collective_bytes_per_s,
-                                                 latency_s=links.collective_latency_s)}
+                                                 latency_s=latency)}
     low, high = links.collective_spread
     print(f"gloo collectives: {links.collective_bytes_per_s / 1e9:.2f} GB/s (repeats {low / 1e9:.2f}-"
           f"{high / 1e9:.2f}), "
-          f"{links.collective_latency_s * 1e6:.0f} us "
-          f"per call (FSDP2's, hooks included), at {size:,} bytes; {len(facts)} of {len(costs.blocks)} blocks "
-          "sharded", flush=True)
+          f"{latency * 1e6:.0f} us per tensor-parallel all-reduce call (DTensor's hooks included; FSDP2's "
+          f"{links.collective_latency_s * 1e6:.0f} us), at {size:,} bytes; {len(facts)} of {len(costs.blocks)} "
+          "blocks sharded", flush=True)
     plans = {tp: plan_with_costs(t, num_stages=1, num_microbatches=args.microbatches, planner="parameters")
              for tp, t in tables.items()}
     steps: dict[int, list[float]] = {1: [], 2: []}

@@ -24,6 +24,15 @@ def test_measure_links_on_two_ranks():
         assert f"(range {low / 1e9:.2f}-{high / 1e9:.2f})" in speed.summary()
     # FSDP2's fixed cost per collective on local gloo: tens of microseconds to tens of milliseconds
     assert 1e-5 < speed.collective_latency_s < 0.05, speed
+    assert speed.tensor_parallel_latency_s is None  # measured only when asked for
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_call_latency_on_two_ranks():
+    speed = measure_links(send_bytes=1 << 12, collective_bytes=1 << 12, repeats=3, tensor_parallel=True)
+    latency = speed.tensor_parallel_latency_s
+    assert latency is not None and 1e-5 < latency < 0.05, speed  # a DTensor all-reduce and its hooks, per call
+    assert f"tensor-parallel all-reduces {latency * 1e3:.2f} ms per call" in speed.summary()
 
 
 def test_link_summary_is_one_line_with_each_median_and_its_range():

@@ -119,7 +119,14 @@ def test_pass_gives_each_sharded_block_the_facts_its_costs_need(one_stage, vlm):
     model, _ = vlm
     _, report = find_pairs(one_stage.stages[0], one_stage.graph, 2)
     blocks = report.blocks()
-    assert set(blocks) == {p.block for p in report.sharded} and "lm_head" not in blocks
+    assert set(blocks) == {p.block for p in report.sharded} | {v.block for v in report.vocab if v.sharded}
+    head, embed = blocks["lm_head"], blocks["llm.embed_tokens"]  # the vocabulary-parallel parts' collectives
+    part = {v.kind: v for v in report.vocab}
+    assert (head.pairs, head.backward_reduces, head.flops, head.params) == (3, 1, part["head"].flops,
+                                                                           part["head"].params)
+    assert (head.forward_bytes, head.backward_bytes) == (part["head"].forward_bytes, part["head"].backward_bytes)
+    assert (embed.pairs, embed.backward_reduces, embed.flops, embed.forward_bytes) == (
+        1, 0, 0.0, part["embedding"].forward_bytes)
     layer = model.llm.layers[0]
     linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     f = blocks["llm.layers.0"]

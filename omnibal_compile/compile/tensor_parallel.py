@@ -203,8 +203,9 @@ class TensorParallelReport:
         return any(v.sharded and v.kind == LOSS_PARALLEL for v in self.vocab)
 
     def blocks(self) -> dict[str, TensorParallelBlock]:
-        """Per block with a sharded pair, what the costs need (:func:`omnibal_compile.costs.tensor_parallel.
-        tensor_parallel_table`): the sums over its sharded pairs, per micro-batch of the traced shape. A row of a
+        """Per block with a sharded pair or vocabulary part, what the costs need (:func:`omnibal_compile.costs.
+        tensor_parallel.tensor_parallel_table`): the sums over its sharded pairs and parts, per micro-batch of the
+        traced shape (logits gathered for other readers are not counted). A row of a
         sequence-parallel region reduce-scatters instead of all-reducing, a column layer reading it all-gathered
         has no all-reduce of its own; the region's collectives are counted in its blocks instead."""
         regions = [r for r in self.sequence if r.sharded]
@@ -220,6 +221,16 @@ class TensorParallelReport:
             f["backward_bytes"] += p.backward_bytes - sum(gathered[c] for c in p.column if c in gathered)
             f["params"] += p.params
             f["flops"] += p.flops
+        for v in self.vocab:  # the vocabulary-parallel head (its loss: 3 all-reduces) and embedding (1)
+            if not v.sharded:
+                continue
+            f = facts.setdefault(v.block, dict.fromkeys(_FACT_FIELDS, 0))
+            f["pairs"] += 3 if v.kind == LOSS_PARALLEL else 1
+            f["forward_bytes"] += v.forward_bytes
+            f["backward_reduces"] += v.backward_bytes > 0
+            f["backward_bytes"] += v.backward_bytes
+            f["params"] += v.params
+            f["flops"] += v.flops
         for r in regions:
             for field, items in (("sequence_forward", r.forward), ("sequence_backward", r.backward)):
                 for block, nbytes in items:

@@ -12,8 +12,8 @@ Glossary:
                     taken to scale with FLOPs, which holds for matmul-bound blocks and overstates the gain
                     of memory-bound ones.
     static share    ``facts.params / block.num_params``: weights, gradients and optimizer states of the
-                    sharded layers are divided by tp, every other parameter (norms, embeddings, the head,
-                    refused pairs) stays whole on each rank. ``num_params`` and ``frozen_params`` stay
+                    sharded layers (and the vocabulary-parallel head and embedding) are divided by tp, every
+                    other parameter (norms, tied embeddings and heads, refused pairs) stays whole on each rank. ``num_params`` and ``frozen_params`` stay
                     the block's whole counts, as the model and the plan count them (the runtime checks a
                     plan's against the model); the data-parallel rules read a block's trained parameters
                     from ``static_bytes``, so they see one rank's shard of a trained block, while a frozen

@@ -78,7 +78,8 @@ class TensorParallelBlock:
 
     pairs: int
     """Forward all-reduces: one per sharded column/row pair of the block (not a pair whose row output a
-    sequence-parallel region reduce-scatters)."""
+    sequence-parallel region reduce-scatters), one for a vocabulary-parallel embedding, three for a vocabulary-
+    parallel head's loss."""
     backward_reduces: int
     """All-reduces of the backward: one per column-wise layer (DTensor's ``ColwiseParallel`` reduces each layer's
     input gradient on its own: 3 for attention's q, k and v, where Megatron fuses them into one), none for a layer

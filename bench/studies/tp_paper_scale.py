@@ -85,9 +85,15 @@ def _why(model: VLMSpec, kind: str, tp: int, facts: TensorParallelBlock | None, 
     """The reasons the planner's figures differ from the analytic rule's for one block type."""
     if facts is None:
         what = {"vision.embed": "the patch embedding is a convolution, no pair",
-                "llm.embed": "vocabulary-parallel embedding not in the pass's cost facts",
-                "llm.head": "vocabulary-parallel head not in the pass's cost facts"}.get(kind, "no pair")
+                "llm.embed": f"the vocabulary does not split over tp={tp}",
+                "llm.head": f"the vocabulary does not split over tp={tp}"}.get(kind, "no pair")
         return f"{what}: whole on every rank, where the analytic rule divides it by {tp}"
+    if kind in ("llm.embed", "llm.head"):
+        what = ("the embedding's output all-reduced" if kind == "llm.embed" else
+                "the loss's 3 floats per token all-reduced (max, sum of exponentials, target logit) and the "
+                "head's input gradient")
+        return (f"vocabulary-parallel in both: its weight / tp; collective {comm_ratio:.2f}x: {what}, against the "
+                "analytic rule's sequence-parallel all-gathers and reduce-scatters")
     out = []
     share = min(1.0, facts.flops / base_flops)
     refused = tensor_parallel_replicated(model, tp).get(kind, "")

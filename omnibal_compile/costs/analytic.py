@@ -597,6 +597,14 @@ def tensor_parallel_blocks(model: VLMSpec, *, tiles: float, tokens: float, atten
             params=sum(i * o for p in sharded for i, o in (*p.columns, p.row)),  # weights; biases stay whole
             flops=flops, forward_bytes=round(sum(2.0 * t * p.row[1] for p in sharded)),
             backward_bytes=round(sum(2.0 * t * i for p in sharded for i, _ in p.columns)))
+    m = model.llm
+    if m.vocab % tp == 0:  # the vocabulary-parallel parts (untied here), as the pass shards them
+        facts["llm.embed"] = TensorParallelBlock(  # a lookup in its rows; the output all-reduced
+            pairs=1, backward_reduces=0, params=m.vocab * m.width, flops=0.0,
+            forward_bytes=round(2.0 * tokens * m.width), backward_bytes=0)
+        facts["llm.head"] = TensorParallelBlock(  # the loss on the logits' shards: 3 fp32 all-reduces per token
+            pairs=3, backward_reduces=1, params=m.vocab * m.width, flops=2.0 * tokens * m.width * m.vocab,
+            forward_bytes=round(3 * 4.0 * tokens), backward_bytes=round(2.0 * tokens * m.width))
     return {name: facts[kind] for name, kind in zip(model.block_names(), model.block_types()) if kind in facts}
 
 

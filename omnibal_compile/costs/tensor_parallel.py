@@ -13,12 +13,12 @@ Glossary:
                     of memory-bound ones.
     static share    ``facts.params / block.num_params``: weights, gradients and optimizer states of the
                     sharded layers (and the vocabulary-parallel head and embedding) are divided by tp, every
-                    other parameter (norms, tied embeddings and heads, refused pairs) stays whole on each rank. ``num_params`` and ``frozen_params`` stay
-                    the block's whole counts, as the model and the plan count them (the runtime checks a
-                    plan's against the model); the data-parallel rules read a block's trained parameters
-                    from ``static_bytes``, so they see one rank's shard of a trained block, while a frozen
-                    sharded block's FSDP weights are counted whole (overstated; tp with dp > 1 does not
-                    run yet).
+                    other parameter (norms, tied embeddings and heads, refused pairs) stays whole on each
+                    rank. ``num_params`` and ``frozen_params`` stay the block's whole counts, as the model
+                    and the plan count them (the runtime checks a plan's against the model); the
+                    data-parallel rules read a block's trained parameters from ``static_bytes``, so they see
+                    one rank's shard of a trained block, while a frozen sharded block's FSDP weights are
+                    counted whole (overstated).
     all-reduce      ``2 ring_collective_s(bytes, tp, bandwidth)`` (a reduce-scatter then an all-gather):
                     one per pair in the forward (the row-wise output), one per column-wise layer in the
                     backward (its input gradient), plus ``latency_s`` per call. Not overlapped with

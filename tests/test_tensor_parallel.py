@@ -115,6 +115,29 @@ def test_gemma3_per_head_norms_shard_with_their_heads_and_their_weights_gradient
     assert any("not divisible by tp=4" in p.reason for p in report4.pairs)
 
 
+# family -> (pairs sharded, pairs refused) at tp=2
+FAMILY_PAIRS = {"qwen2_vl": (9, 2), "paligemma": (11, 0), "gemma3": (11, 0), "internvl": (11, 0),
+                "mistral3": (7, 11), "idefics3": (6, 10)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILY_PAIRS))
+def test_the_pass_on_each_captured_family_shards_its_llm_and_says_why_the_rest_stays_whole(family):
+    """The tiny HF families (tests/hf_families.py): Llama/Qwen2/Gemma/Mistral LLMs and CLIP/SigLIP/InternViT towers
+    shard; fused q/k/v (Qwen2-VL's tower) and the towers the block finder merges into glue blocks (Pixtral, Idefics3)
+    stay replicated with a reason."""
+    import hf_families
+
+    model, batch = hf_families.build(family)
+    result = oc.optimize(model, batch, num_stages=1)
+    _, report = find_pairs(result.stages[0], result.graph, 2)
+    sharded, refused = [p for p in report.pairs if p.sharded], [p for p in report.pairs if not p.sharded]
+    assert (len(sharded), len(refused)) == FAMILY_PAIRS[family], [(p.row, p.reason) for p in refused]
+    llm = [p for p in sharded if ".language_model.layers." in p.block or ".text_model.layers." in p.block]
+    assert len(llm) == 2 * hf_families.LAYERS, family  # attention and MLP of every LLM layer
+    assert all(p.reason.strip() for p in refused)
+
+
 def test_pass_gives_each_sharded_block_the_facts_its_costs_need(one_stage, vlm):
     model, _ = vlm
     _, report = find_pairs(one_stage.stages[0], one_stage.graph, 2)

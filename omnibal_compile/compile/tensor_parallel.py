@@ -511,9 +511,11 @@ def _graded(stage: fx.GraphModule) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for n in stage.graph.nodes:
         if n.op == "get_attr":
-            t = _attr_of(stage, str(n.target))
-            if isinstance(t, nn.Parameter) and t.requires_grad:
-                out.add(n)
+            try:
+                if stage.get_parameter(str(n.target)).requires_grad:
+                    out.add(n)
+            except AttributeError:  # a buffer or constant: no gradient
+                pass
         elif n.op == "placeholder":
             val = n.meta.get("val")
             if isinstance(val, torch.Tensor) and val.is_floating_point():
@@ -521,12 +523,6 @@ def _graded(stage: fx.GraphModule) -> set[fx.Node]:
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
-
-
-def _attr_of(module: nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part, None)  # type: ignore[assignment]
-    return module
 
 
 def _whole_reads(inside: Sequence[fx.Node], sd: dict[fx.Node, int], graded: set[fx.Node]
